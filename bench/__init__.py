@@ -1,0 +1,1 @@
+"""Benchmarks: `pagedserve bench` (built in the benchmark issue)."""

@@ -1,0 +1,1 @@
+"""Decode worker: `pagedserve.v1.DecodeWorker` (built in the decode-worker issue)."""

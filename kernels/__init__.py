@@ -1,0 +1,1 @@
+"""Attention and cache kernels: the torch reference (`reference.py`) and device dispatch."""

@@ -1,0 +1,1 @@
+"""Prefill worker: `pagedserve.v1.PrefillWorker` (built in the prefill-worker issue)."""
