@@ -1,0 +1,48 @@
+from pagedserve.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "first_token", "first_logprobs", "sampling", "priority", "cache_salt", "kv_handle")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token: int
+    first_logprobs: _common_pb2.Logprobs
+    sampling: _common_pb2.SamplingParams
+    priority: int
+    cache_salt: str
+    kv_handle: _common_pb2.KvHandle
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ...) -> None: ...
+
+class DecodeResponse(_message.Message):
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_generated", "finish_reason", "matched_stop_token_id", "num_preemptions", "recomputed_prompt")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    NUM_GENERATED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    MATCHED_STOP_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTED_PROMPT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
+    num_generated: int
+    finish_reason: _common_pb2.FinishReason
+    matched_stop_token_id: int
+    num_preemptions: int
+    recomputed_prompt: bool
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., num_generated: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., recomputed_prompt: _Optional[bool] = ...) -> None: ...
