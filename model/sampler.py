@@ -1,0 +1,257 @@
+"""`Sampler`: turns the last-position logits of a batch into one token (and logprobs) per row.
+
+Per row, in the order vLLM and Hugging Face use:
+
+    raw logits ─► logprobs (log_softmax of the RAW logits: vLLM's default "raw_logprobs")
+        │
+        ├─► min_tokens (eos / stop ids → -inf) ─► repetition ─► frequency + presence penalties
+        │
+        ├─ greedy row:  argmax (lowest index on ties)
+        └─ other rows:  / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► multinomial
+
+Filters follow `transformers`' warpers exactly (`TopKLogitsWarper` keeps ties with the k-th
+value, `TopPLogitsWarper`, `MinPLogitsWarper`) and always keep at least one token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.sampling_params import SamplingParams
+
+_NEG_INF = float("-inf")
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """What the sampler needs to know about one row of the batch. Read, never mutated.
+
+    `generator` belongs to the sequence for its whole life (see `make_generator`); the sampler
+    advances it by one draw per sampled (non-greedy) step.
+    """
+
+    params: SamplingParams
+    prompt_token_ids: Sequence[int]
+    output_token_ids: Sequence[int]
+    generator: torch.Generator | None
+    eos_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one chosen token, from the raw model logits (before penalties/temperature).
+
+    `rank` is 1 for the most likely token (ties count against the token, as in vLLM); `top` holds
+    the `params.logprobs` most likely `(token_id, logprob)` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class SamplerOutput:
+    """One entry per row, in row order; `logprobs[i]` is None when row i asked for none."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+
+
+def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """A generator for one sequence's whole life, or None (global RNG) when `seed` is None.
+
+    Owning it per sequence makes a seeded request produce the same tokens whatever else shares
+    its batches. Create it on the device the logits live on.
+    """
+    if seed is None:
+        return None
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+class Sampler:
+    """Stateless; one instance per model runner. Never mutates `logits` or `rows`."""
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
+        """Choose one token per row of `logits` ([B, V], any float dtype) for `rows` (len B)."""
+        _check_batch(logits, rows)
+        raw = logits.float()
+        if all(_is_plain_greedy(row) for row in rows):
+            token_ids = raw.argmax(dim=-1)
+        else:
+            token_ids = _choose(self.processed_logits(raw, rows), rows)
+        return SamplerOutput(token_ids.tolist(), _logprobs(raw, token_ids, rows))
+
+    def processed_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+        """The float32 logits each row's token is chosen from, as a new [B, V] tensor.
+
+        Greedy rows: after min_tokens and penalties (argmax of this is the token). Other rows:
+        also after temperature, top-k, top-p and min-p; filtered tokens are -inf.
+        """
+        _check_batch(logits, rows)
+        out = logits.to(torch.float32, copy=True)
+        for i, row in enumerate(rows):
+            if _has_penalties(row):
+                _apply_penalties(out[i], row)
+        sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+        if sampled:
+            index = torch.tensor(sampled, device=out.device)
+            out[index] = _warp(out[index], [rows[i].params for i in sampled])
+        return out
+
+
+def _check_batch(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+    if logits.dim() != 2 or not logits.is_floating_point():
+        raise ValueError(
+            f"logits: expected a float [B, V] tensor, got {logits.dtype} {logits.shape}"
+        )
+    if logits.shape[0] != len(rows):
+        raise ValueError(f"rows: {len(rows)} rows for {logits.shape[0]} rows of logits")
+
+
+def _min_tokens_banned(row: SamplingRow) -> list[int]:
+    """Token ids that may not be sampled yet because `min_tokens` is not reached."""
+    params = row.params
+    if len(row.output_token_ids) >= params.min_tokens:
+        return []
+    eos = () if params.ignore_eos else row.eos_token_ids
+    return [*eos, *params.stop_token_ids]
+
+
+def _has_penalties(row: SamplingRow) -> bool:
+    p = row.params
+    return (
+        p.repetition_penalty != 1.0
+        or p.frequency_penalty != 0.0
+        or p.presence_penalty != 0.0
+        or bool(_min_tokens_banned(row))
+    )
+
+
+def _is_plain_greedy(row: SamplingRow) -> bool:
+    return row.params.greedy and not _has_penalties(row)
+
+
+def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
+    """Apply min_tokens, repetition, frequency and presence penalties in place to one [V] row."""
+    p = row.params
+    vocab_size = logits.shape[0]
+    banned = _min_tokens_banned(row)
+    if banned:
+        logits[_ids(banned, vocab_size, logits.device)] = _NEG_INF
+    if p.repetition_penalty != 1.0:
+        seen = _ids([*row.prompt_token_ids, *row.output_token_ids], vocab_size, logits.device)
+        # NOTE: HF/CTRL semantics: dividing a negative logit would *raise* it, so multiply.
+        values = logits[seen]
+        penalty = p.repetition_penalty
+        logits[seen] = torch.where(values < 0, values * penalty, values / penalty)
+    if p.frequency_penalty != 0.0 or p.presence_penalty != 0.0:
+        output = _ids(row.output_token_ids, vocab_size, logits.device)
+        counts = torch.bincount(output, minlength=vocab_size).to(torch.float32)
+        logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _ids(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:
+    """Token ids as a long tensor, dropping ids the logits have no column for (as HF does)."""
+    # NOTE: filtered on the host so that a GPU run does not sync on a boolean mask.
+    ids = torch.tensor(token_ids, dtype=torch.long)
+    return ids[(ids >= 0) & (ids < vocab_size)].to(device, non_blocking=True)
+
+
+def _warp(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """Temperature, then top-k, top-p and min-p, on a [N, V] block of non-greedy rows."""
+    temperature = torch.tensor([p.temperature for p in params], device=logits.device)
+    logits = logits / temperature.unsqueeze(1)
+    if any(0 < p.top_k < logits.shape[1] for p in params):
+        logits = apply_top_k(logits, [p.top_k for p in params])
+    if any(p.top_p < 1.0 for p in params):
+        logits = apply_top_p(logits, [p.top_p for p in params])
+    if any(p.min_p > 0.0 for p in params):
+        logits = apply_min_p(logits, [p.min_p for p in params])
+    return logits
+
+
+def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
+    """Keep, per row, the tokens at least as likely as the k-th most likely; -inf the rest.
+
+    `top_k[i]` <= 0 or >= V leaves row i untouched. Returns a new tensor.
+    """
+    vocab_size = logits.shape[1]
+    active = [0 < k < vocab_size for k in top_k]
+    max_k = max((k for k, on in zip(top_k, active, strict=True) if on), default=1)
+    ks = torch.tensor([k if on else 1 for k, on in zip(top_k, active, strict=True)])
+    kth = torch.topk(logits, max_k, dim=-1).values.gather(1, (ks - 1).to(logits.device)[:, None])
+    on = torch.tensor(active, device=logits.device)[:, None]
+    return logits.masked_fill(on & (logits < kth), _NEG_INF)
+
+
+def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
+    """Keep, per row, the most likely tokens until their probability reaches `top_p[i]`.
+
+    As `TopPLogitsWarper`: drop tokens whose ascending cumulative probability is <= 1 - top_p,
+    never the most likely one. `top_p[i]` >= 1 leaves row i untouched. Returns a new tensor.
+    """
+    p = torch.tensor(top_p, dtype=torch.float32, device=logits.device)[:, None]
+    sorted_logits, order = torch.sort(logits, descending=False)
+    cumulative = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+    drop_sorted = (cumulative <= 1 - p) & (p < 1)
+    drop_sorted[:, -1] = False
+    drop = drop_sorted.scatter(1, order, drop_sorted)
+    return logits.masked_fill(drop, _NEG_INF)
+
+
+def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+    """Drop, per row, tokens less likely than `min_p[i]` x the most likely token's probability.
+
+    The most likely token always stays (`min_p` <= 1). Returns a new tensor.
+    """
+    m = torch.tensor(min_p, dtype=torch.float32, device=logits.device)[:, None]
+    probs = logits.softmax(dim=-1)
+    drop = probs < m * probs.amax(dim=-1, keepdim=True)
+    return logits.masked_fill(drop, _NEG_INF)
+
+
+def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+    """Greedy rows take the argmax, others draw from softmax with their own generator."""
+    token_ids = logits.argmax(dim=-1)
+    sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if not sampled:
+        return token_ids
+    probs = logits.softmax(dim=-1)
+    unseeded = [i for i in sampled if rows[i].generator is None]
+    if unseeded:
+        index = torch.tensor(unseeded, device=logits.device)
+        token_ids[index] = torch.multinomial(probs[index], 1).squeeze(1)
+    for i in sampled:
+        generator = rows[i].generator
+        if generator is not None:
+            token_ids[i : i + 1] = torch.multinomial(probs[i], 1, generator=generator)
+    return token_ids
+
+
+def _logprobs(
+    raw: torch.Tensor, token_ids: torch.Tensor, rows: Sequence[SamplingRow]
+) -> list[TokenLogprobs | None]:
+    """Raw logprobs of the chosen tokens for the rows that asked; one device sync in all."""
+    wanted = [i for i, row in enumerate(rows) if row.params.logprobs is not None]
+    result: list[TokenLogprobs | None] = [None] * len(rows)
+    if not wanted:
+        return result
+    index = torch.tensor(wanted, device=raw.device)
+    logprobs = torch.log_softmax(raw[index], dim=-1)
+    chosen = token_ids[index][:, None]
+    chosen_logprob = logprobs.gather(1, chosen)
+    rank = (logprobs >= chosen_logprob).sum(dim=-1)
+    num_top = min(max(rows[i].params.logprobs or 0 for i in wanted), raw.shape[1])
+    top = torch.topk(logprobs, num_top, dim=-1)
+    lists = (chosen.squeeze(1), chosen_logprob.squeeze(1), rank, top.indices, top.values)
+    ids, lps, ranks, top_ids, top_lps = (t.tolist() for t in lists)
+    for j, i in enumerate(wanted):
+        k = rows[i].params.logprobs or 0
+        pairs = list(zip(top_ids[j][:k], top_lps[j][:k], strict=True))
+        result[i] = TokenLogprobs(ids[j], lps[j], ranks[j], pairs)
+    return result

@@ -1,0 +1,160 @@
+"""`SamplingParams`: how one request chooses its tokens, with vLLM's defaults and meanings.
+
+Torch-free: the router builds and validates these before a request reaches any worker, and the
+workers' `Sampler` (`pagedserve.model.sampler`) applies them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import NoReturn
+
+from pagedserve.errors import InvalidArgument
+
+MAX_LOGPROBS = 20
+"""Most top logprobs a request may ask for per token (OpenAI's API caps `top_logprobs` at 20)."""
+
+MAX_STOP_STRINGS = 16
+"""Most stop strings per request: each is searched in the text after every token."""
+
+MAX_STOP_STRING_LEN = 256
+"""Longest stop string in characters: the router holds back this much text before streaming it."""
+
+MAX_SEED = 2**63
+"""Seeds live in `[0, MAX_SEED)`, so they fit a signed int64 in every language and in protobuf."""
+
+GREEDY_TEMPERATURE = 1e-5
+"""A temperature below this is greedy, as in vLLM (`_SAMPLING_EPS`): dividing by it is noise."""
+
+MAX_ABS_PENALTY = 2.0
+"""Presence and frequency penalties live in `[-MAX_ABS_PENALTY, MAX_ABS_PENALTY]` (OpenAI, vLLM)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """Per-request sampling settings. Build freely; call `validate()` before using them.
+
+    Defaults and meanings follow vLLM:
+    - `temperature`: logits are divided by it; 0 (below `GREEDY_TEMPERATURE`) means greedy.
+    - `top_p`: keep the smallest set of most likely tokens whose probability reaches `top_p`.
+    - `top_k`: keep the `top_k` most likely tokens; 0 or -1 turns it off; 1 is greedy.
+    - `min_p`: drop tokens less likely than `min_p` times the most likely token's probability.
+    - `seed`: a seeded request draws from its own generator, so its tokens do not depend on what
+      else is in the batch; `None` uses the worker's global RNG.
+    - `max_tokens` / `min_tokens`: bounds on the number of generated tokens; until `min_tokens`
+      are generated, eos (unless `ignore_eos`) and `stop_token_ids` cannot be sampled.
+    - `stop`: strings that end generation (matched on detokenized text, by the router).
+    - `stop_token_ids`: token ids that end generation (matched by the workers).
+    - `ignore_eos`: keep generating after eos.
+    - `repetition_penalty`: HF/CTRL semantics over prompt and output tokens; 1 is off.
+    - `presence_penalty` / `frequency_penalty`: OpenAI semantics over output tokens; 0 is off.
+    - `logprobs`: number of top logprobs returned per token; 0 returns only the sampled token's
+      logprob; `None` returns none.
+    - `skip_special_tokens`: leave special tokens out of the detokenized text.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None
+    skip_special_tokens: bool = True
+
+    @property
+    def greedy(self) -> bool:
+        """True when the most likely token (after penalties) is always taken."""
+        return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
+
+    def validate(
+        self,
+        *,
+        vocab_size: int | None = None,
+        max_model_len: int | None = None,
+        prompt_len: int | None = None,
+    ) -> None:
+        """Raise `InvalidArgument` naming the first bad field (its bare name, e.g. `"top_p"`).
+
+        `vocab_size` enables the range check of `stop_token_ids`; `max_model_len` together with
+        `prompt_len` checks that the prompt plus `max_tokens` fits the model (blamed on
+        `max_tokens`: a caller that wants to blame an over-long prompt checks it first).
+        Changes nothing.
+        """
+        self._validate_distribution()
+        self._validate_lengths(max_model_len, prompt_len)
+        self._validate_penalties()
+        self._validate_stops(vocab_size)
+        self._validate_outputs()
+
+    def _validate_distribution(self) -> None:
+        if not (math.isfinite(self.temperature) and self.temperature >= 0):
+            _fail("temperature", f"must be a finite number >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            _fail("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.top_k < -1:
+            _fail("top_k", f"must be -1 or 0 (off) or a positive count, got {self.top_k}")
+        if not 0 <= self.min_p <= 1:
+            _fail("min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.seed is not None and not 0 <= self.seed < MAX_SEED:
+            _fail("seed", f"must be in [0, 2**63), got {self.seed}")
+
+    def _validate_lengths(self, max_model_len: int | None, prompt_len: int | None) -> None:
+        if self.max_tokens < 1:
+            _fail("max_tokens", f"must be >= 1, got {self.max_tokens}")
+        if not 0 <= self.min_tokens <= self.max_tokens:
+            _fail(
+                "min_tokens",
+                f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}",
+            )
+        if (
+            max_model_len is not None
+            and prompt_len is not None
+            and prompt_len + self.max_tokens > max_model_len
+        ):
+            _fail(
+                "max_tokens",
+                f"prompt ({prompt_len} tokens) + max_tokens ({self.max_tokens}) exceeds "
+                f"the model's context length of {max_model_len} tokens",
+            )
+
+    def _validate_penalties(self) -> None:
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            _fail(
+                "repetition_penalty", f"must be a finite number > 0, got {self.repetition_penalty}"
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
+                _fail(name, f"must be in [-{MAX_ABS_PENALTY}, {MAX_ABS_PENALTY}], got {value}")
+
+    def _validate_stops(self, vocab_size: int | None) -> None:
+        if isinstance(self.stop, str):
+            _fail("stop", "must be a sequence of strings, not one string")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            _fail("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}")
+        for i, s in enumerate(self.stop):
+            if not isinstance(s, str) or not s:
+                _fail("stop", f"stop[{i}] must be a non-empty string, got {s!r}")
+            if len(s) > MAX_STOP_STRING_LEN:
+                _fail("stop", f"stop[{i}] is {len(s)} characters, at most {MAX_STOP_STRING_LEN}")
+        upper = vocab_size if vocab_size is not None else math.inf
+        for i, t in enumerate(self.stop_token_ids):
+            if not 0 <= t < upper:
+                _fail("stop_token_ids", f"stop_token_ids[{i}]={t} is outside [0, {upper})")
+
+    def _validate_outputs(self) -> None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            _fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+
+
+def _fail(field: str, description: str) -> NoReturn:
+    raise InvalidArgument(field, description)
