@@ -1,0 +1,153 @@
+"""What pagedserve needs to know about a checkpoint, read from a local Hugging Face directory."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+# NOTE: rope types whose frequencies depend on the current sequence length (dynamic, longrope)
+# would need a per-step recomputation; they are refused rather than silently approximated.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """A Llama-family decoder, normalised across Llama, Mistral and Qwen2 configs."""
+
+    model_dir: Path
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    hidden_act: str
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
+    rope_type: str
+    dtype: torch.dtype
+    bos_token_id: int | None
+    eos_token_ids: tuple[int, ...]
+    raw: dict[str, Any]  # config.json as written, for the fingerprint and the rope functions
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """`"bfloat16"` -> torch.bfloat16; ValueError naming `dtype` otherwise."""
+    try:
+        return DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"dtype: {name!r} is not one of {sorted(DTYPES)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
+    """Read `model_dir/config.json`; `dtype` (e.g. "bfloat16") overrides the checkpoint's.
+
+    Raises FileNotFoundError for a missing directory or config.json and ValueError for an
+    architecture, rope type or dtype pagedserve does not run.
+    """
+    model_dir = Path(model_dir)
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"model: no config.json in {model_dir} (expected a local HF dir)")
+    raw = json.loads(path.read_text())
+    arch = (raw.get("architectures") or ["?"])[0]
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"model: architecture {arch!r} is not supported {SUPPORTED_ARCHITECTURES}")
+    hf = _hf_config(model_dir)
+    rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"model: rope_type {rope_type!r} is not supported {SUPPORTED_ROPE_TYPES}")
+    num_heads = hf.num_attention_heads
+    num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
+    if num_heads % num_kv_heads:
+        raise ValueError(f"model: {num_heads} heads not divisible by {num_kv_heads} kv heads")
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
+    qkv_bias, o_bias, mlp_bias = _biases(arch, hf)
+    checkpoint_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    eos = hf.eos_token_id
+    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    return ModelConfig(
+        model_dir=model_dir,
+        architecture=arch,
+        vocab_size=hf.vocab_size,
+        hidden_size=hf.hidden_size,
+        intermediate_size=hf.intermediate_size,
+        num_layers=hf.num_hidden_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf.rms_norm_eps,
+        hidden_act=hf.hidden_act,
+        max_position_embeddings=hf.max_position_embeddings,
+        tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+        qkv_bias=qkv_bias,
+        o_bias=o_bias,
+        mlp_bias=mlp_bias,
+        sliding_windows=_sliding_windows(arch, hf),
+        rope_type=rope_type,
+        dtype=dtype_from_name(dtype or checkpoint_dtype),
+        bos_token_id=hf.bos_token_id,
+        eos_token_ids=eos_ids,
+        raw=raw,
+    )
+
+
+def _hf_config(model_dir: Path) -> Any:
+    # NOTE: transformers normalises rope parameters across its versions (rope_scaling vs
+    # rope_parameters); reading the config through it keeps us in step with the oracle.
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+
+def _biases(arch: str, hf: Any) -> tuple[bool, bool, bool]:
+    if arch == "Qwen2ForCausalLM":
+        return True, False, False
+    if arch == "MistralForCausalLM":
+        return False, False, False
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    return attention_bias, attention_bias, bool(getattr(hf, "mlp_bias", False))
+
+
+def _sliding_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
+    window = getattr(hf, "sliding_window", None)
+    if arch == "MistralForCausalLM":
+        return (window,) * hf.num_hidden_layers
+    if arch == "Qwen2ForCausalLM":
+        layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
+        return tuple(window if t == "sliding_attention" else None for t in layer_types)
+    return (None,) * hf.num_hidden_layers
+
+
+def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
+    """(inv_freq [head_dim // 2] float32, attention_scaling) for the checkpoint's rope type.
+
+    Uses transformers' own rope initialisers, so scaled ropes (linear, llama3, yarn) agree with
+    the oracle bit for bit.
+    """
+    hf = _hf_config(config.model_dir)
+    if config.rope_type == "default":
+        base = hf.rope_parameters["rope_theta"]
+        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
+        return 1.0 / (base**exponents), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, "cpu")
+    return inv_freq.float(), float(scaling)

@@ -1,0 +1,135 @@
+"""`ModelRunner`: turns a plan (which sequences compute how many tokens) into tensors and back.
+
+The runner never decides anything: schedulers hand it `ScheduledSequence`s whose blocks are
+already allocated, and it returns what the model produced. It mutates nothing but the KV cache
+(the slots of this step's tokens and any copy-on-write destination blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+import torch
+
+from pagedserve.kernels import dispatch
+from pagedserve.kernels.dispatch import AttentionMetadata
+from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.sampler import Sampler, TokenLogprobs
+from pagedserve.model.sequence import Sequence
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """`num_new_tokens` of `seq`, starting at `seq.num_computed_tokens`, run this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the last known token, so the next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Per scheduled sequence (same order): the sampled token, or None for a partial chunk."""
+
+    sampled: list[SampledToken | None]
+    logits: torch.Tensor | None = None  # [num_sampled, vocab] float32, when asked for
+
+
+class ModelRunner:
+    """Owns the model weights and the device KV cache of one worker."""
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        model: LlamaForCausalLM,
+        num_blocks: int,
+        block_size: int,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        self.config = config
+        self.model = model
+        self.device = torch.device(device)
+        self.spec = KVCacheSpec(
+            num_layers=config.num_layers,
+            num_kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            block_size=block_size,
+            dtype=config.dtype,
+        )
+        self.kv_cache = KVCache(self.spec, num_blocks, self.device)
+        self.sampler = Sampler()
+
+    def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
+        """Apply copy-on-write pairs from the block manager before the step that needs them."""
+        dispatch.copy_blocks(self.kv_cache.tensor, list(pairs))
+
+    def execute(
+        self, batch: Seq[ScheduledSequence], *, return_logits: bool = False
+    ) -> RunnerOutput:
+        """Run one forward over `batch` and sample for every sequence whose chunk completes.
+
+        Sequences are not updated here: the caller advances `num_computed_tokens` and appends
+        the sampled tokens (so a failed step leaves every sequence as it was).
+        """
+        if not batch:
+            return RunnerOutput(sampled=[])
+        input_ids, positions, meta = self._prepare(batch)
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        last_rows = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
+        sample_idx = [i for i, item in enumerate(batch) if item.completes]
+        sampled: list[SampledToken | None] = [None] * len(batch)
+        logits = None
+        if sample_idx:
+            logits = self.model.compute_logits(hidden[last_rows[sample_idx]]).float()
+            rows = [batch[i].seq.sampling_row(self.config.eos_token_ids) for i in sample_idx]
+            out = self.sampler(logits, rows)
+            for j, i in enumerate(sample_idx):
+                sampled[i] = SampledToken(out.token_ids[j], out.logprobs[j])
+        return RunnerOutput(sampled=sampled, logits=logits if return_logits else None)
+
+    def _prepare(
+        self, batch: Seq[ScheduledSequence]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        tokens: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        query_lens: list[int] = []
+        seq_lens: list[int] = []
+        for item in batch:
+            seq, start = item.seq, item.seq.num_computed_tokens
+            end = start + item.num_new_tokens
+            if item.num_new_tokens < 1 or end > seq.num_tokens:
+                raise RuntimeError(f"{seq.request_id}: bad chunk {start}:{end} of {seq.num_tokens}")
+            tokens.extend(seq.token_ids[start:end])
+            positions.extend(range(start, end))
+            slots.extend(seq.block_table.slot_mapping(start, end))
+            query_lens.append(item.num_new_tokens)
+            seq_lens.append(end)
+        max_blocks = max(len(item.seq.block_table.block_ids) for item in batch)
+        tables = [
+            item.seq.block_table.block_ids
+            + [0] * (max_blocks - len(item.seq.block_table.block_ids))
+            for item in batch
+        ]
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
+            block_tables=torch.tensor(tables, dtype=torch.int64, device=self.device),
+            query_lens=query_lens,
+            seq_lens=seq_lens,
+        )
+        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
+        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        return ids, pos, meta

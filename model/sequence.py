@@ -1,0 +1,134 @@
+"""`Sequence`: one request's tokens, progress and blocks, shared by every scheduler.
+
+Progress is two counters (STYLE §4):
+
+    token_ids:  | prompt ............ | output ... |
+                |<- num_computed_tokens ->|        (K/V in the cache)
+                |<------------- num_tokens ------------>|
+
+Prefill, chunked prefill, prefix hits, resume after preemption and decode all follow from them:
+a step computes `token_ids[num_computed_tokens : num_computed_tokens + n]`, and when that reaches
+`num_tokens` the model's last row is sampled to get the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import NewType
+
+import torch
+
+from pagedserve.kvstore.block_table import BlockTable
+from pagedserve.kvstore.hashing import BlockHash, extend_block_hashes
+from pagedserve.model.sampler import SamplingRow, TokenLogprobs
+from pagedserve.sampling_params import SamplingParams
+
+RequestId = NewType("RequestId", str)
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    SWAPPED = "swapped"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos or a stop token id
+    LENGTH = "length"  # max_tokens or the model's length limit
+    ABORT = "abort"
+    ERROR = "error"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """A request inside one engine. The owner of `block_table` frees it when it finishes."""
+
+    request_id: RequestId
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    block_table: BlockTable
+    model_fingerprint: bytes
+    cache_salt: str = ""
+    priority: int = 0
+    arrival_time: float = field(default_factory=time.monotonic)
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+        self.update_block_hashes()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def update_block_hashes(self) -> list[BlockHash]:
+        """Hash the blocks that became full since the last call; returns the new hashes."""
+        return extend_block_hashes(
+            self.block_hashes,
+            self.token_ids,
+            self.block_table.block_size,
+            model_fingerprint=self.model_fingerprint,
+            cache_salt=self.cache_salt,
+        )
+
+    def append_token(self, token_id: int, logprobs: TokenLogprobs | None) -> None:
+        self.token_ids.append(token_id)
+        self.output_logprobs.append(logprobs)
+        self.update_block_hashes()
+
+    def sampling_row(self, eos_token_ids: tuple[int, ...]) -> SamplingRow:
+        return SamplingRow(
+            params=self.params,
+            prompt_token_ids=self.prompt_token_ids,
+            output_token_ids=self.output_token_ids,
+            generator=self.generator,
+            eos_token_ids=eos_token_ids,
+        )
+
+    def check_stop(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> bool:
+        """Finish the sequence if its last token ends it; token-level stops only.
+
+        Stop *strings* need detokenized text and are the router's job.
+        """
+        if self.num_output_tokens == 0:
+            return False
+        last = self.token_ids[-1]
+        params = self.params
+        if self.num_output_tokens >= params.min_tokens and (
+            (not params.ignore_eos and last in eos_token_ids) or last in params.stop_token_ids
+        ):
+            self.finish(FinishReason.STOP)
+        elif self.num_output_tokens >= params.max_tokens or self.num_tokens >= max_model_len:
+            self.finish(FinishReason.LENGTH)
+        return self.is_finished
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,51 @@
+"""Shared fixtures: tiny models built once per session, and the block-pool integrity guard."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pagedserve.kvstore.block_pool import BlockPool
+
+
+@pytest.fixture(autouse=True)
+def _check_every_block_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """After every test, every BlockPool the test created must pass `check_integrity()`."""
+    pools: weakref.WeakSet[BlockPool] = weakref.WeakSet()
+    original_init = BlockPool.__init__
+
+    def tracking_init(self: BlockPool, *args: object, **kwargs: object) -> None:
+        original_init(self, *args, **kwargs)  # type: ignore[arg-type]
+        pools.add(self)
+
+    monkeypatch.setattr(BlockPool, "__init__", tracking_init)
+    yield
+    for pool in list(pools):
+        pool.check_integrity()
+
+
+_TINY_CACHE: dict[tuple, Path] = {}
+
+
+@pytest.fixture(scope="session")
+def make_tiny(tmp_path_factory: pytest.TempPathFactory):
+    """`make_tiny(arch="llama", **kwargs) -> Path`: a tiny model dir, built once per arguments."""
+
+    def build(arch: str = "llama", **kwargs: object) -> Path:
+        from pagedserve.tiny_model import make_tiny_model
+
+        key = (arch, tuple(sorted(kwargs.items())))
+        if key not in _TINY_CACHE:
+            out = tmp_path_factory.mktemp(f"tiny-{arch}")
+            _TINY_CACHE[key] = make_tiny_model(out, arch=arch, **kwargs)  # type: ignore[arg-type]
+        return _TINY_CACHE[key]
+
+    return build
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(make_tiny) -> Path:
+    return make_tiny("llama")
