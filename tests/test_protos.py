@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from google.protobuf import descriptor_pb2
+
 from pagedserve.v1 import common_pb2, decode_pb2, generation_pb2, prefill_pb2
 
 REPO = Path(__file__).resolve().parent.parent

@@ -1,0 +1,62 @@
+# pagedserve: every entry point a person or CI needs. `make test` and `make demo` set up
+# everything they use (venv, torch CPU, the package, redis-server) and are safe to re-run.
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip --disable-pip-version-check -q
+# NOTE: torch is installed first, pinned, so that no dependency range can pull a CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+TINY_MODEL ?= .cache/tiny-llama
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: help venv install redis protos lint test demo tiny-model clean
+
+help:
+	@echo "make demo | test | install | lint | protos | tiny-model | clean"
+
+venv: $(PY)
+
+$(PY):
+	@$(PYTHON) -c 'import sys; sys.exit(0 if sys.version_info >= (3, 11) else "pagedserve needs Python >= 3.11")'
+	$(PYTHON) -m venv $(VENV)
+
+install: $(STAMP) redis
+
+$(STAMP): $(PY) pyproject.toml
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[dev]"
+	@touch $(STAMP)
+
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server with apt"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	@redis-server --version
+
+protos: $(STAMP)
+	$(PY) scripts/gen_protos.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(PY) scripts/typecheck.py
+
+tiny-model: $(TINY_MODEL)/config.json
+
+$(TINY_MODEL)/config.json: $(STAMP)
+	$(VENV)/bin/pagedserve make-tiny-model $(TINY_MODEL)
+
+test: install lint
+	@set +e; $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
+	exit $$rc
+
+# NOTE: until the router lands, the demo generates in-process; `pagedserve up` replaces it.
+demo: install tiny-model
+	$(VENV)/bin/pagedserve generate --model $(TINY_MODEL) --prompt "The weather today is" --max-tokens 24
+
+clean:
+	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .mypy_cache *.egg-info
