@@ -34,22 +34,22 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(input_dtype)
 
 
-class RotaryEmbedding(nn.Module):
-    """cos/sin tables [max_position_embeddings, head_dim], computed once in float32."""
+class RotaryEmbedding:
+    """cos/sin tables [max_position_embeddings, head_dim], computed once in float32.
 
-    cos: torch.Tensor
-    sin: torch.Tensor
+    NOTE: plain tensors, not module buffers, so that `model.to(dtype)` never rounds them; they
+    are cast to the activation dtype per use, as transformers does.
+    """
 
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
+    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
         inv_freq, scaling = rope_frequencies(config)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("cos", emb.cos() * scaling, persistent=False)
-        self.register_buffer("sin", emb.sin() * scaling, persistent=False)
+        self.cos = (emb.cos() * scaling).to(device)
+        self.sin = (emb.sin() * scaling).to(device)
 
-    def forward(
+    def __call__(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """q [T, Hq, D], k [T, Hkv, D] rotated by their positions [T]."""
@@ -143,12 +143,12 @@ class DecoderStack(nn.Module):
 class LlamaForCausalLM(nn.Module):
     """Hidden states for a flattened batch; logits only for the rows the caller asks for."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
-        self.rope = RotaryEmbedding(config)
+        self.rope = rope
 
     def tie_weights(self) -> None:
         if self.config.tie_word_embeddings:

@@ -37,10 +37,10 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     Raises FileNotFoundError for missing files and ValueError naming any missing or mis-shaped
     tensor; nothing is left randomly initialised.
     """
+    rope = RotaryEmbedding(config, device)  # computed, never loaded
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = LlamaForCausalLM(config, rope)
     model.to_empty(device=device).to(config.dtype)
-    model.rope = RotaryEmbedding(config).to(device)  # float32 tables, computed not loaded
     params = dict(model.named_parameters())
     loaded: set[str] = set()
     for path in safetensors_files(config.model_dir):

@@ -61,11 +61,11 @@ def _run_generate(args: argparse.Namespace) -> int:
     from pagedserve.model.engine import Engine, EngineConfig
     from pagedserve.sampling_params import SamplingParams
 
-    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     engine = Engine.from_model_dir(
         args.model,
         EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype),
     )
+    tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     params = SamplingParams(
         temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
     )

@@ -27,7 +27,7 @@ def _check_every_block_pool(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         pool.check_integrity()
 
 
-_TINY_CACHE: dict[tuple, Path] = {}
+_TINY_CACHE: dict[tuple[str, str], Path] = {}
 
 
 @pytest.fixture(scope="session")
@@ -37,7 +37,7 @@ def make_tiny(tmp_path_factory: pytest.TempPathFactory):
     def build(arch: str = "llama", **kwargs: object) -> Path:
         from pagedserve.tiny_model import make_tiny_model
 
-        key = (arch, tuple(sorted(kwargs.items())))
+        key = (arch, repr(sorted(kwargs.items())))
         if key not in _TINY_CACHE:
             out = tmp_path_factory.mktemp(f"tiny-{arch}")
             _TINY_CACHE[key] = make_tiny_model(out, arch=arch, **kwargs)  # type: ignore[arg-type]

@@ -1,0 +1,139 @@
+"""Config variants the runtime must follow as transformers does: rope scaling, sliding windows,
+tied embeddings, mixed prefill/decode batches, seeded sampling, and clear loading errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import GREEDY, hf_greedy, make_prompts, run_engine
+
+from pagedserve.model.config import load_model_config
+from pagedserve.model.engine import Engine, EngineConfig
+from pagedserve.model.loader import load_model
+from pagedserve.sampling_params import SamplingParams
+
+VARIANTS = {
+    "rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
+    "rope-llama3": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 256,
+            }
+        },
+    ),
+    "rope-yarn": (
+        "llama",
+        {
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 4.0,
+                "original_max_position_embeddings": 512,
+            }
+        },
+    ),
+    "mistral-sliding-window-24": ("mistral", {"sliding_window": 24}),
+    "tied-embeddings": ("llama", {"tie_word_embeddings": True}),
+}
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_config_variant_greedy_matches_transformers(make_tiny, variant):
+    arch, kwargs = VARIANTS[variant]
+    model_dir = make_tiny(arch, **kwargs)
+    prompts = make_prompts((5, 40, 130))
+    _, seqs = run_engine(model_dir, prompts, block_size=8, num_blocks=64)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+        assert seq.output_token_ids == want, f"{variant}: prompt of {len(prompt)} tokens"
+
+
+def test_mixed_prefill_chunks_and_decodes_in_one_forward_match_transformers(tiny_llama):
+    """A small token budget forces steps that carry decode tokens and prefill chunks together."""
+    prompts = make_prompts((3, 90, 20, 150, 1, 64), seed=5)
+    engine = Engine.from_model_dir(
+        str(tiny_llama), EngineConfig(block_size=16, num_blocks=64, max_num_batched_tokens=48)
+    )
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    mixed_steps = 0
+    while engine.has_unfinished:
+        decoding = [s for s in engine.running if s.num_computed_tokens >= s.num_prompt_tokens]
+        prefilling = len(engine.running) + len(engine.waiting) - len(decoding)
+        stats = engine.step()
+        mixed_steps += bool(decoding) and prefilling > 0 and stats.num_scheduled_tokens > 1
+    assert mixed_steps >= 3
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
+
+
+def test_seeded_sampling_is_independent_of_the_batch(tiny_llama):
+    prompt = make_prompts((12,), seed=6)[0]
+    params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=16)
+    _, (alone,) = run_engine(tiny_llama, [prompt], block_size=16, num_blocks=64)
+    engine = Engine.from_model_dir(str(tiny_llama), EngineConfig(block_size=16, num_blocks=128))
+    solo = engine.generate([prompt], params)[0].output_token_ids
+    others = make_prompts((7, 33, 60), seed=7)
+    mixed = engine.generate(
+        [others[0], prompt, others[1], others[2]],
+        [SamplingParams(temperature=1.0, max_tokens=16), params, GREEDY, params],
+    )
+    assert mixed[1].output_token_ids == solo
+    assert solo != alone.output_token_ids, "sampling at T=0.9 should leave the greedy path"
+
+
+def test_unsupported_architecture_is_a_clear_error(tiny_llama, tmp_path):
+    model_dir = tmp_path / "gpt2"
+    shutil.copytree(tiny_llama, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["GPT2LMHeadModel"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+        load_model_config(model_dir)
+
+
+def test_missing_files_are_clear_errors(tiny_llama, tmp_path: Path):
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model_config(tmp_path)
+    model_dir = tmp_path / "no-weights"
+    shutil.copytree(tiny_llama, model_dir)
+    (model_dir / "model.safetensors").unlink()
+    config = load_model_config(model_dir)
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        load_model(config)
+
+
+def test_missing_tensor_is_named(tiny_llama, tmp_path: Path):
+    from safetensors.torch import load_file, save_file
+
+    model_dir = tmp_path / "partial"
+    shutil.copytree(tiny_llama, model_dir)
+    tensors = load_file(model_dir / "model.safetensors")
+    del tensors["model.layers.1.mlp.up_proj.weight"]
+    save_file(tensors, model_dir / "model.safetensors")
+    with pytest.raises(ValueError, match="model.layers.1.mlp.up_proj.weight"):
+        load_model(load_model_config(model_dir))
+
+
+def test_bad_requests_raise_invalid_argument_naming_the_field(tiny_llama):
+    from pagedserve.errors import InvalidArgument
+
+    engine = Engine.from_model_dir(str(tiny_llama), EngineConfig(block_size=16, num_blocks=8))
+    cases = {
+        "prompt_token_ids": ([], GREEDY),
+        "prompt_token_ids ": ([5, 10_000], GREEDY),
+        "max_tokens": ([5] * 100, SamplingParams(max_tokens=100)),  # 200 tokens > 8 blocks of 16
+        "temperature": ([5], SamplingParams(temperature=-1.0)),
+    }
+    for field, (prompt, params) in cases.items():
+        with pytest.raises(InvalidArgument) as info:
+            engine.add_request(prompt, params)
+        assert info.value.field == field.strip()
+    assert not engine.has_unfinished

@@ -1,0 +1,55 @@
+"""The transformers oracle shared by every test that produces tokens.
+
+`hf_greedy` runs Hugging Face `generate(do_sample=False)` one prompt at a time (no padding), so
+its output is the reference for pagedserve's batched, paged paths.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM
+
+from pagedserve.model.engine import Engine, EngineConfig
+from pagedserve.sampling_params import SamplingParams
+
+PROMPT_LENS = (1, 7, 16, 17, 33, 64, 150, 300)
+NEW_TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS)
+
+
+def make_prompts(lens=PROMPT_LENS, vocab: int = 512, seed: int = 0) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, vocab, (n,), generator=g).tolist() for n in lens]
+
+
+@cache
+def hf_model(model_dir: Path, dtype: torch.dtype):
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@cache
+def hf_greedy(model_dir: Path, dtype: torch.dtype, prompt: tuple[int, ...]):
+    """(new token ids, per-step logits [steps, vocab] float32) from transformers."""
+    model = hf_model(model_dir, dtype)
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]),
+            max_new_tokens=NEW_TOKENS,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+        )
+    tokens = out.sequences[0, len(prompt) :].tolist()
+    return tokens, torch.cat(out.logits).float()
+
+
+def run_engine(model_dir: Path, prompts, *, record_logits=False, **config):
+    engine = Engine.from_model_dir(str(model_dir), EngineConfig(**config))
+    engine.record_logits = record_logits
+    seqs = engine.generate(prompts, GREEDY)
+    engine.kv.check_integrity()
+    assert engine.pool.num_used == 0, "finished sequences must hold no blocks"
+    return engine, seqs
