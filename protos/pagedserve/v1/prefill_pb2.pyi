@@ -8,22 +8,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "cache_salt", "lease_seconds", "decode_worker_id")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    PRIORITY_FIELD_NUMBER: _ClassVar[int]
-    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("request", "lease_seconds", "decode_worker_id")
+    REQUEST_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: _common_pb2.SamplingParams
-    priority: int
-    cache_salt: str
+    request: _common_pb2.WorkerRequest
     lease_seconds: int
     decode_worker_id: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., cache_salt: _Optional[str] = ..., lease_seconds: _Optional[int] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[_common_pb2.WorkerRequest, _Mapping]] = ..., lease_seconds: _Optional[int] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "logprobs", "kv_handle", "cached_tokens", "computed_tokens", "finish_reason")
