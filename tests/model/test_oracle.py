@@ -31,12 +31,18 @@ def test_fp32_greedy_tokens_and_logits_match_transformers(make_tiny, arch, block
         assert max_err < 1e-4, f"prompt of {len(prompt)}: max |logit diff| {max_err:.2e}"
 
 
-def test_bf16_greedy_tokens_match_transformers(tiny_llama):
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+@pytest.mark.parametrize(
+    ("dtype", "torch_dtype"), [("bfloat16", torch.bfloat16), ("float16", torch.float16)]
+)
+def test_half_precision_greedy_tokens_match_transformers(make_tiny, arch, dtype, torch_dtype):
+    """Exact equality holds because the model mirrors transformers' op order and casts."""
+    model_dir = make_tiny(arch)
     prompts = make_prompts()
-    _, seqs = run_engine(tiny_llama, prompts, block_size=16, num_blocks=128, dtype="bfloat16")
+    _, seqs = run_engine(model_dir, prompts, block_size=16, num_blocks=128, dtype=dtype)
     for prompt, seq in zip(prompts, seqs, strict=True):
-        want, _ = hf_greedy(tiny_llama, torch.bfloat16, tuple(prompt))
-        assert seq.output_token_ids == want, f"prompt of {len(prompt)} tokens"
+        want, _ = hf_greedy(model_dir, torch_dtype, tuple(prompt))
+        assert seq.output_token_ids == want, f"{dtype}: prompt of {len(prompt)} tokens"
 
 
 def test_chunked_prefill_yields_the_same_tokens_as_one_pass(tiny_llama):
