@@ -1,0 +1,180 @@
+"""gRPC server plumbing shared by every pagedserve service (router, prefill, decode).
+
+`build_server` gives each server the same shape: explicit message size limits (never unlimited),
+`grpc.health.v1.Health` (service `""` = alive, the service's full name = ready), server
+reflection, and `ErrorInterceptor`, the one place where exceptions become status codes
+(`pagedserve/errors.py` has the table). Servicers stay thin: they raise, the interceptor maps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from grpc_status import rpc_status
+
+from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+
+
+def _status(code: int, message: str, *details: Any) -> status_pb2.Status:
+    status = status_pb2.Status(code=code, message=message)
+    for detail in details:
+        status.details.add().Pack(detail)
+    return status
+
+
+def status_for(exc: BaseException) -> status_pb2.Status:
+    """The `google.rpc.Status` an exception maps to (DESIGN §3.1)."""
+    if isinstance(exc, InvalidArgument):
+        violation = error_details_pb2.BadRequest.FieldViolation(
+            field=exc.field, description=exc.description
+        )
+        bad_request = error_details_pb2.BadRequest(field_violations=[violation])
+        return _status(code_pb2.INVALID_ARGUMENT, str(exc), bad_request)
+    if isinstance(exc, ValueError):
+        return _status(code_pb2.INVALID_ARGUMENT, str(exc))
+    if isinstance(exc, ResourceExhausted):
+        details = []
+        if exc.retry_after_s is not None:
+            delay = duration_pb2.Duration()
+            delay.FromNanoseconds(int(exc.retry_after_s * 1e9))
+            details.append(error_details_pb2.RetryInfo(retry_delay=delay))
+        return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), *details)
+    if isinstance(exc, Unavailable):
+        return _status(code_pb2.UNAVAILABLE, str(exc) or "unavailable")
+    return _status(code_pb2.INTERNAL, f"internal error: {type(exc).__name__}")
+
+
+def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+    status = status_for(exc)
+    if status.code == code_pb2.INTERNAL:
+        log.exception("%s failed", method, exc_info=exc)
+    context.abort_with_status(rpc_status.to_status(status))
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    """Maps exceptions escaping a servicer method to status codes, for unary and streaming
+    responses alike. An `abort()` the servicer made itself passes through untouched."""
+
+    def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler | None:
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        method = handler_call_details.method
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(
+                _wrap_unary(handler.unary_unary, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(
+                _wrap_stream(handler.unary_stream, method),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler  # client-streaming methods: none in pagedserve.v1
+
+
+def _wrap_unary(fn: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable:
+    def call(request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(request, context)
+        except Exception as exc:
+            if context.code() is not None:  # the servicer already aborted
+                raise
+            _abort(context, method, exc)
+
+    return call
+
+
+def _wrap_stream(fn: Callable[[Any, grpc.ServicerContext], Iterator[Any]], method: str) -> Callable:
+    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        try:
+            yield from fn(request, context)
+        except Exception as exc:
+            if context.code() is not None:
+                raise
+            _abort(context, method, exc)
+
+    return call
+
+
+@dataclass(slots=True)
+class ServerHandle:
+    """A started-or-not server with its health servicer and the port it bound."""
+
+    server: grpc.Server
+    health: health.HealthServicer
+    port: int
+    service_names: tuple[str, ...]
+
+    def set_ready(self, ready: bool) -> None:
+        """Readiness of every service this server hosts; `""` (liveness) stays SERVING."""
+        status = (
+            health_pb2.HealthCheckResponse.SERVING
+            if ready
+            else health_pb2.HealthCheckResponse.NOT_SERVING
+        )
+        for name in self.service_names:
+            self.health.set(name, status)
+
+
+def build_server(
+    register: Sequence[Callable[[grpc.Server], None]],
+    service_names: Sequence[str],
+    *,
+    address: str = "127.0.0.1:0",
+    max_workers: int = 16,
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    interceptors: Sequence[grpc.ServerInterceptor] = (),
+) -> ServerHandle:
+    """Create (not start) a server with health, reflection and `ErrorInterceptor`.
+
+    `register` are callables like `lambda s: add_FooServicer_to_server(servicer, s)`;
+    `service_names` are their full names (`pagedserve.v1.Generation`). The services start
+    NOT_SERVING for readiness: call `set_ready(True)` once the model is loaded.
+    Raises RuntimeError if `address` cannot be bound.
+    """
+    if max_message_bytes <= 0:
+        raise ValueError(f"max_message_bytes: must be positive, got {max_message_bytes}")
+    server = grpc.server(
+        futures.ThreadPoolExecutor(max_workers=max_workers),
+        interceptors=[ErrorInterceptor(), *interceptors],
+        options=[
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ],
+    )
+    for add in register:
+        add(server)
+    health_servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    names = tuple(service_names)
+    reflection.enable_server_reflection(
+        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    try:
+        port = server.add_insecure_port(address)
+    except RuntimeError as exc:
+        raise RuntimeError(f"cannot bind {address}: {exc}") from exc
+    handle = ServerHandle(server, health_servicer, port, names)
+    handle.set_ready(False)
+    return handle

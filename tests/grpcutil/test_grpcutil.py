@@ -1,0 +1,135 @@
+"""`build_server` and `ErrorInterceptor` on a real gRPC server over loopback."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_status import rpc_status
+
+from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.grpcutil import build_server
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+
+SERVICE = "pagedserve.v1.Generation"
+
+
+class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
+    """Raises what the request text names, to exercise each mapping through the wire."""
+
+    def Tokenize(self, request, context):
+        if request.text == "bad":
+            raise InvalidArgument("text", "must not be 'bad'")
+        if request.text == "busy":
+            raise ResourceExhausted("queue full", retry_after_s=1.5)
+        if request.text == "gone":
+            raise Unavailable("decode worker lost")
+        if request.text == "bug":
+            raise KeyError("oops")
+        if request.text == "self-abort":
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not yours")
+        return generation_pb2.TokenizeResponse(token_ids=[1, 2])
+
+    def Generate(self, request, context):
+        yield generation_pb2.GenerateResponse(request_id="r", token_ids=[7])
+        raise InvalidArgument("sampling.top_p", "must be in (0, 1], got 2")
+
+
+@pytest.fixture
+def server():
+    handle = build_server(
+        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(ScriptedGeneration(), s)],
+        [SERVICE],
+        max_message_bytes=1024 * 1024,
+    )
+    handle.server.start()
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    yield handle, channel
+    channel.close()
+    handle.server.stop(grace=None).wait(5)
+
+
+def call_tokenize(channel, text):
+    stub = generation_pb2_grpc.GenerationStub(channel)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Tokenize(generation_pb2.TokenizeRequest(text=text), timeout=5)
+    return info.value
+
+
+def test_invalid_argument_names_the_field(server):
+    _, channel = server
+    err = call_tokenize(channel, "bad")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    (detail,) = rpc_status.from_call(err).details
+    bad_request = error_details_pb2.BadRequest()
+    assert detail.Unpack(bad_request)
+    assert bad_request.field_violations[0].field == "text"
+    assert "bad" in bad_request.field_violations[0].description
+
+
+def test_overload_carries_retry_info(server):
+    _, channel = server
+    err = call_tokenize(channel, "busy")
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    retry = error_details_pb2.RetryInfo()
+    assert rpc_status.from_call(err).details[0].Unpack(retry)
+    assert retry.retry_delay.ToNanoseconds() == 1_500_000_000
+
+
+def test_unavailable_bug_and_own_abort(server):
+    _, channel = server
+    assert call_tokenize(channel, "gone").code() == grpc.StatusCode.UNAVAILABLE
+    bug = call_tokenize(channel, "bug")
+    assert bug.code() == grpc.StatusCode.INTERNAL
+    assert "oops" not in bug.details(), "internal details must not leak to clients"
+    assert call_tokenize(channel, "self-abort").code() == grpc.StatusCode.PERMISSION_DENIED
+    ok = generation_pb2_grpc.GenerationStub(channel).Tokenize(
+        generation_pb2.TokenizeRequest(text="fine"), timeout=5
+    )
+    assert list(ok.token_ids) == [1, 2]
+
+
+def test_streaming_error_after_a_message(server):
+    _, channel = server
+    stream = generation_pb2_grpc.GenerationStub(channel).Generate(
+        generation_pb2.GenerateRequest(), timeout=5
+    )
+    first = next(stream)
+    assert list(first.token_ids) == [7]
+    with pytest.raises(grpc.RpcError) as info:
+        next(stream)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    bad_request = error_details_pb2.BadRequest()
+    rpc_status.from_call(info.value).details[0].Unpack(bad_request)
+    assert bad_request.field_violations[0].field == "sampling.top_p"
+
+
+def test_health_alive_then_ready(server):
+    handle, channel = server
+    health = health_pb2_grpc.HealthStub(channel)
+
+    def status(name):
+        return health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5).status
+
+    assert status("") == health_pb2.HealthCheckResponse.SERVING
+    assert status(SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
+    handle.set_ready(True)
+    assert status(SERVICE) == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_reflection_lists_the_service(server):
+    _, channel = server
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(
+        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    )
+    names = {s.name for s in next(responses).list_services_response.service}
+    assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+def test_message_size_limit_is_enforced(server):
+    _, channel = server
+    err = call_tokenize(channel, "x" * (2 * 1024 * 1024))
+    assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
