@@ -1,0 +1,117 @@
+"""KV transports: shared memory across real processes, and chunked streaming."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+
+import pytest
+import torch
+
+from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
+from pagedserve.kvstore.transfer import (
+    BlockAssembler,
+    BlockChunk,
+    ShmBlockReader,
+    ShmKVPool,
+    TransferError,
+    iter_block_chunks,
+    layout_compat_hash,
+)
+
+SPEC = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.bfloat16)
+
+
+def fill(cache: KVCache, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    cache.tensor.copy_(torch.randn(cache.tensor.shape, generator=g).to(cache.tensor.dtype))
+
+
+def _consumer(offer, spec, src_ids, queue):  # runs in a spawned process
+    reader = ShmBlockReader(offer, spec)
+    local = KVCache(spec, 4)
+    reader.read_blocks(src_ids, local, [2, 0])
+    reader.close()
+    queue.put((local.tensor[2].float().tolist(), local.tensor[0].float().tolist()))
+
+
+def test_a_consumer_process_reads_blocks_through_shared_memory_and_leaves_the_segment():
+    pool = ShmKVPool(SPEC, 8)
+    try:
+        fill(pool.cache, seed=1)
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        proc = ctx.Process(target=_consumer, args=(pool.offer(), SPEC, [5, 3], queue))
+        proc.start()
+        got5, got3 = queue.get(timeout=60)
+        proc.join(timeout=30)
+        assert proc.exitcode == 0
+        assert got5 == pool.cache.tensor[5].float().tolist()
+        assert got3 == pool.cache.tensor[3].float().tolist()
+        # the consumer's exit must not have unlinked the producer's segment
+        assert os.path.exists(f"/dev/shm/{pool.segment_name}")
+    finally:
+        pool.close()
+    assert not os.path.exists(f"/dev/shm/{pool.segment_name}")
+
+
+def test_a_gone_segment_or_foreign_layout_is_a_transfer_error():
+    pool = ShmKVPool(SPEC, 2)
+    offer = pool.offer()
+    other = KVCacheSpec(2, 2, 8, 4, torch.bfloat16)
+    with pytest.raises(TransferError, match="layout"):
+        ShmBlockReader(offer, other)
+    pool.close()
+    with pytest.raises(TransferError, match="gone"):
+        ShmBlockReader(offer, SPEC)
+
+
+def test_block_ids_outside_the_pool_are_refused():
+    pool = ShmKVPool(SPEC, 2)
+    reader = ShmBlockReader(pool.offer(), SPEC)
+    try:
+        with pytest.raises(TransferError, match="out of range"):
+            reader.read_blocks([2], KVCache(SPEC, 4), [0])
+    finally:
+        reader.close()
+        pool.close()
+
+
+@pytest.mark.parametrize("max_chunk_bytes", [1 << 20, 100, 7])
+def test_chunked_stream_reassembles_the_selected_blocks(max_chunk_bytes):
+    src = KVCache(SPEC, 6)
+    fill(src, seed=2)
+    handle_blocks = [4, 1, 5]  # the handle's block list, in token order
+    dst = KVCache(SPEC, 6)
+    assembler = BlockAssembler(dst, {0: 3, 2: 0})  # block index -> consumer block id
+    chunks = list(iter_block_chunks(src, handle_blocks, max_chunk_bytes, indices=[0, 2]))
+    assert all(len(c.data) <= max_chunk_bytes for c in chunks)
+    for chunk in chunks:
+        assert not assembler.complete
+        assembler.feed(chunk)
+    assert assembler.complete
+    assert torch.equal(dst.tensor[3], src.tensor[4])
+    assert torch.equal(dst.tensor[0], src.tensor[5])
+    assert not dst.tensor[[1, 2, 4, 5]].any()
+
+
+def test_out_of_order_short_or_unexpected_chunks_are_transfer_errors():
+    src = KVCache(SPEC, 2)
+    fill(src, seed=3)
+    chunks = list(iter_block_chunks(src, [0, 1], 64))
+    with pytest.raises(TransferError, match="out of order"):
+        BlockAssembler(KVCache(SPEC, 2), {0: 0, 1: 1}).feed(chunks[1])
+    with pytest.raises(TransferError, match="unexpected"):
+        BlockAssembler(KVCache(SPEC, 2), {0: 0}).feed(chunks[-1])
+    short = BlockChunk(0, 0, 0, chunks[0].data, last_of_block=True)
+    with pytest.raises(TransferError, match="shorter"):
+        BlockAssembler(KVCache(SPEC, 2), {0: 0}).feed(short)
+
+
+def test_compat_hash_separates_layouts_and_models():
+    base = layout_compat_hash(SPEC, b"model-a")
+    assert len(base) == 16
+    assert base == layout_compat_hash(SPEC, b"model-a")
+    assert base != layout_compat_hash(SPEC, b"model-b")
+    assert base != layout_compat_hash(KVCacheSpec(2, 2, 4, 8, torch.bfloat16), b"model-a")
+    assert base != layout_compat_hash(KVCacheSpec(2, 2, 4, 4, torch.float16), b"model-a")
