@@ -24,6 +24,7 @@ from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
 from pagedserve.model.loader import load_model
+from pagedserve.model.progress import admit, advance
 from pagedserve.model.runner import ModelRunner, ScheduledSequence
 from pagedserve.model.sampler import make_generator
 from pagedserve.model.sequence import RequestId, Sequence, SequenceStatus
@@ -45,6 +46,28 @@ class EngineConfig:
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+
+
+def validate_request(
+    model_config: ModelConfig,
+    max_model_len: int,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+) -> None:
+    """Raise InvalidArgument naming the field if the request cannot run on this model.
+
+    Shared by every engine; capacity (does it fit this worker's KV cache) is each engine's own
+    policy, not checked here.
+    """
+    if not prompt_token_ids:
+        raise InvalidArgument("prompt_token_ids", "must not be empty")
+    if any(t < 0 or t >= model_config.vocab_size for t in prompt_token_ids):
+        raise InvalidArgument("prompt_token_ids", f"ids must be < {model_config.vocab_size}")
+    params.validate(
+        vocab_size=model_config.vocab_size,
+        max_model_len=max_model_len,
+        prompt_len=len(prompt_token_ids),
+    )
 
 
 @dataclass(slots=True)
@@ -89,17 +112,7 @@ class Engine:
         cache_salt: str = "",
     ) -> Sequence:
         """Queue a request. Raises InvalidArgument naming the field for a bad request."""
-        if not prompt_token_ids:
-            raise InvalidArgument("prompt_token_ids", "must not be empty")
-        if any(t < 0 or t >= self.model_config.vocab_size for t in prompt_token_ids):
-            raise InvalidArgument(
-                "prompt_token_ids", f"ids must be < {self.model_config.vocab_size}"
-            )
-        params.validate(
-            vocab_size=self.model_config.vocab_size,
-            max_model_len=self.max_model_len,
-            prompt_len=len(prompt_token_ids),
-        )
+        validate_request(self.model_config, self.max_model_len, prompt_token_ids, params)
         worst_case = len(prompt_token_ids) + params.max_tokens
         if -(-worst_case // self.config.block_size) > self.config.num_blocks:
             raise InvalidArgument("max_tokens", f"{worst_case} tokens cannot fit in the KV cache")
@@ -143,17 +156,18 @@ class Engine:
         output = self.runner.execute(batch, return_logits=self.record_logits)
         logit_rows = iter(output.logits) if output.logits is not None else None
         for item, sampled in zip(batch, output.sampled, strict=True):
-            seq = item.seq
-            seq.num_computed_tokens += item.num_new_tokens
-            self.kv.cache_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
-            if sampled is None:
-                continue
-            if logit_rows is not None:
-                self.logits.setdefault(seq.request_id, []).append(next(logit_rows))
-            seq.append_token(sampled.token_id, sampled.logprobs)
-            if seq.check_stop(self.model_config.eos_token_ids, self.max_model_len):
-                self._release(seq)
-                stats.finished.append(seq)
+            if sampled is not None and logit_rows is not None:
+                self.logits.setdefault(item.seq.request_id, []).append(next(logit_rows))
+            finished = advance(
+                self.kv,
+                item,
+                sampled,
+                eos_token_ids=self.model_config.eos_token_ids,
+                max_model_len=self.max_model_len,
+            )
+            if finished:
+                self._release(item.seq)
+                stats.finished.append(item.seq)
         return stats
 
     def abort(self, request_id: str) -> bool:
@@ -187,30 +201,19 @@ class Engine:
             batch.append(ScheduledSequence(seq, n))
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            item = self._admit(self.waiting[0], budget)
-            if item is None:
+            admitted = admit(
+                self.kv,
+                self.waiting[0],
+                budget,
+                prefix_caching=self.config.enable_prefix_caching,
+            )
+            if admitted is None:
                 break
+            item, pairs = admitted
+            copies += pairs
             self.waiting.popleft()
             self.running.append(item.seq)
             batch.append(item)
             budget -= item.num_new_tokens
         self.runner.copy_blocks(copies)
         return batch
-
-    def _admit(self, seq: Sequence, budget: int) -> ScheduledSequence | None:
-        """Allocate the first chunk of a waiting sequence, reusing its cached prefix blocks."""
-        block_size = self.config.block_size
-        prefix: list = []
-        if self.config.enable_prefix_caching:
-            max_blocks = (seq.num_prompt_tokens - 1) // block_size
-            prefix = self.kv.match_prefix(seq.block_hashes, max_blocks)
-        num_cached = len(prefix) * block_size
-        n = min(seq.num_tokens - num_cached, budget)
-        pairs = self.kv.allocate(seq.block_table, num_cached + n, prefix)
-        if pairs is None:
-            return None
-        self.runner.copy_blocks(pairs)
-        seq.num_computed_tokens = num_cached
-        seq.num_cached_prompt_tokens = num_cached
-        seq.status = SequenceStatus.RUNNING
-        return ScheduledSequence(seq, n)
