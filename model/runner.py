@@ -48,6 +48,17 @@ class RunnerOutput:
     logits: torch.Tensor | None = None  # [num_sampled, vocab] float32, when asked for
 
 
+def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
+    """The page shape a model needs at a block size (KV dtype = model dtype)."""
+    return KVCacheSpec(
+        num_layers=config.num_layers,
+        num_kv_heads=config.num_kv_heads,
+        head_dim=config.head_dim,
+        block_size=block_size,
+        dtype=config.dtype,
+    )
+
+
 class ModelRunner:
     """Owns the model weights and the device KV cache of one worker."""
 
@@ -58,18 +69,19 @@ class ModelRunner:
         num_blocks: int,
         block_size: int,
         device: torch.device | str = "cpu",
+        *,
+        kv_cache: KVCache | None = None,
     ) -> None:
+        """`kv_cache`, when given (e.g. a shared-memory pool), must match the model's spec."""
         self.config = config
         self.model = model
         self.device = torch.device(device)
-        self.spec = KVCacheSpec(
-            num_layers=config.num_layers,
-            num_kv_heads=config.num_kv_heads,
-            head_dim=config.head_dim,
-            block_size=block_size,
-            dtype=config.dtype,
-        )
-        self.kv_cache = KVCache(self.spec, num_blocks, self.device)
+        self.spec = kv_cache_spec(config, block_size)
+        if kv_cache is not None and (
+            kv_cache.spec != self.spec or kv_cache.num_blocks != num_blocks
+        ):
+            raise ValueError("kv_cache: its spec or size does not match the model and num_blocks")
+        self.kv_cache = kv_cache or KVCache(self.spec, num_blocks, self.device)
         self.sampler = Sampler()
 
     def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:

@@ -1,0 +1,290 @@
+"""`PrefillEngine`: prompts in, first tokens and leased KV blocks out (DESIGN §3.5).
+
+Lifecycle of a prompt's blocks on this side:
+
+    ALLOCATED/FILLING (scheduler) ──► first token sampled ──► LEASED (LeaseTable)
+        ──► ReleaseKv or expiry ──► RELEASED: full blocks stay in the prefix cache (LRU)
+
+Threads: one loop thread runs `step()`; gRPC threads call `submit`, `abort`, `release`, `renew`
+and read leased blocks. One lock guards the scheduler, the pool and the lease table's frees; the
+forward itself runs without it (it only writes blocks the scheduler allocated to the batch, and
+nothing frees those while they are in flight).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+from pagedserve.errors import InvalidArgument, ResourceExhausted
+from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
+from pagedserve.kvstore.block_table import BlockTable
+from pagedserve.kvstore.hashing import model_fingerprint
+from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.kvstore.transfer import ShmKVPool, layout_compat_hash
+from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
+from pagedserve.model.engine import validate_request
+from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.loader import load_model
+from pagedserve.model.runner import ModelRunner, kv_cache_spec
+from pagedserve.model.sampler import make_generator
+from pagedserve.model.sequence import RequestId, Sequence
+from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseTable
+from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from pagedserve.sampling_params import SamplingParams
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEngineConfig:
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    lease_seconds: float = 30.0
+    max_lease_seconds: float = 300.0
+    use_shm: bool = True  # allocate the pool in shared memory (offer the shm transport)
+    max_queued_requests: int = 1024
+
+
+@dataclass(slots=True)
+class PrefillResult:
+    """A finished prefill. `lease` is None when the first token already ended the request."""
+
+    seq: Sequence
+    lease: Lease[BlockTable] | None
+    lease_expires_unix_ms: int = 0
+
+
+@dataclass(slots=True)
+class _Pending:
+    seq: Sequence
+    future: Future[PrefillResult]
+    lease_s: float
+    enqueued_at: float = field(default_factory=time.monotonic)
+
+
+class PrefillEngine:
+    """Owns the prefill worker's model runner, block pool, scheduler and leases."""
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        model: LlamaForCausalLM,
+        config: PrefillEngineConfig,
+        *,
+        device: str = "cpu",
+        revision: str = "",
+    ) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.fingerprint = model_fingerprint(
+            model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision
+        )
+        spec = kv_cache_spec(model_config, config.block_size)
+        # NOTE: shared memory is host memory; on CUDA the pool stays on the device (cuda_ipc later)
+        self.shm_pool = ShmKVPool(spec, config.num_blocks) if config.use_shm else None
+        self.runner = ModelRunner(
+            model_config,
+            model,
+            config.num_blocks,
+            config.block_size,
+            device,
+            kv_cache=self.shm_pool.cache if self.shm_pool else None,
+        )
+        self.compat_hash = layout_compat_hash(spec, self.fingerprint)
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.kv = KVCacheManager(self.pool, enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = PrefillScheduler(
+            self.kv,
+            PrefillSchedulerConfig(
+                config.max_num_batched_tokens, config.max_num_seqs, config.enable_prefix_caching
+            ),
+            eos_token_ids=model_config.eos_token_ids,
+            max_model_len=self.max_model_len,
+        )
+        self.leases: LeaseTable[BlockTable] = LeaseTable(self._free_leased)
+        self.reaper = LeaseReaper(self.leases)
+        self._lock = threading.RLock()
+        self._wake = threading.Condition(self._lock)
+        self._pending: dict[str, _Pending] = {}
+        self._stop = False
+        self._thread: threading.Thread | None = None
+        self.on_events: Callable[[list[BlockEvent]], None] | None = None
+        self.num_prompt_tokens_computed = 0
+        self.num_prompt_tokens_cached = 0
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str,
+        config: PrefillEngineConfig,
+        *,
+        dtype: str | None = None,
+        device: str = "cpu",
+        revision: str = "",
+    ) -> PrefillEngine:
+        model_config = load_model_config(model_dir, dtype)
+        model = load_model(model_config, device)
+        return cls(model_config, model, config, device=device, revision=revision)
+
+    # ---- requests -------------------------------------------------------------------------
+
+    def submit(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        priority: int = 0,
+        cache_salt: str = "",
+        lease_seconds: float = 0.0,
+    ) -> Future[PrefillResult]:
+        """Queue a prompt; the future resolves after its first token (or fails with the reason).
+
+        Raises InvalidArgument for a bad request and ResourceExhausted when the queue is full.
+        """
+        validate_request(self.model_config, self.max_model_len, prompt_token_ids, params)
+        blocks_needed = -(-len(prompt_token_ids) // self.config.block_size)
+        if blocks_needed > self.config.num_blocks:
+            raise InvalidArgument("prompt_token_ids", "prompt does not fit in the KV cache")
+        lease_s = min(lease_seconds or self.config.lease_seconds, self.config.max_lease_seconds)
+        seq = Sequence(
+            request_id=RequestId(request_id),
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            block_table=BlockTable(self.pool),
+            model_fingerprint=self.fingerprint,
+            cache_salt=cache_salt,
+            priority=priority,
+            generator=make_generator(params.seed),
+        )
+        future: Future[PrefillResult] = Future()
+        with self._wake:
+            if len(self._pending) >= self.config.max_queued_requests:
+                raise ResourceExhausted("prefill queue is full", retry_after_s=1.0)
+            if request_id in self._pending:
+                raise InvalidArgument("request_id", f"{request_id!r} is already in flight")
+            self.scheduler.add(seq)
+            self._pending[request_id] = _Pending(seq, future, lease_s)
+            self._wake.notify()
+        return future
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a queued or running prompt and free its blocks; False if not in flight here."""
+        with self._lock:
+            pending = self._pending.pop(request_id, None)
+            if pending is None:
+                return False
+            self.scheduler.abort(request_id)
+        pending.future.cancel()
+        return True
+
+    # ---- leases ---------------------------------------------------------------------------
+
+    def release(self, handle_id: str) -> bool:
+        return self.leases.release(handle_id)
+
+    def renew(self, handle_id: str, extend_s: float) -> int | None:
+        """New expiry in Unix ms, or None if the lease is gone."""
+        extend_s = min(extend_s or self.config.lease_seconds, self.config.max_lease_seconds)
+        expires = self.leases.renew(handle_id, extend_s)
+        return None if expires is None else _unix_ms(expires, self.leases.clock())
+
+    def leased_blocks(self, handle_id: str) -> list[int] | None:
+        """Block ids pinned by an active lease, or None."""
+        lease = self.leases.get(handle_id)
+        return None if lease is None else list(lease.resource.block_ids)
+
+    def _free_leased(self, lease: Lease[BlockTable]) -> None:
+        with self._wake:
+            self.kv.free(lease.resource)
+            self._wake.notify()
+
+    # ---- loop -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.reaper.start()
+        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+        self.reaper.stop()
+
+    def close(self) -> None:
+        """Stop, then release the shared-memory segment (nothing may read it afterwards)."""
+        self.stop()
+        if self.shm_pool is not None:
+            self.runner.kv_cache = None  # type: ignore[assignment]
+            self.shm_pool.close()
+            self.shm_pool = None
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.scheduler.has_work():
+                    self._wake.wait(0.5)
+                if self._stop:
+                    return
+            try:
+                self.step()
+            except Exception:
+                log.exception("prefill step failed")
+                self._fail_all_in_flight()
+
+    def step(self) -> int:
+        """Run one prefill step; returns the number of prompt tokens computed."""
+        with self._lock:
+            plan = self.scheduler.schedule()
+            if not plan.batch:
+                self._wake.wait(0.05)  # NOTE: pool full of leased blocks; wait for frees
+                return 0
+        self.runner.copy_blocks(plan.copies)
+        output = self.runner.execute(plan.batch)
+        with self._lock:
+            done = self.scheduler.update(plan, output)
+            self.num_prompt_tokens_computed += plan.num_tokens
+            events = self.pool.drain_events()
+            finished = [self._hand_over(seq) for seq in done]
+        for pending, result in finished:
+            if pending is not None:
+                pending.future.set_result(result)
+        if events and self.on_events is not None:
+            self.on_events(events)
+        return plan.num_tokens
+
+    def _hand_over(self, seq: Sequence) -> tuple[_Pending | None, PrefillResult]:
+        pending = self._pending.pop(seq.request_id, None)
+        self.num_prompt_tokens_cached += seq.num_cached_prompt_tokens
+        if seq.is_finished or pending is None:
+            self.kv.free(seq.block_table)
+            return pending, PrefillResult(seq, None)
+        lease = self.leases.grant(seq.request_id, seq.block_table, pending.lease_s)
+        expires_ms = _unix_ms(lease.expires_at, self.leases.clock())
+        return pending, PrefillResult(seq, lease, expires_ms)
+
+    def _fail_all_in_flight(self) -> None:
+        with self._lock:
+            pending = list(self._pending.values())
+            for p in pending:
+                self.scheduler.abort(p.seq.request_id)
+            self._pending.clear()
+        for p in pending:
+            p.future.set_exception(RuntimeError("prefill step failed"))
+
+
+def _unix_ms(monotonic_deadline: float, monotonic_now: float) -> int:
+    return int((time.time() + (monotonic_deadline - monotonic_now)) * 1000)
