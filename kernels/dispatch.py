@@ -1,16 +1,31 @@
-"""Device dispatch: the one entry point the model calls for paged attention and cache writes.
+"""Device dispatch: the one entry point the model calls for paged attention and cache ops.
 
-Today every device runs `reference.py`; the Triton kernels (CUDA) and the fastest CPU path plug in
-here without the model changing.
+Backends, chosen per call from the tensors' device unless a test or benchmark forces one with
+`use_backend()` (nothing is read from the environment):
+
+    cuda -> "triton"  (kernels/triton_attention.py, kernels/triton_cache.py)
+    cpu  -> "cpu"     (kernels/cpu_attention.py: the measured CPU winner, docs/kernels.md)
+    "reference"       (kernels/reference.py, the oracle)
+
+Forcing "triton" on a CPU tensor needs `TRITON_INTERPRET=1` in the environment before
+`pagedserve.kernels.triton_*` is first imported (Triton reads it when the kernels are defined).
+The Triton modules are imported lazily, on first use, for that reason.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_attention, reference, swap
+
+Backend = Literal["triton", "cpu", "reference"]
+_BACKENDS = ("triton", "cpu", "reference")
+_forced: Backend | None = None
 
 
 @dataclass(slots=True)
@@ -27,10 +42,43 @@ class AttentionMetadata:
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int64, padded with 0
     query_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # context length per sequence, including the new tokens
+    # NOTE: device copies of the lengths for the Triton kernels, made once per step on demand.
+    _device_lens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
 
     @property
     def is_decode_only(self) -> bool:
         return all(n == 1 for n in self.query_lens)
+
+    def device_lens(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(query_start_loc [num_seqs + 1], seq_lens [num_seqs]) int32 on the tables' device."""
+        if self._device_lens is None:
+            starts = [0]
+            for n in self.query_lens:
+                starts.append(starts[-1] + n)
+            both = torch.tensor(starts + self.seq_lens, dtype=torch.int32)
+            both = both.to(self.block_tables.device, non_blocking=True)
+            self._device_lens = (both[: len(starts)], both[len(starts) :])
+        return self._device_lens
+
+
+def backend_for(device: torch.device) -> Backend:
+    """The backend used for tensors on `device` (the forced one, if any)."""
+    if _forced is not None:
+        return _forced
+    return "triton" if device.type == "cuda" else "cpu"
+
+
+@contextmanager
+def use_backend(name: Backend) -> Iterator[None]:
+    """Force one backend for every call inside the block (tests, benchmarks)."""
+    global _forced
+    if name not in _BACKENDS:
+        raise ValueError(f"backend: expected one of {_BACKENDS}, got {name!r}")
+    previous, _forced = _forced, name
+    try:
+        yield
+    finally:
+        _forced = previous
 
 
 def write_kv(
@@ -41,7 +89,12 @@ def write_kv(
     meta: AttentionMetadata,
 ) -> None:
     """Store this step's K/V [num_tokens, num_kv_heads, head_dim] into their slots."""
-    reference.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
+    if backend_for(k_cache.device) == "triton":
+        from pagedserve.kernels import triton_cache
+
+        triton_cache.reshape_and_cache(key, value, k_cache, v_cache, meta.slot_mapping)
+    else:
+        reference.write_kv(k_cache, v_cache, key, value, meta.slot_mapping)
 
 
 def paged_attention(
@@ -53,11 +106,15 @@ def paged_attention(
     sliding_window: int | None = None,
 ) -> torch.Tensor:
     """Attention of this step's queries [num_tokens, num_heads, head_dim] over the paged cache."""
+    backend = backend_for(query.device)
+    if backend == "triton":
+        return _triton_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+    impl = cpu_attention if backend == "cpu" else reference
     if meta.is_decode_only:
-        return reference.paged_decode_attention(
+        return impl.paged_decode_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
         )
-    return reference.paged_attention(
+    return impl.paged_attention(
         query,
         k_cache,
         v_cache,
@@ -69,6 +126,53 @@ def paged_attention(
     )
 
 
+def _triton_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    from pagedserve.kernels import triton_attention
+
+    query_start_loc, seq_lens = meta.device_lens()
+    max_query_len = max(meta.query_lens)
+    num_splits = 1
+    if max_query_len == 1:
+        num_splits = triton_attention.default_num_splits(
+            len(meta.seq_lens), k_cache.shape[2], max(meta.seq_lens), query.device
+        )
+    return triton_attention.paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        query_start_loc,
+        seq_lens,
+        max_query_len,
+        scale,
+        sliding_window,
+        num_splits,
+    )
+
+
 def copy_blocks(cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
     """Copy-on-write: duplicate whole blocks (all layers) `src -> dst` in one pool."""
-    reference.copy_blocks(cache, pairs)
+    if backend_for(cache.device) == "triton":
+        from pagedserve.kernels import triton_cache
+
+        triton_cache.copy_blocks(cache, pairs)
+    else:
+        reference.copy_blocks(cache, pairs)
+
+
+def swap_blocks(
+    src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]
+) -> None:
+    """Copy blocks between two pools of one spec (device <-> host swap space): `dst[d] = src[s]`.
+
+    Device -> pinned host (and back) is asynchronous on the current CUDA stream: synchronise
+    (an event) before reading the destination or reusing the source blocks.
+    """
+    swap.swap_blocks(src_cache, dst_cache, pairs)

@@ -74,16 +74,39 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
+    kinds = p.add_subparsers(dest="bench", required=True)
+    kernels = kinds.add_parser(
+        "kernels",
+        help="paged decode attention vs contiguous SDPA (python -m pagedserve.bench.kernels -h)",
+        add_help=False,
+    )
+    kernels.set_defaults(func=_run_bench_kernels, passthrough=True)
+
+
+def _run_bench_kernels(args: argparse.Namespace) -> int:
+    from pagedserve.bench import kernels
+
+    return kernels.main(args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny_model(sub)
     _add_generate(sub)
+    _add_bench(sub)
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    # NOTE: benchmark subcommands own their options (parsed where torch is already imported).
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
     try:
         return int(args.func(args))
     except (ValueError, FileNotFoundError) as exc:
