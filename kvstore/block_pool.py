@@ -244,6 +244,10 @@ class BlockPool:
         self._check_id(block_id)
         return self._refs[block_id]
 
+    def registered_hashes(self) -> list[BlockHash]:
+        """Every hash the pool can serve a prefix hit for now (USED or CACHED blocks)."""
+        return list(self._hash_to_block)
+
     # -- events --------------------------------------------------------------------------------
 
     def drain_events(self) -> list[BlockEvent]:

@@ -204,6 +204,11 @@ class PrefillEngine:
         lease = self.leases.get(handle_id)
         return None if lease is None else list(lease.resource.block_ids)
 
+    def registered_hashes(self) -> list:
+        """Hashes of every block a prefix hit could use now (for republishing the index)."""
+        with self._lock:
+            return self.pool.registered_hashes()
+
     def _free_leased(self, lease: Lease[BlockTable]) -> None:
         with self._wake:
             self.kv.free(lease.resource)

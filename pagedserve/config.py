@@ -1,0 +1,68 @@
+"""Config helpers shared by every service's command line (flags named like vLLM's)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import socket
+
+_UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
+_UNITS |= {"ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """`"512MiB"`, `"2G"`, `"1.5gib"` or a plain byte count -> bytes. ValueError otherwise."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?)?b?\s*", text.lower())
+    if not match:
+        raise ValueError(f"size: {text!r} is not a byte count like 512MiB or 2GB")
+    number, unit = match.groups()
+    return int(float(number) * _UNITS[unit or ""])
+
+
+def bytes_arg(text: str) -> int:
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def default_worker_id(role: str, port: int) -> str:
+    return f"{role}-{socket.gethostname()}-{port}"
+
+
+def add_model_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags every model-running worker shares."""
+    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument("--served-model-name", default=None, help="name in Redis keys and APIs")
+    parser.add_argument("--revision", default="", help="weights revision, part of block hashes")
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--block-size", type=positive_int, default=16)
+    parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
+    parser.add_argument("--max-num-seqs", type=positive_int, default=64)
+    parser.add_argument("--max-model-len", type=positive_int, default=None)
+    parser.add_argument(
+        "--kv-cache-memory", type=bytes_arg, default=parse_bytes("256MiB"),
+        help="bytes of KV cache (e.g. 2GiB); ignored with --num-gpu-blocks-override",
+    )  # fmt: skip
+    parser.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
+    parser.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
+    )
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in pods)")
+    parser.add_argument("--port", type=int, default=default_port, help="0 picks a free port")
+    parser.add_argument("--advertise-address", default=None, help="host:port others dial")
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--redis-url", default=None, help="redis://host:port/0 (optional)")
+    parser.add_argument("--max-message-bytes", type=bytes_arg, default=parse_bytes("64MiB"))
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")

@@ -1,0 +1,55 @@
+"""Conversions between `pagedserve.v1` messages shared by every service and our dataclasses.
+
+Torch-free (the router imports it). Each service's own messages are converted in that service's
+`convert.py`; this module holds only what all of them exchange.
+"""
+
+from __future__ import annotations
+
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2
+
+# proto field -> dataclass field, for the scalar `optional` fields whose names agree
+_SCALARS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "max_tokens",
+    "min_tokens",
+    "ignore_eos",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "skip_special_tokens",
+)
+_FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"}
+_FLOATS |= {"frequency_penalty"}
+
+
+def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults. Not validated: call `.validate()`.
+
+    NOTE: proto floats are float32; they are widened to the nearest decimal of float32 precision
+    (0.7 stays 0.7, not 0.699999988) so that every hop sees the same value it was given.
+    """
+    values: dict[str, object] = {}
+    for name in _SCALARS:
+        if msg.HasField(name):
+            value = getattr(msg, name)
+            values[name] = float(f"{value:.7g}") if name in _FLOATS else value
+    values["stop"] = tuple(msg.stop)
+    values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
+    """Every scalar is set explicitly, so the receiver sees exactly these values."""
+    msg = common_pb2.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids)
+    for name in _SCALARS:
+        value = getattr(params, name)
+        if value is not None:
+            setattr(msg, name, value)
+    return msg
