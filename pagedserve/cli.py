@@ -91,12 +91,27 @@ def _run_bench_kernels(args: argparse.Namespace) -> int:
     return kernels.main(args.rest)
 
 
+def _add_prefill(sub: argparse._SubParsersAction) -> None:
+    from pagedserve.prefill_worker.cli_args import add_arguments
+
+    p = sub.add_parser("prefill", help="run a prefill worker (gRPC pagedserve.v1.PrefillWorker)")
+    add_arguments(p)
+    p.set_defaults(func=_run_prefill)
+
+
+def _run_prefill(args: argparse.Namespace) -> int:
+    from pagedserve.prefill_worker.server import main as serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny_model(sub)
     _add_generate(sub)
     _add_bench(sub)
+    _add_prefill(sub)
     return parser
 
 

@@ -1,0 +1,141 @@
+"""The prefill worker's edge: `pagedserve.v1` messages <-> engine calls and results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pagedserve.errors import InvalidArgument
+from pagedserve.kvstore.transfer import BlockChunk
+from pagedserve.model.convert import finish_reason_to_proto, logprobs_to_proto
+from pagedserve.prefill_worker.engine import PrefillEngine, PrefillResult
+from pagedserve.protoconv import sampling_from_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, prefill_pb2
+
+HANDLE_VERSION = 1
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillCall:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str
+    lease_seconds: float
+
+
+def prefill_call(msg: prefill_pb2.PrefillRequest) -> PrefillCall:
+    request = msg.request
+    if not request.request_id:
+        raise InvalidArgument("request.request_id", "must not be empty")
+    return PrefillCall(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        params=sampling_from_proto(request.sampling),
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        lease_seconds=float(msg.lease_seconds),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Identity:
+    """Who this worker is, as written into every handle."""
+
+    worker_id: str
+    incarnation: str
+    address: str
+
+
+def prefill_response(
+    result: PrefillResult, engine: PrefillEngine, me: Identity, trace_context: dict[str, str]
+) -> prefill_pb2.PrefillResponse:
+    seq = result.seq
+    response = prefill_pb2.PrefillResponse(
+        request_id=seq.request_id,
+        first_token=seq.output_token_ids[0],
+        cached_tokens=seq.num_cached_prompt_tokens,
+        computed_tokens=seq.num_prompt_tokens - seq.num_cached_prompt_tokens,
+    )
+    if seq.output_logprobs and seq.output_logprobs[0] is not None:
+        response.logprobs.CopyFrom(logprobs_to_proto(seq.output_logprobs[0]))
+    if result.lease is None:
+        response.finish_reason = finish_reason_to_proto(seq.finish_reason)
+        return response
+    response.kv_handle.CopyFrom(kv_handle(result, engine, me, trace_context))
+    return response
+
+
+def kv_handle(
+    result: PrefillResult, engine: PrefillEngine, me: Identity, trace_context: dict[str, str]
+) -> common_pb2.KvHandle:
+    assert result.lease is not None
+    seq, spec = result.seq, engine.runner.spec
+    num_full = seq.num_prompt_tokens // spec.block_size
+    handle = common_pb2.KvHandle(
+        version=HANDLE_VERSION,
+        handle_id=result.lease.handle_id,
+        producer_id=me.worker_id,
+        producer_incarnation=me.incarnation,
+        producer_address=me.address,
+        request_id=seq.request_id,
+        num_tokens=seq.num_prompt_tokens,
+        block_size=spec.block_size,
+        block_ids=result.lease.resource.block_ids,
+        block_hashes=seq.block_hashes[:num_full],
+        layout=common_pb2.KvLayout(
+            num_layers=spec.num_layers,
+            num_kv_heads=spec.num_kv_heads,
+            head_dim=spec.head_dim,
+            dtype=str(spec.dtype).removeprefix("torch."),
+            block_size=spec.block_size,
+            compat_hash=engine.compat_hash,
+        ),
+        lease_expires_unix_ms=result.lease_expires_unix_ms,
+        grpc=common_pb2.GrpcTransport(address=me.address),
+        trace_context=trace_context,
+    )
+    if engine.shm_pool is not None:
+        offer = engine.shm_pool.offer()
+        handle.shm.CopyFrom(
+            common_pb2.ShmTransport(
+                segment_name=offer.segment_name,
+                host_id=offer.host_id,
+                pool_offset_bytes=offer.pool_offset_bytes,
+                num_blocks=offer.num_blocks,
+                block_stride_bytes=offer.block_stride_bytes,
+                layer_stride_bytes=offer.layer_stride_bytes,
+                kv_stride_bytes=offer.kv_stride_bytes,
+            )
+        )
+    return handle
+
+
+def kv_chunk(chunk: BlockChunk) -> prefill_pb2.KvChunk:
+    return prefill_pb2.KvChunk(
+        block_index=chunk.block_index,
+        block_id=chunk.block_id,
+        data=chunk.data,
+        offset=chunk.offset,
+        last_of_block=chunk.last_of_block,
+    )
+
+
+def load_report(engine: PrefillEngine, worker_id: str, draining: bool) -> common_pb2.LoadReport:
+    pool = engine.pool
+    computed, cached = engine.num_prompt_tokens_computed, engine.num_prompt_tokens_cached
+    total = computed + cached
+    return common_pb2.LoadReport(
+        worker_id=worker_id,
+        role=common_pb2.WORKER_ROLE_PREFILL,
+        num_requests_running=len(engine.scheduler.running),
+        num_requests_waiting=engine.scheduler.num_waiting,
+        queued_prefill_tokens=engine.scheduler.queued_tokens,
+        kv_blocks_total=pool.num_blocks,
+        kv_blocks_free=pool.num_free,
+        kv_blocks_cached=pool.num_cached,
+        kv_cache_usage=pool.usage,
+        prefix_cache_hit_rate=cached / total if total else 0.0,
+        draining=draining,
+    )

@@ -1,0 +1,111 @@
+"""`pagedserve.v1.PrefillWorker`: a thin servicer over `PrefillEngine` (DESIGN §3.2).
+
+Errors are raised, not aborted: the server's interceptor maps them (pagedserve/errors.py). A
+client that cancels a Prefill (or whose deadline passes) aborts it; a lease granted after the
+client left is released at once, so no blocks stay pinned for nobody.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from concurrent.futures import CancelledError
+from concurrent.futures import TimeoutError as FutureTimeout
+
+import grpc
+
+from pagedserve.errors import Unavailable
+from pagedserve.kvstore.transfer import iter_block_chunks
+from pagedserve.prefill_worker import convert
+from pagedserve.prefill_worker.engine import PrefillEngine
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+DEFAULT_CHUNK_BYTES = 1 << 20
+MAX_CHUNK_BYTES = 4 << 20
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
+class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, engine: PrefillEngine, me: convert.Identity) -> None:
+        self.engine = engine
+        self.me = me
+        self.draining = False
+
+    def Prefill(self, request, context):  # noqa: N802 - gRPC method name
+        if self.draining:
+            raise Unavailable("prefill worker is draining")
+        call = convert.prefill_call(request)
+        future = self.engine.submit(
+            call.request_id,
+            call.prompt_token_ids,
+            call.params,
+            priority=call.priority,
+            cache_salt=call.cache_salt,
+            lease_seconds=call.lease_seconds,
+        )
+        context.add_callback(lambda: self._abandon(call.request_id, future))
+        try:
+            result = future.result(timeout=context.time_remaining())
+        except FutureTimeout:
+            self.engine.abort(call.request_id)
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+        except CancelledError:
+            context.abort(grpc.StatusCode.CANCELLED, "prefill aborted")
+        if not context.is_active():
+            # NOTE: the client left while the first token was computed: nobody will pull.
+            # (A response lost after this check still ends by lease expiry, DESIGN §3.5.)
+            if result.lease is not None:
+                self.engine.release(result.lease.handle_id)
+            context.abort(grpc.StatusCode.CANCELLED, "client went away")
+        trace = {k: v for k, v in context.invocation_metadata() if k in TRACE_KEYS}
+        return convert.prefill_response(result, self.engine, self.me, trace)
+
+    def _abandon(self, request_id: str, future) -> None:
+        """Called when the RPC ends, however it ends: a prefill nobody awaits is aborted."""
+        if not future.done():
+            self.engine.abort(request_id)
+
+    def PullKv(self, request, context) -> Iterator[prefill_pb2.KvChunk]:  # noqa: N802
+        if request.producer_incarnation != self.me.incarnation:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "handle of another incarnation")
+        block_ids = self.engine.leased_blocks(request.handle_id)
+        if block_ids is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, "lease unknown, released or expired")
+            return
+        max_chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
+        chunks = iter_block_chunks(
+            self.engine.runner.kv_cache, block_ids, max_chunk, list(request.block_indices)
+        )
+        for chunk in chunks:
+            yield convert.kv_chunk(chunk)
+        if self.engine.leased_blocks(request.handle_id) is None:
+            # NOTE: the lease ended while we streamed: the bytes may be from a reused block
+            context.abort(grpc.StatusCode.NOT_FOUND, "lease expired during the transfer")
+
+    def ReleaseKv(self, request, context):  # noqa: N802
+        return prefill_pb2.ReleaseKvResponse(found=self.engine.release(request.handle_id))
+
+    def RenewLease(self, request, context):  # noqa: N802
+        expires = self.engine.renew(request.handle_id, float(request.extend_seconds))
+        if expires is None:
+            context.abort(grpc.StatusCode.NOT_FOUND, "lease unknown, released or expired")
+        return prefill_pb2.RenewLeaseResponse(lease_expires_unix_ms=expires)
+
+    def Warmup(self, request, context):  # noqa: N802
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        futures = [
+            self.engine.submit(
+                f"warmup-{i}-{id(request)}", list(p.ids), params, cache_salt=request.cache_salt
+            )
+            for i, p in enumerate(request.prompts)
+        ]
+        for future in futures:
+            future.result(timeout=context.time_remaining())
+        blocks = sum(len(p.ids) // self.engine.config.block_size for p in request.prompts)
+        return prefill_pb2.WarmupResponse(blocks_cached=blocks)
+
+    def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
+        return convert.load_report(self.engine, self.me.worker_id, self.draining)
