@@ -1,0 +1,283 @@
+"""`DecodeEngine`: the decode worker's in-process loop: Scheduler + ModelRunner + Swapper.
+
+One `step()`::
+
+    plan = scheduler.schedule()                      block ids and token counts only
+    swapper.submit(plan.swap_in, plan.swap_out)      async: copy thread / CUDA stream
+    swapper.wait_for_writes(blocks this step writes) only if a pending swap-out reads one
+    swapper.wait_swap_in()                           swapped-in blocks land before the forward
+    runner.copy_blocks(plan.copies); runner.execute(plan.scheduled)
+    scheduler.update(plan, output)                   tokens, stops, frees
+
+It supersedes `pagedserve.model.engine.Engine` for the decode worker (that loop cannot preempt).
+The gRPC servicer and the KV import (DESIGN §3.5) build on it; they are not here yet.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from pagedserve.decode_worker.plan import (
+    PreemptionMode,
+    SchedulerStats,
+    SchedulingPolicy,
+    StepPlan,
+)
+from pagedserve.decode_worker.preemption import PreemptionCostModel
+from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
+from pagedserve.decode_worker.swapper import CopyFn, Swapper
+from pagedserve.kvstore.block_pool import BlockPool
+from pagedserve.kvstore.block_table import BlockTable
+from pagedserve.kvstore.hashing import model_fingerprint
+from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
+from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
+from pagedserve.model.engine import EngineConfig, validate_request
+from pagedserve.model.loader import load_model
+from pagedserve.model.runner import ModelRunner, RunnerOutput
+from pagedserve.model.sampler import make_generator
+from pagedserve.model.sequence import RequestId, Sequence
+from pagedserve.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeEngineConfig(EngineConfig):
+    """`EngineConfig` plus the decode worker's swap space, preemption and scheduling policy."""
+
+    swap_space_gib: float = 4.0
+    num_swap_blocks: int | None = None  # overrides swap_space_gib (tests size it in blocks)
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    scheduling_policy: SchedulingPolicy = SchedulingPolicy.PRIORITY
+    min_priority_gap: int = 1
+    max_preemptions: int = 4
+    # The preemption cost model's prior; `measure_costs` refines it from measured speeds.
+    swap_bytes_per_s: float = 10e9
+    prefill_tokens_per_s: float = 8e3
+    swap_overhead_s: float = 2e-4
+    measure_costs: bool = True
+
+    def __post_init__(self) -> None:
+        EngineConfig.__post_init__(self)
+        if self.swap_space_gib < 0:
+            raise ValueError(f"swap_space_gib: must be >= 0, got {self.swap_space_gib}")
+        if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
+            raise ValueError(f"num_swap_blocks: must be >= 0, got {self.num_swap_blocks}")
+
+    def cost_model(self) -> PreemptionCostModel:
+        return PreemptionCostModel(
+            swap_bytes_per_s=self.swap_bytes_per_s,
+            prefill_tokens_per_s=self.prefill_tokens_per_s,
+            swap_overhead_s=self.swap_overhead_s,
+            measure=self.measure_costs,
+        )
+
+
+@dataclass(slots=True)
+class DecodeStepOutput:
+    plan: StepPlan
+    finished: list[Sequence] = field(default_factory=list)  # incl. plan.failed's sequences
+    waited_for_swap_out: bool = False
+
+
+class DecodeEngine:
+    """Owns sequences from `add_request` until they finish; frees their blocks exactly once.
+
+    Not thread-safe: call `add_request`, `step` and `abort` from one thread (the servicer's
+    engine loop). `close()` waits for in-flight swap copies and stops the copy thread.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        runner: ModelRunner,
+        config: DecodeEngineConfig,
+        *,
+        copy_fn: CopyFn | None = None,
+    ) -> None:
+        self.model_config = model_config
+        self.config = config
+        self.runner = runner
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.fingerprint = model_fingerprint(model_config.raw, dtype=dtype_name(model_config.dtype))
+        self.pool = BlockPool(config.num_blocks, config.block_size, record_events=False)
+        self.kv = KVCacheManager(self.pool, enable_prefix_caching=config.enable_prefix_caching)
+        num_swap = config.num_swap_blocks
+        if num_swap is None:
+            num_swap = swap_blocks_for(runner.spec, config.swap_space_gib)
+        self.swap_space = SwapSpace(runner.spec, num_swap) if num_swap > 0 else None
+        self.swapper = None
+        if self.swap_space is not None:
+            self.swapper = Swapper(runner.kv_cache.tensor, self.swap_space.tensor, copy_fn=copy_fn)
+        self.scheduler = Scheduler(
+            self._scheduler_config(),
+            self.kv,
+            self.swap_space.pool if self.swap_space else None,
+            config.cost_model(),
+        )
+        self.errors: dict[RequestId, str] = {}  # request id -> why it finished with ERROR
+        self._ids = itertools.count()
+        self._swap_seen = (0, 0.0)  # (bytes, busy seconds) already fed to the cost model
+
+    @classmethod
+    def from_model_dir(
+        cls,
+        model_dir: str,
+        config: DecodeEngineConfig | None = None,
+        *,
+        copy_fn: CopyFn | None = None,
+    ) -> DecodeEngine:
+        config = config or DecodeEngineConfig()
+        model_config = load_model_config(model_dir, config.dtype)
+        model = load_model(model_config, config.device)
+        runner = ModelRunner(
+            model_config, model, config.num_blocks, config.block_size, config.device
+        )
+        return cls(model_config, runner, config, copy_fn=copy_fn)
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            max_model_len=self.max_model_len,
+            max_num_seqs=self.config.max_num_seqs,
+            max_num_batched_tokens=self.config.max_num_batched_tokens,
+            policy=self.config.scheduling_policy,
+            preemption_mode=self.config.preemption_mode,
+            min_priority_gap=self.config.min_priority_gap,
+            max_preemptions=self.config.max_preemptions,
+            bytes_per_block=self.runner.spec.bytes_per_block,
+            eos_token_ids=self.model_config.eos_token_ids,
+        )
+
+    # -- requests ------------------------------------------------------------------------------
+
+    @property
+    def stats(self) -> SchedulerStats:
+        return self.scheduler.stats
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> Sequence:
+        """Queue a request (lower `priority` runs sooner under the priority policy).
+
+        InvalidArgument for a bad request; one that cannot fit this worker's KV cache even
+        alone is returned finished with FinishReason.ERROR and its message in `errors`.
+        """
+        validate_request(self.model_config, self.max_model_len, prompt_token_ids, params)
+        seq = Sequence(
+            request_id=RequestId(request_id or f"req-{next(self._ids)}"),
+            prompt_token_ids=list(prompt_token_ids),
+            params=params,
+            block_table=BlockTable(self.pool),
+            model_fingerprint=self.fingerprint,
+            cache_salt=cache_salt,
+            priority=priority,
+            generator=make_generator(params.seed),
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, request_id: str) -> bool:
+        """Free the request's device and host blocks now; False if unknown or finished."""
+        return self.scheduler.abort(request_id)
+
+    def generate(
+        self,
+        prompts: Iterable[list[int]],
+        params: SamplingParams | Iterable[SamplingParams],
+        priorities: Iterable[int] | None = None,
+    ) -> list[Sequence]:
+        """Add every prompt, step until all finish, return the sequences in prompt order."""
+        prompts = list(prompts)
+        all_params = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
+        all_priorities = [0] * len(prompts) if priorities is None else list(priorities)
+        seqs = [
+            self.add_request(p, sp, priority=pr)
+            for p, sp, pr in zip(prompts, all_params, all_priorities, strict=True)
+        ]
+        while self.has_unfinished:
+            self.step()
+        return seqs
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def step(self) -> DecodeStepOutput:
+        """Schedule, move blocks, run one forward, apply its results."""
+        plan = self.scheduler.schedule()
+        for failed in plan.failed:
+            self.errors[failed.seq.request_id] = failed.message
+        waited = self._prepare_blocks(plan)
+        output = RunnerOutput(sampled=[])
+        if plan.scheduled:
+            start = time.perf_counter()
+            output = self.runner.execute(plan.scheduled)
+            self._observe_prefill(plan, time.perf_counter() - start)
+        finished = self.scheduler.update(plan, output)
+        self._observe_swap()
+        if plan.is_empty and self.has_unfinished:
+            raise RuntimeError("decode engine: nothing schedulable (scheduler invariant broken)")
+        return DecodeStepOutput(plan, finished + [f.seq for f in plan.failed], waited)
+
+    def _prepare_blocks(self, plan: StepPlan) -> bool:
+        """Issue the plan's swaps and copies, waiting only where an ordering rule needs it."""
+        waited = False
+        if self.swapper is not None:
+            self.swapper.submit(plan.swap_in, plan.swap_out)
+            waited = self.swapper.wait_for_writes(self._blocks_written(plan))
+            self.swapper.wait_swap_in()
+        elif plan.swap_in or plan.swap_out:
+            raise RuntimeError("decode engine: swap planned without a swap space")
+        self.runner.copy_blocks(plan.copies)
+        return waited
+
+    @staticmethod
+    def _blocks_written(plan: StepPlan) -> set[int]:
+        """Device blocks this step writes: copy-on-write destinations and new tokens' slots."""
+        blocks: set[int] = {dst for _, dst in plan.copies}
+        for item in plan.scheduled:
+            table, start = item.seq.block_table, item.seq.num_computed_tokens
+            first, end = (
+                start // table.block_size,
+                -(-(start + item.num_new_tokens) // table.block_size),
+            )
+            blocks.update(table.block_ids[first:end])
+        return blocks
+
+    def _observe_prefill(self, plan: StepPlan, seconds: float) -> None:
+        # NOTE: a decode-heavy step says little about prefill speed; only prefill-heavy count.
+        prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
+        if 2 * prefill >= plan.num_batched_tokens:
+            self.scheduler.cost_model.observe_prefill(plan.num_batched_tokens, seconds)
+
+    def _observe_swap(self) -> None:
+        if self.swapper is None:
+            return
+        stats = self.swapper.stats
+        total = (stats.num_bytes_in + stats.num_bytes_out, stats.busy_seconds)
+        seen_bytes, seen_seconds = self._swap_seen
+        if total[1] > seen_seconds:
+            self.scheduler.cost_model.observe_swap(total[0] - seen_bytes, total[1] - seen_seconds)
+            self._swap_seen = total
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless the device pool, the swap space and the queues agree."""
+        self.scheduler.check_integrity()
+        if self.swap_space is not None:
+            self.swap_space.check_integrity()
+
+    def close(self) -> None:
+        if self.swapper is not None:
+            self.swapper.close()

@@ -1,0 +1,92 @@
+"""What the decode scheduler decides for one step (`StepPlan`) and counts (`SchedulerStats`).
+
+Plain data: no tensors. The engine executes a plan in this order (docs/scheduling.md)::
+
+    swap_in, swap_out  ─► Swapper (one FIFO queue: this plan's swap-ins, then its swap-outs)
+    copies             ─► ModelRunner.copy_blocks   (after pending swap-outs of their dst blocks)
+    scheduled          ─► ModelRunner.execute       (after this plan's swap-ins have landed)
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pagedserve.kvstore.block_pool import BlockId
+from pagedserve.model.runner import ScheduledSequence
+from pagedserve.model.sequence import Sequence
+
+
+class SchedulingPolicy(enum.Enum):
+    FCFS = "fcfs"  # arrival order only; `priority` is ignored
+    PRIORITY = "priority"  # lower `priority` runs sooner, then arrival order
+
+
+class PreemptionMode(enum.Enum):
+    AUTO = "auto"  # per victim: swap when it fits and the cost model says it is cheaper
+    SWAP = "swap"  # swap when the swap space has room, else recompute
+    RECOMPUTE = "recompute"  # always drop the blocks and recompute later
+
+
+@dataclass(frozen=True, slots=True)
+class Preemption:
+    """`seq` left the running set this step, by `mode` (SWAP or RECOMPUTE)."""
+
+    seq: Sequence
+    mode: PreemptionMode
+    num_blocks: int  # blocks moved to host (SWAP) or released (RECOMPUTE)
+
+
+@dataclass(frozen=True, slots=True)
+class FailedSequence:
+    """`seq` was finished with FinishReason.ERROR; `message` says why, for the client."""
+
+    seq: Sequence
+    message: str
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step's decisions. Block pairs are ids in the device pool and the swap space's pool.
+
+    Every sequence in `scheduled` has its slots for this step allocated; its
+    `num_computed_tokens` is advanced by `Scheduler.update`, not here.
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    swap_out: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # (device, host)
+    swap_in: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # (host, device)
+    copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[Preemption] = field(default_factory=list)
+    recomputed: list[Sequence] = field(default_factory=list)  # re-admitted after RECOMPUTE
+    swapped_in: list[Sequence] = field(default_factory=list)
+    failed: list[FailedSequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not (
+            self.scheduled or self.swap_out or self.swap_in or self.preempted or self.failed
+        )
+
+
+@dataclass(slots=True)
+class SchedulerStats:
+    """Cumulative counters of one scheduler (exported as metrics by the servicer)."""
+
+    num_preemptions_swap: int = 0
+    num_preemptions_recompute: int = 0
+    num_swap_out_blocks: int = 0
+    num_swap_in_blocks: int = 0
+    num_swap_out_bytes: int = 0
+    num_swap_in_bytes: int = 0
+    num_swap_in_cache_hits: int = 0  # blocks found still cached on the device: no copy needed
+    num_swapped_recomputed: int = 0  # swapped sequences dropped to recompute to break a stall
+    num_failed: int = 0
+
+    @property
+    def num_preemptions(self) -> int:
+        return self.num_preemptions_swap + self.num_preemptions_recompute

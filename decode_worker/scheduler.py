@@ -1,0 +1,528 @@
+"""`Scheduler`: continuous batching with priority preemption by swap or recompute (DESIGN §3.6).
+
+Three queues, each sequence in exactly one::
+
+    waiting  heap on rank        not started, or preempted by RECOMPUTE (holds no blocks)
+    running  list                holds a device block table
+    swapped  list sorted by rank preempted by SWAP (holds a `SwappedBlocks` record)
+
+    rank = (priority, arrival)   under the `priority` policy (lower runs sooner)
+    rank = (0, arrival)          under `fcfs`
+
+`schedule()` decides one step with block ids and token counts only and returns a `StepPlan`:
+
+1. swap in the best-ranked swapped sequences that fit (seat, blocks for their host blocks and
+   next token, leaving room for the running sequences' next tokens);
+2. give every running sequence, best rank first, its next chunk (a decode token, or a prefill
+   chunk under the token budget, shrunk to what fits). When blocks run out it preempts the
+   worst-ranked running sequence (never one preempted `max_preemptions` times already),
+   which may be itself;
+3. admit waiting sequences, best rank first, with prefix-cache reuse and chunked prefill, while
+   they outrank every swapped sequence; when seats or blocks run out, a waiting or swapped
+   sequence displaces running ones only if it outranks them by `min_priority_gap` priority
+   levels (never under `fcfs`), and only if displacing them is enough (ask, then commit).
+
+The scheduler mutates sequences' tables, counters and statuses; the engine executes the plan and
+hands the runner's output back to `update()`. docs/scheduling.md explains the choices.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from pagedserve.decode_worker.plan import (
+    FailedSequence,
+    Preemption,
+    PreemptionMode,
+    SchedulerStats,
+    SchedulingPolicy,
+    StepPlan,
+)
+from pagedserve.decode_worker.preemption import (
+    PreemptionCostModel,
+    SwappedBlocks,
+    exclusive_positions,
+    release,
+    swap_in,
+    swap_in_cost,
+    swap_out,
+    trim_table,
+)
+from pagedserve.kvstore.block_pool import BlockId, BlockPool
+from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.model.progress import admit, advance
+from pagedserve.model.runner import RunnerOutput, ScheduledSequence
+from pagedserve.model.sequence import FinishReason, RequestId, Sequence, SequenceStatus
+
+Rank = tuple[int, int]
+Pairs = list[tuple[BlockId, BlockId]]
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits and policy of one decode scheduler; validated here, once."""
+
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    policy: SchedulingPolicy = SchedulingPolicy.PRIORITY
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    min_priority_gap: int = 1  # a waiting/swapped sequence displaces running ones this much worse
+    # A sequence preempted this often is no longer picked as a victim (0: each only yields itself).
+    max_preemptions: int = 4
+    bytes_per_block: int = 0  # for the swap byte counters and the cost model
+    eos_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "min_priority_gap"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_preemptions", "bytes_per_block"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
+
+
+@dataclass(slots=True, eq=False)
+class _Entry:
+    """The scheduler's private state of one sequence."""
+
+    seq: Sequence
+    rank: Rank
+    num_preemptions: int = 0
+    swapped: SwappedBlocks | None = None
+    recompute_pending: bool = False  # preempted by RECOMPUTE and not re-admitted yet
+
+    def __lt__(self, other: _Entry) -> bool:
+        return self.rank < other.rank
+
+
+@dataclass(slots=True)
+class _Step:
+    """One `schedule()` call in progress: the token budget left and what is scheduled so far."""
+
+    plan: StepPlan
+    budget: int
+    items: dict[RequestId, ScheduledSequence] = field(default_factory=dict)
+    copies: dict[RequestId, Pairs] = field(default_factory=dict)
+
+    def add(self, entry: _Entry, num_new_tokens: int, copies: Pairs) -> None:
+        self.items[entry.seq.request_id] = ScheduledSequence(entry.seq, num_new_tokens)
+        self.copies[entry.seq.request_id] = copies
+        self.budget -= num_new_tokens
+
+    def tokens_of(self, entry: _Entry) -> int:
+        item = self.items.get(entry.seq.request_id)
+        return item.num_new_tokens if item else 0
+
+    def remove(self, entry: _Entry) -> Pairs:
+        """Unschedule `entry` (a victim); return the copy-on-write pairs it had asked for."""
+        self.budget += self.tokens_of(entry)
+        self.items.pop(entry.seq.request_id, None)
+        return self.copies.pop(entry.seq.request_id, [])
+
+    def finish(self) -> StepPlan:
+        self.plan.scheduled = list(self.items.values())
+        self.plan.copies = [pair for pairs in self.copies.values() for pair in pairs]
+        return self.plan
+
+
+class Scheduler:
+    """Owns every sequence from `add` until it finishes or is aborted; frees each block once.
+
+    `kv` is the device pool's manager; `host_pool` is the swap space's pool (None: no swap
+    space, every preemption recomputes). Nothing here touches a tensor.
+    """
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        kv: KVCacheManager,
+        host_pool: BlockPool | None = None,
+        cost_model: PreemptionCostModel | None = None,
+    ) -> None:
+        self.config = config
+        self.kv = kv
+        self.pool = kv.pool
+        self.host_pool = host_pool
+        self.cost_model = cost_model or PreemptionCostModel()
+        self.stats = SchedulerStats()
+        self.waiting: list[_Entry] = []
+        self.running: list[_Entry] = []
+        self.swapped: list[_Entry] = []
+        self._entries: dict[RequestId, _Entry] = {}
+        self._failed: list[FailedSequence] = []
+        self._arrivals = itertools.count()
+
+    # -- queues --------------------------------------------------------------------------------
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self._entries or self._failed)
+
+    def num_preemptions_of(self, request_id: str) -> int:
+        entry = self._entries.get(RequestId(request_id))
+        return entry.num_preemptions if entry else 0
+
+    def add(self, seq: Sequence) -> None:
+        """Queue `seq` (fresh: no blocks, nothing computed).
+
+        A sequence whose worst case cannot fit the whole device pool is finished at once with
+        FinishReason.ERROR and reported in the next plan's `failed`. ValueError on a request
+        id already in use.
+        """
+        if seq.request_id in self._entries:
+            raise ValueError(f"request_id: {seq.request_id!r} is already queued")
+        priority = seq.priority if self.config.policy is SchedulingPolicy.PRIORITY else 0
+        entry = _Entry(seq, (priority, next(self._arrivals)))
+        message = self._does_not_fit(seq)
+        if message is not None:
+            seq.finish(FinishReason.ERROR)
+            self._failed.append(FailedSequence(seq, message))
+            self.stats.num_failed += 1
+            return
+        seq.status = SequenceStatus.WAITING
+        self._entries[seq.request_id] = entry
+        heapq.heappush(self.waiting, entry)
+
+    def abort(self, request_id: str) -> bool:
+        """Finish the request with ABORT and free its device and host blocks now.
+
+        Returns False (changing nothing) for an unknown or already finished request, so
+        blocks are freed exactly once however often abort is called.
+        """
+        entry = self._entries.pop(RequestId(request_id), None)
+        if entry is None:
+            return False
+        if entry in self.running:
+            self.running.remove(entry)
+            self.kv.free(entry.seq.block_table)
+        elif entry in self.swapped:
+            self.swapped.remove(entry)
+            self._release_swapped(entry)
+        else:
+            self.waiting.remove(entry)
+            heapq.heapify(self.waiting)
+        entry.seq.finish(FinishReason.ABORT)
+        return True
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan:
+        """Decide the next step (see the module docstring). Mutates tables and queues."""
+        plan = StepPlan(failed=self._failed)
+        self._failed = []
+        step = _Step(plan, self.config.max_num_batched_tokens)
+        self._swap_in_what_fits(step)
+        for entry in sorted(self.running):
+            if step.budget <= 0:
+                break
+            if entry in self.running:
+                self._schedule_running(entry, step)
+        self._admit_waiting(step)
+        return step.finish()
+
+    def update(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
+        """Apply the runner's results for `plan`; return the sequences that finished.
+
+        Advances `num_computed_tokens`, offers full blocks to the prefix cache, appends each
+        sampled token, checks the stop conditions and frees finished sequences' blocks.
+        """
+        finished: list[Sequence] = []
+        for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
+            seq = item.seq
+            done = advance(
+                self.kv,
+                item,
+                sampled,
+                eos_token_ids=self.config.eos_token_ids,
+                max_model_len=self.config.max_model_len,
+            )
+            if done:
+                entry = self._entries.pop(seq.request_id)
+                self.running.remove(entry)
+                self.kv.free(seq.block_table)
+                finished.append(seq)
+        return finished
+
+    # -- phase 1: swap in ----------------------------------------------------------------------
+
+    def _swap_in_what_fits(self, step: _Step) -> None:
+        while self.swapped and step.budget > 0:
+            entry = self.swapped[0]
+            if self._try_swap_in(entry, step):
+                continue
+            # NOTE: with nothing running, only other swapped sequences' shared device blocks
+            # can be in the way; recompute them rather than wait forever.
+            if self.running or not self._recompute_one_swapped(keep=entry):
+                return
+
+    def _try_swap_in(self, entry: _Entry, step: _Step) -> bool:
+        record = _some_record(entry)
+        growth = -(-(record.num_tokens + 1) // self.pool.block_size) - len(record.device)
+        # NOTE: leave room for the running sequences' next tokens, or phase 2 would preempt
+        # the sequence just swapped in (it is often the worst-ranked one).
+        need = swap_in_cost(record, self.pool) + growth + self._running_growth()
+        seat = len(self.running) < self.config.max_num_seqs
+        if not (seat and need <= self.pool.num_allocatable) and not self._displace_for(
+            entry, step, need, 1
+        ):
+            return False
+        result = swap_in(record, entry.seq.block_table, _some_pool(self.host_pool))
+        if result is None:
+            return False
+        pairs, hits = result
+        self.swapped.remove(entry)
+        entry.swapped = None
+        entry.seq.status = SequenceStatus.RUNNING
+        self.running.append(entry)
+        step.plan.swap_in.extend(pairs)
+        step.plan.swapped_in.append(entry.seq)
+        self.stats.num_swap_in_blocks += len(pairs)
+        self.stats.num_swap_in_bytes += len(pairs) * self.config.bytes_per_block
+        self.stats.num_swap_in_cache_hits += hits
+        return True
+
+    def _running_growth(self) -> int:
+        """Blocks the running sequences need for one more token each (a reserve)."""
+        return sum(
+            e.seq.block_table.blocks_needed(e.seq.num_computed_tokens + 1) for e in self.running
+        )
+
+    def _recompute_one_swapped(self, keep: _Entry) -> bool:
+        for entry in reversed(self.swapped):
+            if entry is not keep and _some_record(entry).num_device_blocks:
+                self.swapped.remove(entry)
+                self._release_swapped(entry)
+                self._requeue_for_recompute(entry)
+                self.stats.num_swapped_recomputed += 1
+                return True
+        return False
+
+    # -- phase 2: running ----------------------------------------------------------------------
+
+    def _schedule_running(self, entry: _Entry, step: _Step) -> None:
+        seq = entry.seq
+        want = min(seq.num_tokens - seq.num_computed_tokens, step.budget)
+        while True:
+            n = self._tokens_that_fit(seq, want)
+            if n > 0:
+                copies = self.kv.allocate(seq.block_table, seq.num_computed_tokens + n)
+                if copies is None:
+                    raise RuntimeError(f"{seq.request_id}: allocation failed after it fit")
+                step.add(entry, n, copies)
+                return
+            victim = next(self._victims_for_running(entry))
+            self._preempt(victim, step)
+            if victim is entry:
+                return
+
+    def _tokens_that_fit(self, seq: Sequence, want: int) -> int:
+        """The largest chunk `<= want` whose slots the pool can give now (a shrunk prefill)."""
+        table = seq.block_table
+        capacity = (len(table.block_ids) + self.pool.num_allocatable) * self.pool.block_size
+        n = min(want, capacity - seq.num_computed_tokens)
+        while n > 0 and not self.kv.can_allocate(table, seq.num_computed_tokens + n):
+            n -= 1
+        return max(n, 0)
+
+    def _victims_for_running(self, needy: _Entry) -> Iterator[_Entry]:
+        """Worst-ranked running sequences ranked below `needy`, then `needy` itself."""
+        for candidate in sorted(self.running, reverse=True):
+            if candidate is needy:
+                break
+            if candidate.num_preemptions < self.config.max_preemptions:
+                yield candidate
+        yield needy
+
+    # -- phase 3: waiting ----------------------------------------------------------------------
+
+    def _admit_waiting(self, step: _Step) -> None:
+        while self.waiting and step.budget > 0:
+            entry = self.waiting[0]
+            if self.swapped and not entry.rank < self.swapped[0].rank:
+                return
+            if not self._try_admit(entry, step):
+                return
+            heapq.heappop(self.waiting)
+
+    def _try_admit(self, entry: _Entry, step: _Step) -> bool:
+        seq, budget = entry.seq, step.budget
+        need = self._admission_need(seq, budget)
+        seat = len(self.running) < self.config.max_num_seqs
+        if not (seat and need <= self.pool.num_allocatable) and not self._displace_for(
+            entry, step, need, 1
+        ):
+            return False
+        admitted = admit(self.kv, seq, budget, prefix_caching=self.kv.enable_prefix_caching)
+        if admitted is None:
+            return False
+        item, copies = admitted
+        if entry.recompute_pending:
+            step.plan.recomputed.append(seq)
+        entry.recompute_pending = False
+        self.running.append(entry)
+        step.add(entry, item.num_new_tokens, copies)
+        return True
+
+    def _match_prefix(self, seq: Sequence) -> list[BlockId]:
+        return self.kv.match_prefix(seq.block_hashes, (seq.num_tokens - 1) // self.pool.block_size)
+
+    def _admission_need(self, seq: Sequence, budget: int) -> int:
+        """Allocatable blocks admitting `seq` with a chunk of at most `budget` tokens takes."""
+        prefix = self._match_prefix(seq)
+        num_cached = len(prefix) * self.pool.block_size
+        n = min(seq.num_tokens - num_cached, max(budget, 1))
+        revived = sum(self.pool.ref_count(b) == 0 for b in prefix)
+        return -(-(num_cached + n) // self.pool.block_size) - len(prefix) + revived
+
+    # -- displacing running sequences (phases 1 and 3) -----------------------------------------
+
+    def _displace_for(self, entry: _Entry, step: _Step, need_blocks: int, need_tokens: int) -> bool:
+        """Preempt running sequences `entry` may displace until it has a seat, `need_blocks`
+        allocatable blocks and `need_tokens` of budget; preempt nobody if that is impossible."""
+        seats = self.config.max_num_seqs - len(self.running)
+        blocks, budget = self.pool.num_allocatable, step.budget
+        victims: list[_Entry] = []
+        for candidate in sorted(self.running, reverse=True):
+            if seats >= 1 and blocks >= need_blocks and budget >= need_tokens:
+                break
+            if not self._outranks(entry, candidate):
+                break
+            if candidate.num_preemptions >= self.config.max_preemptions:
+                continue
+            victims.append(candidate)
+            seats += 1
+            blocks += len(exclusive_positions(candidate.seq.block_table))
+            budget += step.tokens_of(candidate)
+        if not (seats >= 1 and blocks >= need_blocks and budget >= need_tokens):
+            return False
+        for victim in victims:
+            self._preempt(victim, step)
+        return True
+
+    def _outranks(self, entry: _Entry, running: _Entry) -> bool:
+        if self.config.policy is SchedulingPolicy.FCFS:
+            return False
+        return running.seq.priority - entry.seq.priority >= self.config.min_priority_gap
+
+    # -- preemption ----------------------------------------------------------------------------
+
+    def _preempt(self, entry: _Entry, step: _Step) -> None:
+        """Take `entry` out of the running set by swap or recompute (see `_choose_mode`)."""
+        had_copies = bool(step.remove(entry))
+        seq = entry.seq
+        trim_table(seq.block_table, seq.num_computed_tokens)
+        self.running.remove(entry)
+        entry.num_preemptions += 1
+        mode = self._choose_mode(seq, force_recompute=had_copies)
+        if mode is PreemptionMode.SWAP:
+            result = swap_out(seq.block_table, seq.block_hashes, _some_pool(self.host_pool))
+            if result is not None:
+                record, pairs = result
+                self._enter_swapped(entry, record, pairs, step)
+                return
+        num_blocks = len(seq.block_table.block_ids)
+        self.kv.free(seq.block_table)
+        self._requeue_for_recompute(entry)
+        self.stats.num_preemptions_recompute += 1
+        step.plan.preempted.append(Preemption(seq, PreemptionMode.RECOMPUTE, num_blocks))
+
+    def _choose_mode(self, seq: Sequence, *, force_recompute: bool) -> PreemptionMode:
+        """SWAP or RECOMPUTE for one victim whose table holds only computed tokens.
+
+        NOTE: a victim with a copy-on-write pending in this plan is recomputed: its copy is
+        dropped from the plan, so its new last block holds nothing worth swapping.
+        """
+        mode = self.config.preemption_mode
+        if force_recompute or mode is PreemptionMode.RECOMPUTE or self.host_pool is None:
+            return PreemptionMode.RECOMPUTE
+        if seq.num_computed_tokens == 0:
+            return PreemptionMode.RECOMPUTE
+        table = seq.block_table
+        exclusive = exclusive_positions(table)
+        if not self.host_pool.can_allocate(len(exclusive)):
+            return PreemptionMode.RECOMPUTE
+        if mode is PreemptionMode.SWAP:
+            return PreemptionMode.SWAP
+        shared_head = exclusive[0] if exclusive else len(table.block_ids)
+        tokens = seq.num_computed_tokens - shared_head * self.pool.block_size
+        swap_cheaper = self.cost_model.prefers_swap(
+            len(exclusive), self.config.bytes_per_block, tokens
+        )
+        return PreemptionMode.SWAP if swap_cheaper else PreemptionMode.RECOMPUTE
+
+    def _enter_swapped(
+        self, entry: _Entry, record: SwappedBlocks, pairs: Pairs, step: _Step
+    ) -> None:
+        entry.swapped = record
+        entry.seq.status = SequenceStatus.SWAPPED
+        self.swapped.append(entry)
+        self.swapped.sort()
+        step.plan.swap_out.extend(pairs)
+        step.plan.preempted.append(Preemption(entry.seq, PreemptionMode.SWAP, len(pairs)))
+        self.stats.num_preemptions_swap += 1
+        self.stats.num_swap_out_blocks += len(pairs)
+        self.stats.num_swap_out_bytes += len(pairs) * self.config.bytes_per_block
+
+    def _requeue_for_recompute(self, entry: _Entry) -> None:
+        """Back to waiting with nothing computed; prompt + generated tokens are recomputed."""
+        entry.seq.num_computed_tokens = 0
+        entry.seq.status = SequenceStatus.WAITING
+        entry.recompute_pending = True
+        heapq.heappush(self.waiting, entry)
+
+    def _release_swapped(self, entry: _Entry) -> None:
+        release(_some_record(entry), self.pool, _some_pool(self.host_pool))
+        entry.swapped = None
+
+    # -- checks --------------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless queues and pools agree on who holds which block."""
+        self.pool.check_integrity()
+        queued = [*self.waiting, *self.running, *self.swapped]
+        if len(queued) != len(set(map(id, queued))) or len(queued) != len(self._entries):
+            raise RuntimeError(
+                f"integrity: {len(self._entries)} sequences, queues hold {len(queued)} entries"
+            )
+        device_refs = sum(len(e.seq.block_table.block_ids) for e in self.running)
+        device_refs += sum(_some_record(e).num_device_blocks for e in self.swapped)
+        held = sum(self.pool.ref_count(BlockId(b)) for b in range(self.pool.num_blocks))
+        if device_refs != held:
+            raise RuntimeError(f"integrity: sequences hold {device_refs} refs, pool counts {held}")
+        if any(e.seq.block_table.block_ids for e in (*self.waiting, *self.swapped)):
+            raise RuntimeError("integrity: a waiting or swapped sequence holds a block table")
+        if self.host_pool is not None:
+            self.host_pool.check_integrity()
+            on_host = sum(_some_record(e).num_host_blocks for e in self.swapped)
+            if on_host != self.host_pool.num_used:
+                raise RuntimeError(
+                    f"integrity: records hold {on_host} host blocks, swap space uses "
+                    f"{self.host_pool.num_used}"
+                )
+
+    def _does_not_fit(self, seq: Sequence) -> str | None:
+        worst = min(seq.num_prompt_tokens + seq.params.max_tokens, self.config.max_model_len)
+        blocks = -(-worst // self.pool.block_size)
+        if blocks <= self.pool.num_blocks:
+            return None
+        return (
+            f"request needs up to {worst} tokens ({blocks} KV blocks of "
+            f"{self.pool.block_size}) but this decode worker's KV cache holds only "
+            f"{self.pool.num_blocks} blocks; lower max_tokens or use a larger worker"
+        )
+
+
+def _some_record(entry: _Entry) -> SwappedBlocks:
+    if entry.swapped is None:
+        raise RuntimeError(f"{entry.seq.request_id}: swapped sequence without a record")
+    return entry.swapped
+
+
+def _some_pool(pool: BlockPool | None) -> BlockPool:
+    if pool is None:
+        raise RuntimeError("swap: no swap space configured")
+    return pool
