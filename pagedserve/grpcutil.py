@@ -178,3 +178,12 @@ def build_server(
     handle = ServerHandle(server, health_servicer, port, names)
     handle.set_ready(False)
     return handle
+
+
+def time_remaining(context: grpc.ServicerContext) -> float | None:
+    """Seconds left of the caller's deadline, or None when it set none.
+
+    NOTE: grpcio reports "no deadline" as ~9.2e18 seconds, which overflows as a client timeout.
+    """
+    remaining = context.time_remaining()
+    return None if remaining is None or remaining > 1e9 else max(0.0, remaining)

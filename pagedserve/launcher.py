@@ -1,0 +1,218 @@
+"""`pagedserve up`: a whole cluster on one machine as child processes.
+
+    redis-server (private, free port; skipped with --redis-url, or when no binary exists)
+    N x `pagedserve prefill`   M x `pagedserve decode`   1 x `pagedserve router`
+
+Each child prints `READY <id> <address>` when it serves; the launcher waits for all of them, then
+for the router's readiness (health of `pagedserve.v1.Generation`), prints the endpoints and
+waits. Ctrl-C / SIGTERM stops the router first (it drains), then the workers, then Redis, and
+kills whatever has not exited in time. Children are tied to the launcher's life
+(PR_SET_PDEATHSIG), so even a killed launcher leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_parent() -> None:  # runs in the child before exec
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    proc: subprocess.Popen
+    log_path: Path
+    address: str = ""
+
+
+@dataclass(slots=True)
+class Cluster:
+    children: list[Child] = field(default_factory=list)
+    redis_url: str | None = None
+    router_address: str = ""
+
+    def stop(self, timeout_s: float = 15.0) -> None:
+        """Router first (it drains), then workers, then Redis; kill what lingers."""
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+            if child.name == "router":
+                _wait(child.proc, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        for child in self.children:
+            _wait(child.proc, max(0.1, deadline - time.monotonic()))
+
+
+def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
+    try:
+        proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def _spawn(name: str, argv: list[str], log_dir: Path) -> Child:
+    log_path = log_dir / f"{name}.log"
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run user code yet
+        )
+    return Child(name, proc, log_path)
+
+
+def _await_ready(child: Child, timeout_s: float) -> None:
+    """Read the child's stdout until `READY <id> <address>` (in a thread, to bound the wait)."""
+    result: list[str] = []
+    stdout = child.proc.stdout
+    assert stdout is not None
+    reader = threading.Thread(target=lambda: result.append(stdout.readline()))
+    reader.daemon = True
+    reader.start()
+    reader.join(timeout_s)
+    line = result[0] if result else ""
+    if not line.startswith("READY"):
+        tail = child.log_path.read_text()[-3000:]
+        raise RuntimeError(f"{child.name} did not start (see {child.log_path}):\n{tail}")
+    child.address = line.split()[2]
+
+
+def _start_redis(log_dir: Path) -> Child | None:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        return None
+    port = free_port()
+    child = _spawn(
+        "redis",
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--dir", str(log_dir)],
+        log_dir,
+    )  # fmt: skip
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 0.2):
+            child.address = f"127.0.0.1:{port}"
+            return child
+        time.sleep(0.05)
+    raise RuntimeError("redis-server did not start")
+
+
+def wait_healthy(address: str, service: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    with grpc.insecure_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            with contextlib.suppress(grpc.RpcError):
+                request = health_pb2.HealthCheckRequest(service=service)
+                if stub.Check(request, timeout=1).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            time.sleep(0.1)
+    raise RuntimeError(f"{service} at {address} not healthy after {timeout_s}s")
+
+
+def start_cluster(args: argparse.Namespace, log_dir: Path) -> Cluster:
+    cluster = Cluster()
+    try:
+        _start_all(args, log_dir, cluster)
+    except BaseException:
+        cluster.stop(timeout_s=5)
+        raise
+    return cluster
+
+
+def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> None:
+    cli = [sys.executable, "-m", "pagedserve.cli"]
+    common = ["--model", args.model, "--block-size", str(args.block_size)]
+    if args.dtype:
+        common += ["--dtype", args.dtype]
+    cluster.redis_url = args.redis_url
+    if cluster.redis_url is None:
+        redis = _start_redis(log_dir)
+        if redis is not None:
+            cluster.children.append(redis)
+            cluster.redis_url = f"redis://{redis.address}/0"
+    redis_args = ["--redis-url", cluster.redis_url] if cluster.redis_url else []
+    workers = [(f"prefill-{i}", "prefill") for i in range(args.prefill)]
+    workers += [(f"decode-{i}", "decode") for i in range(args.decode)]
+    started = []
+    for name, role in workers:
+        argv = [*cli, role, *common, "--port", "0", "--worker-id", name, *redis_args]
+        argv += ["--kv-cache-memory", args.kv_cache_memory]
+        started.append(_spawn(name, argv, log_dir))
+    for child in started:  # NOTE: they load the model in parallel; wait for each in turn
+        _await_ready(child, args.start_timeout)
+    cluster.children[:0] = started
+    router_argv = [*cli, "router", *common, "--host", args.host, "--port", str(args.port)]
+    router_argv += redis_args
+    for child in started:
+        router_argv += [f"--{child.name.split('-')[0]}", child.address]
+    router = _spawn("router", router_argv, log_dir)
+    cluster.children.insert(0, router)
+    _await_ready(router, args.start_timeout)
+    cluster.router_address = router.address
+    wait_healthy(router.address, "pagedserve.v1.Generation", args.start_timeout)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=50051, help="the router's port (0: free)")
+    parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
+    parser.add_argument("--decode", type=int, default=1, help="number of decode workers")
+    parser.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    parser.add_argument("--start-timeout", type=float, default=120.0)
+    parser.add_argument("--log-dir", default=None, help="default: a temporary directory")
+
+
+def main(args: argparse.Namespace) -> int:
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagedserve-up-"))
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = start_cluster(args, log_dir)
+    try:
+        for child in cluster.children:
+            print(f"  {child.name:<10} {child.address}", flush=True)
+        print(f"  logs       {log_dir}", flush=True)
+        print(f"READY router {cluster.router_address}", flush=True)
+        while not stop.wait(0.5):
+            dead = [c.name for c in cluster.children if c.proc.poll() is not None]
+            if dead:
+                print(f"pagedserve up: {', '.join(dead)} exited; stopping", file=sys.stderr)
+                return 1
+        return 0
+    finally:
+        cluster.stop()

@@ -1,0 +1,25 @@
+"""Flags of `pagedserve router` (a light module: building the parser imports nothing heavy)."""
+
+from __future__ import annotations
+
+import argparse
+
+from pagedserve.config import add_server_arguments, positive_int
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", required=True, help="model directory (tokenizer + config)")
+    parser.add_argument("--served-model-name", default=None, help="name in Redis keys and APIs")
+    parser.add_argument("--revision", default="", help="must match the workers' --revision")
+    parser.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
+        help="the workers' KV dtype (part of block hashes); default: the checkpoint's",
+    )  # fmt: skip
+    parser.add_argument(
+        "--block-size", type=positive_int, default=16, help="the workers' block size"
+    )
+    add_server_arguments(parser, default_port=50051)
+    parser.add_argument("--prefill", action="append", default=[], help="static prefill address")
+    parser.add_argument("--decode", action="append", default=[], help="static decode address")
+    parser.add_argument("--max-queued-requests", type=positive_int, default=256)
+    parser.add_argument("--load-poll-interval", type=float, default=0.5, help="seconds")

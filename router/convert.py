@@ -1,0 +1,98 @@
+"""The router's edge: public `pagedserve.v1.Generation` messages <-> validated requests.
+
+Every check happens here, before any worker sees the request (DESIGN §3.1): a bad field raises
+`InvalidArgument` naming it (`sampling.top_p`, `token_ids`, ...), which the interceptor turns
+into INVALID_ARGUMENT with a `BadRequest.FieldViolation`.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+
+from pagedserve.errors import InvalidArgument
+from pagedserve.protoconv import sampling_from_proto, sampling_to_proto
+from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, generation_pb2
+
+MAX_REQUEST_ID_LEN = 128
+MAX_CACHE_SALT_LEN = 256
+MAX_PROMPT_CHARS = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class RouterRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str
+    stream: bool
+
+
+def router_request(
+    msg: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer, card: ModelCard
+) -> RouterRequest:
+    """Validate and tokenize; raises InvalidArgument naming the first bad field."""
+    request_id = msg.request_id or uuid.uuid4().hex
+    if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
+        raise InvalidArgument("request_id", f"must be printable and <= {MAX_REQUEST_ID_LEN} chars")
+    if len(msg.cache_salt) > MAX_CACHE_SALT_LEN:
+        raise InvalidArgument("cache_salt", f"must be <= {MAX_CACHE_SALT_LEN} chars")
+    prompt = _prompt_ids(msg, tokenizer, card)
+    if len(prompt) >= card.max_model_len:
+        raise InvalidArgument(
+            msg.WhichOneof("prompt") or "prompt",
+            f"{len(prompt)} prompt tokens leave no room under max_model_len {card.max_model_len}",
+        )
+    params = sampling_from_proto(msg.sampling)
+    try:
+        params.validate(
+            vocab_size=card.vocab_size, max_model_len=card.max_model_len, prompt_len=len(prompt)
+        )
+    except InvalidArgument as exc:
+        raise exc.with_prefix("sampling") from None
+    return RouterRequest(
+        request_id=request_id,
+        prompt_token_ids=prompt,
+        params=params,
+        priority=msg.priority,
+        cache_salt=msg.cache_salt,
+        stream=msg.stream,
+    )
+
+
+def _prompt_ids(
+    msg: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer, card: ModelCard
+) -> list[int]:
+    kind = msg.WhichOneof("prompt")
+    add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
+    if kind is None:
+        raise InvalidArgument("prompt", "set either text or token_ids")
+    if kind == "text":
+        if not msg.text:
+            raise InvalidArgument("text", "must not be empty")
+        if len(msg.text) > MAX_PROMPT_CHARS:
+            raise InvalidArgument("text", f"must be <= {MAX_PROMPT_CHARS} characters")
+        ids = tokenizer.encode(msg.text, add_special_tokens=add_special)
+        if not ids:
+            raise InvalidArgument("text", "tokenizes to no tokens")
+        return ids
+    ids = list(msg.token_ids.ids)
+    if not ids:
+        raise InvalidArgument("token_ids", "must not be empty")
+    bad = next((t for t in ids if t >= card.vocab_size), None)
+    if bad is not None:
+        raise InvalidArgument("token_ids", f"id {bad} is not below vocab_size {card.vocab_size}")
+    return ids
+
+
+def worker_request(request: RouterRequest) -> common_pb2.WorkerRequest:
+    return common_pb2.WorkerRequest(
+        request_id=request.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling=sampling_to_proto(request.params),
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+    )

@@ -1,0 +1,217 @@
+"""Where a request goes: the (prefill, decode) pair of lowest cost (DESIGN §3.7).
+
+    cost(p) = w_overlap * uncached_prefill_blocks(p) + w_load * queued_prefill_tokens(p) / bs
+    cost(d) = w_decode * kv_usage(d) + w_queue * (running + waiting + in_flight)(d) / max_num_seqs
+
+Workers come from the static lists (`--prefill`, `--decode`) and, with Redis, from the registry
+(live incarnations only). Load comes from polling each worker's `GetLoad` plus the requests this
+router has in flight there (so a burst does not all land on the idlest worker). The prefix
+overlap comes from the Redis index; when Redis is absent, down or slow the router routes by load
+alone and says so (`index_degraded`), and recovers by itself on the next successful lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagedserve.kvstore.hashing import BlockHash
+from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
+from pagedserve.kvstore.worker_registry import RegistryUnavailable, Role, WorkerRegistry
+from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class CostWeights:
+    overlap: float = 1.0
+    load: float = 1.0
+    decode: float = 4.0
+    queue: float = 1.0
+
+
+@dataclass(slots=True)
+class Worker:
+    """One worker as the router sees it. `load` is the last GetLoad answer (None: never seen)."""
+
+    worker_id: str
+    address: str
+    role: Role
+    incarnation: str = ""
+    channel: grpc.Channel | None = None
+    load: common_pb2.LoadReport | None = None
+    in_flight: int = 0
+    failures: int = 0
+
+    @property
+    def healthy(self) -> bool:
+        return self.load is not None and not self.load.draining and self.failures == 0
+
+
+@dataclass(slots=True)
+class Decision:
+    prefill: Worker
+    decode: Worker
+    cached_blocks: int
+    terms: dict[str, float] = field(default_factory=dict)  # span attributes
+
+
+class WorkerSet:
+    """Membership, channels and load of every worker; refreshed by `refresh()` (a poller)."""
+
+    def __init__(
+        self,
+        static_prefill: Sequence[str],
+        static_decode: Sequence[str],
+        registry: WorkerRegistry | None,
+        *,
+        max_message_bytes: int,
+    ) -> None:
+        self._lock = threading.Lock()
+        self._registry = registry
+        self._options = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        self._workers: dict[str, Worker] = {}
+        for role, addresses in ((Role.PREFILL, static_prefill), (Role.DECODE, static_decode)):
+            for address in addresses:
+                self._add(Worker(address, address, role))
+
+    def _add(self, worker: Worker) -> Worker:
+        worker.channel = grpc.insecure_channel(worker.address, options=self._options)
+        self._workers[worker.worker_id] = worker
+        return worker
+
+    def workers(self, role: Role | None = None) -> list[Worker]:
+        with self._lock:
+            return [w for w in self._workers.values() if role is None or w.role is role]
+
+    def refresh(self, timeout_s: float = 0.5) -> None:
+        """Pick up registry changes, then poll every worker's load."""
+        if self._registry is not None:
+            self._sync_registry()
+        for worker in self.workers():
+            self._poll(worker, timeout_s)
+
+    def _sync_registry(self) -> None:
+        assert self._registry is not None
+        try:
+            live = self._registry.live_workers()
+        except RegistryUnavailable:
+            return  # NOTE: keep the last membership; GetLoad polling still tracks health
+        with self._lock:
+            for info in live:
+                if info.role not in (Role.PREFILL, Role.DECODE):
+                    continue
+                known = self._workers.get(info.worker_id) or self._rekey_static(
+                    info.address, info.worker_id
+                )
+                if known is not None and known.incarnation not in ("", info.incarnation):
+                    known.channel.close() if known.channel else None
+                    known = None
+                if known is None:
+                    self._add(Worker(info.worker_id, info.address, info.role, info.incarnation))
+                else:
+                    known.incarnation = info.incarnation
+
+    def _rekey_static(self, address: str, worker_id: str) -> Worker | None:
+        """A statically listed worker that registered too: known from now on by its id."""
+        static = self._workers.pop(address, None)
+        if static is not None:
+            static.worker_id = worker_id
+            self._workers[worker_id] = static
+        return static
+
+    def _poll(self, worker: Worker, timeout_s: float) -> None:
+        assert worker.channel is not None
+        stub: Callable = (
+            prefill_pb2_grpc.PrefillWorkerStub(worker.channel).GetLoad
+            if worker.role is Role.PREFILL
+            else decode_pb2_grpc.DecodeWorkerStub(worker.channel).GetLoad
+        )
+        try:
+            worker.load = stub(common_pb2.GetLoadRequest(), timeout=timeout_s)
+            worker.failures = 0
+        except grpc.RpcError:
+            worker.failures += 1
+
+    def mark_failed(self, worker: Worker) -> None:
+        worker.failures += 1
+
+    def close(self) -> None:
+        for worker in self.workers():
+            if worker.channel is not None:
+                worker.channel.close()
+
+
+class RoutingPolicy:
+    """Scores candidates; never blocks for long (Redis lookups have short timeouts)."""
+
+    def __init__(
+        self,
+        workers: WorkerSet,
+        index: PrefixIndex | None,
+        *,
+        block_size: int,
+        max_num_seqs: int = 64,
+        weights: CostWeights | None = None,
+    ) -> None:
+        self.workers = workers
+        self.index = index
+        self.block_size = block_size
+        self.max_num_seqs = max_num_seqs
+        self.weights = weights or CostWeights()
+        self.index_degraded = index is None
+        self.lookups = 0
+        self.lookup_errors = 0
+
+    def choose(self, block_hashes: Sequence[BlockHash], exclude: Sequence[str] = ()) -> Decision:
+        """The cheapest healthy pair. Raises LookupError when a role has no healthy worker."""
+        prefills = [w for w in self.workers.workers(Role.PREFILL) if w.healthy]
+        prefills = [w for w in prefills if w.worker_id not in exclude] or prefills
+        decodes = [w for w in self.workers.workers(Role.DECODE) if w.healthy]
+        if not prefills or not decodes:
+            raise LookupError("no healthy prefill or decode worker")
+        overlap = self._overlap(block_hashes)
+        w = self.weights
+
+        def prefill_cost(p: Worker) -> float:
+            uncached = len(block_hashes) - overlap.get(p.worker_id, 0)
+            queued = (p.load.queued_prefill_tokens if p.load else 0) / self.block_size
+            return w.overlap * uncached + w.load * (queued + p.in_flight)
+
+        def decode_cost(d: Worker) -> float:
+            load = d.load
+            busy = (load.num_requests_running + load.num_requests_waiting) if load else 0
+            usage = load.kv_cache_usage if load else 0.0
+            return w.decode * usage + w.queue * (busy + d.in_flight) / self.max_num_seqs
+
+        prefill = min(prefills, key=prefill_cost)
+        decode = min(decodes, key=decode_cost)
+        cached = overlap.get(prefill.worker_id, 0)
+        terms = {
+            "uncached_prefill_blocks": float(len(block_hashes) - cached),
+            "prefill_cost": prefill_cost(prefill),
+            "decode_cost": decode_cost(decode),
+            "index_degraded": float(self.index_degraded),
+        }
+        return Decision(prefill, decode, cached, terms)
+
+    def _overlap(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
+        if self.index is None or not block_hashes:
+            return {}
+        try:
+            overlap = self.index.lookup(block_hashes)
+        except IndexUnavailable:
+            self.lookup_errors += 1
+            self.index_degraded = True
+            return {}
+        self.lookups += 1
+        self.index_degraded = False
+        return overlap

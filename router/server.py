@@ -1,0 +1,96 @@
+"""`pagedserve router`: the public gRPC face of a cluster (never imports torch).
+
+Start-up: read the tokenizer and config, connect Redis if given (a failure is not fatal: the
+router starts degraded and recovers), bind, poll worker loads, mark ready when at least one
+prefill and one decode worker answer, print `READY router <address>`. SIGTERM: NOT_SERVING,
+in-flight streams get `--drain-timeout` to finish, then stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from pagedserve.grpcutil import build_server
+from pagedserve.kvstore.hashing import model_fingerprint
+from pagedserve.kvstore.prefix_index import RedisPrefixIndex
+from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
+from pagedserve.router.cli_args import add_arguments
+from pagedserve.router.routing import RoutingPolicy, WorkerSet
+from pagedserve.router.servicer import GenerationServicer, RouterSettings
+from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
+from pagedserve.v1 import generation_pb2_grpc
+
+log = logging.getLogger("pagedserve.router")
+SERVICE_NAME = "pagedserve.v1.Generation"
+
+
+def build_servicer(args: argparse.Namespace) -> tuple[GenerationServicer, WorkerSet]:
+    card = read_model_card(args.model, args.served_model_name)
+    tokenizer = RouterTokenizer.from_model_dir(args.model)
+    registry = index = None
+    if args.redis_url:
+        client = connect(args.redis_url)
+        registry = WorkerRegistry(client, card.name)
+        index = RedisPrefixIndex(client, card.name, block_size=args.block_size)
+    workers = WorkerSet(
+        args.prefill, args.decode, registry, max_message_bytes=args.max_message_bytes
+    )
+    policy = RoutingPolicy(workers, index, block_size=args.block_size)
+    fingerprint = model_fingerprint(
+        card.config, dtype=args.dtype or card.dtype, revision=args.revision
+    )
+    settings = RouterSettings(
+        block_size=args.block_size,
+        model_fingerprint=fingerprint,
+        max_queued_requests=args.max_queued_requests,
+    )
+    return GenerationServicer(tokenizer, card, workers, policy, settings), workers
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    servicer, workers = build_servicer(args)
+    handle = build_server(
+        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+        address=f"{args.host}:{args.port}",
+        max_message_bytes=args.max_message_bytes,
+    )
+    handle.server.start()
+    address = args.advertise_address or f"{args.host}:{handle.port}"
+
+    def poll() -> None:
+        ready = False
+        while not stop.wait(0 if not ready else args.load_poll_interval):
+            workers.refresh()
+            healthy = {w.role for w in workers.workers() if w.healthy}
+            now_ready = {Role.PREFILL, Role.DECODE} <= healthy
+            if now_ready != ready:
+                handle.set_ready(now_ready)
+                ready = now_ready
+                log.info("ready: %s", ready)
+            if not ready:
+                stop.wait(0.1)
+
+    poller = threading.Thread(target=poll, name="load-poller", daemon=True)
+    poller.start()
+    print(f"READY router {address}", flush=True)
+    stop.wait()
+    handle.set_ready(False)
+    handle.server.stop(grace=args.drain_timeout).wait(args.drain_timeout + 1)
+    poller.join(2.0)
+    workers.close()
+    return 0
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pagedserve router")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

@@ -1,0 +1,389 @@
+"""`pagedserve.v1.Generation`: validate, route, Prefill -> first token -> Decode -> stream.
+
+Ownership of the request's KV while the router holds the handle:
+
+    Prefill (worker leases the blocks) ──► router holds the handle ──► Decode (imports, releases)
+                                                 │
+                              stop / cancel here ─► ReleaseKv (else the lease expires)
+
+A client cancel or deadline cancels whichever worker call is in flight (the workers abort and
+free at once). A prefill that fails before any token retries once on another worker; a decode
+worker lost mid-stream ends the stream with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagedserve.errors import ResourceExhausted, Unavailable
+from pagedserve.grpcutil import time_remaining
+from pagedserve.kvstore.hashing import hash_blocks
+from pagedserve.router import convert
+from pagedserve.router.detokenizer import Detokenizer
+from pagedserve.router.routing import Decision, RoutingPolicy, Worker, WorkerSet
+from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
+from pagedserve.sampling_params import MAX_LOGPROBS
+from pagedserve.v1 import (
+    common_pb2,
+    decode_pb2,
+    decode_pb2_grpc,
+    generation_pb2,
+    generation_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+)
+
+log = logging.getLogger(__name__)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+TRACE_KEYS = ("traceparent", "tracestate")
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    block_size: int
+    model_fingerprint: bytes
+    max_queued_requests: int = 256
+    prefill_retries: int = 1
+
+
+@dataclass(slots=True)
+class _Active:
+    """A request in flight: what to cancel when the client leaves or Abort arrives."""
+
+    cancel_current: Callable[[], None] | None = None
+    aborted: bool = False
+    handle: tuple[Worker, str] | None = None  # (prefill worker, handle id) not yet passed on
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def set_call(self, cancel: Callable[[], None] | None) -> None:
+        with self.lock:
+            self.cancel_current = cancel
+            aborted = self.aborted
+        if aborted and cancel is not None:
+            cancel()
+
+    def abort(self) -> None:
+        with self.lock:
+            self.aborted = True
+            cancel = self.cancel_current
+        if cancel is not None:
+            cancel()
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(
+        self,
+        tokenizer: RouterTokenizer,
+        card: ModelCard,
+        workers: WorkerSet,
+        policy: RoutingPolicy,
+        settings: RouterSettings,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.card = card
+        self.workers = workers
+        self.policy = policy
+        self.settings = settings
+        self._active: dict[str, _Active] = {}
+        self._lock = threading.Lock()
+        self.requests_to_workers = 0
+
+    # ---- Generate -------------------------------------------------------------------------
+
+    def Generate(self, request, context) -> Iterator[generation_pb2.GenerateResponse]:  # noqa: N802
+        req = convert.router_request(request, self.tokenizer, self.card)
+        active = self._admit(req.request_id)
+        context.add_callback(active.abort)
+        try:
+            responses = self._generate(req, active, context)
+            if req.stream:
+                yield from responses
+            else:
+                yield _merge(list(responses))
+        except _Aborted:
+            yield generation_pb2.GenerateResponse(
+                request_id=req.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT
+            )
+        except _WorkerError as exc:
+            context.abort(exc.err.code(), exc.err.details())  # type: ignore[attr-defined]
+        finally:
+            with self._lock:
+                self._active.pop(req.request_id, None)
+            self._release_unclaimed(active)
+
+    def _admit(self, request_id: str) -> _Active:
+        with self._lock:
+            if len(self._active) >= self.settings.max_queued_requests:
+                raise ResourceExhausted("router queue is full", retry_after_s=1.0)
+            if request_id in self._active:
+                raise convert.InvalidArgument("request_id", f"{request_id!r} is already running")
+            active = self._active[request_id] = _Active()
+        return active
+
+    def _generate(
+        self, req: convert.RouterRequest, active: _Active, context: grpc.ServicerContext
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        hashes = hash_blocks(
+            req.prompt_token_ids,
+            self.settings.block_size,
+            model_fingerprint=self.settings.model_fingerprint,
+            cache_salt=req.cache_salt,
+        )
+        metadata = [(k, v) for k, v in context.invocation_metadata() if k in TRACE_KEYS]
+        worker_request = convert.worker_request(req)
+        prefilled, decision = self._prefill(worker_request, hashes, active, context, metadata)
+        stream = _Stream(req, self.tokenizer, prefilled.cached_tokens)
+        if prefilled.HasField("kv_handle"):
+            active.handle = (decision.prefill, prefilled.kv_handle.handle_id)
+        first_token = prefilled.first_token
+        first = stream.add(
+            [first_token],
+            [prefilled.logprobs],
+            prefilled.finish_reason,
+            first_token if first_token in req.params.stop_token_ids else None,
+        )
+        if stream.finished:
+            yield stream.finish(first)
+            return
+        yield first
+        yield from self._decode(worker_request, prefilled, decision, stream, active, context)
+
+    def _prefill(self, worker_request, hashes, active, context, metadata):
+        tried: list[str] = []
+        for attempt in range(1 + self.settings.prefill_retries):
+            decision = self._choose(hashes, tried)
+            stub = prefill_pb2_grpc.PrefillWorkerStub(decision.prefill.channel)
+            call = stub.Prefill.future(
+                prefill_pb2.PrefillRequest(
+                    request=worker_request, decode_worker_id=decision.decode.worker_id
+                ),
+                timeout=time_remaining(context),
+                metadata=metadata,
+            )
+            active.set_call(call.cancel)
+            decision.prefill.in_flight += 1
+            self.requests_to_workers += 1
+            try:
+                return call.result(), decision
+            except grpc.RpcError as err:
+                self._raise_unless_retryable(err, active, attempt)
+                self.workers.mark_failed(decision.prefill)
+                tried.append(decision.prefill.worker_id)
+            finally:
+                decision.prefill.in_flight -= 1
+                active.set_call(None)
+        raise AssertionError("unreachable")
+
+    def _raise_unless_retryable(self, err: grpc.RpcError, active: _Active, attempt: int) -> None:
+        code = err.code()  # type: ignore[attr-defined]
+        if active.aborted or code is grpc.StatusCode.CANCELLED:
+            raise _Aborted from None
+        if code not in RETRYABLE or attempt >= self.settings.prefill_retries:
+            raise _WorkerError(err) from None
+
+    def _choose(self, hashes, exclude) -> Decision:
+        try:
+            return self.policy.choose(hashes, exclude)
+        except LookupError as exc:
+            raise Unavailable(str(exc)) from None
+
+    def _decode(self, worker_request, prefilled, decision, stream, active, context):
+        stub = decode_pb2_grpc.DecodeWorkerStub(decision.decode.channel)
+        call = stub.Decode(
+            decode_pb2.DecodeRequest(
+                request=worker_request,
+                first_token=prefilled.first_token,
+                first_logprobs=prefilled.logprobs if prefilled.HasField("logprobs") else None,
+                kv_handle=prefilled.kv_handle,
+            ),
+            timeout=time_remaining(context),
+        )
+        active.handle = None  # NOTE: the decode worker owns the lease from here (it releases)
+        active.set_call(call.cancel)
+        decision.decode.in_flight += 1
+        self.requests_to_workers += 1
+        try:
+            for part in call:
+                stop_id = (
+                    part.matched_stop_token_id if part.HasField("matched_stop_token_id") else None
+                )
+                out = stream.add(
+                    list(part.token_ids), list(part.logprobs), part.finish_reason, stop_id
+                )
+                if stream.finished:
+                    if not part.finish_reason:
+                        call.cancel()  # NOTE: a stop string matched; the worker frees at once
+                    yield stream.finish(out)
+                    return
+                if out.token_ids or out.text:
+                    yield out
+        except grpc.RpcError as err:
+            if active.aborted or err.code() is grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                yield stream.finish(stream.empty(), common_pb2.FINISH_REASON_ABORT)
+                return
+            if err.code() is grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                self.workers.mark_failed(decision.decode)
+                raise Unavailable("decode worker lost mid-stream") from None
+            raise _WorkerError(err) from None
+        finally:
+            decision.decode.in_flight -= 1
+            active.set_call(None)
+        raise Unavailable("decode stream ended without a finish reason")
+
+    def _release_unclaimed(self, active: _Active) -> None:
+        if active.handle is None:
+            return
+        worker, handle_id = active.handle
+        try:
+            stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
+            stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
+        except grpc.RpcError:
+            log.warning("could not release lease %s; it will expire", handle_id)
+
+    # ---- the rest -------------------------------------------------------------------------
+
+    def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
+        with self._lock:
+            active = self._active.get(request.request_id)
+        if active is not None:
+            active.abort()
+        return common_pb2.AbortResponse(found=active is not None)
+
+    def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:  # noqa: N802
+        if len(request.text) > convert.MAX_PROMPT_CHARS:
+            raise convert.InvalidArgument("text", "too long")
+        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
+        ids = self.tokenizer.encode(request.text, add_special_tokens=add)
+        return generation_pb2.TokenizeResponse(token_ids=ids)
+
+    def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:  # noqa: N802
+        card = self.card
+        return generation_pb2.ModelInfo(
+            model_name=card.name,
+            max_model_len=card.max_model_len,
+            vocab_size=card.vocab_size,
+            block_size=self.settings.block_size,
+            eos_token_ids=card.eos_token_ids,
+            dtype=card.dtype,
+            architecture=card.architecture,
+            max_logprobs=MAX_LOGPROBS,
+        )
+
+    def GetClusterStatus(self, request, context) -> generation_pb2.ClusterStatus:  # noqa: N802
+        self.workers.refresh()
+        status = generation_pb2.ClusterStatus(index_degraded=self.policy.index_degraded)
+        computed = cached = 0.0
+        for w in self.workers.workers():
+            role = common_pb2.WORKER_ROLE_PREFILL if w.role.value == "prefill" else None
+            status.workers.add(
+                worker_id=w.worker_id,
+                role=role or common_pb2.WORKER_ROLE_DECODE,
+                address=w.address,
+                incarnation=w.incarnation,
+                alive=w.healthy,
+                load=w.load,
+            )
+            if w.load is not None and role is not None:
+                cached += w.load.prefix_cache_hit_rate
+                computed += 1
+        status.prefix_cache_hit_rate = cached / computed if computed else 0.0
+        return status
+
+
+class _Aborted(Exception):
+    """The client aborted (Abort RPC or cancel) while a worker call was in flight."""
+
+
+class _WorkerError(Exception):
+    """A worker answered with a status we pass on as is."""
+
+    def __init__(self, err: grpc.RpcError) -> None:
+        super().__init__(err)
+        self.err = err
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Builds GenerateResponses: token deltas, text deltas, cumulative usage, stops."""
+
+    req: convert.RouterRequest
+    tokenizer: RouterTokenizer
+    cached_tokens: int
+    completion_tokens: int = 0
+    finished: bool = False
+    stop_token: int | None = None
+    detok: Detokenizer = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.detok = Detokenizer(
+            self.tokenizer, skip_special_tokens=self.req.params.skip_special_tokens,
+            stop=self.req.params.stop,
+        )  # fmt: skip
+
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(
+            prompt_tokens=len(self.req.prompt_token_ids),
+            completion_tokens=self.completion_tokens,
+            cached_prompt_tokens=self.cached_tokens,
+        )
+
+    def empty(self) -> generation_pb2.GenerateResponse:
+        return generation_pb2.GenerateResponse(request_id=self.req.request_id, usage=self.usage())
+
+    def add(
+        self,
+        token_ids: list[int],
+        logprobs: list[common_pb2.Logprobs],
+        finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED,
+        stop_token_id: int | None = None,
+    ) -> generation_pb2.GenerateResponse:
+        """One worker delta in; the client's delta out (finish fields set when it ends)."""
+        self.completion_tokens += len(token_ids)
+        out = generation_pb2.GenerateResponse(
+            request_id=self.req.request_id,
+            token_ids=token_ids,
+            text=self.detok.add(token_ids),
+            logprobs=[lp for lp in logprobs if lp.ByteSize()],
+            usage=self.usage(),
+        )
+        if self.detok.matched_stop is not None:
+            self.finished = True
+            out.finish_reason = common_pb2.FINISH_REASON_STOP
+            out.stop_string = self.detok.matched_stop
+        elif finish_reason:
+            self.finished = True
+            out.finish_reason = finish_reason  # type: ignore[assignment]
+            if stop_token_id is not None:
+                out.stop_token_id = stop_token_id
+        return out
+
+    def finish(
+        self, out: generation_pb2.GenerateResponse, reason: int | None = None
+    ) -> generation_pb2.GenerateResponse:
+        self.finished = True
+        out.text += self.detok.flush()
+        if reason is not None:
+            out.finish_reason = reason  # type: ignore[assignment]
+        out.usage.CopyFrom(self.usage())
+        return out
+
+
+def _merge(parts: list[generation_pb2.GenerateResponse]) -> generation_pb2.GenerateResponse:
+    """Non-streaming requests get one message: the concatenation of the stream."""
+    merged = generation_pb2.GenerateResponse()
+    for part in parts:
+        merged.request_id = part.request_id
+        merged.token_ids.extend(part.token_ids)
+        merged.text += part.text
+        merged.logprobs.extend(part.logprobs)
+        merged.usage.CopyFrom(part.usage)
+        merged.finish_reason = part.finish_reason
+        which = part.WhichOneof("matched_stop")
+        if which:
+            setattr(merged, which, getattr(part, which))
+    return merged

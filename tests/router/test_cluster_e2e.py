@@ -1,0 +1,144 @@
+"""End to end through real processes: redis-server, router, one prefill and one decode worker,
+started by the same code as `pagedserve up`, driven over the public gRPC API."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import grpc
+import pytest
+import torch
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from oracle import hf_greedy, make_prompts
+
+from pagedserve.client import Client
+from pagedserve.launcher import start_cluster
+from pagedserve.router.tokenizer import RouterTokenizer
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+
+
+def up_args(model_dir, **overrides) -> argparse.Namespace:
+    values = dict(
+        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
+        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
+    )  # fmt: skip
+    return argparse.Namespace(**(values | overrides))
+
+
+@pytest.fixture(scope="module")
+def cluster(make_tiny, tmp_path_factory):
+    model_dir = make_tiny("llama")
+    started = start_cluster(up_args(model_dir), tmp_path_factory.mktemp("cluster-logs"))
+    yield started, model_dir
+    started.stop()
+    assert all(c.proc.poll() is not None for c in started.children)
+
+
+def collect(stream):
+    parts = list(stream)
+    tokens = [t for p in parts for t in p.token_ids]
+    return parts, tokens
+
+
+def blocks_in_use(client: Client) -> dict[str, int]:
+    return {w.worker_id: w.load.kv_blocks_total - w.load.kv_blocks_free - w.load.kv_blocks_cached
+            for w in client.status().workers}  # fmt: skip
+
+
+def wait_until(predicate, timeout_s=5.0):
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_sixteen_concurrent_requests_equal_transformers(cluster):
+    started, model_dir = cluster
+    prompts = make_prompts((1, 5, 16, 17, 30, 47, 64, 80, 3, 9, 33, 100, 12, 20, 2, 70), seed=31)
+    results: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        with Client(started.router_address) as client:
+            results[i] = collect(client.generate(prompts[i], GREEDY, timeout=120))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    tokenizer = RouterTokenizer.from_model_dir(model_dir)
+    for i, prompt in enumerate(prompts):
+        parts, tokens = results[i]
+        want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+        assert tokens == want[: GREEDY.max_tokens], f"prompt {i} of {len(prompt)} tokens"
+        assert "".join(p.text for p in parts) == tokenizer.decode(tokens)
+        last = parts[-1]
+        assert last.usage.prompt_tokens == len(prompt)
+        assert last.usage.completion_tokens == len(tokens)
+        assert last.finish_reason in (
+            common_pb2.FINISH_REASON_LENGTH,
+            common_pb2.FINISH_REASON_STOP,
+        )
+
+
+def test_shared_prefix_reports_cached_tokens(cluster):
+    started, _ = cluster
+    shared = make_prompts((48,), seed=32)[0]
+    with Client(started.router_address) as client:
+        first, _ = collect(client.generate(shared + [7, 8, 9], GREEDY, timeout=60))
+        second, _ = collect(client.generate(shared + [10, 11], GREEDY, timeout=60))
+    assert second[-1].usage.cached_prompt_tokens == 48
+
+
+def test_stop_string_ends_the_stream_with_matched_stop(cluster):
+    started, model_dir = cluster
+    prompt = make_prompts((20,), seed=33)[0]
+    want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+    full_text = RouterTokenizer.from_model_dir(model_dir).decode(want[:24])
+    stop = full_text[5:8]
+    with Client(started.router_address) as client:
+        parts, _ = collect(
+            client.generate(
+                prompt, SamplingParams(temperature=0.0, max_tokens=24, stop=(stop,)), timeout=60
+            )
+        )  # noqa: E501
+        text = "".join(p.text for p in parts)
+        assert parts[-1].stop_string == stop
+        assert parts[-1].finish_reason == common_pb2.FINISH_REASON_STOP
+        assert text == full_text[: full_text.index(stop)]
+        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+
+
+def test_cancel_mid_stream_and_short_deadline_free_every_block(cluster):
+    started, _ = cluster
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+    prompt = make_prompts((40,), seed=34)[0]
+    with Client(started.router_address) as client:
+        stream = client.generate(prompt, long, timeout=60)
+        next(stream)
+        next(stream)
+        stream.cancel()
+        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.5)
+        with pytest.raises(grpc.RpcError) as info:
+            collect(client.generate(prompt, long, timeout=0.3))
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.5)
+
+
+def test_health_and_reflection_on_every_server(cluster):
+    started, _ = cluster
+    services = {"router": "pagedserve.v1.Generation", "prefill-0": "pagedserve.v1.PrefillWorker"}
+    services["decode-0"] = "pagedserve.v1.DecodeWorker"
+    for child in started.children:
+        if child.name not in services:
+            continue
+        with grpc.insecure_channel(child.address) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for name in ("", services[child.name]):
+                status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
+                assert status.status == health_pb2.HealthCheckResponse.SERVING, child.name
