@@ -1,0 +1,64 @@
+"""`make demo`: a whole pagedserve cluster on this machine, two streamed generations that share
+a prefix (the second reports cached prompt tokens), the cluster view, then a clean stop.
+
+Exits non-zero if any step fails, so `make test` can run it as a smoke test of the real thing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import subprocess
+import sys
+import time
+
+SYSTEM = (
+    "You are a concise assistant for a bakery. Answer in one short sentence, and mention the "
+    "oven temperature when it matters."
+)
+QUESTIONS = ("How long do croissants bake?", "What makes bread crust crisp?")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", default=".cache/tiny-llama")
+    parser.add_argument("--max-tokens", default="24")
+    args = parser.parse_args()
+    cli = [sys.executable, "-m", "pagedserve.cli"]
+    print("$ pagedserve up --model", args.model, "--port 0", flush=True)
+    up = subprocess.Popen(
+        [*cli, "up", "--model", args.model, "--port", "0", "--kv-cache-memory", "32MiB"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        address = None
+        deadline = time.monotonic() + 150
+        while address is None and time.monotonic() < deadline:
+            line = up.stdout.readline()
+            if not line:
+                print("pagedserve up exited before it was ready", file=sys.stderr)
+                return 1
+            print(line, end="", flush=True)
+            if line.startswith("READY router"):
+                address = line.split()[2]
+        if address is None:
+            return 1
+        for question in QUESTIONS:
+            prompt = f"{SYSTEM}\n\nQ: {question}\nA:"
+            print(f"\n$ pagedserve generate --router {address} '...{question}'", flush=True)
+            generate = [*cli, "generate", "--router", address, prompt]
+            if subprocess.run([*generate, "--max-tokens", args.max_tokens], timeout=120).returncode:
+                return 1
+        print(f"\n$ pagedserve status --router {address}", flush=True)
+        if subprocess.run([*cli, "status", "--router", address], timeout=30).returncode:
+            return 1
+        return 0
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(timeout=60)
+        print(f"\npagedserve up stopped (exit {code})", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
