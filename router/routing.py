@@ -47,6 +47,7 @@ class Worker:
     load: common_pb2.LoadReport | None = None
     in_flight: int = 0
     failures: int = 0
+    assigned: int = 0  # requests routed here so far: breaks ties between equal costs
 
     @property
     def healthy(self) -> bool:
@@ -192,8 +193,10 @@ class RoutingPolicy:
             usage = load.kv_cache_usage if load else 0.0
             return w.decode * usage + w.queue * (busy + d.in_flight) / self.max_num_seqs
 
-        prefill = min(prefills, key=prefill_cost)
-        decode = min(decodes, key=decode_cost)
+        prefill = min(prefills, key=lambda p: (prefill_cost(p), p.assigned))
+        decode = min(decodes, key=lambda d: (decode_cost(d), d.assigned))
+        prefill.assigned += 1
+        decode.assigned += 1
         cached = overlap.get(prefill.worker_id, 0)
         terms = {
             "uncached_prefill_blocks": float(len(block_hashes) - cached),

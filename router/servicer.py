@@ -92,6 +92,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._active: dict[str, _Active] = {}
         self._lock = threading.Lock()
         self.requests_to_workers = 0
+        self.last_decision: Decision | None = None  # for tests and debugging
 
     # ---- Generate -------------------------------------------------------------------------
 
@@ -169,7 +170,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             decision.prefill.in_flight += 1
             self.requests_to_workers += 1
             try:
-                return call.result(), decision
+                result = call.result()
+                self.last_decision = decision
+                return result, decision
             except grpc.RpcError as err:
                 self._raise_unless_retryable(err, active, attempt)
                 self.workers.mark_failed(decision.prefill)

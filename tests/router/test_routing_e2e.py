@@ -1,0 +1,195 @@
+"""Routing and validation against real worker processes and a real redis-server.
+
+The router here is the real `GenerationServicer` behind a real gRPC server built in the test
+(so the test can count how many calls reached workers); the workers and Redis are processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import grpc
+import pytest
+from google.rpc import error_details_pb2
+from grpc_status import rpc_status
+from oracle import make_prompts
+from redis_server import RedisServer
+
+from pagedserve.grpcutil import build_server
+from pagedserve.launcher import start_cluster
+from pagedserve.router.server import build_servicer
+from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def workers(make_tiny, redis_server, tmp_path_factory):
+    """Two prefill workers and one decode worker (and their router, unused here)."""
+    model_dir = make_tiny("llama")
+    args = argparse.Namespace(
+        model=str(model_dir), host="127.0.0.1", port=0, prefill=2, decode=1,
+        redis_url=redis_server.url, block_size=16, dtype=None, kv_cache_memory="16MiB",
+        start_timeout=120.0, log_dir=None,
+    )  # fmt: skip
+    cluster = start_cluster(args, tmp_path_factory.mktemp("logs"))
+    yield cluster, model_dir
+    cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def router(workers, redis_server):
+    cluster, model_dir = workers
+    args = argparse.Namespace(
+        model=str(model_dir), served_model_name=None, revision="", dtype=None, block_size=16,
+        redis_url=redis_server.url, prefill=[], decode=[], max_queued_requests=64,
+        max_message_bytes=16 << 20,
+    )  # fmt: skip
+    servicer, worker_set = build_servicer(args)
+    handle = build_server(
+        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
+        ["pagedserve.v1.Generation"],
+    )
+    handle.server.start()
+    worker_set.refresh()
+    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    yield servicer, generation_pb2_grpc.GenerationStub(channel)
+    channel.close()
+    handle.server.stop(None)
+    worker_set.close()
+
+
+def generate(stub, prompt, **sampling):
+    request = generation_pb2.GenerateRequest(stream=True)
+    request.token_ids.ids.extend(prompt)
+    for key, value in ({"temperature": 0.0, "max_tokens": 4} | sampling).items():
+        setattr(request.sampling, key, value)
+    return list(stub.Generate(request, timeout=60))
+
+
+def field_of(err: grpc.RpcError) -> str:
+    bad_request = error_details_pb2.BadRequest()
+    rpc_status.from_call(err).details[0].Unpack(bad_request)
+    return bad_request.field_violations[0].field
+
+
+BAD = {
+    "token_ids": lambda r: r.token_ids.ids.extend([5, 100_000]),
+    "text": lambda r: setattr(r, "text", ""),
+    "prompt": lambda r: None,
+    "sampling.temperature": lambda r: (
+        r.token_ids.ids.append(5),
+        setattr(r.sampling, "temperature", -1),
+    ),  # noqa: E501
+    "sampling.top_p": lambda r: (r.token_ids.ids.append(5), setattr(r.sampling, "top_p", 1.5)),
+    "sampling.top_k": lambda r: None,
+    "sampling.min_p": lambda r: (r.token_ids.ids.append(5), setattr(r.sampling, "min_p", 2.0)),
+    "sampling.max_tokens": lambda r: (
+        r.token_ids.ids.append(5),
+        setattr(r.sampling, "max_tokens", 0),
+    ),  # noqa: E501
+    "sampling.min_tokens": lambda r: (
+        r.token_ids.ids.append(5),
+        setattr(r.sampling, "max_tokens", 3),
+        setattr(r.sampling, "min_tokens", 9),
+    ),  # noqa: E501
+    "sampling.repetition_penalty": lambda r: (
+        r.token_ids.ids.append(5),
+        setattr(r.sampling, "repetition_penalty", 0.0),
+    ),  # noqa: E501
+    "sampling.presence_penalty": lambda r: (
+        r.token_ids.ids.append(5),
+        setattr(r.sampling, "presence_penalty", 3.0),
+    ),  # noqa: E501
+    "sampling.frequency_penalty": lambda r: (
+        r.token_ids.ids.append(5),
+        setattr(r.sampling, "frequency_penalty", -3.0),
+    ),  # noqa: E501
+    "sampling.logprobs": lambda r: (r.token_ids.ids.append(5), setattr(r.sampling, "logprobs", 50)),
+    "sampling.stop": lambda r: (r.token_ids.ids.append(5), r.sampling.stop.extend(["x"] * 40)),
+    "sampling.stop_token_ids": lambda r: (
+        r.token_ids.ids.append(5),
+        r.sampling.stop_token_ids.append(10**6),
+    ),  # noqa: E501
+    "request_id": lambda r: (r.token_ids.ids.append(5), setattr(r, "request_id", "x" * 500)),
+    "cache_salt": lambda r: (r.token_ids.ids.append(5), setattr(r, "cache_salt", "s" * 1000)),
+}
+BAD.pop("sampling.top_k")  # uint32 on the wire: nothing to violate
+
+
+@pytest.mark.parametrize("field", sorted(BAD))
+def test_each_bad_field_is_invalid_argument_and_reaches_no_worker(router, field):
+    servicer, stub = router
+    before = servicer.requests_to_workers
+    request = generation_pb2.GenerateRequest()
+    BAD[field](request)
+    with pytest.raises(grpc.RpcError) as info:
+        list(stub.Generate(request, timeout=10))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field_of(info.value) == field
+    assert servicer.requests_to_workers == before
+
+
+def test_a_prompt_too_long_names_its_field(router):
+    _, stub = router
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, [5] * 2048)
+    assert field_of(info.value) == "token_ids"
+    assert generate(stub, [5, 6, 7])[-1].finish_reason, "the cluster still serves"
+
+
+def test_prefix_routing_then_degraded_without_redis_then_recovery(router, redis_server):
+    servicer, stub = router
+    shared = make_prompts((64,), seed=41)[0]
+    first = generate(stub, shared + [9])
+    holder = _last_prefill(servicer)
+    for i in range(3):
+        again = generate(stub, shared + [10 + i])
+        assert again[-1].usage.cached_prompt_tokens == 64, "went to the worker with the prefix"
+        assert _last_prefill(servicer) == holder
+    assert first[-1].usage.cached_prompt_tokens == 0
+    assert not servicer.policy.index_degraded
+
+    redis_server.stop()
+    try:
+        out = generate(stub, shared + [20])
+        assert out[-1].finish_reason
+        assert servicer.policy.index_degraded
+        status = stub.GetClusterStatus(generation_pb2.GetClusterStatusRequest(), timeout=10)
+        assert status.index_degraded
+    finally:
+        redis_server.start()
+    deadline = time.monotonic() + 20
+    while True:  # the workers republish their blocks once Redis is back
+        out = generate(stub, shared + [30])
+        if not servicer.policy.index_degraded and out[-1].usage.cached_prompt_tokens == 64:
+            break
+        assert time.monotonic() < deadline, "routing by prefix did not resume"
+        time.sleep(0.5)
+
+
+def test_unrelated_prompts_spread_over_both_prefill_workers(router):
+    servicer, stub = router
+    seen = set()
+    for seed in range(50, 58):
+        generate(stub, make_prompts((40,), seed=seed)[0], max_tokens=2)
+        seen.add(_last_prefill(servicer))
+    assert len(seen) == 2
+
+
+def _last_prefill(servicer) -> str:
+    return servicer.last_decision.prefill.worker_id
+
+
+def test_status_lists_every_worker(router):
+    _, stub = router
+    status = stub.GetClusterStatus(generation_pb2.GetClusterStatusRequest(), timeout=10)
+    roles = sorted(common_pb2.WorkerRole.Name(w.role) for w in status.workers)
+    assert roles == ["WORKER_ROLE_DECODE", "WORKER_ROLE_PREFILL", "WORKER_ROLE_PREFILL"]
