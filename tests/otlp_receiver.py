@@ -1,0 +1,79 @@
+"""A real OTLP/gRPC trace receiver on loopback, built from `opentelemetry-proto` (no Jaeger
+binary exists here). Collects every exported span for assertions."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+
+
+@dataclass(frozen=True, slots=True)
+class ReceivedSpan:
+    service: str
+    name: str
+    trace_id: str
+    span_id: str
+    parent_span_id: str
+    attributes: dict
+    events: tuple[str, ...]
+
+
+class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
+    def __init__(self) -> None:
+        self.spans: list[ReceivedSpan] = []
+        self._lock = threading.Lock()
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.endpoint = f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> OtlpReceiver:
+        self.server.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.stop(None)
+
+    def Export(self, request, context):  # noqa: N802 - gRPC method name
+        received = []
+        for resource_spans in request.resource_spans:
+            service = next(
+                (a.value.string_value for a in resource_spans.resource.attributes
+                 if a.key == "service.name"), "",
+            )  # fmt: skip
+            for scope in resource_spans.scope_spans:
+                for span in scope.spans:
+                    received.append(
+                        ReceivedSpan(
+                            service=service,
+                            name=span.name,
+                            trace_id=span.trace_id.hex(),
+                            span_id=span.span_id.hex(),
+                            parent_span_id=span.parent_span_id.hex(),
+                            attributes={a.key: _value(a.value) for a in span.attributes},
+                            events=tuple(e.name for e in span.events),
+                        )
+                    )
+        with self._lock:
+            self.spans.extend(received)
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+    def wait_for(self, predicate, timeout_s: float = 10.0) -> list[ReceivedSpan]:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with self._lock:
+                spans = list(self.spans)
+            if predicate(spans):
+                return spans
+            time.sleep(0.05)
+        raise AssertionError(f"spans not received in time: {[s.name for s in self.spans]}")
+
+
+def _value(value):
+    kind = value.WhichOneof("value")
+    return getattr(value, kind) if kind else None
