@@ -1,0 +1,102 @@
+"""Prometheus metrics, named `pagedserve:` + vLLM's suffixes where the meaning is the same.
+
+Two kinds:
+- **Request metrics** (histograms and counters updated as requests finish): `RequestMetrics`.
+- **State metrics** read at scrape time from counters the components already keep (load
+  reports, scheduler, lease and index stats): `StateCollector`, so no hot path pays for them.
+
+docs/metrics.md lists every name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, fields, is_dataclass
+
+from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+PREFIX = "pagedserve:"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 60)
+
+
+class RequestMetrics:
+    """What the router (and workers, for their own part) observe per request."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        def hist(name: str, doc: str) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=_LATENCY_BUCKETS, registry=registry)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token.")
+        self.tpot = hist("time_per_output_token_seconds", "Time per output token after the first.")
+        self.e2e = hist("e2e_request_latency_seconds", "End-to-end request latency.")
+        self.success = Counter(
+            PREFIX + "request_success", "Finished requests.", ["finished_reason"], registry=registry
+        )
+        self.prompt_tokens = Counter(PREFIX + "prompt_tokens", "Prompt tokens.", registry=registry)
+        self.generation_tokens = Counter(
+            PREFIX + "generation_tokens", "Generated tokens.", registry=registry
+        )
+        self.rejected = Counter(
+            PREFIX + "requests_rejected", "Requests refused.", ["reason"], registry=registry
+        )
+        self.aborted = Counter(
+            PREFIX + "requests_aborted", "Requests aborted.", ["cause"], registry=registry
+        )
+
+    def finished(
+        self, *, reason: str, prompt: int, generated: int, ttft_s: float | None, e2e_s: float
+    ) -> None:
+        self.success.labels(finished_reason=reason).inc()
+        self.prompt_tokens.inc(prompt)
+        self.generation_tokens.inc(generated)
+        self.e2e.observe(e2e_s)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s)
+            if generated > 1:
+                self.tpot.observe((e2e_s - ttft_s) / (generated - 1))
+
+
+@dataclass(frozen=True, slots=True)
+class Gauge:
+    name: str
+    doc: str
+    read: Callable[[], float]
+
+
+@dataclass(frozen=True, slots=True)
+class CounterSource:
+    """Every int field of a stats dataclass becomes `pagedserve:{prefix}{field}_total`."""
+
+    prefix: str
+    read: Callable[[], object]
+
+
+class StateCollector(Collector):
+    """Gauges and counters computed from component state when Prometheus scrapes."""
+
+    def __init__(self, gauges: list[Gauge], counters: list[CounterSource]) -> None:
+        self.gauges = gauges
+        self.counters = counters
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        for gauge in self.gauges:
+            yield GaugeMetricFamily(PREFIX + gauge.name, gauge.doc, value=float(gauge.read()))
+        for source in self.counters:
+            stats = source.read()
+            if not is_dataclass(stats):
+                continue
+            for f in fields(stats):
+                value = getattr(stats, f.name)
+                if isinstance(value, int) and not isinstance(value, bool):
+                    name = PREFIX + source.prefix + f.name
+                    yield CounterMetricFamily(name, f"{source.prefix}{f.name}", value=value)
+
+
+def register_state(
+    gauges: list[Gauge], counters: list[CounterSource], registry: CollectorRegistry = REGISTRY
+) -> StateCollector:
+    collector = StateCollector(gauges, counters)
+    registry.register(collector)
+    return collector
