@@ -66,3 +66,11 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--redis-url", default=None, help="redis://host:port/0 (optional)")
     parser.add_argument("--max-message-bytes", type=bytes_arg, default=parse_bytes("64MiB"))
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
+    parser.add_argument(
+        "--otlp-traces-endpoint", default=None,
+        help="OTLP/gRPC collector, e.g. http://jaeger:4317 (default: OTEL_* variables, else off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--trace-include-text", action="store_true", help="put prompt/output text in spans"
+    )
+    parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")

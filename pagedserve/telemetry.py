@@ -84,15 +84,20 @@ def context_from(carrier: Iterable[tuple[str, str]] | Mapping[str, str]) -> otel
     return _PROPAGATOR.extract({k: v for k, v in items if k in TRACE_KEYS})
 
 
-def current_carrier() -> dict[str, str]:
-    """`traceparent` (and `tracestate`) of the current span, to send on the next hop."""
+def current_carrier(ctx: otel_context.Context | None = None) -> dict[str, str]:
+    """`traceparent` (and `tracestate`) of `ctx` (default: the current span) for the next hop."""
     carrier: dict[str, str] = {}
-    _PROPAGATOR.inject(carrier)
+    _PROPAGATOR.inject(carrier, context=ctx)
     return carrier
 
 
-def metadata() -> list[tuple[str, str]]:
-    return list(current_carrier().items())
+def span_context(span: trace.Span) -> otel_context.Context:
+    """A context whose current span is `span`: the parent for its children and the next hop."""
+    return trace.set_span_in_context(span)
+
+
+def metadata(ctx: otel_context.Context | None = None) -> list[tuple[str, str]]:
+    return list(current_carrier(ctx).items())
 
 
 def start_metrics_server(port: int | None, host: str = "0.0.0.0") -> int | None:

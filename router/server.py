@@ -18,17 +18,22 @@ from pagedserve.grpcutil import build_server
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
+from pagedserve.metrics import CounterSource, Gauge, RequestMetrics, register_state
 from pagedserve.router.cli_args import add_arguments
 from pagedserve.router.routing import RoutingPolicy, WorkerSet
 from pagedserve.router.servicer import GenerationServicer, RouterSettings
 from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
+from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import generation_pb2_grpc
 
 log = logging.getLogger("pagedserve.router")
 SERVICE_NAME = "pagedserve.v1.Generation"
 
 
-def build_servicer(args: argparse.Namespace) -> tuple[GenerationServicer, WorkerSet]:
+def build_servicer(
+    args: argparse.Namespace, metrics: RequestMetrics | None = None
+) -> tuple[GenerationServicer, WorkerSet]:
+    """The router's servicer and worker set. `metrics` None: a private registry (tests)."""
     card = read_model_card(args.model, args.served_model_name)
     tokenizer = RouterTokenizer.from_model_dir(args.model)
     registry = index = None
@@ -40,6 +45,11 @@ def build_servicer(args: argparse.Namespace) -> tuple[GenerationServicer, Worker
         args.prefill, args.decode, registry, max_message_bytes=args.max_message_bytes
     )
     policy = RoutingPolicy(workers, index, block_size=args.block_size)
+    tracing = setup_tracing(
+        "pagedserve-router",
+        getattr(args, "otlp_traces_endpoint", None),
+        include_text=getattr(args, "trace_include_text", False),
+    )
     fingerprint = model_fingerprint(
         card.config, dtype=args.dtype or card.dtype, revision=args.revision
     )
@@ -48,7 +58,10 @@ def build_servicer(args: argparse.Namespace) -> tuple[GenerationServicer, Worker
         model_fingerprint=fingerprint,
         max_queued_requests=args.max_queued_requests,
     )
-    return GenerationServicer(tokenizer, card, workers, policy, settings), workers
+    servicer = GenerationServicer(
+        tokenizer, card, workers, policy, settings, tracing=tracing, metrics=metrics
+    )
+    return servicer, workers
 
 
 def main(args: argparse.Namespace) -> int:
@@ -56,7 +69,9 @@ def main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
-    servicer, workers = build_servicer(args)
+    servicer, workers = build_servicer(args, RequestMetrics())
+    _register_state_metrics(servicer)
+    metrics_port = start_metrics_server(args.metrics_port, args.host)
     handle = build_server(
         [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
         [SERVICE_NAME],
@@ -81,13 +96,30 @@ def main(args: argparse.Namespace) -> int:
 
     poller = threading.Thread(target=poll, name="load-poller", daemon=True)
     poller.start()
+    if metrics_port is not None:
+        log.info("metrics on :%d/metrics", metrics_port)
     print(f"READY router {address}", flush=True)
     stop.wait()
     handle.set_ready(False)
     handle.server.stop(grace=args.drain_timeout).wait(args.drain_timeout + 1)
     poller.join(2.0)
     workers.close()
+    servicer.tracing.shutdown()
     return 0
+
+
+def _register_state_metrics(servicer: GenerationServicer) -> None:
+    policy = servicer.policy
+    index_stats = policy.index.stats if policy.index is not None else None
+    register_state(
+        [
+            Gauge("index_degraded", "1 while routing ignores the prefix index.",
+                  lambda: float(policy.index_degraded)),
+            Gauge("num_requests_running", "Requests in flight through this router.",
+                  lambda: float(servicer.num_active)),
+        ],
+        [CounterSource("prefix_index_", lambda: index_stats)],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

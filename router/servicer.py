@@ -15,14 +15,19 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
+from opentelemetry.trace import Span
+from prometheus_client import CollectorRegistry
 
-from pagedserve.errors import ResourceExhausted, Unavailable
+from pagedserve import telemetry
+from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import time_remaining
 from pagedserve.kvstore.hashing import hash_blocks
+from pagedserve.metrics import RequestMetrics
 from pagedserve.router import convert
 from pagedserve.router.detokenizer import Detokenizer
 from pagedserve.router.routing import Decision, RoutingPolicy, Worker, WorkerSet
@@ -40,7 +45,6 @@ from pagedserve.v1 import (
 
 log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
-TRACE_KEYS = ("traceparent", "tracestate")
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,7 +87,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         workers: WorkerSet,
         policy: RoutingPolicy,
         settings: RouterSettings,
+        *,
+        tracing: telemetry.Tracing | None = None,
+        metrics: RequestMetrics | None = None,
     ) -> None:
+        self.tracing = tracing or telemetry.setup_tracing("pagedserve-router", None)
+        self.metrics = metrics or RequestMetrics(CollectorRegistry())
         self.tokenizer = tokenizer
         self.card = card
         self.workers = workers
@@ -94,28 +103,68 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.requests_to_workers = 0
         self.last_decision: Decision | None = None  # for tests and debugging
 
+    @property
+    def num_active(self) -> int:
+        return len(self._active)
+
     # ---- Generate -------------------------------------------------------------------------
 
     def Generate(self, request, context) -> Iterator[generation_pb2.GenerateResponse]:  # noqa: N802
-        req = convert.router_request(request, self.tokenizer, self.card)
-        active = self._admit(req.request_id)
-        context.add_callback(active.abort)
+        started = time.monotonic()
         try:
-            responses = self._generate(req, active, context)
+            req = convert.router_request(request, self.tokenizer, self.card)
+            active = self._admit(req.request_id)
+        except InvalidArgument:
+            self.metrics.rejected.labels(reason="invalid_argument").inc()
+            raise
+        except ResourceExhausted:
+            self.metrics.rejected.labels(reason="queue_full").inc()
+            raise
+        context.add_callback(active.abort)
+        span = self.tracing.tracer.start_span(
+            "router.generate",
+            context=telemetry.context_from(context.invocation_metadata()),
+            attributes=_request_attributes(req, self.tracing.include_text, request),
+        )
+        outcome = _Outcome()
+        try:
+            responses = self._generate(req, active, context, span, outcome)
             if req.stream:
                 yield from responses
             else:
                 yield _merge(list(responses))
         except _Aborted:
+            outcome.reason = "abort"
             yield generation_pb2.GenerateResponse(
                 request_id=req.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT
             )
         except _WorkerError as exc:
+            outcome.reason = "error"
             context.abort(exc.err.code(), exc.err.details())  # type: ignore[attr-defined]
         finally:
             with self._lock:
                 self._active.pop(req.request_id, None)
             self._release_unclaimed(active)
+            self._record(req, outcome, active, span, time.monotonic() - started)
+
+    def _record(self, req, outcome: _Outcome, active: _Active, span, e2e_s: float) -> None:
+        reason = outcome.reason or ("abort" if active.aborted else "error")
+        if reason == "abort":
+            self.metrics.aborted.labels(cause="client").inc()
+        self.metrics.finished(
+            reason=reason,
+            prompt=len(req.prompt_token_ids),
+            generated=outcome.generated,
+            ttft_s=outcome.ttft_s,
+            e2e_s=e2e_s,
+        )
+        span.set_attribute("gen_ai.usage.prompt_tokens", len(req.prompt_token_ids))
+        span.set_attribute("gen_ai.usage.completion_tokens", outcome.generated)
+        span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        if outcome.ttft_s is not None:
+            span.set_attribute("gen_ai.latency.time_to_first_token", outcome.ttft_s)
+        span.set_attribute("gen_ai.latency.e2e", e2e_s)
+        span.end()
 
     def _admit(self, request_id: str) -> _Active:
         with self._lock:
@@ -127,7 +176,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return active
 
     def _generate(
-        self, req: convert.RouterRequest, active: _Active, context: grpc.ServicerContext
+        self,
+        req: convert.RouterRequest,
+        active: _Active,
+        context: grpc.ServicerContext,
+        span: Span,
+        outcome: _Outcome,
     ) -> Iterator[generation_pb2.GenerateResponse]:
         hashes = hash_blocks(
             req.prompt_token_ids,
@@ -135,9 +189,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             model_fingerprint=self.settings.model_fingerprint,
             cache_salt=req.cache_salt,
         )
-        metadata = [(k, v) for k, v in context.invocation_metadata() if k in TRACE_KEYS]
+        parent = telemetry.span_context(span)
+        metadata = telemetry.metadata(parent)
         worker_request = convert.worker_request(req)
-        prefilled, decision = self._prefill(worker_request, hashes, active, context, metadata)
+        prefilled, decision = self._prefill(
+            worker_request, hashes, active, context, metadata, parent
+        )
+        outcome.ttft_s = time.monotonic() - outcome.started
+        outcome.generated = 1
         stream = _Stream(req, self.tokenizer, prefilled.cached_tokens)
         if prefilled.HasField("kv_handle"):
             active.handle = (decision.prefill, prefilled.kv_handle.handle_id)
@@ -149,15 +208,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             first_token if first_token in req.params.stop_token_ids else None,
         )
         if stream.finished:
+            outcome.reason = _reason(first.finish_reason)
             yield stream.finish(first)
             return
         yield first
-        yield from self._decode(worker_request, prefilled, decision, stream, active, context)
+        for out in self._decode(
+            worker_request, prefilled, decision, stream, active, context, metadata
+        ):
+            outcome.generated = stream.completion_tokens
+            if out.finish_reason:
+                outcome.reason = _reason(out.finish_reason)
+            yield out
 
-    def _prefill(self, worker_request, hashes, active, context, metadata):
+    def _prefill(self, worker_request, hashes, active, context, metadata, parent):
         tried: list[str] = []
         for attempt in range(1 + self.settings.prefill_retries):
-            decision = self._choose(hashes, tried)
+            with self.tracing.tracer.start_span("router.route", context=parent) as route:
+                decision = self._choose(hashes, tried)
+                route.set_attributes(decision.terms)
+                route.set_attribute("pagedserve.prefill_worker", decision.prefill.worker_id)
+                route.set_attribute("pagedserve.decode_worker", decision.decode.worker_id)
+                route.set_attribute("pagedserve.cached_blocks", decision.cached_blocks)
             stub = prefill_pb2_grpc.PrefillWorkerStub(decision.prefill.channel)
             call = stub.Prefill.future(
                 prefill_pb2.PrefillRequest(
@@ -195,7 +266,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except LookupError as exc:
             raise Unavailable(str(exc)) from None
 
-    def _decode(self, worker_request, prefilled, decision, stream, active, context):
+    def _decode(self, worker_request, prefilled, decision, stream, active, context, metadata):
         stub = decode_pb2_grpc.DecodeWorkerStub(decision.decode.channel)
         call = stub.Decode(
             decode_pb2.DecodeRequest(
@@ -205,6 +276,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 kv_handle=prefilled.kv_handle,
             ),
             timeout=time_remaining(context),
+            metadata=metadata,
         )
         active.handle = None  # NOTE: the decode worker owns the lease from here (it releases)
         active.set_call(call.cancel)
@@ -296,6 +368,33 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 computed += 1
         status.prefix_cache_hit_rate = cached / computed if computed else 0.0
         return status
+
+
+@dataclass(slots=True)
+class _Outcome:
+    """What the metrics and the span record when a request ends."""
+
+    started: float = field(default_factory=time.monotonic)
+    ttft_s: float | None = None
+    generated: int = 0
+    reason: str | None = None
+
+
+def _reason(finish_reason: int) -> str:
+    name = common_pb2.FinishReason.Name(finish_reason)  # type: ignore[arg-type]
+    return name.removeprefix("FINISH_REASON_").lower()
+
+
+def _request_attributes(req, include_text: bool, request) -> dict:
+    attributes = {
+        "gen_ai.request.id": req.request_id,
+        "gen_ai.request.max_tokens": req.params.max_tokens,
+        "gen_ai.request.temperature": req.params.temperature,
+        "pagedserve.priority": req.priority,
+    }
+    if include_text and request.WhichOneof("prompt") == "text":
+        attributes["gen_ai.prompt"] = request.text
+    return attributes
 
 
 class _Aborted(Exception):
