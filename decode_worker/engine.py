@@ -10,7 +10,8 @@ One `step()`::
     scheduler.update(plan, output)                   tokens, stops, frees
 
 It supersedes `pagedserve.model.engine.Engine` for the decode worker (that loop cannot preempt).
-The gRPC servicer and the KV import (DESIGN §3.5) build on it; they are not here yet.
+`DecodeWorker` (worker.py) drives it from one loop thread and feeds it imported prompts
+(kv_import.py, DESIGN §3.5) through `add_prefilled`.
 """
 
 from __future__ import annotations
@@ -96,12 +97,17 @@ class DecodeEngine:
         config: DecodeEngineConfig,
         *,
         copy_fn: CopyFn | None = None,
+        revision: str = "",
     ) -> None:
         self.model_config = model_config
         self.config = config
         self.runner = runner
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        self.fingerprint = model_fingerprint(model_config.raw, dtype=dtype_name(model_config.dtype))
+        # NOTE: computed exactly as the prefill worker does, so block hashes and the layout
+        # compat hash agree across the two (docs/hashing.md).
+        self.fingerprint = model_fingerprint(
+            model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision
+        )
         self.pool = BlockPool(config.num_blocks, config.block_size, record_events=False)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=config.enable_prefix_caching)
         num_swap = config.num_swap_blocks
@@ -128,6 +134,7 @@ class DecodeEngine:
         config: DecodeEngineConfig | None = None,
         *,
         copy_fn: CopyFn | None = None,
+        revision: str = "",
     ) -> DecodeEngine:
         config = config or DecodeEngineConfig()
         model_config = load_model_config(model_dir, config.dtype)
@@ -135,7 +142,7 @@ class DecodeEngine:
         runner = ModelRunner(
             model_config, model, config.num_blocks, config.block_size, config.device
         )
-        return cls(model_config, runner, config, copy_fn=copy_fn)
+        return cls(model_config, runner, config, copy_fn=copy_fn, revision=revision)
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -174,8 +181,32 @@ class DecodeEngine:
         InvalidArgument for a bad request; one that cannot fit this worker's KV cache even
         alone is returned finished with FinishReason.ERROR and its message in `errors`.
         """
+        seq = self.new_sequence(
+            prompt_token_ids,
+            params,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
+        self.scheduler.add(seq)
+        return seq
+
+    def new_sequence(
+        self,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        *,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str = "",
+    ) -> Sequence:
+        """A validated sequence with an empty table, not queued (InvalidArgument if bad).
+
+        Touches no engine state but the pool reference of its empty table, so any thread may
+        call it; queue it with `add_sequence` or `add_prefilled` on the engine's thread.
+        """
         validate_request(self.model_config, self.max_model_len, prompt_token_ids, params)
-        seq = Sequence(
+        return Sequence(
             request_id=RequestId(request_id or f"req-{next(self._ids)}"),
             prompt_token_ids=list(prompt_token_ids),
             params=params,
@@ -185,8 +216,20 @@ class DecodeEngine:
             priority=priority,
             generator=make_generator(params.seed),
         )
+
+    def add_sequence(self, seq: Sequence) -> None:
+        """Queue a sequence from `new_sequence` (nothing computed, empty table)."""
         self.scheduler.add(seq)
-        return seq
+
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Queue a sequence whose table already holds its first `num_computed_tokens` tokens'
+        KV (see `Scheduler.add_prefilled`); the engine owns and frees its blocks from here."""
+        self.scheduler.add_prefilled(seq)
+
+    def would_fit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+        """Whether a request of this size can ever fit this worker's device pool alone."""
+        worst = min(num_prompt_tokens + max_tokens, self.max_model_len)
+        return -(-worst // self.pool.block_size) <= self.pool.num_blocks
 
     def abort(self, request_id: str) -> bool:
         """Free the request's device and host blocks now; False if unknown or finished."""

@@ -187,6 +187,27 @@ class Scheduler:
         self._entries[seq.request_id] = entry
         heapq.heappush(self.waiting, entry)
 
+    def add_prefilled(self, seq: Sequence) -> None:
+        """Queue `seq` whose table already holds the KV of its first `num_computed_tokens`
+        tokens (an imported prompt; its first output token appended, so it next decodes).
+
+        It joins `running` when a seat is free. Otherwise its blocks are freed (full ones stay
+        in the prefix cache) and it waits like a fresh sequence: admission reuses whatever the
+        cache still holds and recomputes the rest. Fails like `add` when it can never fit.
+        """
+        if seq.request_id in self._entries:
+            raise ValueError(f"request_id: {seq.request_id!r} is already queued")
+        if len(self.running) >= self.config.max_num_seqs or self._does_not_fit(seq):
+            self.kv.free(seq.block_table)
+            seq.num_computed_tokens = 0
+            self.add(seq)
+            return
+        priority = seq.priority if self.config.policy is SchedulingPolicy.PRIORITY else 0
+        entry = _Entry(seq, (priority, next(self._arrivals)))
+        seq.status = SequenceStatus.RUNNING
+        self._entries[seq.request_id] = entry
+        self.running.append(entry)
+
     def abort(self, request_id: str) -> bool:
         """Finish the request with ABORT and free its device and host blocks now.
 

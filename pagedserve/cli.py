@@ -43,34 +43,107 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("generate", help="generate in-process (no servers): a smoke test of a model")
-    p.add_argument("--model", required=True, help="local Hugging Face model directory")
-    p.add_argument("--prompt", required=True)
+    p = sub.add_parser(
+        "generate", help="stream a generation from a router, or run one in-process (--model)"
+    )
+    p.add_argument("text", nargs="?", help="the prompt")
+    p.add_argument("--prompt", dest="prompt_flag", default=None, help="the prompt (same as TEXT)")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--router", help="HOST:PORT of a running router")
+    where.add_argument("--model", help="local model directory: generate in-process, no servers")
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-blocks", type=int, default=256)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--cache-salt", default="")
+    p.add_argument("--block-size", type=int, default=16, help="in-process only")
+    p.add_argument("--num-blocks", type=int, default=256, help="in-process only")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.set_defaults(func=_run_generate)
 
 
 def _run_generate(args: argparse.Namespace) -> int:
+    from pagedserve.sampling_params import SamplingParams
+
+    prompt = args.text if args.text is not None else args.prompt_flag
+    if prompt is None:
+        raise ValueError("text: give the prompt as TEXT or --prompt")
+    params = SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+        stop=tuple(args.stop),
+    )  # fmt: skip
+    if args.router:
+        return _generate_remote(args.router, prompt, params, args.cache_salt)
     from transformers import AutoTokenizer
 
     from pagedserve.model.engine import Engine, EngineConfig
-    from pagedserve.sampling_params import SamplingParams
 
     engine = Engine.from_model_dir(
         args.model,
         EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype),
     )
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed
-    )
-    (seq,) = engine.generate([tokenizer(args.prompt)["input_ids"]], params)
+    (seq,) = engine.generate([tokenizer(prompt)["input_ids"]], params)
     print(tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
+    return 0
+
+
+def _generate_remote(address: str, prompt: str, params, cache_salt: str) -> int:
+    import grpc
+
+    from pagedserve.client import Client
+    from pagedserve.v1 import common_pb2
+
+    with Client(address) as client:
+        try:
+            last = None
+            for last in client.generate(prompt, params, cache_salt=cache_salt):
+                print(last.text, end="", flush=True)
+        except grpc.RpcError as err:
+            print(f"\npagedserve generate: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    if last is not None:
+        usage, reason = last.usage, common_pb2.FinishReason.Name(last.finish_reason)
+        print(
+            f"\n[{reason.removeprefix('FINISH_REASON_').lower()}: {usage.prompt_tokens} prompt "
+            f"tokens ({usage.cached_prompt_tokens} cached), {usage.completion_tokens} generated]"
+        )
+    return 0
+
+
+def _add_cluster(sub: argparse._SubParsersAction) -> None:
+    from pagedserve.router.cli_args import add_arguments as router_arguments
+
+    p = sub.add_parser("router", help="run the router (public pagedserve.v1.Generation API)")
+    router_arguments(p)
+    p.set_defaults(func=_run_router)
+    p = sub.add_parser("up", help="run Redis, router, prefill and decode workers together")
+    from pagedserve.launcher import add_arguments as up_arguments
+
+    up_arguments(p)
+    p.set_defaults(func=_run_up)
+    p = sub.add_parser("status", help="print the cluster view of a running router")
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.set_defaults(func=_run_status)
+
+
+def _run_router(args: argparse.Namespace) -> int:
+    from pagedserve.router.server import main as serve
+
+    return serve(args)
+
+
+def _run_up(args: argparse.Namespace) -> int:
+    from pagedserve.launcher import main as up
+
+    return up(args)
+
+
+def _run_status(args: argparse.Namespace) -> int:
+    from pagedserve.client import Client, format_status
+
+    with Client(args.router) as client:
+        print(format_status(client.status()))
     return 0
 
 
@@ -83,12 +156,38 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         add_help=False,
     )
     kernels.set_defaults(func=_run_bench_kernels, passthrough=True)
+    decode = kinds.add_parser(
+        "decode",
+        help="DecodeEngine vs transformers generate(), swap vs memcpy "
+        "(python -m pagedserve.bench.decode -h)",
+        add_help=False,
+    )
+    decode.set_defaults(func=_run_bench_decode, passthrough=True)
+    prefill = kinds.add_parser(
+        "prefill",
+        help="PrefillEngine vs transformers forward, prompt tok/s "
+        "(python -m pagedserve.bench.prefill -h)",
+        add_help=False,
+    )
+    prefill.set_defaults(func=_run_bench_prefill, passthrough=True)
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:
     from pagedserve.bench import kernels
 
     return kernels.main(args.rest)
+
+
+def _run_bench_decode(args: argparse.Namespace) -> int:
+    from pagedserve.bench import decode
+
+    return decode.main(args.rest)
+
+
+def _run_bench_prefill(args: argparse.Namespace) -> int:
+    from pagedserve.bench import prefill
+
+    return prefill.main(args.rest)
 
 
 def _add_prefill(sub: argparse._SubParsersAction) -> None:
@@ -105,6 +204,20 @@ def _run_prefill(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def _add_decode(sub: argparse._SubParsersAction) -> None:
+    from pagedserve.decode_worker.cli_args import add_arguments
+
+    p = sub.add_parser("decode", help="run a decode worker (gRPC pagedserve.v1.DecodeWorker)")
+    add_arguments(p)
+    p.set_defaults(func=_run_decode)
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from pagedserve.decode_worker.server import main as serve
+
+    return serve(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -112,6 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_bench(sub)
     _add_prefill(sub)
+    _add_decode(sub)
+    _add_cluster(sub)
     return parser
 
 

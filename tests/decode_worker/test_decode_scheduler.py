@@ -372,3 +372,41 @@ def test_swapped_sequences_pinning_shared_blocks_are_recomputed_when_nothing_can
     while scheduler.has_unfinished:
         step(scheduler)
     assert [q.num_output_tokens for q in (x, y, s)] == [3, 3, 4]
+
+
+def make_prefilled(scheduler: Scheduler, name: str, prompt: list[int]) -> Sequence:
+    """An imported prompt: its table holds the prompt's KV, the first token is appended."""
+    seq = Sequence(
+        request_id=RequestId(name),
+        prompt_token_ids=prompt,
+        params=SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True),
+        block_table=BlockTable(scheduler.pool),
+        model_fingerprint=bytes(16),
+    )
+    assert scheduler.kv.allocate(seq.block_table, len(prompt)) == []
+    seq.num_computed_tokens = len(prompt)
+    scheduler.kv.cache_full_blocks(seq.block_table, seq.block_hashes, len(prompt))
+    seq.append_token(9, None)
+    scheduler.add_prefilled(seq)
+    return seq
+
+
+def test_prefilled_sequence_decodes_its_next_token_in_the_first_step():
+    scheduler = make_scheduler(num_blocks=8)
+    seq = make_prefilled(scheduler, "imported", list(range(1, 7)))  # 6 tokens: blocks 0, 1
+    assert seq.status is SequenceStatus.RUNNING and seq.block_table.block_ids == [0, 1]
+    plan, _ = step(scheduler)
+    assert scheduled(plan) == {"imported": 1}  # the first token only: nothing recomputed
+    assert seq.output_token_ids == [9, 7] and seq.block_table.block_ids == [0, 1]
+
+
+def test_prefilled_sequence_without_a_seat_waits_and_reuses_its_cached_blocks():
+    scheduler = make_scheduler(num_blocks=8, max_num_seqs=1)
+    make_seq(scheduler, "running", [1, 2], max_tokens=2)
+    step(scheduler)
+    seq = make_prefilled(scheduler, "imported", list(range(1, 10)))  # 9 tokens: 2 full blocks
+    assert seq.status is SequenceStatus.WAITING and seq.block_table.block_ids == []
+    assert scheduler.pool.num_cached == 2  # its full blocks stay cached by hash
+    step(scheduler)  # "running" finishes
+    plan, _ = step(scheduler)
+    assert scheduled(plan) == {"imported": 2}  # token 8 and the first token; 8 tokens were hits

@@ -1,0 +1,199 @@
+"""The decode worker's edge: `pagedserve.v1` messages <-> our dataclasses.
+
+Only this module (and the gRPC client in kv_import.py) touches the generated classes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pagedserve.errors import InvalidArgument
+from pagedserve.kvstore.hashing import BlockHash
+from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
+from pagedserve.model.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
+from pagedserve.model.sampler import TokenLogprobs
+from pagedserve.model.sequence import FinishReason
+from pagedserve.protoconv import sampling_from_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, decode_pb2, prefill_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class KvHandleInfo:
+    """A `KvHandle` as received; nothing in it is trusted until kv_import has checked it."""
+
+    version: int
+    handle_id: str
+    producer_id: str
+    producer_incarnation: str
+    producer_address: str
+    num_tokens: int
+    block_size: int
+    block_ids: tuple[int, ...]
+    block_hashes: tuple[BlockHash, ...]
+    layout_block_size: int
+    compat_hash: bytes
+    lease_expires_unix_ms: int
+    shm: ShmOffer | None  # None: not offered
+    grpc_address: str  # "": not offered
+
+    def lease_left_s(self) -> float:
+        return self.lease_expires_unix_ms / 1000 - time.time()
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeCall:
+    """A `DecodeRequest`, shape-checked (the engine validates ids and sampling values)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    priority: int
+    cache_salt: str
+    first_token: int
+    first_logprobs: TokenLogprobs | None
+    handle: KvHandleInfo | None  # None: recompute the prompt here
+
+
+@dataclass(slots=True)
+class Delta:
+    """What is new for one request since its previous delta (one `DecodeResponse`)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs | None]
+    num_generated: int  # cumulative, first token included
+    num_preemptions: int
+    recomputed_prompt: bool
+    finish_reason: FinishReason | None = None
+    matched_stop_token_id: int | None = None
+    error: str | None = None  # set with FinishReason.ERROR: the status message
+
+    def merge(self, later: Delta) -> None:
+        """Fold a later delta of the same request into this one."""
+        self.token_ids += later.token_ids
+        self.logprobs += later.logprobs
+        self.num_generated = later.num_generated
+        self.num_preemptions = later.num_preemptions
+        self.recomputed_prompt = later.recomputed_prompt
+        self.finish_reason = later.finish_reason
+        self.matched_stop_token_id = later.matched_stop_token_id
+        self.error = later.error
+
+
+def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
+    request = msg.request
+    if not request.request_id:
+        raise InvalidArgument("request.request_id", "must not be empty")
+    return DecodeCall(
+        request_id=request.request_id,
+        prompt_token_ids=list(request.prompt_token_ids),
+        params=sampling_from_proto(request.sampling),
+        priority=request.priority,
+        cache_salt=request.cache_salt,
+        first_token=msg.first_token,
+        first_logprobs=(
+            logprobs_from_proto(msg.first_logprobs) if msg.HasField("first_logprobs") else None
+        ),
+        handle=kv_handle_info(msg.kv_handle) if msg.HasField("kv_handle") else None,
+    )
+
+
+def kv_handle_info(msg: common_pb2.KvHandle) -> KvHandleInfo:
+    shm = None
+    if msg.HasField("shm"):
+        s = msg.shm
+        shm = ShmOffer(
+            segment_name=s.segment_name,
+            host_id=s.host_id,
+            pool_offset_bytes=s.pool_offset_bytes,
+            num_blocks=s.num_blocks,
+            block_stride_bytes=s.block_stride_bytes,
+            layer_stride_bytes=s.layer_stride_bytes,
+            kv_stride_bytes=s.kv_stride_bytes,
+        )
+    return KvHandleInfo(
+        version=msg.version,
+        handle_id=msg.handle_id,
+        producer_id=msg.producer_id,
+        producer_incarnation=msg.producer_incarnation,
+        producer_address=msg.producer_address,
+        num_tokens=msg.num_tokens,
+        block_size=msg.block_size,
+        block_ids=tuple(msg.block_ids),
+        block_hashes=tuple(BlockHash(h) for h in msg.block_hashes),
+        layout_block_size=msg.layout.block_size,
+        compat_hash=msg.layout.compat_hash,
+        lease_expires_unix_ms=msg.lease_expires_unix_ms,
+        shm=shm,
+        grpc_address=msg.grpc.address if msg.HasField("grpc") else "",
+    )
+
+
+def decode_response(request_id: str, delta: Delta) -> decode_pb2.DecodeResponse:
+    response = decode_pb2.DecodeResponse(
+        request_id=request_id,
+        token_ids=delta.token_ids,
+        num_generated=delta.num_generated,
+        finish_reason=finish_reason_to_proto(delta.finish_reason),
+        num_preemptions=delta.num_preemptions,
+        recomputed_prompt=delta.recomputed_prompt,
+    )
+    if any(lp is not None for lp in delta.logprobs):
+        response.logprobs.extend(
+            logprobs_to_proto(lp) if lp is not None else common_pb2.Logprobs()
+            for lp in delta.logprobs
+        )
+    if delta.matched_stop_token_id is not None:
+        response.matched_stop_token_id = delta.matched_stop_token_id
+    return response
+
+
+def pull_request(handle: KvHandleInfo, indices: list[int], max_chunk_bytes: int):
+    return prefill_pb2.PullKvRequest(
+        handle_id=handle.handle_id,
+        producer_incarnation=handle.producer_incarnation,
+        block_indices=indices,
+        max_chunk_bytes=max_chunk_bytes,
+    )
+
+
+def release_request(handle: KvHandleInfo) -> prefill_pb2.ReleaseKvRequest:
+    return prefill_pb2.ReleaseKvRequest(handle_id=handle.handle_id)
+
+
+def block_chunk(msg: prefill_pb2.KvChunk) -> BlockChunk:
+    return BlockChunk(msg.block_index, msg.block_id, msg.offset, msg.data, msg.last_of_block)
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """A decode worker's load at one instant (the `LoadReport` fields it fills)."""
+
+    worker_id: str
+    num_running: int
+    num_waiting: int  # queued in the scheduler, plus importing
+    num_swapped: int
+    kv_blocks_total: int
+    kv_blocks_free: int
+    kv_blocks_cached: int
+    kv_cache_usage: float
+    prefix_cache_hit_rate: float
+    draining: bool
+
+
+def load_report(load: Load) -> common_pb2.LoadReport:
+    return common_pb2.LoadReport(
+        worker_id=load.worker_id,
+        role=common_pb2.WORKER_ROLE_DECODE,
+        num_requests_running=load.num_running,
+        num_requests_waiting=load.num_waiting,
+        num_requests_swapped=load.num_swapped,
+        kv_blocks_total=load.kv_blocks_total,
+        kv_blocks_free=load.kv_blocks_free,
+        kv_blocks_cached=load.kv_blocks_cached,
+        kv_cache_usage=load.kv_cache_usage,
+        prefix_cache_hit_rate=load.prefix_cache_hit_rate,
+        draining=load.draining,
+        reported_at_unix_ms=int(time.time() * 1000),
+    )

@@ -1,0 +1,358 @@
+"""`KvImporter`: brings a prefilled prompt's KV into the decode worker's pool (DESIGN §3.5).
+
+One import, on an import thread (never the engine loop)::
+
+    check     version, compat_hash, block size, prompt length, our own block hashes, lease
+    reserve   (engine lock) per full block: reuse the block holding its hash, or share a block
+              another import is pulling right now, or allocate one to pull; the partial last
+              block is always pulled
+    pull      only our own blocks: shm if on the producer's host and the segment attaches,
+              else gRPC PullKv with block_indices
+    release   ReleaseKv: the bytes count only if it answers found=true (lease held to the end)
+    publish   (engine lock) register our pulled blocks by hash; wake imports sharing them
+    finish    wait for the shared blocks' owners; all good -> the table holds the prompt's KV
+
+Fail closed: any check, pull, release or shared-block failure frees the table and returns the
+reason; the caller then recomputes the prompt. In-flight blocks are keyed by hash, so two
+requests importing the same prompt at once end up referencing one device copy, pulled once.
+
+NOTE: an import publishes its own blocks before waiting on others', so no two imports ever
+wait on each other.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagedserve.decode_worker import convert
+from pagedserve.decode_worker.convert import KvHandleInfo
+from pagedserve.decode_worker.engine import DecodeEngine
+from pagedserve.kvstore.block_pool import BlockId
+from pagedserve.kvstore.hashing import BlockHash
+from pagedserve.kvstore.transfer import (
+    BlockAssembler,
+    ShmBlockReader,
+    ShmOffer,
+    TransferError,
+    host_id,
+    layout_compat_hash,
+)
+from pagedserve.model.sequence import Sequence
+from pagedserve.v1 import prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+HANDLE_VERSION = 1
+MIN_LEASE_LEFT_S = 0.05  # a lease this close to expiry is treated as expired
+PULL_CHUNK_BYTES = 1 << 20
+RELEASE_TIMEOUT_S = 5.0
+SHARED_WAIT_S = 120.0  # bound on waiting for another import's pull of a shared block
+MAX_SHM_READERS = 64
+
+
+@dataclass(slots=True)
+class ImportStats:
+    """Cumulative counters (`pagedserve:kv_import_*`)."""
+
+    num_imported: int = 0
+    num_recomputed: int = 0
+    blocks_pulled_shm: int = 0
+    blocks_pulled_grpc: int = 0
+    blocks_reused: int = 0  # full blocks this worker already held (prefix cache hit)
+    blocks_shared_in_flight: int = 0  # full blocks another import was pulling at the time
+    blocks_looked_up: int = 0  # full blocks of every checked handle
+    recompute_reasons: collections.Counter[str] = field(default_factory=collections.Counter)
+
+    @property
+    def blocks_pulled(self) -> int:
+        return self.blocks_pulled_shm + self.blocks_pulled_grpc
+
+
+@dataclass(slots=True, eq=False)
+class _InFlight:
+    """A block some import is pulling; others with the same hash share it."""
+
+    block_id: BlockId
+    done: threading.Event = field(default_factory=threading.Event)
+    ok: bool = False
+
+
+@dataclass(slots=True)
+class _Reservation:
+    pull: dict[int, BlockId]  # handle block index -> our block, to pull ourselves
+    owned: dict[BlockHash, _InFlight]  # our pulled full blocks, published by hash
+    shared: list[_InFlight]  # others' pulls we wait for
+
+
+class ProducerClients:
+    """gRPC channels to prefill workers, one per address, kept for the worker's life."""
+
+    def __init__(self, max_message_bytes: int = 64 << 20) -> None:
+        self._lock = threading.Lock()
+        self._stubs: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
+        self._channels: list[grpc.Channel] = []
+        self._options = [("grpc.max_receive_message_length", max_message_bytes)]
+
+    def stub(self, address: str) -> prefill_pb2_grpc.PrefillWorkerStub:
+        with self._lock:
+            stub = self._stubs.get(address)
+            if stub is None:
+                channel = grpc.insecure_channel(address, options=self._options)
+                self._channels.append(channel)
+                stub = self._stubs[address] = prefill_pb2_grpc.PrefillWorkerStub(channel)
+            return stub
+
+    def close(self) -> None:
+        with self._lock:
+            for channel in self._channels:
+                channel.close()
+            self._channels.clear()
+            self._stubs.clear()
+
+
+class KvImporter:
+    """Imports handles into `engine`'s pool. Thread-safe: every pool access holds `lock`, the
+    lock the engine loop holds around `step()`; copies run without it, into blocks only this
+    import references (so nothing else reads or writes them meanwhile)."""
+
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        lock: threading.RLock,
+        producers: ProducerClients,
+        *,
+        now_host_id: Callable[[], str] = host_id,
+    ) -> None:
+        self.engine = engine
+        self.lock = lock
+        self.producers = producers
+        self.compat_hash = layout_compat_hash(engine.runner.spec, engine.fingerprint)
+        self.host_id = now_host_id()
+        self.stats = ImportStats()
+        self._in_flight: dict[BlockHash, _InFlight] = {}
+        self._readers: dict[str, ShmBlockReader] = {}
+        self._readers_lock = threading.Lock()
+
+    def import_kv(self, seq: Sequence, handle: KvHandleInfo | None) -> str | None:
+        """Fill `seq`'s empty table with the KV of its prompt from `handle`.
+
+        Returns None on success: the table holds the prompt's blocks (full ones registered by
+        hash) and `seq.num_computed_tokens` is the prompt length; the caller must hand `seq`
+        to the engine (which then owns the blocks). Otherwise returns why the prompt must be
+        recomputed, with the table empty and the lease released (best effort).
+        """
+        reason = self._check(seq, handle)
+        if reason is not None or handle is None:
+            reason = reason or "no handle"
+            if handle is not None and reason != "lease expired":
+                self._release_quietly(handle)
+            return self._gave_up(seq, reason)
+        with self.lock:
+            reservation = self._reserve(seq, handle)
+        if reservation is None:
+            self._release_quietly(handle)
+            return self._gave_up(seq, "no free blocks")
+        own_ok = self._pull_and_release(seq, handle, reservation)
+        self._publish(reservation, own_ok)
+        if not own_ok:
+            return self._fail(seq, "pull failed or lease lost")
+        for shared in reservation.shared:
+            if not shared.done.wait(SHARED_WAIT_S) or not shared.ok:
+                return self._fail(seq, "shared block's pull failed")
+        with self.lock:
+            n = seq.num_prompt_tokens
+            self.engine.kv.cache_full_blocks(seq.block_table, seq.block_hashes, n)
+            seq.num_computed_tokens = n
+            seq.num_cached_prompt_tokens = n
+            self.stats.num_imported += 1
+        return None
+
+    # -- check ---------------------------------------------------------------------------------
+
+    def _check(self, seq: Sequence, handle: KvHandleInfo | None) -> str | None:
+        if handle is None:
+            return "no handle"
+        bs = self.engine.pool.block_size
+        n = seq.num_prompt_tokens
+        num_full = n // bs
+        with self.lock:
+            self.stats.blocks_looked_up += num_full
+        if handle.version != HANDLE_VERSION:
+            return f"unknown handle version {handle.version}"
+        if handle.compat_hash != self.compat_hash:
+            return "layout compat_hash differs"
+        if handle.block_size != bs or handle.layout_block_size != bs:
+            return f"block size {handle.block_size} is not ours ({bs})"
+        if handle.num_tokens != n or len(handle.block_ids) != -(-n // bs):
+            return "handle does not cover the prompt"
+        # NOTE: our own hashes of the prompt must match: a wrong handle never enters the cache
+        if list(handle.block_hashes) != seq.block_hashes[:num_full]:
+            return "block hashes differ from the prompt's"
+        if handle.lease_left_s() < MIN_LEASE_LEFT_S:
+            return "lease expired"
+        if not handle.grpc_address and not self._shm_usable(handle):
+            return "no usable transport"
+        return None
+
+    def _shm_usable(self, handle: KvHandleInfo) -> bool:
+        return handle.shm is not None and handle.shm.host_id == self.host_id
+
+    # -- reserve (engine lock held) ------------------------------------------------------------
+
+    def _reserve(self, seq: Sequence, handle: KvHandleInfo) -> _Reservation | None:
+        pool, bs = self.engine.pool, self.engine.pool.block_size
+        n = seq.num_prompt_tokens
+        hashes = seq.block_hashes[: n // bs]
+        found: dict[int, BlockId] = {}
+        shared: dict[int, _InFlight] = {}
+        for i, h in enumerate(hashes):
+            block = pool.lookup(h)
+            if block is not None:
+                found[i] = block
+            elif h in self._in_flight:
+                shared[i] = self._in_flight[h]
+        num_blocks = len(handle.block_ids)
+        to_pull = [i for i in range(num_blocks) if i not in found and i not in shared]
+        revived = sum(pool.ref_count(b) == 0 for b in set(found.values()))
+        if len(to_pull) + revived > pool.num_allocatable:
+            return None
+        pool.acquire([*found.values(), *(s.block_id for s in shared.values())])
+        new_blocks = pool.allocate(len(to_pull))
+        if new_blocks is None:
+            raise RuntimeError("kv import: pool ran short after it said it would not")
+        if self.engine.swapper is not None:
+            # NOTE: a freed block may still be the source of a pending swap-out
+            self.engine.swapper.wait_for_writes(new_blocks)
+        pull = dict(zip(to_pull, new_blocks, strict=True))
+        owned = {hashes[i]: _InFlight(b) for i, b in pull.items() if i < len(hashes)}
+        self._in_flight.update(owned)
+        table = seq.block_table
+        table.block_ids = [_block_at(i, found, shared, pull) for i in range(num_blocks)]
+        table.num_tokens = n
+        self.stats.blocks_reused += len(found)
+        self.stats.blocks_shared_in_flight += len(shared)
+        return _Reservation(pull, owned, list(shared.values()))
+
+    # -- pull ----------------------------------------------------------------------------------
+
+    def _pull_and_release(
+        self, seq: Sequence, handle: KvHandleInfo, reservation: _Reservation
+    ) -> bool:
+        """Copy our blocks, then end the lease; True only if ReleaseKv confirmed it."""
+        if not reservation.pull:
+            self._release_quietly(handle)
+            return True
+        try:
+            self._pull(handle, reservation.pull)
+            found = self.producers.stub(handle.producer_address or handle.grpc_address).ReleaseKv(
+                convert.release_request(handle), timeout=RELEASE_TIMEOUT_S
+            )
+        except (TransferError, grpc.RpcError, ValueError) as exc:
+            log.warning("%s: KV pull from %s failed: %s", seq.request_id, handle.producer_id, exc)
+            self._release_quietly(handle)
+            return False
+        if not found.found:
+            log.warning("%s: lease %s ended before the copy finished", seq.request_id, handle)
+        return bool(found.found)
+
+    def _pull(self, handle: KvHandleInfo, blocks: dict[int, BlockId]) -> None:
+        indices = sorted(blocks)
+        if self._shm_usable(handle):
+            assert handle.shm is not None
+            try:
+                reader = self._reader(handle.shm)
+                src = [handle.block_ids[i] for i in indices]
+                reader.read_blocks(src, self.engine.runner.kv_cache, [blocks[i] for i in indices])
+                with self.lock:
+                    self.stats.blocks_pulled_shm += len(indices)
+                return
+            except TransferError as exc:
+                if not handle.grpc_address:
+                    raise
+                log.info("shm transport unusable (%s); pulling over gRPC", exc)
+        self._pull_grpc(handle, blocks, indices)
+
+    def _pull_grpc(self, handle: KvHandleInfo, blocks: dict[int, BlockId], indices: list[int]):
+        assembler = BlockAssembler(self.engine.runner.kv_cache, dict(blocks))
+        stream = self.producers.stub(handle.grpc_address).PullKv(
+            convert.pull_request(handle, indices, PULL_CHUNK_BYTES),
+            timeout=max(handle.lease_left_s(), 1.0) + 5.0,
+        )
+        for chunk in stream:
+            assembler.feed(convert.block_chunk(chunk))
+        if not assembler.complete:
+            raise TransferError("kv: stream ended before every block arrived")
+        with self.lock:
+            self.stats.blocks_pulled_grpc += len(indices)
+
+    def _reader(self, offer: ShmOffer) -> ShmBlockReader:
+        with self._readers_lock:
+            reader = self._readers.get(offer.segment_name)
+            if reader is None:
+                if len(self._readers) >= MAX_SHM_READERS:
+                    # NOTE: oldest first; a reader still in use elsewhere keeps its mapping
+                    self._readers.pop(next(iter(self._readers)))
+                reader = ShmBlockReader(offer, self.engine.runner.spec)
+                self._readers[offer.segment_name] = reader
+            return reader
+
+    def _release_quietly(self, handle: KvHandleInfo) -> None:
+        """Best effort: the producer frees the lease at expiry anyway."""
+        address = handle.producer_address or handle.grpc_address
+        if not address:
+            return
+        try:
+            self.producers.stub(address).ReleaseKv(
+                convert.release_request(handle), timeout=RELEASE_TIMEOUT_S
+            )
+        except grpc.RpcError as exc:
+            log.info("ReleaseKv %s at %s failed: %s", handle.handle_id, address, exc.code())
+
+    # -- publish and finish --------------------------------------------------------------------
+
+    def _publish(self, reservation: _Reservation, ok: bool) -> None:
+        """Register our pulled full blocks by hash (if good), then wake imports sharing them."""
+        with self.lock:
+            for block_hash, flight in reservation.owned.items():
+                del self._in_flight[block_hash]
+                if ok:
+                    self.engine.pool.cache_block(flight.block_id, block_hash)
+                flight.ok = ok
+        for flight in reservation.owned.values():
+            flight.done.set()
+
+    def _fail(self, seq: Sequence, reason: str) -> str:
+        with self.lock:
+            self.engine.kv.free(seq.block_table)
+        return self._gave_up(seq, reason)
+
+    def _gave_up(self, seq: Sequence, reason: str) -> str:
+        with self.lock:
+            self.stats.num_recomputed += 1
+            self.stats.recompute_reasons[reason] += 1
+        log.info("%s: recomputing the prompt (%s)", seq.request_id, reason)
+        return reason
+
+    def close(self) -> None:
+        with self._readers_lock:
+            self._readers.clear()
+        self.producers.close()
+
+
+def _block_at(
+    index: int,
+    found: dict[int, BlockId],
+    shared: dict[int, _InFlight],
+    pull: dict[int, BlockId],
+) -> BlockId:
+    if index in found:
+        return found[index]
+    if index in shared:
+        return shared[index].block_id
+    return pull[index]

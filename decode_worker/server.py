@@ -1,0 +1,148 @@
+"""`pagedserve decode`: the decode worker process.
+
+Start-up: load the model, allocate the KV pool and the swap space, bind the gRPC server,
+register in Redis as a decode worker (if `--redis-url`; a heartbeat carries the load), mark
+ready, print `READY <worker_id> <address>` on stdout. SIGTERM/SIGINT: health NOT_SERVING, refuse
+new requests, let in-flight streams finish up to `--drain-timeout`, deregister, stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+import time
+
+from pagedserve.config import default_worker_id
+from pagedserve.decode_worker.cli_args import add_arguments
+from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
+from pagedserve.decode_worker.kv_import import ProducerClients
+from pagedserve.decode_worker.plan import PreemptionMode, SchedulingPolicy
+from pagedserve.decode_worker.servicer import DecodeServicer
+from pagedserve.decode_worker.worker import DecodeWorker
+from pagedserve.grpcutil import build_server
+from pagedserve.kvstore.worker_registry import (
+    Heartbeater,
+    RegistryUnavailable,
+    Role,
+    WorkerLoad,
+    WorkerRegistry,
+    connect,
+    new_incarnation,
+)
+from pagedserve.model.config import load_model_config
+from pagedserve.model.runner import kv_cache_spec
+from pagedserve.v1 import decode_pb2_grpc
+
+log = logging.getLogger("pagedserve.decode")
+SERVICE_NAME = "pagedserve.v1.DecodeWorker"
+
+
+def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
+    """The engine's config from the flags; ValueError naming the flag if they do not fit."""
+    if args.swap_space < 0:
+        raise ValueError(f"swap-space: must be >= 0 GiB, got {args.swap_space}")
+    if args.import_threads < 1:
+        raise ValueError(f"import-threads: must be >= 1, got {args.import_threads}")
+    spec = kv_cache_spec(load_model_config(args.model, args.dtype), args.block_size)
+    num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(args.kv_cache_memory)
+    if num_blocks < 1:
+        raise ValueError("kv-cache-memory: too small for one block")
+    return DecodeEngineConfig(
+        block_size=args.block_size,
+        num_blocks=num_blocks,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs,
+        max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
+        dtype=args.dtype,
+        device=args.device,
+        swap_space_gib=args.swap_space,
+        preemption_mode=PreemptionMode(args.preemption_mode),
+        scheduling_policy=SchedulingPolicy(args.scheduling_policy),
+    )
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    engine = DecodeEngine.from_model_dir(args.model, engine_config(args), revision=args.revision)
+    worker = DecodeWorker(
+        engine,
+        import_threads=args.import_threads,
+        producers=ProducerClients(args.max_message_bytes),
+    )
+    servicer = DecodeServicer(worker)
+    handle = build_server(
+        [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+        address=f"{args.host}:{args.port}",
+        max_workers=max(16, 2 * args.max_num_seqs + 8),
+        max_message_bytes=args.max_message_bytes,
+    )
+    address = args.advertise_address or f"{args.host}:{handle.port}"
+    worker.worker_id = args.worker_id or default_worker_id("decode", handle.port)
+    heartbeater, registry = _join_cluster(args, worker, address)
+    worker.start()
+    handle.server.start()
+    handle.set_ready(True)
+    print(f"READY {worker.worker_id} {address}", flush=True)
+    stop.wait()
+
+    log.info("draining: %d requests in flight", worker.num_in_flight)
+    handle.set_ready(False)
+    worker.draining = True
+    deadline = time.monotonic() + args.drain_timeout
+    while worker.num_in_flight and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if heartbeater is not None:
+        heartbeater.stop()
+    if registry is not None:
+        try:
+            registry.deregister()
+        except RegistryUnavailable:
+            log.warning("could not deregister: Redis unavailable")
+    handle.server.stop(grace=1.0).wait(2.0)
+    worker.close()
+    return 0
+
+
+def _join_cluster(
+    args: argparse.Namespace, worker: DecodeWorker, address: str
+) -> tuple[Heartbeater | None, WorkerRegistry | None]:
+    if not args.redis_url:
+        return None, None
+    model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
+    registry = WorkerRegistry(connect(args.redis_url), model)
+
+    def load() -> WorkerLoad:
+        report = worker.load()
+        return WorkerLoad(
+            num_requests_running=report.num_running,
+            num_requests_waiting=report.num_waiting,
+            num_requests_swapped=report.num_swapped,
+            kv_blocks_total=report.kv_blocks_total,
+            kv_blocks_free=report.kv_blocks_free,
+            kv_blocks_cached=report.kv_blocks_cached,
+            kv_cache_usage=report.kv_cache_usage,
+            prefix_cache_hit_rate=report.prefix_cache_hit_rate,
+            draining=report.draining,
+        )
+
+    try:
+        registry.register(worker.worker_id, address, Role.DECODE, incarnation=new_incarnation())
+    except RegistryUnavailable:
+        log.warning("Redis unavailable at start; the heartbeat registers when it returns")
+    heartbeater = Heartbeater(registry, load)
+    heartbeater.start()
+    return heartbeater, registry
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pagedserve decode")
+    add_arguments(parser)
+    sys.exit(main(parser.parse_args()))

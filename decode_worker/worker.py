@@ -1,0 +1,282 @@
+"""`DecodeWorker`: the decode worker's threads around one `DecodeEngine`.
+
+    gRPC thread ── submit ──► import pool (KvImporter: pull or give up) ──► engine (lock)
+    loop thread ── step() under the lock ──► deltas ──► each request's `RequestStream`
+    gRPC thread ── abort / cancel ──► engine.abort under the lock: blocks freed at once
+
+The engine and its scheduler are single-threaded: every call into them holds `lock`, which the
+loop holds for a whole `step()`. So an abort waits at most one step, and an import's pool
+bookkeeping never races a step. The request is never lost: an import that fails for any reason
+queues the sequence for local recompute (`recomputed_prompt`).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+from pagedserve.decode_worker.convert import DecodeCall, Delta, Load
+from pagedserve.decode_worker.engine import DecodeEngine
+from pagedserve.decode_worker.kv_import import KvImporter, ProducerClients
+from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.model.sequence import FinishReason, RequestId, Sequence
+
+log = logging.getLogger(__name__)
+
+
+class RequestStream:
+    """The deltas of one request, in order; the last one has `finish_reason` set."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+
+    def put(self, delta: Delta) -> None:
+        self._queue.put(delta)
+
+    def get(self, timeout_s: float) -> Delta | None:
+        """The next delta merged with any others already queued; None after `timeout_s`."""
+        try:
+            delta = self._queue.get(timeout=timeout_s)
+        except queue.Empty:
+            return None
+        while delta.finish_reason is None:
+            try:
+                delta.merge(self._queue.get_nowait())
+            except queue.Empty:
+                break
+        return delta
+
+
+@dataclass(slots=True, eq=False)
+class _Tracked:
+    seq: Sequence
+    stream: RequestStream
+    importing: bool = True
+    recomputed: bool = False
+    aborted: bool = False
+    num_sent: int = 1  # output tokens already reported; the first token is the caller's
+    num_preemptions: int = 0
+
+
+class DecodeWorker:
+    """Owns the engine's threads and every request from `submit` to its last delta."""
+
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        *,
+        worker_id: str = "decode",
+        import_threads: int = 4,
+        producers: ProducerClients | None = None,
+    ) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.lock = threading.RLock()
+        self.importer = KvImporter(engine, self.lock, producers or ProducerClients())
+        self.draining = False
+        self._wake = threading.Condition(self.lock)
+        self._tracked: dict[str, _Tracked] = {}
+        self._imports = ThreadPoolExecutor(import_threads, thread_name_prefix="kv-import")
+        self._thread: threading.Thread | None = None
+        self._stop = False
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def submit(self, call: DecodeCall) -> RequestStream:
+        """Start a request: import (or recompute) its prompt, then stream its tokens.
+
+        Raises InvalidArgument naming the field, ResourceExhausted for a request this worker
+        can never hold, Unavailable while draining.
+        """
+        if self.draining:
+            raise Unavailable("decode worker is draining")
+        seq = self._new_sequence(call)
+        stream = RequestStream()
+        tracked = _Tracked(seq, stream)
+        with self.lock:
+            if call.request_id in self._tracked:
+                raise InvalidArgument("request.request_id", f"{call.request_id!r} is in flight")
+            self._tracked[call.request_id] = tracked
+            if seq.check_stop(self.engine.model_config.eos_token_ids, self.engine.max_model_len):
+                self._finish(tracked)  # NOTE: the first token already ended it
+                return stream
+        self._imports.submit(self._import, tracked, call)
+        return stream
+
+    def _new_sequence(self, call: DecodeCall) -> Sequence:
+        engine = self.engine
+        try:
+            seq = engine.new_sequence(
+                call.prompt_token_ids,
+                call.params,
+                request_id=call.request_id,
+                priority=call.priority,
+                cache_salt=call.cache_salt,
+            )
+        except InvalidArgument as exc:
+            prefix = "request" if exc.field == "prompt_token_ids" else "request.sampling"
+            raise exc.with_prefix(prefix) from None
+        if call.first_token >= engine.model_config.vocab_size:
+            raise InvalidArgument(
+                "first_token", f"{call.first_token} is not < {engine.model_config.vocab_size}"
+            )
+        if not engine.would_fit(seq.num_prompt_tokens, call.params.max_tokens):
+            raise ResourceExhausted(
+                f"request needs more than this decode worker's {engine.pool.num_blocks} KV "
+                f"blocks of {engine.pool.block_size}; lower max_tokens or use a larger worker"
+            )
+        seq.append_token(call.first_token, call.first_logprobs)
+        return seq
+
+    def _import(self, tracked: _Tracked, call: DecodeCall) -> None:
+        try:
+            reason = self.importer.import_kv(tracked.seq, call.handle)
+        except Exception:
+            log.exception("%s: KV import failed", call.request_id)
+            with self.lock:
+                self.engine.kv.free(tracked.seq.block_table)
+            reason = "import error"
+        with self._wake:
+            tracked.importing = False
+            if tracked.aborted:
+                self.engine.kv.free(tracked.seq.block_table)
+                return
+            tracked.recomputed = reason is not None
+            if reason is None:
+                self.engine.add_prefilled(tracked.seq)
+            else:
+                tracked.seq.num_computed_tokens = 0
+                self.engine.add_sequence(tracked.seq)
+            self._wake.notify()
+
+    def abort(self, request_id: str, stream: RequestStream | None = None) -> bool:
+        """Abort a request (only if its stream is `stream`, when given); its blocks are freed
+        now, or as soon as its import returns. False if unknown or already finished."""
+        with self.lock:
+            tracked = self._tracked.get(request_id)
+            if tracked is None or (stream is not None and tracked.stream is not stream):
+                return False
+            if tracked.importing:
+                tracked.aborted = True
+            else:
+                self.engine.abort(request_id)
+            tracked.seq.finish(FinishReason.ABORT)
+            self._finish(tracked)
+            return True
+
+    # -- loop ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._stop and not self.engine.has_unfinished:
+                    self._wake.wait(0.5)
+                if self._stop:
+                    return
+                try:
+                    self.step()
+                except Exception:
+                    log.exception("decode step failed; failing every request")
+                    self._fail_all()
+            # NOTE: let gRPC and import threads waiting on the lock in before the next step
+            time.sleep(0)
+
+    def step(self) -> None:
+        """One engine step and its deltas (the loop's body; tests may call it directly)."""
+        with self.lock:
+            out = self.engine.step()
+            for seq in out.finished:
+                tracked = self._tracked.get(seq.request_id)
+                if tracked is not None:
+                    self._finish(tracked)
+            for item in out.plan.scheduled:
+                tracked = self._tracked.get(item.seq.request_id)
+                if tracked is not None and item.seq.num_output_tokens > tracked.num_sent:
+                    tracked.stream.put(self._delta(tracked))
+
+    def _delta(self, tracked: _Tracked) -> Delta:
+        seq = tracked.seq
+        new = slice(tracked.num_sent, seq.num_output_tokens)
+        tracked.num_sent = seq.num_output_tokens
+        tracked.num_preemptions = max(
+            tracked.num_preemptions, self.engine.scheduler.num_preemptions_of(seq.request_id)
+        )
+        return Delta(
+            token_ids=seq.output_token_ids[new],
+            logprobs=seq.output_logprobs[new],
+            num_generated=seq.num_output_tokens,
+            num_preemptions=tracked.num_preemptions,
+            recomputed_prompt=tracked.recomputed,
+        )
+
+    def _finish(self, tracked: _Tracked) -> None:
+        """Send the last delta and forget the request (lock held)."""
+        seq = tracked.seq
+        delta = self._delta(tracked)
+        delta.finish_reason = seq.finish_reason
+        if (
+            seq.finish_reason is FinishReason.STOP
+            and seq.token_ids[-1] in seq.params.stop_token_ids
+        ):
+            delta.matched_stop_token_id = seq.token_ids[-1]
+        if seq.finish_reason is FinishReason.ERROR:
+            delta.error = self.engine.errors.pop(seq.request_id, "decode failed")
+        del self._tracked[seq.request_id]
+        tracked.stream.put(delta)
+
+    def _fail_all(self) -> None:
+        with self.lock:
+            for request_id, tracked in list(self._tracked.items()):
+                if not tracked.importing:
+                    self.engine.abort(request_id)
+                else:
+                    tracked.aborted = True
+                tracked.seq.finish(FinishReason.ERROR)
+                self.engine.errors[RequestId(request_id)] = "decode step failed"
+                self._finish(tracked)
+
+    # -- state ---------------------------------------------------------------------------------
+
+    @property
+    def num_in_flight(self) -> int:
+        with self.lock:
+            return len(self._tracked)
+
+    def load(self) -> Load:
+        with self.lock:
+            pool, scheduler = self.engine.pool, self.engine.scheduler
+            importing = sum(t.importing for t in self._tracked.values())
+            stats = self.importer.stats
+            looked_up = stats.blocks_looked_up
+            hits = stats.blocks_reused + stats.blocks_shared_in_flight
+            return Load(
+                worker_id=self.worker_id,
+                num_running=len(scheduler.running),
+                num_waiting=len(scheduler.waiting) + importing,
+                num_swapped=len(scheduler.swapped),
+                kv_blocks_total=pool.num_blocks,
+                kv_blocks_free=pool.num_free,
+                kv_blocks_cached=pool.num_cached,
+                kv_cache_usage=pool.usage,
+                prefix_cache_hit_rate=hits / looked_up if looked_up else 0.0,
+                draining=self.draining,
+            )
+
+    def close(self) -> None:
+        """Stop the loop and the import threads; requests still in flight are dropped."""
+        self._imports.shutdown(wait=True, cancel_futures=True)
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        if self._thread is not None:
+            self._thread.join(10)
+        self.importer.close()
+        self.engine.close()
