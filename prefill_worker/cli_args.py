@@ -14,3 +14,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--kv-lease-seconds", type=float, default=30.0, help="lease on handed-out KV blocks"
     )
     parser.add_argument("--no-shm", action="store_true", help="do not offer the shm transport")
+    parser.add_argument(
+        "--warmup-prompts", default=None, metavar="FILE",
+        help="prompts to prefill into the prefix cache before READY: a text file, one prompt a "
+        "line (tokenized with the model's tokenizer), or a .json list of strings and/or "
+        "token-id lists (docs/prefill.md)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--heartbeat-interval", type=float, default=None, metavar="SECONDS",
+        help="Redis heartbeat period (default: a third of the worker record's TTL)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--worker-ttl", type=float, default=9.0, metavar="SECONDS",
+        help="life of the worker's Redis record without a heartbeat",
+    )  # fmt: skip

@@ -14,6 +14,7 @@ nothing frees those while they are in flight).
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pagedserve.errors import InvalidArgument, ResourceExhausted
 from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
-from pagedserve.kvstore.hashing import model_fingerprint
+from pagedserve.kvstore.hashing import BlockHash, hash_blocks, model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import ShmKVPool, layout_compat_hash
 from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
@@ -33,7 +34,7 @@ from pagedserve.model.loader import load_model
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
 from pagedserve.model.sampler import make_generator
 from pagedserve.model.sequence import RequestId, Sequence
-from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseTable
+from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
 from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 
@@ -188,6 +189,38 @@ class PrefillEngine:
         pending.future.cancel()
         return True
 
+    def warmup(
+        self, prompts: list[list[int]], *, cache_salt: str = "", timeout_s: float | None = None
+    ) -> int:
+        """Prefill `prompts` into the prefix cache (no lease is taken); wait for all of them.
+
+        Returns how many distinct full blocks of the prompts the prefix cache holds afterwards.
+        Raises like `submit` for a bad prompt (nothing of a refused batch is queued after it),
+        TimeoutError if `timeout_s` passes first.
+        """
+        params = SamplingParams(temperature=0.0, max_tokens=1)
+        futures = [
+            self.submit(f"warmup-{secrets.token_hex(8)}", p, params, cache_salt=cache_salt)
+            for p in prompts
+        ]
+        for future in futures:
+            future.result(timeout=timeout_s)
+        return self._count_cached(prompts, cache_salt)
+
+    def _count_cached(self, prompts: list[list[int]], cache_salt: str) -> int:
+        hashes: set[BlockHash] = set()
+        for prompt in prompts:
+            hashes.update(
+                hash_blocks(
+                    prompt,
+                    self.config.block_size,
+                    model_fingerprint=self.fingerprint,
+                    cache_salt=cache_salt,
+                )
+            )
+        with self._lock:
+            return sum(1 for h in hashes if self.pool.lookup(h) is not None)
+
     # ---- leases ---------------------------------------------------------------------------
 
     def release(self, handle_id: str) -> bool:
@@ -200,9 +233,18 @@ class PrefillEngine:
         return None if expires is None else _unix_ms(expires, self.leases.clock())
 
     def leased_blocks(self, handle_id: str) -> list[int] | None:
-        """Block ids pinned by an active lease, or None."""
+        """Block ids pinned by an active lease, or None (see `lease_state` for why)."""
         lease = self.leases.get(handle_id)
         return None if lease is None else list(lease.resource.block_ids)
+
+    def lease_state(self, handle_id: str) -> LeaseState:
+        """ACTIVE, EXPIRED (recently), or UNKNOWN (never granted, released, or long expired)."""
+        return self.leases.state(handle_id)
+
+    def check_integrity(self) -> None:
+        """`BlockPool.check_integrity()` under the engine's lock (safe while serving)."""
+        with self._lock:
+            self.pool.check_integrity()
 
     def registered_hashes(self) -> list:
         """Hashes of every block a prefix hit could use now (for republishing the index)."""

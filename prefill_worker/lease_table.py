@@ -9,17 +9,23 @@ A lease pins a prefilled request's blocks until the decode worker has pulled the
 
 Expiry is absolute and checked against the table's clock: past it, the lease is dead for
 ``get`` and ``renew`` even before the reaper has run; ``release`` of such a lease still frees it
-(once). The worker wires ``release_fn`` to ``KVCacheManager.free(table)``, so the full blocks
-go back to the prefix cache (CACHED, LRU) rather than the free list and a retry still hits.
+(once). ``state`` tells an expired handle (remembered, up to ``remember_expired`` of them, most
+recent kept) from one that never existed or was released, so a late pull can be told "expired"
+(FAILED_PRECONDITION) rather than "unknown" (NOT_FOUND).
+
+The worker wires ``release_fn`` to ``KVCacheManager.free(table)``, so the full blocks go back to
+the prefix cache (CACHED, LRU) rather than the free list and a retry still hits.
 """
 
 from __future__ import annotations
 
+import enum
 import heapq
 import logging
 import secrets
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
@@ -27,6 +33,7 @@ from typing import Generic, TypeVar
 logger = logging.getLogger(__name__)
 
 DEFAULT_LEASE_S = 30.0
+DEFAULT_REMEMBER_EXPIRED = 4096
 
 T = TypeVar("T")
 
@@ -44,6 +51,14 @@ class Lease(Generic[T]):
     resource: T
     granted_at: float
     expires_at: float
+
+
+class LeaseState(enum.Enum):
+    """What the table knows about a handle id now."""
+
+    ACTIVE = "active"  # granted, not released, before its expiry
+    EXPIRED = "expired"  # its expiry passed (reaped or not); among the last remembered ones
+    UNKNOWN = "unknown"  # never granted here, released, or expired too long ago to remember
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,11 +88,17 @@ class LeaseTable(Generic[T]):
         release_fn: Callable[[Lease[T]], None],
         *,
         clock: Callable[[], float] = time.monotonic,
+        remember_expired: int = DEFAULT_REMEMBER_EXPIRED,
     ) -> None:
+        if remember_expired < 0:
+            raise ValueError(f"remember_expired: must be >= 0, got {remember_expired}")
         self._release_fn = release_fn
         self._clock = clock
         self._lock = threading.Lock()
         self._leases: dict[str, Lease[T]] = {}
+        # NOTE: bounded memory of expired handle ids, oldest first (FIFO eviction).
+        self._expired_ids: OrderedDict[str, None] = OrderedDict()
+        self._remember_expired = remember_expired
         # NOTE: lazy deletion: (expires_at, seq, handle_id) entries outlive renewals and
         # releases; an entry is live only while it matches the lease's current expires_at.
         # seq (a push counter) orders equal expiries by grant/renew time, deterministically.
@@ -122,6 +143,15 @@ class LeaseTable(Generic[T]):
             lease = self._leases.get(handle_id)
         return lease if lease is not None and now < lease.expires_at else None
 
+    def state(self, handle_id: str, now: float | None = None) -> LeaseState:
+        """ACTIVE, EXPIRED (past its expiry, reaped or not) or UNKNOWN (see ``LeaseState``)."""
+        now = self._clock() if now is None else now
+        with self._lock:
+            lease = self._leases.get(handle_id)
+            if lease is not None:
+                return LeaseState.ACTIVE if now < lease.expires_at else LeaseState.EXPIRED
+            return LeaseState.EXPIRED if handle_id in self._expired_ids else LeaseState.UNKNOWN
+
     def renew(self, handle_id: str, extend_s: float, now: float | None = None) -> float | None:
         """Extend an active lease to ``max(expires_at, now + extend_s)``; the new expiry.
 
@@ -142,13 +172,20 @@ class LeaseTable(Generic[T]):
                 self._compact_locked()
             return new_expiry
 
-    def release(self, handle_id: str) -> bool:
-        """Free the lease now (idempotent); True if this call freed it."""
+    def release(self, handle_id: str, now: float | None = None) -> bool:
+        """Free the lease now (idempotent); True if this call freed it.
+
+        A lease already past its expiry is still freed here (once), and ``state`` keeps calling
+        it EXPIRED: whoever pulls it late learns it expired, not that it never existed.
+        """
+        now = self._clock() if now is None else now
         with self._lock:
             lease = self._leases.pop(handle_id, None)
             if lease is None:
                 return False
             self._released += 1
+            if now >= lease.expires_at:
+                self._remember_expired_locked(handle_id)
         self._release_fn(lease)
         return True
 
@@ -168,6 +205,7 @@ class LeaseTable(Generic[T]):
                 if lease is None or lease.expires_at != expires_at:
                     continue  # released, or renewed past this entry
                 del self._leases[handle_id]
+                self._remember_expired_locked(handle_id)
                 reaped.append(lease)
             self._expired += len(reaped)
         self._release_all(reaped)
@@ -198,6 +236,13 @@ class LeaseTable(Generic[T]):
                 first_error = first_error or e
         if first_error is not None:
             raise first_error
+
+    def _remember_expired_locked(self, handle_id: str) -> None:
+        if self._remember_expired == 0:
+            return
+        self._expired_ids[handle_id] = None
+        while len(self._expired_ids) > self._remember_expired:
+            self._expired_ids.popitem(last=False)
 
     def _push_locked(self, expires_at: float, handle_id: str) -> None:
         self._seq += 1

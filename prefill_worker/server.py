@@ -1,10 +1,12 @@
 """`pagedserve prefill`: the prefill worker process.
 
 Start-up: load the model, allocate the KV pool (in shared memory), bind the gRPC server, register
-in Redis (if `--redis-url`), mark ready, print `READY <worker_id> <address>` on stdout. While
-serving, block events are published to the Redis prefix index after every step and a heartbeat
-keeps the worker record alive. SIGTERM/SIGINT: health NOT_SERVING, refuse new prefills, wait
-for outstanding leases up to `--drain-timeout`, deregister, stop.
+in Redis (if `--redis-url`), prefill `--warmup-prompts` into the prefix cache and publish them,
+mark ready, print `READY <worker_id> <address>` on stdout. While serving, block events go to the
+Redis prefix index after every step (`IndexPublisher`, off the engine loop) and a heartbeat
+keeps the worker record alive; a Redis outage only makes the index stale (docs/prefill.md).
+SIGTERM/SIGINT: health NOT_SERVING, refuse new prefills, wait for outstanding leases up to
+`--drain-timeout`, stop the engine, delete the index entries and the record, stop.
 """
 
 from __future__ import annotations
@@ -15,11 +17,10 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pagedserve.config import default_worker_id
 from pagedserve.grpcutil import build_server
-from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.prefix_index import IndexUnavailable, RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import (
     Heartbeater,
@@ -36,44 +37,33 @@ from pagedserve.model.runner import kv_cache_spec
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, load_report
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
+from pagedserve.prefill_worker.index_publisher import IndexPublisher
 from pagedserve.prefill_worker.servicer import PrefillServicer
+from pagedserve.prefill_worker.warmup import load_warmup_prompts
 from pagedserve.v1 import prefill_pb2_grpc
 
 log = logging.getLogger("pagedserve.prefill")
 SERVICE_NAME = "pagedserve.v1.PrefillWorker"
+WARMUP_TIMEOUT_S = 600.0
 
 
 @dataclass(slots=True)
-class _IndexPublisher:
-    """Mirrors the pool's block events into Redis.
+class _Cluster:
+    """This worker's membership in Redis: its record, its heartbeat and its index entries."""
 
-    A failed publish marks the index stale; the next successful call republishes every hash the
-    pool holds. Entries also get re-asserted every `refresh_interval_s` (half the entry TTL),
-    because prefix hits keep blocks hot without producing events.
-    """
+    registry: WorkerRegistry
+    heartbeater: Heartbeater
+    publisher: IndexPublisher
 
-    index: RedisPrefixIndex
-    worker_id: str
-    incarnation: str
-    engine: PrefillEngine
-    refresh_interval_s: float = 300.0
-    stale: bool = False
-    last_refresh: float = field(default_factory=time.monotonic)
-
-    def publish(self, events: list[BlockEvent]) -> None:
+    def leave(self) -> None:
+        """Stop beating and publishing, delete the index entries, then the record (best effort)."""
+        self.heartbeater.stop()
+        self.publisher.stop()
         try:
-            self.maybe_refresh()
-            self.index.publish(self.worker_id, events, incarnation=self.incarnation)
-        except IndexUnavailable:
-            self.stale = True  # NOTE: Redis is a hint; serving goes on without it
-
-    def maybe_refresh(self) -> None:
-        """Republish if stale or due; raises IndexUnavailable."""
-        if self.stale or time.monotonic() - self.last_refresh > self.refresh_interval_s:
-            hashes = self.engine.registered_hashes()
-            self.index.refresh(self.worker_id, hashes, incarnation=self.incarnation)
-            self.stale = False
-            self.last_refresh = time.monotonic()
+            self.publisher.clear()
+            self.registry.deregister()
+        except (IndexUnavailable, RegistryUnavailable):
+            log.warning("could not leave the cluster cleanly: Redis unavailable")
 
 
 def build_engine(args: argparse.Namespace) -> PrefillEngine:
@@ -101,6 +91,9 @@ def main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    if args.heartbeat_interval is not None and not 0 < args.heartbeat_interval < args.worker_ttl:
+        raise ValueError("heartbeat-interval: must be in (0, --worker-ttl)")
+    warmup = load_warmup_prompts(args.warmup_prompts, args.model) if args.warmup_prompts else []
     engine = build_engine(args)
     if stop.is_set():
         engine.close()
@@ -116,8 +109,15 @@ def main(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or default_worker_id("prefill", handle.port)
     me = Identity(worker_id, new_incarnation(), address)
     servicer.me = me
-    heartbeater, registry = _join_cluster(args, engine, me)
+    cluster = _join_cluster(args, engine, me)
     engine.start()
+    try:
+        _warm_up(engine, warmup, cluster)
+    except Exception:
+        if cluster is not None:
+            cluster.leave()
+        engine.close()
+        raise
     handle.server.start()
     handle.set_ready(True)
     print(f"READY {worker_id} {address}", flush=True)
@@ -129,40 +129,42 @@ def main(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.drain_timeout
     while len(engine.leases) and time.monotonic() < deadline:
         time.sleep(0.05)
-    if heartbeater is not None:
-        heartbeater.stop()
-    if registry is not None:
-        try:
-            registry.deregister()
-        except RegistryUnavailable:
-            log.warning("could not deregister: Redis unavailable")
+    engine.stop()  # NOTE: no step may publish after the index entries are cleared
+    if cluster is not None:
+        cluster.leave()
     handle.server.stop(grace=1.0).wait(2.0)
     engine.close()
     return 0
 
 
-def _join_cluster(
-    args: argparse.Namespace, engine: PrefillEngine, me: Identity
-) -> tuple[Heartbeater | None, WorkerRegistry | None]:
+def _warm_up(engine: PrefillEngine, prompts: list[list[int]], cluster: _Cluster | None) -> None:
+    """Prefill the warm-up prompts and wait until their blocks are in Redis (bounded)."""
+    if not prompts:
+        return
+    blocks = engine.warmup(prompts, timeout_s=WARMUP_TIMEOUT_S)
+    log.info("warm-up: %d prompts, %d full blocks cached", len(prompts), blocks)
+    if cluster is not None and not cluster.publisher.flush(timeout_s=5.0):
+        log.warning("warm-up blocks not yet published to Redis")
+
+
+def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity) -> _Cluster | None:
     if not args.redis_url:
-        return None, None
+        return None
     model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
     client = connect(args.redis_url)
-    registry = WorkerRegistry(client, model)
-    publisher = _IndexPublisher(
+    registry = WorkerRegistry(client, model, ttl_s=args.worker_ttl)
+    publisher = IndexPublisher(
         RedisPrefixIndex(client, model, block_size=args.block_size),
         me.worker_id,
         me.incarnation,
         engine,
     )
-    engine.on_events = publisher.publish
+    engine.on_events = publisher.submit
+    publisher.start()
 
     def load() -> WorkerLoad:
         # NOTE: called on every heartbeat; also the idle-time hook for the index refresh
-        try:
-            publisher.maybe_refresh()
-        except IndexUnavailable:
-            publisher.stale = True
+        publisher.refresh()
         report = load_report(engine, me.worker_id, draining=False)
         return WorkerLoad(
             num_requests_running=report.num_requests_running,
@@ -181,10 +183,14 @@ def _join_cluster(
         log.warning("Redis unavailable at start; serving without the index until it returns")
         publisher.stale = True
     heartbeater = Heartbeater(
-        registry, load, on_recreated=lambda: setattr(publisher, "stale", True)
+        registry,
+        load,
+        interval_s=args.heartbeat_interval,
+        # NOTE: a re-created record means Redis lost our keys (restart, or TTL ran out)
+        on_recreated=lambda: publisher.refresh(force=True),
     )
     heartbeater.start()
-    return heartbeater, registry
+    return _Cluster(registry, heartbeater, publisher)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,11 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import grpc
 
 from pagedserve.errors import Unavailable
+from pagedserve.grpcutil import time_remaining
 from pagedserve.kvstore.transfer import iter_block_chunks
 from pagedserve.prefill_worker import convert
 from pagedserve.prefill_worker.engine import PrefillEngine
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.prefill_worker.lease_table import LeaseState
 from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         )
         context.add_callback(lambda: self._abandon(call.request_id, future))
         try:
-            result = future.result(timeout=context.time_remaining())
+            result = future.result(timeout=time_remaining(context))
         except FutureTimeout:
             self.engine.abort(call.request_id)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
@@ -73,7 +74,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "handle of another incarnation")
         block_ids = self.engine.leased_blocks(request.handle_id)
         if block_ids is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, "lease unknown, released or expired")
+            self._abort_dead_lease(request.handle_id, context)
             return
         max_chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         chunks = iter_block_chunks(
@@ -83,7 +84,13 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             yield convert.kv_chunk(chunk)
         if self.engine.leased_blocks(request.handle_id) is None:
             # NOTE: the lease ended while we streamed: the bytes may be from a reused block
-            context.abort(grpc.StatusCode.NOT_FOUND, "lease expired during the transfer")
+            self._abort_dead_lease(request.handle_id, context, " during the transfer")
+
+    def _abort_dead_lease(self, handle_id: str, context, when: str = "") -> None:
+        """FAILED_PRECONDITION for an expired lease, NOT_FOUND for an unknown or released one."""
+        if self.engine.lease_state(handle_id) is LeaseState.EXPIRED:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"lease expired{when}")
+        context.abort(grpc.StatusCode.NOT_FOUND, f"lease unknown or released{when}")
 
     def ReleaseKv(self, request, context):  # noqa: N802
         return prefill_pb2.ReleaseKvResponse(found=self.engine.release(request.handle_id))
@@ -91,20 +98,19 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def RenewLease(self, request, context):  # noqa: N802
         expires = self.engine.renew(request.handle_id, float(request.extend_seconds))
         if expires is None:
-            context.abort(grpc.StatusCode.NOT_FOUND, "lease unknown, released or expired")
+            self._abort_dead_lease(request.handle_id, context)
         return prefill_pb2.RenewLeaseResponse(lease_expires_unix_ms=expires)
 
     def Warmup(self, request, context):  # noqa: N802
-        params = SamplingParams(temperature=0.0, max_tokens=1)
-        futures = [
-            self.engine.submit(
-                f"warmup-{i}-{id(request)}", list(p.ids), params, cache_salt=request.cache_salt
+        if self.draining:
+            raise Unavailable("prefill worker is draining")
+        prompts = [list(p.ids) for p in request.prompts]
+        try:
+            blocks = self.engine.warmup(
+                prompts, cache_salt=request.cache_salt, timeout_s=time_remaining(context)
             )
-            for i, p in enumerate(request.prompts)
-        ]
-        for future in futures:
-            future.result(timeout=context.time_remaining())
-        blocks = sum(len(p.ids) // self.engine.config.block_size for p in request.prompts)
+        except FutureTimeout:
+            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "warm-up did not finish in time")
         return prefill_pb2.WarmupResponse(blocks_cached=blocks)
 
     def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802

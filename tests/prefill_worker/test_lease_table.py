@@ -13,7 +13,13 @@ from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import hash_blocks
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseStats, LeaseTable
+from pagedserve.prefill_worker.lease_table import (
+    Lease,
+    LeaseReaper,
+    LeaseState,
+    LeaseStats,
+    LeaseTable,
+)
 
 BOUND_S = 2.0  # a wait that must end well within this (a bound, not a speed check)
 
@@ -288,3 +294,35 @@ def test_leased_blocks_stay_pinned_then_return_to_the_prefix_cache(end: str) -> 
     manager.free(retry)
     manager.check_integrity()
     assert leases.stats().active == 0
+
+
+def test_state_tells_an_expired_lease_from_an_unknown_or_released_one() -> None:
+    table, _, clock = make_table()
+    live = table.grant("live", "x", ttl_s=100)
+    reaped = table.grant("reaped", "y", ttl_s=1)
+    unreaped = table.grant("unreaped", "z", ttl_s=1)
+    released = table.grant("released", "w", ttl_s=100)
+    assert table.state(reaped.handle_id) is LeaseState.ACTIVE
+    assert table.release(released.handle_id)
+    clock.now = 101.0
+    assert table.reap() == [reaped, unreaped]
+    late = table.grant("late", "v", ttl_s=1, now=100.0)  # expired, not reaped
+    assert table.state(live.handle_id) is LeaseState.ACTIVE
+    assert table.state(reaped.handle_id) is LeaseState.EXPIRED
+    assert table.state(late.handle_id) is LeaseState.EXPIRED
+    assert table.release(late.handle_id), "an expired lease is still freed by release"
+    assert table.state(late.handle_id) is LeaseState.EXPIRED, "...and stays known as expired"
+    assert table.state(released.handle_id) is LeaseState.UNKNOWN
+    assert table.state("no-such-handle") is LeaseState.UNKNOWN
+
+
+def test_expired_handles_are_remembered_in_a_bounded_fifo() -> None:
+    clock = FakeClock()
+    table: LeaseTable[str] = LeaseTable(Recorder(), clock=clock, remember_expired=2)
+    leases = [table.grant(f"r{i}", "x", ttl_s=1 + i) for i in range(3)]
+    clock.now = 110.0
+    assert table.reap() == leases
+    states = [table.state(lease.handle_id) for lease in leases]
+    assert states == [LeaseState.UNKNOWN, LeaseState.EXPIRED, LeaseState.EXPIRED]
+    with pytest.raises(ValueError, match="remember_expired"):
+        LeaseTable(Recorder(), remember_expired=-1)

@@ -8,14 +8,22 @@ import time
 
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
+from oracle import hf_greedy, hf_model, make_prompts
 
 from pagedserve.errors import InvalidArgument
 from pagedserve.model.engine import Engine, EngineConfig
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
+from pagedserve.prefill_worker.lease_table import LeaseState, LeaseStats
 from pagedserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
+
+
+def hf_next_token(model_dir, prompt: list[int]) -> int:
+    """transformers' greedy next token after `prompt` (one forward, no generate loop)."""
+    with torch.no_grad():
+        logits = hf_model(model_dir, torch.float32)(torch.tensor([prompt])).logits
+    return int(logits[0, -1].argmax())
 
 
 @pytest.fixture
@@ -73,20 +81,99 @@ def test_first_tokens_match_transformers_and_kv_is_leased_in_shm(engine, tiny_ll
     assert engine.pool.num_cached == sum(len(p) // 16 for p in prompts)
 
 
-def test_expired_lease_is_reaped_into_the_prefix_cache_and_cannot_be_renewed(engine):
-    (prompt,) = make_prompts((40,), seed=12)
-    result = engine.submit("short", prompt, GREEDY, lease_seconds=0.3).result(timeout=60)
-    handle = result.lease.handle_id
-    assert engine.renew(handle, 0.3) is not None
-    wait_for(lambda: engine.pool.num_used == 0)
-    assert engine.pool.num_cached == 2
-    assert engine.leased_blocks(handle) is None
-    assert engine.renew(handle, 10) is None
-    assert engine.leases.stats().expired == 1
+def test_lease_release_expiry_renewal_keep_the_pool_whole_and_blocks_cached(engine):
+    pa, pb, pc = make_prompts((40, 40, 40), seed=12)
+    a = engine.submit("lease-a", pa, GREEDY).result(timeout=60)  # the default 30 s lease
+    engine.check_integrity()
+    assert engine.pool.num_used == 3
+    assert engine.release(a.lease.handle_id)
+    assert engine.pool.num_used == 0, "release frees at once"
+    engine.check_integrity()
+    assert engine.lease_state(a.lease.handle_id) is LeaseState.UNKNOWN
 
-    again = engine.submit("again", prompt, GREEDY).result(timeout=60)
-    assert again.seq.num_cached_prompt_tokens == 32, "a retry still hits the cache"
-    engine.release(again.lease.handle_id)
+    b = engine.submit("lease-b", pb, GREEDY, lease_seconds=1.0).result(timeout=60)
+    c = engine.submit("lease-c", pc, GREEDY, lease_seconds=1.0).result(timeout=60)
+    renewed_ms = engine.renew(c.lease.handle_id, 30)
+    assert renewed_ms is not None and renewed_ms > c.lease_expires_unix_ms + 20_000
+    if time.time() * 1000 < b.lease_expires_unix_ms - 100:
+        assert engine.pool.num_used == 6, "nothing is freed before the deadline"
+    wait_for(lambda: engine.pool.num_used == 3)
+    assert time.time() * 1000 >= b.lease_expires_unix_ms - 50
+    engine.check_integrity()
+    assert engine.lease_state(b.lease.handle_id) is LeaseState.EXPIRED
+    assert engine.leased_blocks(b.lease.handle_id) is None
+    assert engine.renew(b.lease.handle_id, 10) is None, "an expired lease cannot come back"
+    assert engine.leased_blocks(c.lease.handle_id) == c.lease.resource.block_ids
+    assert engine.leases.stats() == LeaseStats(granted=3, released=1, expired=1, active=1)
+
+    assert engine.release(c.lease.handle_id)
+    engine.check_integrity()
+    assert (engine.pool.num_used, engine.pool.num_cached) == (0, 6)
+    for i, prompt in enumerate((pa, pb, pc)):
+        again = engine.submit(f"again-{i}", prompt, GREEDY).result(timeout=60)
+        assert again.seq.num_cached_prompt_tokens == 32, "a retry still hits the cache"
+        engine.release(again.lease.handle_id)
+    engine.check_integrity()
+
+
+def test_warmup_caches_full_blocks_for_the_first_request_that_uses_them(engine):
+    system, user = make_prompts((40, 5), seed=14)
+    assert engine.warmup([system, system[:20]]) == 2, "distinct full blocks"
+    assert engine.pool.num_used == 0 and engine.leases.stats().granted == 0
+    result = engine.submit("user", system + user, GREEDY).result(timeout=60)
+    assert result.seq.num_cached_prompt_tokens == 32
+    engine.release(result.lease.handle_id)
+    with pytest.raises(InvalidArgument):
+        engine.warmup([[]])
+
+
+def test_sixteen_mixed_length_prompts_in_one_step_match_one_at_a_time(tiny_llama):
+    lens = (1, 3, 7, 15, 16, 17, 31, 32, 33, 48, 50, 64, 65, 90, 100, 127)
+    prompts = make_prompts(lens, seed=15)
+    config = PrefillEngineConfig(
+        num_blocks=128, max_num_batched_tokens=1024, enable_prefix_caching=False, use_shm=False
+    )
+    engine = PrefillEngine.from_model_dir(str(tiny_llama), config)  # no loop: steps by hand
+    try:
+        futures = [engine.submit(f"b{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        assert engine.step() == sum(lens), "all 16 prompts in one step"
+        batched = [f.result(timeout=0) for f in futures]
+        for result in batched:
+            engine.release(result.lease.handle_id)
+        alone = []
+        for i, prompt in enumerate(prompts):
+            future = engine.submit(f"a{i}", prompt, GREEDY)
+            assert engine.step() == len(prompt)
+            alone.append(future.result(timeout=0))
+            engine.release(alone[-1].lease.handle_id)
+        engine.check_integrity()
+    finally:
+        engine.close()
+    first = [r.seq.output_token_ids for r in batched]
+    assert first == [r.seq.output_token_ids for r in alone]
+    assert first == [[hf_next_token(tiny_llama, p)] for p in prompts]
+
+
+def test_a_prompt_longer_than_the_budget_is_chunked_and_exact(tiny_llama):
+    (prompt,) = make_prompts((150,), seed=16)
+    results, kv = [], []
+    for budget, steps in ((32, 5), (2048, 1)):
+        config = PrefillEngineConfig(num_blocks=16, max_num_batched_tokens=budget, use_shm=False)
+        engine = PrefillEngine.from_model_dir(str(tiny_llama), config)
+        try:
+            future = engine.submit("long", prompt, GREEDY)
+            assert [engine.step() for _ in range(steps)][-1] == 150 - (steps - 1) * budget
+            result = future.result(timeout=0)
+            pages = engine.runner.kv_cache.tensor[result.lease.resource.block_ids]
+            # pages: [block, layer, k/v, slot, head, dim]; the last block holds 150 - 9 * 16 = 6
+            kv.append(torch.cat([pages[:-1].flatten(), pages[-1][:, :, :6].flatten()]))
+            results.append(result.seq.output_token_ids)
+            engine.release(result.lease.handle_id)
+            engine.check_integrity()
+        finally:
+            engine.close()
+    assert results[0] == results[1] == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0][:1]
+    torch.testing.assert_close(kv[0], kv[1], atol=1e-5, rtol=1e-5)
 
 
 def test_first_token_that_finishes_takes_no_lease(engine):

@@ -81,8 +81,10 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PullKv(self, request, context):
-        """Streams the bytes of a leased handle's blocks. NOT_FOUND if the handle is unknown, released
-        or expired; FAILED_PRECONDITION if producer_incarnation is not this process's.
+        """Streams the bytes of a leased handle's blocks. FAILED_PRECONDITION if the lease has expired
+        (also when it expires during the stream: the bytes sent must then be discarded) or if
+        producer_incarnation is not this process's; NOT_FOUND if the handle is unknown or released
+        (or expired so long ago that the worker no longer remembers it).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -96,7 +98,8 @@ class PrefillWorkerServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RenewLease(self, request, context):
-        """Extends a lease. NOT_FOUND if the handle is unknown, released or already expired.
+        """Extends a lease. FAILED_PRECONDITION if it has already expired (an expired lease cannot come
+        back); NOT_FOUND if the handle is unknown or released.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -1,0 +1,153 @@
+"""`IndexPublisher`: mirrors a prefill worker's block events into the Redis prefix index.
+
+Threads: the engine loop calls `submit` after every step and never waits for Redis; one
+publisher thread writes what was submitted, in order; the heartbeat thread calls `refresh`.
+One lock orders the publisher thread's writes and the heartbeat's refreshes, so a refresh
+snapshot never re-adds a hash whose REMOVED was already written.
+
+Degradation (DESIGN §3.4, the index is a hint): a failed write marks the index *stale*, counts
+the events it dropped and remembers the REMOVED hashes among them (bounded). The next write that
+gets through first deletes those hashes, then re-asserts every hash the pool holds. Entries are
+also re-asserted every `refresh_interval_s` (half the entry TTL), because prefix hits keep
+blocks hot without producing events.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind
+from pagedserve.kvstore.hashing import BlockHash
+from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
+from pagedserve.prefill_worker.engine import PrefillEngine
+
+log = logging.getLogger(__name__)
+
+MAX_REMOVED_WHILE_STALE = 1 << 16
+DEFAULT_REFRESH_INTERVAL_S = 300.0
+
+
+class IndexPublisher:
+    """Publishes one worker incarnation's block events; see the module docstring."""
+
+    def __init__(
+        self,
+        index: PrefixIndex,
+        worker_id: str,
+        incarnation: str,
+        engine: PrefillEngine,
+        *,
+        refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
+    ) -> None:
+        self.index = index
+        self.worker_id = worker_id
+        self.incarnation = incarnation
+        self.engine = engine
+        self.refresh_interval_s = refresh_interval_s
+        self.stale = False
+        self.dropped_events = 0
+        self._last_refresh = time.monotonic()
+        self._removed_while_stale: set[BlockHash] = set()
+        self._lock = threading.Lock()  # Redis writes
+        self._cond = threading.Condition()  # the queue below
+        self._queue: list[BlockEvent] = []
+        self._busy = False
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="index-publisher", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        """Write what is queued (best effort), then end the thread."""
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        if self._thread.ident is not None:
+            self._thread.join(timeout_s)
+
+    def submit(self, events: list[BlockEvent]) -> None:
+        """Queue events for the publisher thread (the engine's `on_events`); never blocks."""
+        with self._cond:
+            self._queue.extend(events)
+            self._cond.notify_all()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait until everything submitted so far was written or dropped; False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cond:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cond.wait(left)
+        return True
+
+    def publish(self, events: list[BlockEvent]) -> None:
+        """Write `events` now (refreshing first if stale or due); never raises for Redis."""
+        with self._lock:
+            try:
+                self._refresh_locked(force=False)
+                self.index.publish(self.worker_id, events, incarnation=self.incarnation)
+            except IndexUnavailable:
+                self._mark_stale_locked(events)
+
+    def refresh(self, *, force: bool = False) -> None:
+        """Republish if stale, due or forced (the worker record was re-created)."""
+        with self._lock:
+            try:
+                self._refresh_locked(force=force)
+            except IndexUnavailable:
+                self._mark_stale_locked([])
+
+    def clear(self) -> None:
+        """Delete this worker's entries (shutdown). Raises IndexUnavailable."""
+        with self._lock:
+            self.index.clear(self.worker_id, self.engine.registered_hashes())
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._queue and not self._stop:
+                    self._cond.wait()
+                if not self._queue:
+                    return
+                events, self._queue = self._queue, []
+                self._busy = True
+            try:
+                self.publish(events)
+            except Exception:
+                log.exception("index publisher: unexpected error; %d events lost", len(events))
+                self.stale = True
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()
+
+    def _mark_stale_locked(self, events: list[BlockEvent]) -> None:
+        if not self.stale:
+            log.warning("prefix index unavailable: publishes dropped until Redis answers")
+        self.stale = True
+        self.dropped_events += len(events)
+        for event in events:
+            removed = event.kind is BlockEventKind.REMOVED
+            if removed and len(self._removed_while_stale) < MAX_REMOVED_WHILE_STALE:
+                self._removed_while_stale.add(event.block_hash)
+
+    def _refresh_locked(self, *, force: bool) -> None:
+        due = time.monotonic() - self._last_refresh > self.refresh_interval_s
+        if not (force or self.stale or due):
+            return
+        hashes = self.engine.registered_hashes()
+        gone = self._removed_while_stale.difference(hashes)
+        if gone:
+            removed = [BlockEvent(BlockEventKind.REMOVED, h) for h in gone]
+            self.index.publish(self.worker_id, removed, incarnation=self.incarnation)
+        self.index.refresh(self.worker_id, hashes, incarnation=self.incarnation)
+        if self.stale:
+            log.info("prefix index republished: %d hashes, %d removals", len(hashes), len(gone))
+        self._removed_while_stale.clear()
+        self.stale = False
+        self._last_refresh = time.monotonic()
