@@ -90,6 +90,17 @@ class _Reservation:
     shared: list[_InFlight]  # others' pulls we wait for
 
 
+@dataclass(slots=True)
+class TransferReport:
+    """What one import did, for its `kv.transfer` span."""
+
+    transport: str = "none"  # "shm", "grpc" or "none" (nothing pulled)
+    blocks_pulled: int = 0
+    blocks_skipped: int = 0  # held here already, or pulled once by a concurrent import
+    bytes: int = 0
+    outcome: str = "ok"  # or the reason the prompt is recomputed
+
+
 class ProducerClients:
     """gRPC channels to prefill workers, one per address, kept for the worker's life."""
 
@@ -139,14 +150,25 @@ class KvImporter:
         self._readers: dict[str, ShmBlockReader] = {}
         self._readers_lock = threading.Lock()
 
-    def import_kv(self, seq: Sequence, handle: KvHandleInfo | None) -> str | None:
+    def import_kv(
+        self, seq: Sequence, handle: KvHandleInfo | None, report: TransferReport | None = None
+    ) -> str | None:
         """Fill `seq`'s empty table with the KV of its prompt from `handle`.
 
         Returns None on success: the table holds the prompt's blocks (full ones registered by
         hash) and `seq.num_computed_tokens` is the prompt length; the caller must hand `seq`
         to the engine (which then owns the blocks). Otherwise returns why the prompt must be
-        recomputed, with the table empty and the lease released (best effort).
+        recomputed, with the table empty and the lease released (best effort). `report`, when
+        given, is filled in for tracing.
         """
+        report = report if report is not None else TransferReport()
+        reason = self._import_kv(seq, handle, report)
+        report.outcome = reason or "ok"
+        return reason
+
+    def _import_kv(
+        self, seq: Sequence, handle: KvHandleInfo | None, report: TransferReport
+    ) -> str | None:
         reason = self._check(seq, handle)
         if reason is not None or handle is None:
             reason = reason or "no handle"
@@ -158,7 +180,10 @@ class KvImporter:
         if reservation is None:
             self._release_quietly(handle)
             return self._gave_up(seq, "no free blocks")
-        own_ok = self._pull_and_release(seq, handle, reservation)
+        report.blocks_pulled = len(reservation.pull)
+        report.blocks_skipped = len(handle.block_ids) - len(reservation.pull)
+        report.bytes = len(reservation.pull) * self.engine.runner.spec.bytes_per_block
+        own_ok = self._pull_and_release(seq, handle, reservation, report)
         self._publish(reservation, own_ok)
         if not own_ok:
             return self._fail(seq, "pull failed or lease lost")
@@ -242,14 +267,18 @@ class KvImporter:
     # -- pull ----------------------------------------------------------------------------------
 
     def _pull_and_release(
-        self, seq: Sequence, handle: KvHandleInfo, reservation: _Reservation
+        self,
+        seq: Sequence,
+        handle: KvHandleInfo,
+        reservation: _Reservation,
+        report: TransferReport,
     ) -> bool:
         """Copy our blocks, then end the lease; True only if ReleaseKv confirmed it."""
         if not reservation.pull:
             self._release_quietly(handle)
             return True
         try:
-            self._pull(handle, reservation.pull)
+            report.transport = self._pull(handle, reservation.pull)
             found = self.producers.stub(handle.producer_address or handle.grpc_address).ReleaseKv(
                 convert.release_request(handle), timeout=RELEASE_TIMEOUT_S
             )
@@ -261,7 +290,8 @@ class KvImporter:
             log.warning("%s: lease %s ended before the copy finished", seq.request_id, handle)
         return bool(found.found)
 
-    def _pull(self, handle: KvHandleInfo, blocks: dict[int, BlockId]) -> None:
+    def _pull(self, handle: KvHandleInfo, blocks: dict[int, BlockId]) -> str:
+        """Copy `blocks` over the best transport; returns its name."""
         indices = sorted(blocks)
         if self._shm_usable(handle):
             assert handle.shm is not None
@@ -271,12 +301,13 @@ class KvImporter:
                 reader.read_blocks(src, self.engine.runner.kv_cache, [blocks[i] for i in indices])
                 with self.lock:
                     self.stats.blocks_pulled_shm += len(indices)
-                return
+                return "shm"
             except TransferError as exc:
                 if not handle.grpc_address:
                     raise
                 log.info("shm transport unusable (%s); pulling over gRPC", exc)
         self._pull_grpc(handle, blocks, indices)
+        return "grpc"
 
     def _pull_grpc(self, handle: KvHandleInfo, blocks: dict[int, BlockId], indices: list[int]):
         assembler = BlockAssembler(self.engine.runner.kv_cache, dict(blocks))

@@ -32,8 +32,10 @@ from pagedserve.kvstore.worker_registry import (
     connect,
     new_incarnation,
 )
+from pagedserve.metrics import CounterSource, Gauge, register_state
 from pagedserve.model.config import load_model_config
 from pagedserve.model.runner import kv_cache_spec
+from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc
 
 log = logging.getLogger("pagedserve.decode")
@@ -71,11 +73,17 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     engine = DecodeEngine.from_model_dir(args.model, engine_config(args), revision=args.revision)
+    tracing = setup_tracing(
+        "pagedserve-decode", args.otlp_traces_endpoint, include_text=args.trace_include_text
+    )
     worker = DecodeWorker(
         engine,
         import_threads=args.import_threads,
         producers=ProducerClients(args.max_message_bytes),
+        tracing=tracing,
     )
+    _register_metrics(worker)
+    start_metrics_server(args.metrics_port, args.host)
     servicer = DecodeServicer(worker)
     handle = build_server(
         [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s)],
@@ -108,7 +116,36 @@ def main(args: argparse.Namespace) -> int:
             log.warning("could not deregister: Redis unavailable")
     handle.server.stop(grace=1.0).wait(2.0)
     worker.close()
+    tracing.shutdown()
     return 0
+
+
+def _register_metrics(worker: DecodeWorker) -> None:
+    """Scrape-time metrics from the worker's load, scheduler and import counters."""
+
+    def load():
+        return worker.load()
+
+    register_state(
+        [
+            Gauge("num_requests_running", "Sequences in the running batch.",
+                  lambda: load().num_running),
+            Gauge("num_requests_waiting", "Sequences waiting (or importing their KV).",
+                  lambda: load().num_waiting),
+            Gauge("num_requests_swapped", "Sequences swapped out to host memory.",
+                  lambda: load().num_swapped),
+            Gauge("kv_cache_usage_perc", "Fraction of KV blocks in use.",
+                  lambda: load().kv_cache_usage),
+            Gauge("kv_blocks_cached", "Blocks kept for prefix reuse (ref count 0).",
+                  lambda: load().kv_blocks_cached),
+            Gauge("num_preemptions", "Preemptions since start (swap + recompute).",
+                  lambda: worker.engine.scheduler.stats.num_preemptions),
+        ],
+        [
+            CounterSource("decode_", lambda: worker.engine.scheduler.stats),
+            CounterSource("kv_import_", lambda: worker.importer.stats),
+        ],
+    )  # fmt: skip
 
 
 def _join_cluster(

@@ -14,6 +14,7 @@ import grpc
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.model.sequence import FinishReason
+from pagedserve.telemetry import context_from
 from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 POLL_S = 0.2  # how often a quiet stream checks that its client is still there
@@ -25,7 +26,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
 
     def Decode(self, request, context) -> Iterator[decode_pb2.DecodeResponse]:  # noqa: N802
         call = convert.decode_call(request)
-        stream = self.worker.submit(call)
+        stream = self.worker.submit(call, context_from(context.invocation_metadata()))
         context.add_callback(lambda: self.worker.abort(call.request_id, stream))
         while True:
             delta = stream.get(POLL_S)

@@ -19,11 +19,15 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from opentelemetry.context import Context
+from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
+
 from pagedserve.decode_worker.convert import DecodeCall, Delta, Load
 from pagedserve.decode_worker.engine import DecodeEngine
-from pagedserve.decode_worker.kv_import import KvImporter, ProducerClients
+from pagedserve.decode_worker.kv_import import KvImporter, ProducerClients, TransferReport
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.model.sequence import FinishReason, RequestId, Sequence
+from pagedserve.telemetry import Tracing, setup_tracing
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +59,8 @@ class RequestStream:
 class _Tracked:
     seq: Sequence
     stream: RequestStream
+    span: Span = INVALID_SPAN  # decode.run: the request's life on this worker
+    queue_span: Span | None = None  # decode.queue: KV ready until first scheduled
     importing: bool = True
     recomputed: bool = False
     aborted: bool = False
@@ -72,8 +78,10 @@ class DecodeWorker:
         worker_id: str = "decode",
         import_threads: int = 4,
         producers: ProducerClients | None = None,
+        tracing: Tracing | None = None,
     ) -> None:
         self.engine = engine
+        self.tracing = tracing or setup_tracing("pagedserve-decode", None)
         self.worker_id = worker_id
         self.lock = threading.RLock()
         self.importer = KvImporter(engine, self.lock, producers or ProducerClients())
@@ -86,17 +94,27 @@ class DecodeWorker:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def submit(self, call: DecodeCall) -> RequestStream:
+    def submit(self, call: DecodeCall, parent: Context | None = None) -> RequestStream:
         """Start a request: import (or recompute) its prompt, then stream its tokens.
 
-        Raises InvalidArgument naming the field, ResourceExhausted for a request this worker
-        can never hold, Unavailable while draining.
+        `parent` is the caller's trace context (the `decode.run` span's parent). Raises
+        InvalidArgument naming the field, ResourceExhausted for a request this worker can never
+        hold, Unavailable while draining.
         """
         if self.draining:
             raise Unavailable("decode worker is draining")
         seq = self._new_sequence(call)
         stream = RequestStream()
-        tracked = _Tracked(seq, stream)
+        span = self.tracing.tracer.start_span(
+            "decode.run",
+            context=parent,
+            attributes={
+                "gen_ai.request.id": call.request_id,
+                "gen_ai.request.max_tokens": call.params.max_tokens,
+                "pagedserve.worker_id": self.worker_id,
+            },
+        )
+        tracked = _Tracked(seq, stream, span)
         with self.lock:
             if call.request_id in self._tracked:
                 raise InvalidArgument("request.request_id", f"{call.request_id!r} is in flight")
@@ -133,19 +151,37 @@ class DecodeWorker:
         return seq
 
     def _import(self, tracked: _Tracked, call: DecodeCall) -> None:
-        try:
-            reason = self.importer.import_kv(tracked.seq, call.handle)
-        except Exception:
-            log.exception("%s: KV import failed", call.request_id)
-            with self.lock:
-                self.engine.kv.free(tracked.seq.block_table)
-            reason = "import error"
+        report = TransferReport()
+        with self.tracing.tracer.start_span(
+            "kv.transfer", context=set_span_in_context(tracked.span)
+        ) as transfer:
+            try:
+                reason = self.importer.import_kv(tracked.seq, call.handle, report)
+            except Exception:
+                log.exception("%s: KV import failed", call.request_id)
+                with self.lock:
+                    self.engine.kv.free(tracked.seq.block_table)
+                reason = report.outcome = "import error"
+            transfer.set_attributes(
+                {
+                    "pagedserve.kv.transport": report.transport,
+                    "pagedserve.kv.blocks_pulled": report.blocks_pulled,
+                    "pagedserve.kv.blocks_skipped": report.blocks_skipped,
+                    "pagedserve.kv.bytes": report.bytes,
+                    "pagedserve.kv.outcome": report.outcome,
+                }
+            )
+        if reason is not None:
+            tracked.span.add_event("recompute", {"reason": reason})
         with self._wake:
             tracked.importing = False
             if tracked.aborted:
                 self.engine.kv.free(tracked.seq.block_table)
                 return
             tracked.recomputed = reason is not None
+            tracked.queue_span = self.tracing.tracer.start_span(
+                "decode.queue", context=set_span_in_context(tracked.span)
+            )
             if reason is None:
                 self.engine.add_prefilled(tracked.seq)
             else:
@@ -193,6 +229,7 @@ class DecodeWorker:
         """One engine step and its deltas (the loop's body; tests may call it directly)."""
         with self.lock:
             out = self.engine.step()
+            self._trace_plan(out.plan)
             for seq in out.finished:
                 tracked = self._tracked.get(seq.request_id)
                 if tracked is not None:
@@ -201,6 +238,24 @@ class DecodeWorker:
                 tracked = self._tracked.get(item.seq.request_id)
                 if tracked is not None and item.seq.num_output_tokens > tracked.num_sent:
                     tracked.stream.put(self._delta(tracked))
+
+    def _trace_plan(self, plan) -> None:
+        """Span events for what the step did to each request (preempt, swap, recompute)."""
+        for item in plan.scheduled:
+            tracked = self._tracked.get(item.seq.request_id)
+            if tracked is not None and tracked.queue_span is not None:
+                tracked.queue_span.end()
+                tracked.queue_span = None
+        events = [("preempt", p.seq, {"mode": p.mode.value, "blocks": p.num_blocks})
+                  for p in plan.preempted]  # fmt: skip
+        events += [("swap-in", seq, {}) for seq in plan.swapped_in]
+        events += [("recompute", seq, {"reason": "preempted"}) for seq in plan.recomputed]
+        for name, seq, attributes in events:
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is not None:
+                tracked.span.add_event(name, attributes)
+                if name == "preempt" and attributes["mode"] == "swap":
+                    tracked.span.add_event("swap-out", {"blocks": attributes["blocks"]})
 
     def _delta(self, tracked: _Tracked) -> Delta:
         seq = tracked.seq
@@ -231,6 +286,15 @@ class DecodeWorker:
             delta.error = self.engine.errors.pop(seq.request_id, "decode failed")
         del self._tracked[seq.request_id]
         tracked.stream.put(delta)
+        if tracked.queue_span is not None:
+            tracked.queue_span.end()
+        tracked.span.set_attribute("gen_ai.usage.completion_tokens", seq.num_output_tokens)
+        tracked.span.set_attribute("gen_ai.usage.prompt_tokens", seq.num_prompt_tokens)
+        tracked.span.set_attribute("pagedserve.num_preemptions", tracked.num_preemptions)
+        tracked.span.set_attribute("pagedserve.recomputed_prompt", tracked.recomputed)
+        reason = seq.finish_reason.value if seq.finish_reason else "unknown"
+        tracked.span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        tracked.span.end()
 
     def _fail_all(self) -> None:
         with self.lock:
