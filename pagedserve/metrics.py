@@ -67,10 +67,12 @@ class Gauge:
 
 @dataclass(frozen=True, slots=True)
 class CounterSource:
-    """Every int field of a stats dataclass becomes `pagedserve:{prefix}{field}_total`."""
+    """Every int field of a stats dataclass becomes `pagedserve:{prefix}{field}_total`, except
+    `gauge_fields`, which are levels (`pagedserve:{prefix}{field}`)."""
 
     prefix: str
     read: Callable[[], object]
+    gauge_fields: tuple[str, ...] = ()
 
 
 class StateCollector(Collector):
@@ -89,9 +91,13 @@ class StateCollector(Collector):
                 continue
             for f in fields(stats):
                 value = getattr(stats, f.name)
-                if isinstance(value, int) and not isinstance(value, bool):
-                    name = PREFIX + source.prefix + f.name
-                    yield CounterMetricFamily(name, f"{source.prefix}{f.name}", value=value)
+                if not isinstance(value, int) or isinstance(value, bool):
+                    continue
+                name, doc = PREFIX + source.prefix + f.name, f"{source.prefix}{f.name}"
+                if f.name in source.gauge_fields:
+                    yield GaugeMetricFamily(name, doc, value=value)
+                else:
+                    yield CounterMetricFamily(name, doc, value=value)
 
 
 def register_state(

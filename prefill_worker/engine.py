@@ -62,6 +62,10 @@ class PrefillResult:
     seq: Sequence
     lease: Lease[BlockTable] | None
     lease_expires_unix_ms: int = 0
+    # wall-clock ns, for the prefill.queue / prefill.compute spans
+    enqueued_ns: int = 0
+    started_ns: int = 0
+    finished_ns: int = 0
 
 
 @dataclass(slots=True)
@@ -70,6 +74,8 @@ class _Pending:
     future: Future[PrefillResult]
     lease_s: float
     enqueued_at: float = field(default_factory=time.monotonic)
+    enqueued_ns: int = field(default_factory=time.time_ns)
+    started_ns: int = 0
 
 
 class PrefillEngine:
@@ -299,6 +305,11 @@ class PrefillEngine:
             if not plan.batch:
                 self._wake.wait(0.05)  # NOTE: pool full of leased blocks; wait for frees
                 return 0
+            now_ns = time.time_ns()
+            for item in plan.batch:
+                pending = self._pending.get(item.seq.request_id)
+                if pending is not None and not pending.started_ns:
+                    pending.started_ns = now_ns
         self.runner.copy_blocks(plan.copies)
         output = self.runner.execute(plan.batch)
         with self._lock:
@@ -316,12 +327,15 @@ class PrefillEngine:
     def _hand_over(self, seq: Sequence) -> tuple[_Pending | None, PrefillResult]:
         pending = self._pending.pop(seq.request_id, None)
         self.num_prompt_tokens_cached += seq.num_cached_prompt_tokens
+        result = PrefillResult(seq, None, finished_ns=time.time_ns())
+        if pending is not None:
+            result.enqueued_ns, result.started_ns = pending.enqueued_ns, pending.started_ns
         if seq.is_finished or pending is None:
             self.kv.free(seq.block_table)
-            return pending, PrefillResult(seq, None)
-        lease = self.leases.grant(seq.request_id, seq.block_table, pending.lease_s)
-        expires_ms = _unix_ms(lease.expires_at, self.leases.clock())
-        return pending, PrefillResult(seq, lease, expires_ms)
+            return pending, result
+        result.lease = self.leases.grant(seq.request_id, seq.block_table, pending.lease_s)
+        result.lease_expires_unix_ms = _unix_ms(result.lease.expires_at, self.leases.clock())
+        return pending, result
 
     def _fail_all_in_flight(self) -> None:
         with self._lock:

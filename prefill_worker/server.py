@@ -31,6 +31,7 @@ from pagedserve.kvstore.worker_registry import (
     connect,
     new_incarnation,
 )
+from pagedserve.metrics import CounterSource, Gauge, register_state
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.runner import kv_cache_spec
@@ -40,6 +41,7 @@ from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.index_publisher import IndexPublisher
 from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.warmup import load_warmup_prompts
+from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import prefill_pb2_grpc
 
 log = logging.getLogger("pagedserve.prefill")
@@ -98,7 +100,12 @@ def main(args: argparse.Namespace) -> int:
     if stop.is_set():
         engine.close()
         return 0
-    servicer = PrefillServicer(engine, Identity("", "", ""))
+    tracing = setup_tracing(
+        "pagedserve-prefill", args.otlp_traces_endpoint, include_text=args.trace_include_text
+    )
+    servicer = PrefillServicer(engine, Identity("", "", ""), tracing)
+    _register_metrics(engine)
+    start_metrics_server(args.metrics_port, args.host)
     handle = build_server(
         [lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s)],
         [SERVICE_NAME],
@@ -134,6 +141,7 @@ def main(args: argparse.Namespace) -> int:
         cluster.leave()
     handle.server.stop(grace=1.0).wait(2.0)
     engine.close()
+    tracing.shutdown()
     return 0
 
 
@@ -191,6 +199,29 @@ def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity)
     )
     heartbeater.start()
     return _Cluster(registry, heartbeater, publisher)
+
+
+def _register_metrics(engine: PrefillEngine) -> None:
+    """Scrape-time metrics from the engine's pool, scheduler and lease table."""
+    pool, scheduler = engine.pool, engine.scheduler
+    register_state(
+        [
+            Gauge("num_requests_running", "Prompts being prefilled.",
+                  lambda: len(scheduler.running)),
+            Gauge("num_requests_waiting", "Prompts queued.", lambda: scheduler.num_waiting),
+            Gauge("queued_prefill_tokens", "Prompt tokens not yet computed.",
+                  lambda: scheduler.queued_tokens),
+            Gauge("kv_cache_usage_perc", "Fraction of KV blocks in use (leased or filling).",
+                  lambda: pool.usage),
+            Gauge("kv_blocks_cached", "Blocks kept for prefix reuse (ref count 0).",
+                  lambda: pool.num_cached),
+            Gauge("prompt_tokens_computed", "Prompt tokens computed since start.",
+                  lambda: engine.num_prompt_tokens_computed),
+            Gauge("prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
+                  lambda: engine.num_prompt_tokens_cached),
+        ],
+        [CounterSource("kv_leases_", engine.leases.stats, gauge_fields=("active",))],
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ from pagedserve.kvstore.transfer import iter_block_chunks
 from pagedserve.prefill_worker import convert
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.lease_table import LeaseState
+from pagedserve.telemetry import Tracing, context_from, setup_tracing
 from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -30,7 +31,10 @@ TRACE_KEYS = ("traceparent", "tracestate")
 
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, engine: PrefillEngine, me: convert.Identity) -> None:
+    def __init__(
+        self, engine: PrefillEngine, me: convert.Identity, tracing: Tracing | None = None
+    ) -> None:
+        self.tracing = tracing or setup_tracing("pagedserve-prefill", None)
         self.engine = engine
         self.me = me
         self.draining = False
@@ -62,7 +66,32 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
                 self.engine.release(result.lease.handle_id)
             context.abort(grpc.StatusCode.CANCELLED, "client went away")
         trace = {k: v for k, v in context.invocation_metadata() if k in TRACE_KEYS}
+        self._record_spans(result, context_from(trace))
         return convert.prefill_response(result, self.engine, self.me, trace)
+
+    def _record_spans(self, result, parent) -> None:
+        """prefill.queue and prefill.compute, from the times the engine recorded."""
+        if not self.tracing.enabled or not result.started_ns:
+            return
+        seq = result.seq
+        attributes = {
+            "gen_ai.request.id": seq.request_id,
+            "pagedserve.worker_id": self.me.worker_id,
+        }
+        tracer = self.tracing.tracer
+        queue = tracer.start_span(
+            "prefill.queue", context=parent, attributes=attributes, start_time=result.enqueued_ns
+        )
+        queue.end(end_time=result.started_ns)
+        compute = tracer.start_span(
+            "prefill.compute", context=parent, attributes=attributes, start_time=result.started_ns
+        )
+        compute.set_attribute("pagedserve.prompt_tokens", seq.num_prompt_tokens)
+        compute.set_attribute("pagedserve.cached_tokens", seq.num_cached_prompt_tokens)
+        compute.set_attribute(
+            "pagedserve.computed_tokens", seq.num_prompt_tokens - seq.num_cached_prompt_tokens
+        )
+        compute.end(end_time=result.finished_ns)
 
     def _abandon(self, request_id: str, future) -> None:
         """Called when the RPC ends, however it ends: a prefill nobody awaits is aborted."""
