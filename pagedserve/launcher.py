@@ -49,6 +49,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     address: str = ""
+    metrics_port: int | None = None
 
 
 @dataclass(slots=True)
@@ -87,7 +88,18 @@ def _spawn(name: str, argv: list[str], log_dir: Path) -> Child:
             text=True,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run user code yet
         )
-    return Child(name, proc, log_path)
+    return Child(name, proc, log_path, metrics_port=_metrics_port(argv))
+
+
+def _with_metrics(argv: list[str], args: argparse.Namespace) -> list[str]:
+    """Give the child a free `--metrics-port` when `--metrics` is on."""
+    if not getattr(args, "metrics", False):
+        return argv
+    return [*argv, "--metrics-port", str(free_port())]
+
+
+def _metrics_port(argv: list[str]) -> int | None:
+    return int(argv[argv.index("--metrics-port") + 1]) if "--metrics-port" in argv else None
 
 
 def _await_ready(child: Child, timeout_s: float) -> None:
@@ -154,6 +166,8 @@ def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> Non
     common = ["--model", args.model, "--block-size", str(args.block_size)]
     if args.dtype:
         common += ["--dtype", args.dtype]
+    if getattr(args, "otlp_traces_endpoint", None):
+        common += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     cluster.redis_url = args.redis_url
     if cluster.redis_url is None:
         redis = _start_redis(log_dir)
@@ -167,7 +181,7 @@ def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> Non
     for name, role in workers:
         argv = [*cli, role, *common, "--port", "0", "--worker-id", name, *redis_args]
         argv += ["--kv-cache-memory", args.kv_cache_memory]
-        started.append(_spawn(name, argv, log_dir))
+        started.append(_spawn(name, _with_metrics(argv, args), log_dir))
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
         _await_ready(child, args.start_timeout)
     cluster.children[:0] = started
@@ -175,7 +189,7 @@ def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> Non
     router_argv += redis_args
     for child in started:
         router_argv += [f"--{child.name.split('-')[0]}", child.address]
-    router = _spawn("router", router_argv, log_dir)
+    router = _spawn("router", _with_metrics(router_argv, args), log_dir)
     cluster.children.insert(0, router)
     _await_ready(router, args.start_timeout)
     cluster.router_address = router.address
@@ -192,6 +206,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    parser.add_argument("--otlp-traces-endpoint", default=None, help="passed to every service")
+    parser.add_argument("--metrics", action="store_true", help="give every service a metrics port")
     parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument("--log-dir", default=None, help="default: a temporary directory")
 
@@ -205,7 +221,8 @@ def main(args: argparse.Namespace) -> int:
     cluster = start_cluster(args, log_dir)
     try:
         for child in cluster.children:
-            print(f"  {child.name:<10} {child.address}", flush=True)
+            metrics = f"  metrics :{child.metrics_port}" if child.metrics_port else ""
+            print(f"  {child.name:<10} {child.address}{metrics}", flush=True)
         print(f"  logs       {log_dir}", flush=True)
         print(f"READY router {cluster.router_address}", flush=True)
         while not stop.wait(0.5):
