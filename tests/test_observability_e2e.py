@@ -1,0 +1,152 @@
+"""One trace per request across router -> prefill -> decode, received by a real OTLP/gRPC
+collector on loopback; Prometheus metrics that move; a dead collector never hurts serving."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+import urllib.request
+
+import pytest
+from oracle import make_prompts
+from otlp_receiver import OtlpReceiver
+
+from pagedserve.client import Client
+from pagedserve.launcher import start_cluster
+from pagedserve.sampling_params import SamplingParams
+
+LONG = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
+
+
+def up_args(model_dir, endpoint, **overrides) -> argparse.Namespace:
+    values = dict(
+        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
+        block_size=16, dtype=None, kv_cache_memory="512KiB", start_timeout=120.0, log_dir=None,
+        otlp_traces_endpoint=endpoint, metrics=True,
+    )  # fmt: skip
+    return argparse.Namespace(**(values | overrides))
+
+
+@pytest.fixture(scope="module")
+def traced(make_tiny, tmp_path_factory):
+    receiver = OtlpReceiver().start()
+    # NOTE: 512 KiB of KV is 64 blocks of 16 tokens for the tiny model: four requests of
+    # 200 + 90 tokens need 76, so the decode worker must preempt.
+    args = up_args(make_tiny("llama"), receiver.endpoint)
+    cluster = start_cluster(args, tmp_path_factory.mktemp("traced-logs"))
+    yield cluster, receiver
+    cluster.stop()
+    receiver.stop()
+
+
+def scrape(port: int) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            values[name] = float(value)
+    return values
+
+
+def test_one_trace_per_request_with_parent_links_transfer_and_preemption(traced):
+    cluster, receiver = traced
+    prompts = make_prompts((200, 200, 200, 200), seed=61)
+    traces = {f"{i + 1:032x}": f"{i + 17:016x}" for i in range(len(prompts))}
+    outcomes = []
+
+    def run(trace_id: str, parent_id: str, prompt: list[int]) -> None:
+        with Client(cluster.router_address) as client:
+            stream = client.stub.Generate(
+                _request(prompt),
+                timeout=120,
+                metadata=[("traceparent", f"00-{trace_id}-{parent_id}-01")],
+            )
+            outcomes.append(list(stream)[-1].finish_reason)
+
+    threads = [
+        threading.Thread(target=run, args=(t, p, prompt))
+        for (t, p), prompt in zip(traces.items(), prompts, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    assert len(outcomes) == len(prompts) and all(outcomes)
+
+    names = {"router.generate", "router.route", "prefill.queue", "prefill.compute",
+             "decode.run", "kv.transfer", "decode.queue"}  # fmt: skip
+
+    def complete(spans) -> bool:
+        return all(
+            names <= {s.name for s in spans if s.trace_id == trace_id} for trace_id in traces
+        )
+
+    spans = receiver.wait_for(complete, timeout_s=20)
+    preempted = False
+    for trace_id, client_span in traces.items():
+        mine = {s.name: s for s in spans if s.trace_id == trace_id}
+        root = mine["router.generate"]
+        assert root.parent_span_id == client_span
+        assert root.service == "pagedserve-router"
+        for name in ("router.route", "prefill.queue", "prefill.compute", "decode.run"):
+            assert mine[name].parent_span_id == root.span_id, name
+        assert mine["prefill.compute"].service == "pagedserve-prefill"
+        assert mine["decode.run"].service == "pagedserve-decode"
+        for name in ("kv.transfer", "decode.queue"):
+            assert mine[name].parent_span_id == mine["decode.run"].span_id, name
+        assert mine["kv.transfer"].attributes["pagedserve.kv.transport"] in ("shm", "grpc")
+        assert mine["router.route"].attributes["uncached_prefill_blocks"] >= 0
+        preempted |= "preempt" in mine["decode.run"].events
+    assert preempted, "the small decode pool should have forced a preemption"
+
+
+def test_metrics_endpoints_expose_names_that_move(traced):
+    cluster, _ = traced
+    ports = {c.name: c.metrics_port for c in cluster.children if c.metrics_port}
+    router_before = scrape(ports["router"])
+    with Client(cluster.router_address) as client:
+        parts = list(client.generate(make_prompts((20,), seed=62)[0], LONG, timeout=60))
+    assert parts[-1].finish_reason
+    router = scrape(ports["router"])
+    key = 'pagedserve:request_success_total{finished_reason="length"}'
+    assert router[key] == router_before.get(key, 0) + 1
+    assert router["pagedserve:generation_tokens_total"] >= 90
+    assert router["pagedserve:time_to_first_token_seconds_count"] >= 1
+    assert "pagedserve:index_degraded" in router
+
+    decode = scrape(ports["decode-0"])
+    assert decode["pagedserve:num_preemptions"] >= 1  # from the previous test's load
+    assert (
+        decode["pagedserve:decode_num_preemptions_swap_total"]
+        + decode["pagedserve:decode_num_preemptions_recompute_total"]
+        == decode["pagedserve:num_preemptions"]
+    )
+    assert "pagedserve:kv_cache_usage_perc" in decode
+    prefill = scrape(ports["prefill-0"])
+    assert prefill["pagedserve:kv_leases_granted_total"] >= 5
+    assert prefill["pagedserve:kv_leases_active"] == 0
+
+
+def test_an_unreachable_collector_does_not_hurt_serving_or_stopping(make_tiny, tmp_path_factory):
+    args = up_args(make_tiny("llama"), "http://127.0.0.1:9", metrics=False, kv_cache_memory="4MiB")
+    cluster = start_cluster(args, tmp_path_factory.mktemp("dead-collector-logs"))
+    try:
+        with Client(cluster.router_address) as client:
+            parts = list(client.generate(make_prompts((30,), seed=63)[0], LONG, timeout=60))
+        assert parts[-1].finish_reason
+    finally:
+        start = time.monotonic()
+        cluster.stop(timeout_s=15)
+        assert time.monotonic() - start < 15
+    assert all(c.proc.returncode == 0 for c in cluster.children if c.name != "redis")
+
+
+def _request(prompt):
+    from pagedserve.protoconv import sampling_to_proto
+    from pagedserve.v1 import generation_pb2
+
+    request = generation_pb2.GenerateRequest(stream=True, sampling=sampling_to_proto(LONG))
+    request.token_ids.ids.extend(prompt)
+    return request
