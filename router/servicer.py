@@ -13,6 +13,8 @@ worker lost mid-stream ends the stream with UNAVAILABLE.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import threading
 import time
@@ -29,6 +31,7 @@ from pagedserve.grpcutil import time_remaining
 from pagedserve.kvstore.hashing import hash_blocks
 from pagedserve.metrics import RequestMetrics
 from pagedserve.router import convert
+from pagedserve.router.auth import current_tenant, tenant_salt
 from pagedserve.router.detokenizer import Detokenizer
 from pagedserve.router.routing import Decision, RoutingPolicy, Worker, WorkerSet
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
@@ -59,6 +62,7 @@ class RouterSettings:
 class _Active:
     """A request in flight: what to cancel when the client leaves or Abort arrives."""
 
+    tenant: str = ""  # who may Abort it (router/auth.py)
     cancel_current: Callable[[], None] | None = None
     aborted: bool = False
     handle: tuple[Worker, str] | None = None  # (prefill worker, handle id) not yet passed on
@@ -113,7 +117,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         started = time.monotonic()
         try:
             req = convert.router_request(request, self.tokenizer, self.card)
-            active = self._admit(req.request_id)
+            tenant = current_tenant()
+            req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))
+            active = self._admit(req.request_id, tenant)
         except InvalidArgument:
             self.metrics.rejected.labels(reason="invalid_argument").inc()
             raise
@@ -164,15 +170,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if outcome.ttft_s is not None:
             span.set_attribute("gen_ai.latency.time_to_first_token", outcome.ttft_s)
         span.set_attribute("gen_ai.latency.e2e", e2e_s)
+        trace_id = span.get_span_context().trace_id
         span.end()
+        # NOTE: one structured line per request outcome; never the prompt or output text
+        log.info(
+            "request_finished %s",
+            json.dumps(
+                {
+                    "request_id": req.request_id,
+                    "trace_id": f"{trace_id:032x}" if trace_id else None,
+                    "finish_reason": reason,
+                    "prompt_tokens": len(req.prompt_token_ids),
+                    "completion_tokens": outcome.generated,
+                    "ttft_s": round(outcome.ttft_s, 4) if outcome.ttft_s is not None else None,
+                    "e2e_s": round(e2e_s, 4),
+                }
+            ),
+        )
 
-    def _admit(self, request_id: str) -> _Active:
+    def _admit(self, request_id: str, tenant: str = "") -> _Active:
         with self._lock:
             if len(self._active) >= self.settings.max_queued_requests:
                 raise ResourceExhausted("router queue is full", retry_after_s=1.0)
             if request_id in self._active:
                 raise convert.InvalidArgument("request_id", f"{request_id!r} is already running")
-            active = self._active[request_id] = _Active()
+            active = self._active[request_id] = _Active(tenant)
         return active
 
     def _generate(
@@ -325,6 +347,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
         with self._lock:
             active = self._active.get(request.request_id)
+        if active is not None and active.tenant != current_tenant():
+            active = None  # NOTE: another tenant's request: as if unknown (reveals nothing)
         if active is not None:
             active.abort()
         return common_pb2.AbortResponse(found=active is not None)
