@@ -4,6 +4,11 @@ started by the same code as `pagedserve up`, driven over the public gRPC API."""
 from __future__ import annotations
 
 import argparse
+import os
+import pathlib
+import signal
+import subprocess
+import sys
 import threading
 import time
 
@@ -142,3 +147,49 @@ def test_health_and_reflection_on_every_server(cluster):
             for name in ("", services[child.name]):
                 status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
                 assert status.status == health_pb2.HealthCheckResponse.SERVING, child.name
+
+
+def test_pagedserve_up_stops_every_child_on_sigterm(make_tiny, tmp_path):
+    up = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "up", "--model", str(make_tiny("llama")),
+         "--port", "0", "--kv-cache-memory", "4MiB", "--log-dir", str(tmp_path)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    try:
+        lines = []
+        while not lines or not lines[-1].startswith("READY router"):
+            line = up.stdout.readline()
+            assert line, f"pagedserve up exited early: {lines}"
+            lines.append(line)
+        children = _children_of(up.pid)
+        assert len(children) == 4, lines  # redis, prefill, decode, router
+        up.send_signal(signal.SIGTERM)
+        assert up.wait(timeout=30) == 0
+    finally:
+        if up.poll() is None:
+            up.kill()
+    deadline = time.monotonic() + 5
+    while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "a child outlived pagedserve up"
+        time.sleep(0.1)
+
+
+def _children_of(pid: int) -> list[int]:
+    children = []
+    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            children.append(int(stat.parent.name))
+    return children
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
