@@ -22,7 +22,7 @@ from pagedserve.decode_worker.kv_import import ProducerClients
 from pagedserve.decode_worker.plan import PreemptionMode, SchedulingPolicy
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
-from pagedserve.grpcutil import build_server
+from pagedserve.grpcutil import build_server, client_tls_from_args, server_tls_from_args
 from pagedserve.kvstore.worker_registry import (
     Heartbeater,
     RegistryUnavailable,
@@ -32,7 +32,7 @@ from pagedserve.kvstore.worker_registry import (
     connect,
     new_incarnation,
 )
-from pagedserve.metrics import CounterSource, Gauge, register_state
+from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
 from pagedserve.model.config import load_model_config
 from pagedserve.model.runner import kv_cache_spec
 from pagedserve.telemetry import setup_tracing, start_metrics_server
@@ -79,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
     worker = DecodeWorker(
         engine,
         import_threads=args.import_threads,
-        producers=ProducerClients(args.max_message_bytes),
+        producers=ProducerClients(args.max_message_bytes, client_tls_from_args(args)),
         tracing=tracing,
     )
     _register_metrics(worker)
@@ -91,10 +91,12 @@ def main(args: argparse.Namespace) -> int:
         address=f"{args.host}:{args.port}",
         max_workers=max(16, 2 * args.max_num_seqs + 8),
         max_message_bytes=args.max_message_bytes,
+        tls=server_tls_from_args(args),
     )
     address = args.advertise_address or f"{args.host}:{handle.port}"
     worker.worker_id = args.worker_id or default_worker_id("decode", handle.port)
     heartbeater, registry = _join_cluster(args, worker, address)
+    worker.on_loop_death = lambda: handle.set_ready(False)
     worker.start()
     handle.server.start()
     handle.set_ready(True)
@@ -126,6 +128,8 @@ def _register_metrics(worker: DecodeWorker) -> None:
     def load():
         return worker.load()
 
+    block_bytes = worker.engine.runner.spec.bytes_per_block
+
     register_state(
         [
             Gauge("num_requests_running", "Sequences in the running batch.",
@@ -144,6 +148,10 @@ def _register_metrics(worker: DecodeWorker) -> None:
         [
             CounterSource("decode_", lambda: worker.engine.scheduler.stats),
             CounterSource("kv_import_", lambda: worker.importer.stats),
+            CounterSource("kv_transfer_", lambda: TransferCounts(
+                bytes_shm=worker.importer.stats.blocks_pulled_shm * block_bytes,
+                bytes_grpc=worker.importer.stats.blocks_pulled_grpc * block_bytes,
+            )),
         ],
     )  # fmt: skip
 

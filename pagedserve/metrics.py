@@ -100,6 +100,22 @@ class StateCollector(Collector):
                     yield CounterMetricFamily(name, doc, value=value)
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheCounts:
+    """vLLM's `prefix_cache_queries` / `prefix_cache_hits`: prompt tokens looked up / found."""
+
+    queries: int
+    hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class TransferCounts:
+    """KV bytes imported, by transport."""
+
+    bytes_shm: int
+    bytes_grpc: int
+
+
 def register_state(
     gauges: list[Gauge], counters: list[CounterSource], registry: CollectorRegistry = REGISTRY
 ) -> StateCollector:

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.config import default_worker_id
-from pagedserve.grpcutil import build_server
+from pagedserve.grpcutil import build_server, server_tls_from_args
 from pagedserve.kvstore.prefix_index import IndexUnavailable, RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import (
     Heartbeater,
@@ -31,7 +31,7 @@ from pagedserve.kvstore.worker_registry import (
     connect,
     new_incarnation,
 )
-from pagedserve.metrics import CounterSource, Gauge, register_state
+from pagedserve.metrics import CounterSource, Gauge, PrefixCacheCounts, register_state
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.runner import kv_cache_spec
@@ -111,6 +111,7 @@ def main(args: argparse.Namespace) -> int:
         [SERVICE_NAME],
         address=f"{args.host}:{args.port}",
         max_message_bytes=args.max_message_bytes,
+        tls=server_tls_from_args(args),
     )
     address = args.advertise_address or f"{args.host}:{handle.port}"
     worker_id = args.worker_id or default_worker_id("prefill", handle.port)
@@ -220,7 +221,13 @@ def _register_metrics(engine: PrefillEngine) -> None:
             Gauge("prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
                   lambda: engine.num_prompt_tokens_cached),
         ],
-        [CounterSource("kv_leases_", engine.leases.stats, gauge_fields=("active",))],
+        [
+            CounterSource("kv_leases_", engine.leases.stats, gauge_fields=("active",)),
+            CounterSource("prefix_cache_", lambda: PrefixCacheCounts(
+                queries=engine.num_prompt_tokens_computed + engine.num_prompt_tokens_cached,
+                hits=engine.num_prompt_tokens_cached,
+            )),
+        ],
     )  # fmt: skip
 
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import threading
-import time
 import urllib.request
 
 import pytest
@@ -127,6 +126,8 @@ def test_metrics_endpoints_expose_names_that_move(traced):
     prefill = scrape(ports["prefill-0"])
     assert prefill["pagedserve:kv_leases_granted_total"] >= 5
     assert prefill["pagedserve:kv_leases_active"] == 0
+    assert prefill["pagedserve:prefix_cache_queries_total"] >= 820
+    assert decode["pagedserve:kv_transfer_bytes_shm_total"] > 0
 
 
 def test_an_unreachable_collector_does_not_hurt_serving_or_stopping(make_tiny, tmp_path_factory):
@@ -137,10 +138,10 @@ def test_an_unreachable_collector_does_not_hurt_serving_or_stopping(make_tiny, t
             parts = list(client.generate(make_prompts((30,), seed=63)[0], LONG, timeout=60))
         assert parts[-1].finish_reason
     finally:
-        start = time.monotonic()
-        cluster.stop(timeout_s=15)
-        assert time.monotonic() - start < 15
-    assert all(c.proc.returncode == 0 for c in cluster.children if c.name != "redis")
+        cluster.stop(timeout_s=20)
+    # NOTE: a child that missed the grace time was killed, and would show -9 here
+    codes = {c.name: c.proc.returncode for c in cluster.children if c.name != "redis"}
+    assert set(codes.values()) == {0}, codes
 
 
 def _request(prompt):
