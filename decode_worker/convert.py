@@ -8,13 +8,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pagedserve.errors import InvalidArgument
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
 from pagedserve.model.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
 from pagedserve.model.sampler import TokenLogprobs
 from pagedserve.model.sequence import FinishReason
-from pagedserve.protoconv import sampling_from_proto
+from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, decode_pb2, prefill_pb2
 
@@ -82,15 +81,8 @@ class Delta:
 
 
 def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
-    request = msg.request
-    if not request.request_id:
-        raise InvalidArgument("request.request_id", "must not be empty")
     return DecodeCall(
-        request_id=request.request_id,
-        prompt_token_ids=list(request.prompt_token_ids),
-        params=sampling_from_proto(request.sampling),
-        priority=request.priority,
-        cache_salt=request.cache_salt,
+        **worker_request_fields(msg.request),
         first_token=msg.first_token,
         first_logprobs=(
             logprobs_from_proto(msg.first_logprobs) if msg.HasField("first_logprobs") else None

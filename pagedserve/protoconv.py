@@ -6,6 +6,9 @@ Torch-free (the router imports it). Each service's own messages are converted in
 
 from __future__ import annotations
 
+from typing import Any
+
+from pagedserve.errors import InvalidArgument
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2
 
@@ -53,3 +56,20 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         if value is not None:
             setattr(msg, name, value)
     return msg
+
+
+def worker_request_fields(msg: common_pb2.WorkerRequest) -> dict[str, Any]:
+    """The fields both workers take from a `WorkerRequest`, as keyword arguments.
+
+    Only the shape is checked here (`request.request_id` present); values are validated by the
+    engine, which names the offending field.
+    """
+    if not msg.request_id:
+        raise InvalidArgument("request.request_id", "must not be empty")
+    return {
+        "request_id": msg.request_id,
+        "prompt_token_ids": list(msg.prompt_token_ids),
+        "params": sampling_from_proto(msg.sampling),
+        "priority": msg.priority,
+        "cache_salt": msg.cache_salt,
+    }

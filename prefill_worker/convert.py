@@ -4,11 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from pagedserve.errors import InvalidArgument
 from pagedserve.kvstore.transfer import BlockChunk
 from pagedserve.model.convert import finish_reason_to_proto, logprobs_to_proto
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillResult
-from pagedserve.protoconv import sampling_from_proto
+from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, prefill_pb2
 
@@ -26,17 +25,7 @@ class PrefillCall:
 
 
 def prefill_call(msg: prefill_pb2.PrefillRequest) -> PrefillCall:
-    request = msg.request
-    if not request.request_id:
-        raise InvalidArgument("request.request_id", "must not be empty")
-    return PrefillCall(
-        request_id=request.request_id,
-        prompt_token_ids=list(request.prompt_token_ids),
-        params=sampling_from_proto(request.sampling),
-        priority=request.priority,
-        cache_salt=request.cache_salt,
-        lease_seconds=float(msg.lease_seconds),
-    )
+    return PrefillCall(**worker_request_fields(msg.request), lease_seconds=float(msg.lease_seconds))
 
 
 @dataclass(frozen=True, slots=True)

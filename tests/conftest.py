@@ -7,8 +7,23 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from redis_server import RedisServer, running_redis
 
 from pagedserve.kvstore.block_pool import BlockPool
+
+
+@pytest.fixture
+def redis_server(tmp_path: Path) -> Iterator[RedisServer]:
+    """A real redis-server for one test."""
+    with running_redis(tmp_path / "redis") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def module_redis(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real redis-server shared by one test module."""
+    with running_redis(tmp_path_factory.mktemp("redis")) as server:
+        yield server
 
 
 @pytest.fixture(autouse=True)

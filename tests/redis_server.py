@@ -3,16 +3,18 @@
 No persistence (`--save "" --appendonly no`), its files in a temp dir, killed at teardown.
 `stop()` kills it (a crash, as far as clients can tell); `start()` brings a fresh, empty server
 back on the same port; `pause()` / `resume()` freeze it (SIGSTOP) to exercise socket timeouts.
-The fixtures that use this live in the `conftest.py` of each test folder that needs Redis.
+The fixtures (`redis_server` per test, `module_redis` per module) are in tests/conftest.py.
 """
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import redis
@@ -94,3 +96,14 @@ class RedisServer:
                 time.sleep(0.01)
         finally:
             probe.close()
+
+
+@contextlib.contextmanager
+def running_redis(workdir: Path) -> Iterator[RedisServer]:
+    """A started redis-server, stopped on exit (the body of every redis fixture)."""
+    server = RedisServer(workdir)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()

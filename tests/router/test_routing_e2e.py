@@ -14,7 +14,6 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from oracle import make_prompts
-from redis_server import RedisServer
 
 from pagedserve.grpcutil import build_server
 from pagedserve.launcher import start_cluster
@@ -23,20 +22,12 @@ from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 
 @pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = RedisServer(tmp_path_factory.mktemp("redis"))
-    server.start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def workers(make_tiny, redis_server, tmp_path_factory):
+def workers(make_tiny, module_redis, tmp_path_factory):
     """Two prefill workers and one decode worker (and their router, unused here)."""
     model_dir = make_tiny("llama")
     args = argparse.Namespace(
         model=str(model_dir), host="127.0.0.1", port=0, prefill=2, decode=1,
-        redis_url=redis_server.url, block_size=16, dtype=None, kv_cache_memory="16MiB",
+        redis_url=module_redis.url, block_size=16, dtype=None, kv_cache_memory="16MiB",
         start_timeout=120.0, log_dir=None,
     )  # fmt: skip
     cluster = start_cluster(args, tmp_path_factory.mktemp("logs"))
@@ -45,11 +36,11 @@ def workers(make_tiny, redis_server, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def router(workers, redis_server):
+def router(workers, module_redis):
     cluster, model_dir = workers
     args = argparse.Namespace(
         model=str(model_dir), served_model_name=None, revision="", dtype=None, block_size=16,
-        redis_url=redis_server.url, prefill=[], decode=[], max_queued_requests=64,
+        redis_url=module_redis.url, prefill=[], decode=[], max_queued_requests=64,
         max_message_bytes=16 << 20,
     )  # fmt: skip
     servicer, worker_set = build_servicer(args)
@@ -145,7 +136,7 @@ def test_a_prompt_too_long_names_its_field(router):
     assert generate(stub, [5, 6, 7])[-1].finish_reason, "the cluster still serves"
 
 
-def test_prefix_routing_then_degraded_without_redis_then_recovery(router, redis_server):
+def test_prefix_routing_then_degraded_without_redis_then_recovery(router, module_redis):
     servicer, stub = router
     shared = make_prompts((64,), seed=41)[0]
     first = generate(stub, shared + [9])
@@ -157,7 +148,7 @@ def test_prefix_routing_then_degraded_without_redis_then_recovery(router, redis_
     assert first[-1].usage.cached_prompt_tokens == 0
     assert not servicer.policy.index_degraded
 
-    redis_server.stop()
+    module_redis.stop()
     try:
         out = generate(stub, shared + [20])
         assert out[-1].finish_reason
@@ -165,7 +156,7 @@ def test_prefix_routing_then_degraded_without_redis_then_recovery(router, redis_
         status = stub.GetClusterStatus(generation_pb2.GetClusterStatusRequest(), timeout=10)
         assert status.index_degraded
     finally:
-        redis_server.start()
+        module_redis.start()
     deadline = time.monotonic() + 20
     while True:  # the workers republish their blocks once Redis is back
         out = generate(stub, shared + [30])
