@@ -33,6 +33,7 @@ import grpc
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.convert import KvHandleInfo
 from pagedserve.decode_worker.engine import DecodeEngine
+from pagedserve.grpcutil import ClientTLS, make_channel
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.transfer import (
@@ -104,8 +105,9 @@ class TransferReport:
 class ProducerClients:
     """gRPC channels to prefill workers, one per address, kept for the worker's life."""
 
-    def __init__(self, max_message_bytes: int = 64 << 20) -> None:
+    def __init__(self, max_message_bytes: int = 64 << 20, tls: ClientTLS | None = None) -> None:
         self._lock = threading.Lock()
+        self._tls = tls
         self._stubs: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
         self._channels: list[grpc.Channel] = []
         self._options = [("grpc.max_receive_message_length", max_message_bytes)]
@@ -114,7 +116,7 @@ class ProducerClients:
         with self._lock:
             stub = self._stubs.get(address)
             if stub is None:
-                channel = grpc.insecure_channel(address, options=self._options)
+                channel = make_channel(address, self._tls, self._options)
                 self._channels.append(channel)
                 stub = self._stubs[address] = prefill_pb2_grpc.PrefillWorkerStub(channel)
             return stub

@@ -8,6 +8,11 @@ The engine and its scheduler are single-threaded: every call into them holds `lo
 loop holds for a whole `step()`. So an abort waits at most one step, and an import's pool
 bookkeeping never races a step. The request is never lost: an import that fails for any reason
 queues the sequence for local recompute (`recomputed_prompt`).
+
+A step that raises is isolated (`_isolate_failure`): each running sequence is re-run alone, and
+only those that fail alone end with ERROR; the others go on. If the loop thread itself dies,
+`dead` is set, `on_loop_death` runs (the server flips health to NOT_SERVING) and every request
+in flight ends with ERROR.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -26,6 +32,7 @@ from pagedserve.decode_worker.convert import DecodeCall, Delta, Load
 from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.decode_worker.kv_import import KvImporter, ProducerClients, TransferReport
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.model.runner import ScheduledSequence
 from pagedserve.model.sequence import FinishReason, RequestId, Sequence
 from pagedserve.telemetry import Tracing, setup_tracing
 
@@ -91,6 +98,8 @@ class DecodeWorker:
         self._imports = ThreadPoolExecutor(import_threads, thread_name_prefix="kv-import")
         self._thread: threading.Thread | None = None
         self._stop = False
+        self.dead = False  # the loop thread died: this worker can serve nothing more
+        self.on_loop_death: Callable[[], None] | None = None
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -101,8 +110,8 @@ class DecodeWorker:
         InvalidArgument naming the field, ResourceExhausted for a request this worker can never
         hold, Unavailable while draining.
         """
-        if self.draining:
-            raise Unavailable("decode worker is draining")
+        if self.draining or self.dead:
+            raise Unavailable("decode worker is draining" if not self.dead else "engine stopped")
         seq = self._new_sequence(call)
         stream = RequestStream()
         span = self.tracing.tracer.start_span(
@@ -211,19 +220,68 @@ class DecodeWorker:
         self._thread.start()
 
     def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stop and not self.engine.has_unfinished:
-                    self._wake.wait(0.5)
-                if self._stop:
-                    return
-                try:
-                    self.step()
-                except Exception:
-                    log.exception("decode step failed; failing every request")
-                    self._fail_all()
-            # NOTE: let gRPC and import threads waiting on the lock in before the next step
-            time.sleep(0)
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self.engine.has_unfinished:
+                        self._wake.wait(0.5)
+                    if self._stop:
+                        return
+                    try:
+                        self.step()
+                    except Exception:
+                        log.exception("decode step failed; isolating the failing request")
+                        self._isolate_failure()
+                # NOTE: let gRPC and import threads waiting on the lock in before the next step
+                time.sleep(0)
+        except BaseException:
+            log.exception("decode loop died; failing every request")
+            self._die()
+
+    def _isolate_failure(self) -> None:
+        """After a failed step (its sequences not advanced): end with ERROR only the running
+        sequences that fail when run alone; if none does, the step itself is broken and every
+        request fails. Lock held by the caller."""
+        running = [entry.seq for entry in self.engine.scheduler.running]
+        culprits = [seq for seq in running if not self._runs_alone(seq)]
+        if not culprits:
+            self._fail_all()
+            return
+        for seq in culprits:
+            log.error("%s: failed alone after a failed step; ending it with ERROR", seq.request_id)
+            self.engine.abort(seq.request_id)
+            seq.finish(FinishReason.ERROR)
+            self.engine.errors[seq.request_id] = f"{seq.request_id}: decode step failed"
+            tracked = self._tracked.get(seq.request_id)
+            if tracked is not None:
+                self._finish(tracked)
+
+    def _runs_alone(self, seq: Sequence) -> bool:
+        """Re-run `seq`'s pending tokens alone (results dropped). False if that raises.
+
+        NOTE: safe because a failed step advanced nothing and allocation is idempotent: the next
+        step writes the same KV slots again. The sequence's generator is restored, so a seeded
+        request draws the same tokens as without the probe.
+        """
+        table = seq.block_table
+        pending = seq.num_tokens - seq.num_computed_tokens
+        if pending <= 0 or seq.num_tokens > len(table.block_ids) * table.block_size:
+            return True  # nothing allocated to probe: not blamed
+        state = seq.generator.get_state() if seq.generator is not None else None
+        try:
+            self.engine.runner.execute([ScheduledSequence(seq, pending)])
+        except Exception:
+            return False
+        finally:
+            if state is not None and seq.generator is not None:
+                seq.generator.set_state(state)
+        return True
+
+    def _die(self) -> None:
+        self.dead = True
+        if self.on_loop_death is not None:
+            self.on_loop_death()
+        self._fail_all()
 
     def step(self) -> None:
         """One engine step and its deltas (the loop's body; tests may call it directly)."""
@@ -331,7 +389,7 @@ class DecodeWorker:
                 kv_blocks_cached=pool.num_cached,
                 kv_cache_usage=pool.usage,
                 prefix_cache_hit_rate=hits / looked_up if looked_up else 0.0,
-                draining=self.draining,
+                draining=self.draining or self.dead,
             )
 
     def close(self) -> None:

@@ -74,3 +74,24 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
         "--trace-include-text", action="store_true", help="put prompt/output text in spans"
     )
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")
+
+    add_tls_arguments(parser)
+
+
+def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
+    """Transport security: this server's certificate, and what its outgoing channels use."""
+    group = parser.add_argument_group("TLS (PEM files; default: plaintext on loopback)")
+    group.add_argument("--tls-cert", default=None, help="this server's certificate chain")
+    group.add_argument("--tls-key", default=None, help="this server's private key")
+    group.add_argument(
+        "--tls-client-ca", default=None,
+        help="require client certificates signed by this CA (mTLS)",
+    )  # fmt: skip
+    group.add_argument(
+        "--tls-ca", default=None, help="CA that outgoing channels trust (turns TLS on for them)"
+    )
+    group.add_argument("--tls-client-cert", default=None, help="certificate outgoing channels show")
+    group.add_argument("--tls-client-key", default=None, help="its private key")
+    group.add_argument(
+        "--tls-server-name", default=None, help="name to check in servers' certificates"
+    )

@@ -4,6 +4,10 @@
 `grpc.health.v1.Health` (service `""` = alive, the service's full name = ready), server
 reflection, and `ErrorInterceptor`, the one place where exceptions become status codes
 (`pagedserve/errors.py` has the table). Servicers stay thin: they raise, the interceptor maps.
+
+Transport security is one pair of types: `ServerTLS` (`--tls-cert/--tls-key`, plus
+`--tls-client-ca` to require client certificates, i.e. mTLS) and `ClientTLS` (`--tls-ca`,
+`--tls-client-cert/--tls-client-key`) for every outgoing channel, built by `make_channel`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -80,20 +85,50 @@ class ErrorInterceptor(grpc.ServerInterceptor):
         if handler.unary_unary:
             return grpc.unary_unary_rpc_method_handler(
                 _wrap_unary(handler.unary_unary, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         if handler.unary_stream:
             return grpc.unary_stream_rpc_method_handler(
                 _wrap_stream(handler.unary_stream, method),
-                request_deserializer=handler.request_deserializer,
+                request_deserializer=_lenient(handler.request_deserializer),
                 response_serializer=handler.response_serializer,
             )
         return handler  # client-streaming methods: none in pagedserve.v1
 
 
+@dataclass(frozen=True, slots=True)
+class _Undecodable:
+    """A request whose bytes do not parse (grpcio would answer INTERNAL; it is the caller's)."""
+
+    error: str
+
+
+def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
+    if deserialize is None:
+        return None
+
+    def parse(data: bytes) -> Any:
+        try:
+            return deserialize(data)
+        except Exception as exc:  # NOTE: DecodeError, and whatever else a parser may raise
+            return _Undecodable(type(exc).__name__)
+
+    return parse
+
+
+def _reject_undecodable(request: Any, context: grpc.ServicerContext) -> None:
+    if isinstance(request, _Undecodable):
+        context.abort_with_status(
+            rpc_status.to_status(
+                _status(code_pb2.INVALID_ARGUMENT, f"request does not parse ({request.error})")
+            )
+        )
+
+
 def _wrap_unary(fn: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable:
     def call(request: Any, context: grpc.ServicerContext) -> Any:
+        _reject_undecodable(request, context)
         try:
             return fn(request, context)
         except Exception as exc:
@@ -106,6 +141,7 @@ def _wrap_unary(fn: Callable[[Any, grpc.ServicerContext], Any], method: str) -> 
 
 def _wrap_stream(fn: Callable[[Any, grpc.ServicerContext], Iterator[Any]], method: str) -> Callable:
     def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        _reject_undecodable(request, context)
         try:
             yield from fn(request, context)
         except Exception as exc:
@@ -144,13 +180,15 @@ def build_server(
     max_workers: int = 16,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     interceptors: Sequence[grpc.ServerInterceptor] = (),
+    tls: ServerTLS | None = None,
 ) -> ServerHandle:
     """Create (not start) a server with health, reflection and `ErrorInterceptor`.
 
     `register` are callables like `lambda s: add_FooServicer_to_server(servicer, s)`;
     `service_names` are their full names (`pagedserve.v1.Generation`). The services start
-    NOT_SERVING for readiness: call `set_ready(True)` once the model is loaded.
-    Raises RuntimeError if `address` cannot be bound.
+    NOT_SERVING for readiness: call `set_ready(True)` once the model is loaded. With `tls` the
+    port speaks only TLS (mTLS when `tls.client_ca` is set). Raises RuntimeError if `address`
+    cannot be bound.
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes: must be positive, got {max_message_bytes}")
@@ -172,7 +210,10 @@ def build_server(
         (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
     )
     try:
-        port = server.add_insecure_port(address)
+        if tls is None:
+            port = server.add_insecure_port(address)
+        else:
+            port = server.add_secure_port(address, tls.credentials())
     except RuntimeError as exc:
         raise RuntimeError(f"cannot bind {address}: {exc}") from exc
     handle = ServerHandle(server, health_servicer, port, names)
@@ -187,3 +228,79 @@ def time_remaining(context: grpc.ServicerContext) -> float | None:
     """
     remaining = context.time_remaining()
     return None if remaining is None or remaining > 1e9 else max(0.0, remaining)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTLS:
+    """A server's certificate chain and key (PEM); `client_ca` set: clients must present a
+    certificate it signed (mTLS), so only the cluster's own services get in."""
+
+    cert_chain: bytes
+    private_key: bytes = field(repr=False)
+    client_ca: bytes | None = None
+
+    def credentials(self) -> grpc.ServerCredentials:
+        return grpc.ssl_server_credentials(
+            [(self.private_key, self.cert_chain)],
+            root_certificates=self.client_ca,
+            require_client_auth=self.client_ca is not None,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ClientTLS:
+    """What an outgoing channel trusts (`root_ca`, None: the system roots) and, for mTLS, the
+    certificate it presents. `server_name` overrides the name checked against the server's
+    certificate (for addresses that are not in it)."""
+
+    root_ca: bytes | None = None
+    cert_chain: bytes | None = None
+    private_key: bytes | None = field(default=None, repr=False)
+    server_name: str | None = None
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_ca, self.private_key, self.cert_chain)
+
+
+def make_channel(
+    address: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]] = ()
+) -> grpc.Channel:
+    """A channel to `address`: plaintext when `tls` is None, else TLS (mTLS with a cert)."""
+    if tls is None:
+        return grpc.insecure_channel(address, options=list(options))
+    opts = list(options)
+    if tls.server_name:
+        opts.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(address, tls.credentials(), options=opts)
+
+
+def _read(path: str | None) -> bytes | None:
+    return Path(path).read_bytes() if path else None
+
+
+def server_tls_from_args(args: Any) -> ServerTLS | None:
+    """`--tls-cert/--tls-key/--tls-client-ca` -> ServerTLS (None without a cert). ValueError
+    names the flag when they do not go together; OSError when a file cannot be read."""
+    cert, key, client_ca = (
+        getattr(args, n, None) for n in ("tls_cert", "tls_key", "tls_client_ca")
+    )
+    if bool(cert) != bool(key):
+        raise ValueError("--tls-cert and --tls-key: give both or neither")
+    if client_ca and not cert:
+        raise ValueError("--tls-client-ca: needs --tls-cert and --tls-key")
+    if not cert or not key:
+        return None
+    return ServerTLS(Path(cert).read_bytes(), Path(key).read_bytes(), _read(client_ca))
+
+
+def client_tls_from_args(args: Any) -> ClientTLS | None:
+    """`--tls-ca/--tls-client-cert/--tls-client-key/--tls-server-name` -> ClientTLS for this
+    process's outgoing channels (None: plaintext). ValueError names the flag."""
+    ca, cert, key = (
+        getattr(args, n, None) for n in ("tls_ca", "tls_client_cert", "tls_client_key")
+    )
+    if bool(cert) != bool(key):
+        raise ValueError("--tls-client-cert and --tls-client-key: give both or neither")
+    if not (ca or cert):
+        return None
+    return ClientTLS(_read(ca), _read(cert), _read(key), getattr(args, "tls_server_name", None))

@@ -29,6 +29,9 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve.config import add_tls_arguments
+from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -138,9 +141,11 @@ def _start_redis(log_dir: Path) -> Child | None:
     raise RuntimeError("redis-server did not start")
 
 
-def wait_healthy(address: str, service: str, timeout_s: float) -> None:
+def wait_healthy(
+    address: str, service: str, timeout_s: float, tls: ClientTLS | None = None
+) -> None:
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
+    with make_channel(address, tls) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             with contextlib.suppress(grpc.RpcError):
@@ -168,6 +173,7 @@ def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> Non
         common += ["--dtype", args.dtype]
     if getattr(args, "otlp_traces_endpoint", None):
         common += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    common += _tls_flags(args)
     cluster.redis_url = args.redis_url
     if cluster.redis_url is None:
         redis = _start_redis(log_dir)
@@ -187,13 +193,30 @@ def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> Non
     cluster.children[:0] = started
     router_argv = [*cli, "router", *common, "--host", args.host, "--port", str(args.port)]
     router_argv += redis_args
+    if getattr(args, "api_key_file", None):
+        router_argv += ["--api-key-file", args.api_key_file]
     for child in started:
         router_argv += [f"--{child.name.split('-')[0]}", child.address]
     router = _spawn("router", _with_metrics(router_argv, args), log_dir)
     cluster.children.insert(0, router)
     _await_ready(router, args.start_timeout)
     cluster.router_address = router.address
-    wait_healthy(router.address, "pagedserve.v1.Generation", args.start_timeout)
+    wait_healthy(
+        router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
+    )
+
+
+_TLS_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_client_cert",
+              "tls_client_key", "tls_server_name")  # fmt: skip
+
+
+def _tls_flags(args: argparse.Namespace) -> list[str]:
+    """The same TLS files for every service (one host, one cluster certificate)."""
+    flags: list[str] = []
+    for name in _TLS_FLAGS:
+        if getattr(args, name, None):
+            flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    return flags
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -210,6 +233,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--metrics", action="store_true", help="give every service a metrics port")
     parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument("--log-dir", default=None, help="default: a temporary directory")
+    parser.add_argument("--api-key-file", default=None, help="passed to the router")
+    add_tls_arguments(parser)
 
 
 def main(args: argparse.Namespace) -> int:

@@ -7,18 +7,22 @@ Workers come from the static lists (`--prefill`, `--decode`) and, with Redis, fr
 (live incarnations only). Load comes from polling each worker's `GetLoad` plus the requests this
 router has in flight there (so a burst does not all land on the idlest worker). The prefix
 overlap comes from the Redis index; when Redis is absent, down or slow the router routes by load
-alone and says so (`index_degraded`), and recovers by itself on the next successful lookup.
+alone and says so (`index_degraded`), skips the index for `index_retry_s` after a failed lookup
+(a slow Redis costs one bounded lookup per interval, not one per request), and recovers by itself
+on the next successful lookup.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
+from pagedserve.grpcutil import ClientTLS, make_channel
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
 from pagedserve.kvstore.worker_registry import RegistryUnavailable, Role, WorkerRegistry
@@ -72,8 +76,10 @@ class WorkerSet:
         registry: WorkerRegistry | None,
         *,
         max_message_bytes: int,
+        tls: ClientTLS | None = None,
     ) -> None:
         self._lock = threading.Lock()
+        self._tls = tls
         self._registry = registry
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -85,7 +91,7 @@ class WorkerSet:
                 self._add(Worker(address, address, role))
 
     def _add(self, worker: Worker) -> Worker:
-        worker.channel = grpc.insecure_channel(worker.address, options=self._options)
+        worker.channel = make_channel(worker.address, self._tls, self._options)
         self._workers[worker.worker_id] = worker
         return worker
 
@@ -162,6 +168,7 @@ class RoutingPolicy:
         block_size: int,
         max_num_seqs: int = 64,
         weights: CostWeights | None = None,
+        index_retry_s: float = 1.0,
     ) -> None:
         self.workers = workers
         self.index = index
@@ -169,6 +176,8 @@ class RoutingPolicy:
         self.max_num_seqs = max_num_seqs
         self.weights = weights or CostWeights()
         self.index_degraded = index is None
+        self.index_retry_s = index_retry_s
+        self._skip_index_until = 0.0
         self.lookups = 0
         self.lookup_errors = 0
 
@@ -209,11 +218,14 @@ class RoutingPolicy:
     def _overlap(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if self.index is None or not block_hashes:
             return {}
+        if time.monotonic() < self._skip_index_until:
+            return {}  # NOTE: degraded: no request waits on an index that just failed
         try:
             overlap = self.index.lookup(block_hashes)
         except IndexUnavailable:
             self.lookup_errors += 1
             self.index_degraded = True
+            self._skip_index_until = time.monotonic() + self.index_retry_s
             return {}
         self.lookups += 1
         self.index_degraded = False

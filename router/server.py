@@ -14,11 +14,12 @@ import signal
 import sys
 import threading
 
-from pagedserve.grpcutil import build_server
+from pagedserve.grpcutil import build_server, client_tls_from_args, server_tls_from_args
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
 from pagedserve.metrics import CounterSource, Gauge, RequestMetrics, register_state
+from pagedserve.router.auth import AuthInterceptor, load_api_keys
 from pagedserve.router.cli_args import add_arguments
 from pagedserve.router.routing import RoutingPolicy, WorkerSet
 from pagedserve.router.servicer import GenerationServicer, RouterSettings
@@ -40,9 +41,15 @@ def build_servicer(
     if args.redis_url:
         client = connect(args.redis_url)
         registry = WorkerRegistry(client, card.name)
-        index = RedisPrefixIndex(client, card.name, block_size=args.block_size)
+        # NOTE: its own client with a short timeout: a lookup is on every request's path
+        lookup_client = connect(args.redis_url, timeout_s=getattr(args, "index_timeout", 0.05))
+        index = RedisPrefixIndex(lookup_client, card.name, block_size=args.block_size)
     workers = WorkerSet(
-        args.prefill, args.decode, registry, max_message_bytes=args.max_message_bytes
+        args.prefill,
+        args.decode,
+        registry,
+        max_message_bytes=args.max_message_bytes,
+        tls=client_tls_from_args(args),
     )
     policy = RoutingPolicy(workers, index, block_size=args.block_size)
     tracing = setup_tracing(
@@ -69,6 +76,8 @@ def main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    keys = load_api_keys(getattr(args, "api_key_file", None))  # NOTE: read at start, not import
+    tls = server_tls_from_args(args)
     servicer, workers = build_servicer(args, RequestMetrics())
     _register_state_metrics(servicer)
     metrics_port = start_metrics_server(args.metrics_port, args.host)
@@ -77,6 +86,8 @@ def main(args: argparse.Namespace) -> int:
         [SERVICE_NAME],
         address=f"{args.host}:{args.port}",
         max_message_bytes=args.max_message_bytes,
+        interceptors=[AuthInterceptor(keys)] if keys is not None else [],
+        tls=tls,
     )
     handle.server.start()
     address = args.advertise_address or f"{args.host}:{handle.port}"
@@ -98,6 +109,13 @@ def main(args: argparse.Namespace) -> int:
     poller.start()
     if metrics_port is not None:
         log.info("metrics on :%d/metrics", metrics_port)
+    log.info(
+        "public API: %s, %s",
+        "TLS" + (" (client certificates required)" if tls and tls.client_ca else "")
+        if tls
+        else "plaintext",
+        f"API keys for {len(keys.tenants)} tenant(s)" if keys else "no API keys",
+    )
     print(f"READY router {address}", flush=True)
     stop.wait()
     handle.set_ready(False)
