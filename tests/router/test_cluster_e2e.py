@@ -128,11 +128,11 @@ def test_cancel_mid_stream_and_short_deadline_free_every_block(cluster):
         next(stream)
         next(stream)
         stream.cancel()
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.5)
+        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.0)
         with pytest.raises(grpc.RpcError) as info:
             collect(client.generate(prompt, long, timeout=0.3))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.5)
+        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.0)
 
 
 def test_health_and_reflection_on_every_server(cluster):
