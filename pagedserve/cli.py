@@ -170,6 +170,23 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         add_help=False,
     )
     prefill.set_defaults(func=_run_bench_prefill, passthrough=True)
+    for name in (*_SCENARIOS, "all"):
+        scenario = kinds.add_parser(
+            name, help="scenario of BENCHMARKS.md (pagedserve bench all -h)", add_help=False
+        )
+        scenario.set_defaults(func=_run_bench_scenario, passthrough=True, scenario=name)
+
+
+_SCENARIOS = (
+    "throughput", "serve", "kv-efficiency", "prefix", "shared-prefix-memory", "oversubscribe",
+    "priority", "disagg", "roofline",
+)  # fmt: skip
+
+
+def _run_bench_scenario(args: argparse.Namespace) -> int:
+    from pagedserve.bench import suite
+
+    return suite.main([args.scenario, *args.rest])
 
 
 def _run_bench_kernels(args: argparse.Namespace) -> int:

