@@ -147,34 +147,34 @@ def _run_status(args: argparse.Namespace) -> int:
     return 0
 
 
+# micro-benchmarks: subcommand -> (module under pagedserve.bench, help); each owns its options
+_MICRO_BENCHES = {
+    "kernels": ("kernels", "paged decode attention vs contiguous SDPA"),
+    "decode": ("decode", "DecodeEngine vs transformers generate(), swap vs memcpy"),
+    "prefill": ("prefill", "PrefillEngine vs transformers forward, prompt tok/s"),
+    "router-hop": ("router_hop", "TTFT and tokens/s through the router vs direct to workers"),
+}
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
     kinds = p.add_subparsers(dest="bench", required=True)
-    kernels = kinds.add_parser(
-        "kernels",
-        help="paged decode attention vs contiguous SDPA (python -m pagedserve.bench.kernels -h)",
-        add_help=False,
-    )
-    kernels.set_defaults(func=_run_bench_kernels, passthrough=True)
-    decode = kinds.add_parser(
-        "decode",
-        help="DecodeEngine vs transformers generate(), swap vs memcpy "
-        "(python -m pagedserve.bench.decode -h)",
-        add_help=False,
-    )
-    decode.set_defaults(func=_run_bench_decode, passthrough=True)
-    prefill = kinds.add_parser(
-        "prefill",
-        help="PrefillEngine vs transformers forward, prompt tok/s "
-        "(python -m pagedserve.bench.prefill -h)",
-        add_help=False,
-    )
-    prefill.set_defaults(func=_run_bench_prefill, passthrough=True)
+    for name, (module, text) in _MICRO_BENCHES.items():
+        micro = kinds.add_parser(
+            name, help=f"{text} (python -m pagedserve.bench.{module} -h)", add_help=False
+        )
+        micro.set_defaults(func=_run_micro_bench, passthrough=True, module=module)
     for name in (*_SCENARIOS, "all"):
         scenario = kinds.add_parser(
             name, help="scenario of BENCHMARKS.md (pagedserve bench all -h)", add_help=False
         )
         scenario.set_defaults(func=_run_bench_scenario, passthrough=True, scenario=name)
+
+
+def _run_micro_bench(args: argparse.Namespace) -> int:
+    import importlib
+
+    return int(importlib.import_module(f"pagedserve.bench.{args.module}").main(args.rest))
 
 
 _SCENARIOS = (
@@ -187,24 +187,6 @@ def _run_bench_scenario(args: argparse.Namespace) -> int:
     from pagedserve.bench import suite
 
     return suite.main([args.scenario, *args.rest])
-
-
-def _run_bench_kernels(args: argparse.Namespace) -> int:
-    from pagedserve.bench import kernels
-
-    return kernels.main(args.rest)
-
-
-def _run_bench_decode(args: argparse.Namespace) -> int:
-    from pagedserve.bench import decode
-
-    return decode.main(args.rest)
-
-
-def _run_bench_prefill(args: argparse.Namespace) -> int:
-    from pagedserve.bench import prefill
-
-    return prefill.main(args.rest)
 
 
 def _add_prefill(sub: argparse._SubParsersAction) -> None:
