@@ -16,6 +16,7 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from oracle import hf_greedy, make_prompts
 
 from pagedserve.client import Client
@@ -147,6 +148,14 @@ def test_health_and_reflection_on_every_server(cluster):
             for name in ("", services[child.name]):
                 status = health.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)
                 assert status.status == health_pb2.HealthCheckResponse.SERVING, child.name
+            reflection = reflection_pb2_grpc.ServerReflectionStub(channel)
+            listing = next(
+                reflection.ServerReflectionInfo(
+                    iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+                )
+            )
+            names = {s.name for s in listing.list_services_response.service}
+            assert services[child.name] in names, child.name
 
 
 def test_pagedserve_up_stops_every_child_on_sigterm(make_tiny, tmp_path):
