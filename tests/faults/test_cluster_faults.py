@@ -172,6 +172,13 @@ def test_sigkill_decode_worker_ends_its_streams_unavailable_and_new_requests_avo
     started, _ = cluster
     victim = next(c for c in started.children if c.name == "decode-0")
     prompts = make_prompts((24,) * 8, seed=94)
+    # NOTE: the router is ready once ONE decode worker answers; wait until it has seen both,
+    # or every stream may go to decode-0 (a race seen under load)
+    deadline = time.monotonic() + 30
+    with Client(started.router_address) as client:
+        while not all(w.alive for w in client.status().workers):
+            assert time.monotonic() < deadline, "the router never saw every worker alive"
+            time.sleep(0.2)
     outcomes: dict[int, object] = {}
     first_seen = threading.Barrier(9, timeout=60)
 
