@@ -31,15 +31,13 @@ from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
 from pagedserve.decode_worker.swapper import CopyFn, Swapper
 from pagedserve.kvstore.block_pool import BlockPool
-from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
-from pagedserve.model.engine import EngineConfig, validate_request
+from pagedserve.model.engine import EngineConfig, make_sequence
 from pagedserve.model.loader import load_model
 from pagedserve.model.runner import ModelRunner, RunnerOutput
-from pagedserve.model.sampler import make_generator
 from pagedserve.model.sequence import RequestId, Sequence
 from pagedserve.sampling_params import SamplingParams
 
@@ -205,16 +203,16 @@ class DecodeEngine:
         Touches no engine state but the pool reference of its empty table, so any thread may
         call it; queue it with `add_sequence` or `add_prefilled` on the engine's thread.
         """
-        validate_request(self.model_config, self.max_model_len, prompt_token_ids, params)
-        return Sequence(
-            request_id=RequestId(request_id or f"req-{next(self._ids)}"),
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            block_table=BlockTable(self.pool),
-            model_fingerprint=self.fingerprint,
-            cache_salt=cache_salt,
+        return make_sequence(
+            self.model_config,
+            self.max_model_len,
+            self.pool,
+            self.fingerprint,
+            request_id or f"req-{next(self._ids)}",
+            prompt_token_ids,
+            params,
             priority=priority,
-            generator=make_generator(params.seed),
+            cache_salt=cache_salt,
         )
 
     def add_sequence(self, seq: Sequence) -> None:

@@ -70,6 +70,35 @@ def validate_request(
     )
 
 
+def make_sequence(
+    model_config: ModelConfig,
+    max_model_len: int,
+    pool: BlockPool,
+    fingerprint: bytes,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    priority: int = 0,
+    cache_salt: str = "",
+) -> Sequence:
+    """A validated `Sequence` with an empty block table of `pool`, not queued anywhere.
+
+    Shared by every engine; raises InvalidArgument naming the field for a bad request.
+    """
+    validate_request(model_config, max_model_len, prompt_token_ids, params)
+    return Sequence(
+        request_id=RequestId(request_id),
+        prompt_token_ids=list(prompt_token_ids),
+        params=params,
+        block_table=BlockTable(pool),
+        model_fingerprint=fingerprint,
+        cache_salt=cache_salt,
+        priority=priority,
+        generator=make_generator(params.seed),
+    )
+
+
 @dataclass(slots=True)
 class StepStats:
     num_scheduled_tokens: int = 0
@@ -112,19 +141,19 @@ class Engine:
         cache_salt: str = "",
     ) -> Sequence:
         """Queue a request. Raises InvalidArgument naming the field for a bad request."""
-        validate_request(self.model_config, self.max_model_len, prompt_token_ids, params)
+        seq = make_sequence(
+            self.model_config,
+            self.max_model_len,
+            self.pool,
+            self.fingerprint,
+            request_id or f"req-{next(self._ids)}",
+            prompt_token_ids,
+            params,
+            cache_salt=cache_salt,
+        )
         worst_case = len(prompt_token_ids) + params.max_tokens
         if -(-worst_case // self.config.block_size) > self.config.num_blocks:
             raise InvalidArgument("max_tokens", f"{worst_case} tokens cannot fit in the KV cache")
-        seq = Sequence(
-            request_id=RequestId(request_id or f"req-{next(self._ids)}"),
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            block_table=BlockTable(self.pool),
-            model_fingerprint=self.fingerprint,
-            cache_salt=cache_salt,
-            generator=make_generator(params.seed),
-        )
         self.waiting.append(seq)
         return seq
 

@@ -28,12 +28,11 @@ from pagedserve.kvstore.hashing import BlockHash, hash_blocks, model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import ShmKVPool, layout_compat_hash
 from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
-from pagedserve.model.engine import validate_request
+from pagedserve.model.engine import make_sequence
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
-from pagedserve.model.sampler import make_generator
-from pagedserve.model.sequence import RequestId, Sequence
+from pagedserve.model.sequence import Sequence
 from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
 from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from pagedserve.sampling_params import SamplingParams
@@ -159,21 +158,21 @@ class PrefillEngine:
 
         Raises InvalidArgument for a bad request and ResourceExhausted when the queue is full.
         """
-        validate_request(self.model_config, self.max_model_len, prompt_token_ids, params)
+        seq = make_sequence(
+            self.model_config,
+            self.max_model_len,
+            self.pool,
+            self.fingerprint,
+            request_id,
+            prompt_token_ids,
+            params,
+            priority=priority,
+            cache_salt=cache_salt,
+        )
         blocks_needed = -(-len(prompt_token_ids) // self.config.block_size)
         if blocks_needed > self.config.num_blocks:
             raise InvalidArgument("prompt_token_ids", "prompt does not fit in the KV cache")
         lease_s = min(lease_seconds or self.config.lease_seconds, self.config.max_lease_seconds)
-        seq = Sequence(
-            request_id=RequestId(request_id),
-            prompt_token_ids=list(prompt_token_ids),
-            params=params,
-            block_table=BlockTable(self.pool),
-            model_fingerprint=self.fingerprint,
-            cache_salt=cache_salt,
-            priority=priority,
-            generator=make_generator(params.seed),
-        )
         future: Future[PrefillResult] = Future()
         with self._wake:
             if len(self._pending) >= self.config.max_queued_requests:
