@@ -20,7 +20,7 @@ from pagedserve.bench.metrics import RequestResult
 from pagedserve.bench.peers import _package, _result
 from pagedserve.bench.workloads import BenchRequest
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
-from pagedserve.decode_worker.plan import PreemptionMode, SchedulingPolicy
+from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
 from pagedserve.model.sequence import Sequence
 from pagedserve.sampling_params import SamplingParams
 
@@ -76,6 +76,7 @@ class EnginePeer:
                 num_swap_blocks=a["num_swap_blocks"],
                 preemption_mode=PreemptionMode(a["preemption_mode"]),
                 scheduling_policy=SchedulingPolicy(a["policy"]),
+                kv_policy=KVPolicy(a["kv_policy"]),
             )
             self.engines[key] = DecodeEngine.from_model_dir(a["model"], config)
         return self.engines[key]

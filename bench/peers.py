@@ -193,6 +193,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     p.add_argument("--policy", default="priority", choices=["fcfs", "priority"])
+    p.add_argument("--kv-policy", default="paged", choices=["paged", "reserve-max"])
     p.add_argument("--kv-cache-memory", default="256MiB", help="cluster: per worker")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="hf-static sweep")
     p.add_argument("--threads", type=int, default=None, help="torch threads")

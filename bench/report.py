@@ -79,13 +79,15 @@ def plot(results: list[ScenarioResult], out: Path) -> list[Path]:
         fig.suptitle("S2 latency vs load")
         paths.append(_save(fig, out / "s2_latency_vs_load.png"))
     if "S3" in by_name:
-        timeline = by_name["S3"].runs["engine"][0]["kv"]["timeline"]
-        fig, ax = plt.subplots(figsize=(6, 3.5))
-        t = [x[0] for x in timeline]
-        ax.plot(t, [x[2] for x in timeline], label="allocated slots")
-        ax.plot(t, [x[1] for x in timeline], label="used slots")
-        ax.set(xlabel="seconds", ylabel="KV slots", title="S3 KV utilisation over time (paged)")
-        ax.legend()
+        runs = by_name["S3"].runs
+        fig, axes = plt.subplots(1, 2, figsize=(10, 3.5), sharey=True)
+        for ax, name in zip(axes, ("paged", "reserve-max"), strict=True):
+            timeline = runs[name][0]["kv"]["timeline"] if name in runs else []
+            t = [x[0] for x in timeline]
+            ax.plot(t, [x[2] for x in timeline], label="allocated slots")
+            ax.plot(t, [x[1] for x in timeline], label="used slots")
+            ax.set(xlabel="seconds", ylabel="KV slots", title=f"S3 KV over time ({name})")
+            ax.legend()
         paths.append(_save(fig, out / "s3_kv_utilisation.png"))
     return paths
 

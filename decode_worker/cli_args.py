@@ -22,5 +22,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="priority: lower WorkerRequest.priority runs sooner and is preempted later",
     )  # fmt: skip
     parser.add_argument(
+        "--kv-policy", default="paged", choices=["paged", "reserve-max"],
+        help="reserve-max: hold prompt + max_tokens slots from admission (a baseline for "
+        "benchmarks; paged allocates blocks as tokens arrive)",
+    )  # fmt: skip
+    parser.add_argument(
         "--import-threads", type=int, default=4, help="threads pulling KV from prefill workers"
     )

@@ -22,6 +22,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from pagedserve.decode_worker.plan import (
+    KVPolicy,
     PreemptionMode,
     SchedulerStats,
     SchedulingPolicy,
@@ -50,6 +51,7 @@ class DecodeEngineConfig(EngineConfig):
     num_swap_blocks: int | None = None  # overrides swap_space_gib (tests size it in blocks)
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
     scheduling_policy: SchedulingPolicy = SchedulingPolicy.PRIORITY
+    kv_policy: KVPolicy = KVPolicy.PAGED
     min_priority_gap: int = 1
     max_preemptions: int = 4
     # The preemption cost model's prior; `measure_costs` refines it from measured speeds.
@@ -153,6 +155,7 @@ class DecodeEngine:
             max_preemptions=self.config.max_preemptions,
             bytes_per_block=self.runner.spec.bytes_per_block,
             eos_token_ids=self.model_config.eos_token_ids,
+            kv_policy=self.config.kv_policy,
         )
 
     # -- requests ------------------------------------------------------------------------------

@@ -28,6 +28,14 @@ class PreemptionMode(enum.Enum):
     RECOMPUTE = "recompute"  # always drop the blocks and recompute later
 
 
+class KVPolicy(enum.Enum):
+    PAGED = "paged"  # blocks are allocated as tokens arrive (PagedAttention)
+    # Every sequence holds slots for its worst case (prompt + max_tokens, capped at
+    # max_model_len) from admission on: the traditional reservation, kept so that benchmarks
+    # compare paged and reserved KV on the same code (BENCHMARKS.md S3).
+    RESERVE_MAX = "reserve-max"
+
+
 @dataclass(frozen=True, slots=True)
 class Preemption:
     """`seq` left the running set this step, by `mode` (SWAP or RECOMPUTE)."""

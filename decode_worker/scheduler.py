@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.decode_worker.plan import (
     FailedSequence,
+    KVPolicy,
     Preemption,
     PreemptionMode,
     SchedulerStats,
@@ -75,6 +76,7 @@ class SchedulerConfig:
     max_preemptions: int = 4
     bytes_per_block: int = 0  # for the swap byte counters and the cost model
     eos_token_ids: tuple[int, ...] = ()
+    kv_policy: KVPolicy = KVPolicy.PAGED
 
     def __post_init__(self) -> None:
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "min_priority_gap"):
@@ -282,7 +284,8 @@ class Scheduler:
 
     def _try_swap_in(self, entry: _Entry, step: _Step) -> bool:
         record = _some_record(entry)
-        growth = -(-(record.num_tokens + 1) // self.pool.block_size) - len(record.device)
+        slots = self._slots_for(entry.seq, record.num_tokens + 1)
+        growth = -(-slots // self.pool.block_size) - len(record.device)
         # NOTE: leave room for the running sequences' next tokens, or phase 2 would preempt
         # the sequence just swapped in (it is often the worst-ranked one).
         need = swap_in_cost(record, self.pool) + growth + self._running_growth()
@@ -309,7 +312,8 @@ class Scheduler:
     def _running_growth(self) -> int:
         """Blocks the running sequences need for one more token each (a reserve)."""
         return sum(
-            e.seq.block_table.blocks_needed(e.seq.num_computed_tokens + 1) for e in self.running
+            e.seq.block_table.blocks_needed(self._slots_for(e.seq, e.seq.num_computed_tokens + 1))
+            for e in self.running
         )
 
     def _recompute_one_swapped(self, keep: _Entry) -> bool:
@@ -330,7 +334,8 @@ class Scheduler:
         while True:
             n = self._tokens_that_fit(seq, want)
             if n > 0:
-                copies = self.kv.allocate(seq.block_table, seq.num_computed_tokens + n)
+                slots = self._slots_for(seq, seq.num_computed_tokens + n)
+                copies = self.kv.allocate(seq.block_table, slots)
                 if copies is None:
                     raise RuntimeError(f"{seq.request_id}: allocation failed after it fit")
                 step.add(entry, n, copies)
@@ -345,9 +350,22 @@ class Scheduler:
         table = seq.block_table
         capacity = (len(table.block_ids) + self.pool.num_allocatable) * self.pool.block_size
         n = min(want, capacity - seq.num_computed_tokens)
+        if self.config.kv_policy is KVPolicy.RESERVE_MAX:
+            # NOTE: the reservation covers any chunk up to the worst case: all or nothing.
+            worst = self._slots_for(seq, seq.num_computed_tokens + max(n, 1))
+            return max(n, 0) if self.kv.can_allocate(table, worst) else 0
         while n > 0 and not self.kv.can_allocate(table, seq.num_computed_tokens + n):
             n -= 1
         return max(n, 0)
+
+    def _slots_for(self, seq: Sequence, num_tokens_total: int) -> int:
+        """Slots `seq` must hold to compute up to `num_tokens_total` tokens under the policy."""
+        if self.config.kv_policy is KVPolicy.RESERVE_MAX:
+            return max(num_tokens_total, self._worst_case_tokens(seq))
+        return num_tokens_total
+
+    def _worst_case_tokens(self, seq: Sequence) -> int:
+        return min(seq.num_prompt_tokens + seq.params.max_tokens, self.config.max_model_len)
 
     def _victims_for_running(self, needy: _Entry) -> Iterator[_Entry]:
         """Worst-ranked running sequences ranked below `needy`, then `needy` itself."""
@@ -381,6 +399,11 @@ class Scheduler:
         if admitted is None:
             return False
         item, copies = admitted
+        if self.config.kv_policy is KVPolicy.RESERVE_MAX:
+            reserved = self.kv.allocate(seq.block_table, self._slots_for(seq, seq.num_tokens))
+            if reserved is None:
+                raise RuntimeError(f"{seq.request_id}: reservation failed after it fit")
+            copies += reserved
         if entry.recompute_pending:
             step.plan.recomputed.append(seq)
         entry.recompute_pending = False
@@ -397,7 +420,8 @@ class Scheduler:
         num_cached = len(prefix) * self.pool.block_size
         n = min(seq.num_tokens - num_cached, max(budget, 1))
         revived = sum(self.pool.ref_count(b) == 0 for b in prefix)
-        return -(-(num_cached + n) // self.pool.block_size) - len(prefix) + revived
+        slots = self._slots_for(seq, num_cached + n)
+        return -(-slots // self.pool.block_size) - len(prefix) + revived
 
     # -- displacing running sequences (phases 1 and 3) -----------------------------------------
 

@@ -19,7 +19,7 @@ from pagedserve.config import default_worker_id
 from pagedserve.decode_worker.cli_args import add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.kv_import import ProducerClients
-from pagedserve.decode_worker.plan import PreemptionMode, SchedulingPolicy
+from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.grpcutil import build_server, client_tls_from_args, server_tls_from_args
@@ -64,6 +64,7 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         swap_space_gib=args.swap_space,
         preemption_mode=PreemptionMode(args.preemption_mode),
         scheduling_policy=SchedulingPolicy(args.scheduling_policy),
+        kv_policy=KVPolicy(args.kv_policy),
     )
 
 

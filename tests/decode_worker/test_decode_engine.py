@@ -13,7 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
-from pagedserve.decode_worker.plan import PreemptionMode
+from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode
 from pagedserve.kernels.dispatch import swap_blocks
 from pagedserve.model.sequence import FinishReason, Sequence, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
@@ -213,3 +213,24 @@ def test_request_that_cannot_fit_alone_ends_with_an_error(model_dir):
     assert "KV cache holds only 12 blocks" in engine.errors[too_big.request_id]
     assert ok.finish_reason is not FinishReason.ERROR
     assert tuple(ok.output_token_ids) == unconstrained(model_dir)[0]
+
+
+def test_reserve_max_policy_gives_the_same_tokens_without_preemption(model_dir):
+    """The S3 baseline: same engine, worst-case slots held from admission, so sequences never
+    grow into a full pool (no preemption) and fewer run at once."""
+    prompts = make_prompts()
+    engine = make_engine(model_dir, kv_policy=KVPolicy.RESERVE_MAX)
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    max_running = 0
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+        max_running = max(max_running, len(engine.scheduler.running))
+        for entry in engine.scheduler.running:  # every running table covers its worst case
+            seq = entry.seq
+            assert seq.block_table.num_tokens >= seq.num_prompt_tokens + NEW_TOKENS
+    run_to_end(engine, seqs)
+
+    assert tuple(tuple(s.output_token_ids) for s in seqs) == unconstrained(model_dir)
+    assert engine.stats.num_preemptions == 0
+    assert max_running < len(prompts), "the reservation must keep some sequences waiting"

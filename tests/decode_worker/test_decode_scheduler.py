@@ -10,6 +10,7 @@ import random
 import pytest
 
 from pagedserve.decode_worker.plan import (
+    KVPolicy,
     PreemptionMode,
     SchedulingPolicy,
     StepPlan,
@@ -410,3 +411,37 @@ def test_prefilled_sequence_without_a_seat_waits_and_reuses_its_cached_blocks():
     step(scheduler)  # "running" finishes
     plan, _ = step(scheduler)
     assert scheduled(plan) == {"imported": 2}  # token 8 and the first token; 8 tokens were hits
+
+
+# -- kv_policy=reserve-max: the benchmark baseline on the same scheduler ------------------------
+
+
+def test_reserve_max_holds_the_worst_case_from_admission_and_never_preempts():
+    sched = make_scheduler(num_blocks=8, kv_policy=KVPolicy.RESERVE_MAX)
+    a = make_seq(sched, "a", list(range(10, 15)), max_tokens=11)  # 16 tokens: 4 blocks
+    b = make_seq(sched, "b", list(range(20, 25)), max_tokens=11)  # 4 blocks
+    c = make_seq(sched, "c", list(range(30, 35)), max_tokens=3)  # 8 tokens: 2 blocks
+
+    plan, _ = step(sched)
+    # a and b reserve 4 blocks each: the pool is full, c waits although paged KV would seat it
+    assert scheduled(plan) == {"a": 5, "b": 5}
+    assert len(a.block_table.block_ids) == len(b.block_table.block_ids) == 4
+    assert c.status is SequenceStatus.WAITING and sched.pool.num_free == 0
+    finished: list[Sequence] = []
+    while len(finished) < 2:
+        plan, done = step(sched)
+        assert not plan.preempted and "c" not in scheduled(plan)
+        finished += done
+    assert {s.request_id for s in finished} == {"a", "b"}
+    while sched.has_unfinished:
+        step(sched)
+    assert c.output_token_ids == [7] * 3
+    assert sched.stats.num_preemptions == 0 and sched.pool.num_used == 0
+
+
+def test_paged_policy_seats_what_reserve_max_cannot():
+    sched = make_scheduler(num_blocks=8)
+    for name, base in (("a", 10), ("b", 20), ("c", 30)):
+        make_seq(sched, name, list(range(base, base + 5)), max_tokens=11 if name != "c" else 3)
+    plan, _ = step(sched)
+    assert scheduled(plan) == {"a": 5, "b": 5, "c": 5}
