@@ -7,8 +7,18 @@ Lifecycle of a prompt's blocks on this side:
 
 Threads: one loop thread runs `step()`; gRPC threads call `submit`, `abort`, `release`, `renew`
 and read leased blocks. One lock guards the scheduler, the pool and the lease table's frees; the
-forward itself runs without it (it only writes blocks the scheduler allocated to the batch, and
-nothing frees those while they are in flight).
+forward itself runs without it. It only writes the slots of the chunks the scheduler allocated to
+the batch (never a block with a hash). An `abort` during the forward frees its prompt's blocks at
+once; only the loop thread allocates, so nothing reuses them before the forward ends, and
+`PrefillScheduler.update` skips the aborted prompt.
+
+Failures. A forward that raises is isolated (`_isolate_failure`): each prompt of the failed step
+is run alone, and only those that fail alone end, with `PrefillFailed` naming the request; the
+others keep the results of their run alone. This is exact because a failed forward changes no
+bookkeeping: chunks count as computed, and full blocks join the prefix cache, only in
+`update()` after a forward succeeds, so a half-written chunk is rewritten whole and never
+reachable by a prefix hit. If the loop thread itself dies, `dead` is set, `on_loop_death` runs
+(the server flips health to NOT_SERVING) and every prompt in flight fails with `Unavailable`.
 """
 
 from __future__ import annotations
@@ -21,7 +31,9 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from pagedserve.errors import InvalidArgument, ResourceExhausted
+import torch
+
+from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks, model_fingerprint
@@ -31,10 +43,14 @@ from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
 from pagedserve.model.engine import make_sequence
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
-from pagedserve.model.runner import ModelRunner, kv_cache_spec
+from pagedserve.model.runner import ModelRunner, RunnerOutput, ScheduledSequence, kv_cache_spec
 from pagedserve.model.sequence import Sequence
 from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
-from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from pagedserve.prefill_worker.scheduler import (
+    PrefillPlan,
+    PrefillScheduler,
+    PrefillSchedulerConfig,
+)
 from pagedserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -65,6 +81,15 @@ class PrefillResult:
     enqueued_ns: int = 0
     started_ns: int = 0
     finished_ns: int = 0
+
+
+class PrefillFailed(RuntimeError):
+    """This prompt's step failed even when run alone: a fault of this request (or of the engine),
+    never the caller's mistake. The message starts with the request id."""
+
+    def __init__(self, request_id: str, reason: str) -> None:
+        super().__init__(f"{request_id}: {reason}")
+        self.request_id = request_id
 
 
 @dataclass(slots=True)
@@ -124,6 +149,8 @@ class PrefillEngine:
         self._pending: dict[str, _Pending] = {}
         self._stop = False
         self._thread: threading.Thread | None = None
+        self.dead = False  # the loop thread died: this engine can prefill nothing more
+        self.on_loop_death: Callable[[], None] | None = None
         self.on_events: Callable[[list[BlockEvent]], None] | None = None
         self.num_prompt_tokens_computed = 0
         self.num_prompt_tokens_cached = 0
@@ -156,7 +183,9 @@ class PrefillEngine:
     ) -> Future[PrefillResult]:
         """Queue a prompt; the future resolves after its first token (or fails with the reason).
 
-        Raises InvalidArgument for a bad request and ResourceExhausted when the queue is full.
+        Raises InvalidArgument for a bad request, ResourceExhausted when the queue is full and
+        Unavailable once the loop has died. The future fails with PrefillFailed if the prompt's
+        step fails even alone, with Unavailable if the loop dies first.
         """
         seq = make_sequence(
             self.model_config,
@@ -175,6 +204,8 @@ class PrefillEngine:
         lease_s = min(lease_seconds or self.config.lease_seconds, self.config.max_lease_seconds)
         future: Future[PrefillResult] = Future()
         with self._wake:
+            if self.dead:
+                raise Unavailable("prefill engine stopped")
             if len(self._pending) >= self.config.max_queued_requests:
                 raise ResourceExhausted("prefill queue is full", retry_after_s=1.0)
             if request_id in self._pending:
@@ -285,32 +316,65 @@ class PrefillEngine:
             self.shm_pool = None
 
     def _run(self) -> None:
-        while True:
-            with self._wake:
-                while not self._stop and not self.scheduler.has_work():
-                    self._wake.wait(0.5)
-                if self._stop:
-                    return
-            try:
-                self.step()
-            except Exception:
-                log.exception("prefill step failed")
-                self._fail_all_in_flight()
+        try:
+            while True:
+                with self._wake:
+                    while not self._stop and not self.scheduler.has_work():
+                        self._wake.wait(0.5)
+                    if self._stop:
+                        return
+                try:
+                    self.step()
+                except Exception:
+                    # NOTE: not a forward (those are isolated in `step`): bookkeeping may be
+                    # half done, so no prompt in flight can be trusted
+                    log.exception("prefill step failed outside the forward; failing all")
+                    self._fail_all_in_flight(lambda rid: PrefillFailed(rid, "prefill step failed"))
+        except BaseException:
+            log.exception("prefill loop died; failing every prompt in flight")
+            self._die()
+
+    def _die(self) -> None:
+        with self._lock:
+            self.dead = True  # NOTE: first, so that no submit slips in after the failing below
+        if self.on_loop_death is not None:
+            self.on_loop_death()
+        self._fail_all_in_flight(lambda rid: Unavailable(f"{rid}: prefill engine stopped"))
 
     def step(self) -> int:
-        """Run one prefill step; returns the number of prompt tokens computed."""
+        """Run one prefill step; returns the number of prompt tokens computed.
+
+        A forward that raises does not escape: the step's prompts run alone and those that fail
+        alone fail (`_isolate_failure`). Anything else that raises is a bug and escapes.
+        """
+        plan = self._schedule()
+        if plan is None:
+            return 0
+        self.runner.copy_blocks(plan.copies)
+        generators = _generator_states(plan.batch)
+        try:
+            output = self.runner.execute(plan.batch)
+        except Exception:
+            log.exception("prefill step of %d prompts failed; running each alone", len(plan.batch))
+            return self._isolate_failure(plan, generators)
+        self._apply(plan, output)
+        return plan.num_tokens
+
+    def _schedule(self) -> PrefillPlan | None:
         with self._lock:
             plan = self.scheduler.schedule()
             if not plan.batch:
                 self._wake.wait(0.05)  # NOTE: pool full of leased blocks; wait for frees
-                return 0
+                return None
             now_ns = time.time_ns()
             for item in plan.batch:
                 pending = self._pending.get(item.seq.request_id)
                 if pending is not None and not pending.started_ns:
                     pending.started_ns = now_ns
-        self.runner.copy_blocks(plan.copies)
-        output = self.runner.execute(plan.batch)
+            return plan
+
+    def _apply(self, plan: PrefillPlan, output: RunnerOutput) -> None:
+        """Advance the plan's prompts, hand over those done, publish the pool's events."""
         with self._lock:
             done = self.scheduler.update(plan, output)
             self.num_prompt_tokens_computed += plan.num_tokens
@@ -321,7 +385,51 @@ class PrefillEngine:
                 pending.future.set_result(result)
         if events and self.on_events is not None:
             self.on_events(events)
-        return plan.num_tokens
+
+    def _isolate_failure(self, plan: PrefillPlan, generators: dict[int, torch.Tensor]) -> int:
+        """Run each chunk of a failed step alone: keep the results of those that succeed, fail
+        the prompts whose chunk raises alone. Returns the prompt tokens computed.
+
+        NOTE: the failed forward advanced nothing and registered no hash; its chunks' slots are
+        still allocated, so a run alone rewrites exactly those slots. Seeded generators are
+        reset to their state before the failed step, so a run alone samples what a clean step
+        would have.
+        """
+        computed, culprits = 0, []
+        for item in plan.batch:
+            with self._lock:
+                if not self.scheduler.is_in_flight(item.seq):
+                    continue  # aborted meanwhile: its blocks are already free
+            state = generators.get(id(item.seq))
+            if state is not None and item.seq.generator is not None:
+                item.seq.generator.set_state(state)
+            try:
+                output = self.runner.execute([item])
+            except Exception:
+                log.exception("%s: prefill failed alone after a failed step", item.seq.request_id)
+                culprits.append(item.seq)
+                continue
+            self._apply(PrefillPlan([item], []), output)
+            computed += item.num_new_tokens
+        if not culprits:
+            log.warning("prefill step failed, but each of its prompts succeeded alone")
+        self._fail(culprits, "prefill step failed")
+        return computed
+
+    def _fail(self, seqs: list[Sequence], reason: str) -> None:
+        """End each of `seqs` still in flight with PrefillFailed; its blocks are freed now."""
+        failed = []
+        with self._wake:
+            for seq in seqs:
+                if not self.scheduler.is_in_flight(seq):
+                    continue
+                self.scheduler.abort(seq.request_id)
+                pending = self._pending.pop(seq.request_id, None)
+                if pending is not None:
+                    failed.append(pending)
+            self._wake.notify()
+        for pending in failed:
+            pending.future.set_exception(PrefillFailed(pending.seq.request_id, reason))
 
     def _hand_over(self, seq: Sequence) -> tuple[_Pending | None, PrefillResult]:
         pending = self._pending.pop(seq.request_id, None)
@@ -336,14 +444,21 @@ class PrefillEngine:
         result.lease_expires_unix_ms = _unix_ms(result.lease.expires_at, self.leases.clock())
         return pending, result
 
-    def _fail_all_in_flight(self) -> None:
-        with self._lock:
+    def _fail_all_in_flight(self, error: Callable[[str], Exception]) -> None:
+        """Fail every queued or running prompt with `error(request_id)`; free their blocks."""
+        with self._wake:
             pending = list(self._pending.values())
             for p in pending:
                 self.scheduler.abort(p.seq.request_id)
             self._pending.clear()
+            self._wake.notify()
         for p in pending:
-            p.future.set_exception(RuntimeError("prefill step failed"))
+            p.future.set_exception(error(p.seq.request_id))
+
+
+def _generator_states(batch: list[ScheduledSequence]) -> dict[int, torch.Tensor]:
+    """The state of each seeded sequence's generator, by `id(seq)`, to undo a failed step."""
+    return {id(i.seq): i.seq.generator.get_state() for i in batch if i.seq.generator is not None}
 
 
 def _unix_ms(monotonic_deadline: float, monotonic_now: float) -> int:

@@ -76,6 +76,10 @@ class PrefillScheduler:
     def has_work(self) -> bool:
         return bool(self.running) or self.num_waiting > 0
 
+    def is_in_flight(self, seq: Sequence) -> bool:
+        """Whether `seq` itself (not an aborted namesake) is still queued or running here."""
+        return self._by_id.get(seq.request_id) is seq
+
     def add(self, seq: Sequence) -> None:
         if seq.request_id in self._by_id:
             raise ValueError(f"request_id: {seq.request_id!r} is already queued")
@@ -128,9 +132,14 @@ class PrefillScheduler:
 
         A done prompt has its first token appended (and may already be FINISHED if that token
         ends it); its blocks are no longer this scheduler's: the caller must lease or free them.
+        A prompt aborted since `schedule()` is skipped (its blocks were freed by `abort`).
+        `plan` may be any part of a scheduled plan (the engine applies a failed step's chunks
+        one at a time), as long as each chunk is applied at most once.
         """
         done = []
         for item, sampled in zip(plan.batch, output.sampled, strict=True):
+            if not self.is_in_flight(item.seq):
+                continue  # NOTE: aborted while its forward ran: nothing to advance or register
             advance(
                 self.kv,
                 item,

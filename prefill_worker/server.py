@@ -5,6 +5,7 @@ in Redis (if `--redis-url`), prefill `--warmup-prompts` into the prefix cache an
 mark ready, print `READY <worker_id> <address>` on stdout. While serving, block events go to the
 Redis prefix index after every step (`IndexPublisher`, off the engine loop) and a heartbeat
 keeps the worker record alive; a Redis outage only makes the index stale (docs/prefill.md).
+If the engine loop dies, health turns NOT_SERVING and load reports draining.
 SIGTERM/SIGINT: health NOT_SERVING, refuse new prefills, wait for outstanding leases up to
 `--drain-timeout`, stop the engine, delete the index entries and the record, stop.
 """
@@ -20,7 +21,13 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.config import default_worker_id
-from pagedserve.grpcutil import build_server, server_tls_from_args
+from pagedserve.grpcutil import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    ServerHandle,
+    ServerTLS,
+    build_server,
+    server_tls_from_args,
+)
 from pagedserve.kvstore.prefix_index import IndexUnavailable, RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import (
     Heartbeater,
@@ -106,9 +113,8 @@ def main(args: argparse.Namespace) -> int:
     servicer = PrefillServicer(engine, Identity("", "", ""), tracing)
     _register_metrics(engine)
     start_metrics_server(args.metrics_port, args.host)
-    handle = build_server(
-        [lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s)],
-        [SERVICE_NAME],
+    handle = build_grpc_server(
+        servicer,
         address=f"{args.host}:{args.port}",
         max_message_bytes=args.max_message_bytes,
         tls=server_tls_from_args(args),
@@ -128,6 +134,8 @@ def main(args: argparse.Namespace) -> int:
         raise
     handle.server.start()
     handle.set_ready(True)
+    if engine.dead:
+        handle.set_ready(False)  # NOTE: the loop died before we turned ready
     print(f"READY {worker_id} {address}", flush=True)
     stop.wait()
 
@@ -144,6 +152,28 @@ def main(args: argparse.Namespace) -> int:
     engine.close()
     tracing.shutdown()
     return 0
+
+
+def build_grpc_server(
+    servicer: PrefillServicer,
+    *,
+    address: str = "127.0.0.1:0",
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+    tls: ServerTLS | None = None,
+) -> ServerHandle:
+    """The worker's gRPC server (not started, NOT_SERVING until `set_ready(True)`).
+
+    Health follows the engine: if its loop thread dies, every service turns NOT_SERVING.
+    """
+    handle = build_server(
+        [lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s)],
+        [SERVICE_NAME],
+        address=address,
+        max_message_bytes=max_message_bytes,
+        tls=tls,
+    )
+    servicer.engine.on_loop_death = lambda: handle.set_ready(False)
+    return handle
 
 
 def _warm_up(engine: PrefillEngine, prompts: list[list[int]], cluster: _Cluster | None) -> None:
@@ -174,7 +204,7 @@ def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity)
     def load() -> WorkerLoad:
         # NOTE: called on every heartbeat; also the idle-time hook for the index refresh
         publisher.refresh()
-        report = load_report(engine, me.worker_id, draining=False)
+        report = load_report(engine, me.worker_id, draining=engine.dead)
         return WorkerLoad(
             num_requests_running=report.num_requests_running,
             num_requests_waiting=report.num_requests_waiting,

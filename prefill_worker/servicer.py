@@ -1,6 +1,7 @@
 """`pagedserve.v1.PrefillWorker`: a thin servicer over `PrefillEngine` (DESIGN §3.2).
 
-Errors are raised, not aborted: the server's interceptor maps them (pagedserve/errors.py). A
+Errors are raised, not aborted: the server's interceptor maps them (pagedserve/errors.py), except
+a prompt whose step failed (`PrefillFailed`): INTERNAL with the request id in the message. A
 client that cancels a Prefill (or whose deadline passes) aborts it; a lease granted after the
 client left is released at once, so no blocks stay pinned for nobody.
 """
@@ -18,7 +19,7 @@ from pagedserve.errors import Unavailable
 from pagedserve.grpcutil import time_remaining
 from pagedserve.kvstore.transfer import iter_block_chunks
 from pagedserve.prefill_worker import convert
-from pagedserve.prefill_worker.engine import PrefillEngine
+from pagedserve.prefill_worker.engine import PrefillEngine, PrefillFailed
 from pagedserve.prefill_worker.lease_table import LeaseState
 from pagedserve.telemetry import Tracing, context_from, setup_tracing
 from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -59,6 +60,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
         except CancelledError:
             context.abort(grpc.StatusCode.CANCELLED, "prefill aborted")
+        except PrefillFailed as exc:
+            context.abort(grpc.StatusCode.INTERNAL, str(exc))
         if not context.is_active():
             # NOTE: the client left while the first token was computed: nobody will pull.
             # (A response lost after this check still ends by lease expiry, DESIGN §3.5.)
@@ -143,4 +146,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.WarmupResponse(blocks_cached=blocks)
 
     def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
-        return convert.load_report(self.engine, self.me.worker_id, self.draining)
+        draining = self.draining or self.engine.dead
+        return convert.load_report(self.engine, self.me.worker_id, draining)

@@ -7,7 +7,11 @@ from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.model.runner import RunnerOutput, SampledToken
 from pagedserve.model.sequence import RequestId, Sequence
-from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
+from pagedserve.prefill_worker.scheduler import (
+    PrefillPlan,
+    PrefillScheduler,
+    PrefillSchedulerConfig,
+)
 from pagedserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -110,3 +114,37 @@ def test_a_full_pool_waits_instead_of_failing():
     plan = scheduler.schedule()
     assert [i.seq.request_id for i in plan.batch] == ["b"]
     assert scheduler.queued_tokens == 4
+
+
+def test_a_prompt_aborted_while_its_chunk_runs_is_skipped_by_update():
+    scheduler, pool = make_scheduler(budget=16)
+    kept = make_seq(pool, "kept", 8)
+    gone = make_seq(pool, "gone", 8, start=50)
+    scheduler.add(kept)
+    scheduler.add(gone)
+    plan = scheduler.schedule()
+    assert gone.block_table.block_ids == [2, 3]
+    scheduler.abort("gone")  # a client cancel while the forward runs without the lock
+    again = make_seq(pool, "gone", 8, start=50)  # and a retry under the same id, queued
+    scheduler.add(again)
+    assert [s.request_id for s in run(scheduler, plan)] == ["kept"]
+    assert gone.num_computed_tokens == 0 and again.num_computed_tokens == 0
+    assert pool.num_used == 2 and pool.num_cached == 0  # nothing of "gone" was registered
+    assert scheduler.is_in_flight(again) and not scheduler.is_in_flight(gone)
+    pool.check_integrity()
+
+
+def test_a_chunk_is_registered_only_when_its_step_is_applied():
+    scheduler, pool = make_scheduler(budget=8)
+    seq = make_seq(pool, "a", 12)
+    scheduler.add(seq)
+    plan = scheduler.schedule()  # the forward of this plan "fails": update is never called
+    assert seq.block_table.block_ids == [0, 1] and pool.num_cached == 0
+    (item,) = plan.batch
+    assert run(scheduler, PrefillPlan([item], [])) == []  # the chunk run alone, then applied
+    assert seq.num_computed_tokens == 8 and seq.block_table.num_cached_blocks == 2
+    plan = scheduler.schedule()  # the last 4 tokens; this forward fails and the prompt ends
+    assert seq.block_table.block_ids == [0, 1, 2]
+    scheduler.abort("a")
+    assert pool.num_cached == 2 and pool.num_free == 14  # only the applied chunk's blocks
+    pool.check_integrity()
