@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from pagedserve.client import Client
 
 
 def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
@@ -59,7 +63,63 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="in-process only")
     p.add_argument("--num-blocks", type=int, default=256, help="in-process only")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    _add_client_arguments(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_client_arguments(p: argparse.ArgumentParser) -> None:
+    """How the client commands reach a router: TLS (the shared outgoing-channel flags) and the
+    API key."""
+    from pagedserve.config import add_client_tls_arguments
+
+    add_client_tls_arguments(p.add_argument_group("TLS to the router (PEM files)"))
+    p.add_argument(
+        "--api-key", default=None, metavar="KEY",
+        help=f"sent as 'authorization: Bearer KEY' (default ${API_KEY_ENV}; prefer the variable: "
+        "arguments show in the process list)",
+    )  # fmt: skip
+
+
+API_KEY_ENV = "PAGEDSERVE_API_KEY"
+
+
+def _client(args: argparse.Namespace) -> Client:
+    """The Client the flags describe (ValueError/OSError for bad TLS flags or files)."""
+    import os
+
+    from pagedserve.client import Client
+
+    return Client(
+        args.router,
+        tls_ca=args.tls_ca,
+        tls_client_cert=args.tls_client_cert,
+        tls_client_key=args.tls_client_key,
+        tls_server_name=args.tls_server_name,
+        api_key=args.api_key or os.environ.get(API_KEY_ENV) or None,
+    )
+
+
+def _rpc_failed(args: argparse.Namespace, err: Any) -> int:
+    """One line on stderr naming the status code (and what to check for TLS), exit status 1."""
+    import grpc
+
+    code = err.code()
+    details = " ".join(str(err.details() or "").split())
+    hint = ""
+    # NOTE: a refused handshake or certificate reaches grpcio only as a failed connection
+    # ("Socket closed", "SSL_ERROR_..."), so a connection failure other than "refused" is
+    # explained by what TLS this client used
+    failed = "failed to connect" in details and "refused" not in details.lower()
+    if code is grpc.StatusCode.UNAVAILABLE and failed:
+        if args.tls_ca or args.tls_client_cert:
+            hint = (" (TLS handshake failed or the router refused this client: check --tls-ca,"
+                    " --tls-client-cert, --tls-client-key)")  # fmt: skip
+        else:
+            hint = " (no TLS: if the router uses TLS, give --tls-ca)"
+    elif code is grpc.StatusCode.UNAUTHENTICATED:
+        hint = f" (give --api-key or ${API_KEY_ENV})"
+    print(f"pagedserve {args.command}: {code.name}: {details}{hint}", file=sys.stderr)
+    return 1
 
 
 def _run_generate(args: argparse.Namespace) -> int:
@@ -73,7 +133,7 @@ def _run_generate(args: argparse.Namespace) -> int:
         stop=tuple(args.stop),
     )  # fmt: skip
     if args.router:
-        return _generate_remote(args.router, prompt, params, args.cache_salt)
+        return _generate_remote(args, prompt, params)
     from transformers import AutoTokenizer
 
     from pagedserve.model.engine import Engine, EngineConfig
@@ -88,20 +148,20 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_remote(address: str, prompt: str, params, cache_salt: str) -> int:
+def _generate_remote(args: argparse.Namespace, prompt: str, params) -> int:
     import grpc
 
-    from pagedserve.client import Client
     from pagedserve.v1 import common_pb2
 
-    with Client(address) as client:
+    with _client(args) as client:
+        last = None
         try:
-            last = None
-            for last in client.generate(prompt, params, cache_salt=cache_salt):
+            for last in client.generate(prompt, params, cache_salt=args.cache_salt):
                 print(last.text, end="", flush=True)
         except grpc.RpcError as err:
-            print(f"\npagedserve generate: {err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
+            if last is not None:
+                print(flush=True)  # NOTE: end the partial output line before the error
+            return _rpc_failed(args, err)
     if last is not None:
         usage, reason = last.usage, common_pb2.FinishReason.Name(last.finish_reason)
         print(
@@ -124,6 +184,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_up)
     p = sub.add_parser("status", help="print the cluster view of a running router")
     p.add_argument("--router", default="127.0.0.1:50051")
+    _add_client_arguments(p)
     p.set_defaults(func=_run_status)
 
 
@@ -140,10 +201,16 @@ def _run_up(args: argparse.Namespace) -> int:
 
 
 def _run_status(args: argparse.Namespace) -> int:
-    from pagedserve.client import Client, format_status
+    import grpc
 
-    with Client(args.router) as client:
-        print(format_status(client.status()))
+    from pagedserve.client import format_status
+
+    with _client(args) as client:
+        try:
+            status = client.status()
+        except grpc.RpcError as err:
+            return _rpc_failed(args, err)
+    print(format_status(status))
     return 0
 
 
@@ -238,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.rest = rest
     try:
         return int(args.func(args))
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, OSError) as exc:  # NOTE: OSError: a TLS file that cannot be read
         print(f"pagedserve {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

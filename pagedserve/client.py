@@ -1,20 +1,53 @@
 """A small Python client of the public API (what `pagedserve generate --router` and
-`pagedserve status` use; any gRPC language can do the same from the protos)."""
+`pagedserve status` use; any gRPC language can do the same from the protos).
+
+Security matches the router's: `tls_ca` turns TLS on (the CA the router's certificate must chain
+to), `tls_client_cert`/`tls_client_key` present a client certificate (mTLS), and `api_key` is sent
+as `authorization: Bearer <key>` metadata on every call, `stub` calls included.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import collections
+import ipaddress
+import logging
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
+from pagedserve.grpcutil import client_tls_from_files, make_channel
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 
 class Client:
-    def __init__(self, address: str) -> None:
-        self.channel = grpc.insecure_channel(address)
+    def __init__(
+        self,
+        address: str,
+        *,
+        tls_ca: str | None = None,
+        tls_client_cert: str | None = None,
+        tls_client_key: str | None = None,
+        tls_server_name: str | None = None,
+        api_key: str | None = None,
+    ) -> None:
+        """TLS arguments are PEM paths (ValueError when only one of cert and key is given,
+        OSError when one cannot be read). The key is kept only inside the channel's metadata."""
+        tls = client_tls_from_files(tls_ca, tls_client_cert, tls_client_key, tls_server_name)
+        self.channel = make_channel(address, tls)
+        if api_key:
+            if tls is None and not is_loopback(address):
+                # NOTE: the address only: the key itself never reaches a log
+                log.warning(
+                    "sending an API key without TLS to %s: anyone on the path can read it "
+                    "(use --tls-ca)",
+                    address,
+                )
+            self.channel = grpc.intercept_channel(self.channel, _BearerAuth(api_key))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def close(self) -> None:
@@ -59,6 +92,58 @@ class Client:
     def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         request = common_pb2.AbortRequest(request_id=request_id)
         return self.stub.Abort(request, timeout=timeout).found
+
+
+def is_loopback(address: str) -> bool:
+    """Whether a gRPC target (`host:port`, `[::1]:port`, `dns:///host:port`, `unix:path`) stays
+    on this machine. Unknown names count as remote."""
+    if address.startswith(("unix:", "unix-abstract:")):
+        return True
+    target = address.split("///", 1)[-1].removeprefix("ipv4:").removeprefix("ipv6:")
+    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or "]" in target else target
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _CallDetails(
+    collections.namedtuple(
+        "_CallDetails",
+        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
+    ),
+    grpc.ClientCallDetails,
+):
+    pass
+
+
+class _BearerAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
+    """Adds `authorization: Bearer <key>` to every unary and server-streaming call."""
+
+    def __init__(self, api_key: str) -> None:
+        self._metadata = (("authorization", f"Bearer {api_key}"),)
+
+    def _with_key(self, details: grpc.ClientCallDetails) -> _CallDetails:
+        metadata = (*(details.metadata or ()), *self._metadata)
+        return _CallDetails(
+            details.method, details.timeout, metadata, details.credentials,
+            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
+        )  # fmt: skip
+
+    def intercept_unary_unary(
+        self, continuation: Callable[..., Any], client_call_details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> Any:  # fmt: skip
+        return continuation(self._with_key(client_call_details), request)
+
+    def intercept_unary_stream(
+        self, continuation: Callable[..., Any], client_call_details: grpc.ClientCallDetails,
+        request: Any,
+    ) -> Any:  # fmt: skip
+        return continuation(self._with_key(client_call_details), request)
 
 
 def format_status(status: generation_pb2.ClusterStatus) -> str:

@@ -87,11 +87,19 @@ def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
         "--tls-client-ca", default=None,
         help="require client certificates signed by this CA (mTLS)",
     )  # fmt: skip
-    group.add_argument(
+    add_client_tls_arguments(group)
+
+
+def add_client_tls_arguments(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """What outgoing channels use (`grpcutil.client_tls_from_args`): servers, the launcher and
+    the client commands (`pagedserve generate --router`, `pagedserve status`) share them."""
+    parser.add_argument(
         "--tls-ca", default=None, help="CA that outgoing channels trust (turns TLS on for them)"
     )
-    group.add_argument("--tls-client-cert", default=None, help="certificate outgoing channels show")
-    group.add_argument("--tls-client-key", default=None, help="its private key")
-    group.add_argument(
+    parser.add_argument(
+        "--tls-client-cert", default=None, help="certificate outgoing channels show"
+    )
+    parser.add_argument("--tls-client-key", default=None, help="its private key")
+    parser.add_argument(
         "--tls-server-name", default=None, help="name to check in servers' certificates"
     )

@@ -296,11 +296,20 @@ def server_tls_from_args(args: Any) -> ServerTLS | None:
 def client_tls_from_args(args: Any) -> ClientTLS | None:
     """`--tls-ca/--tls-client-cert/--tls-client-key/--tls-server-name` -> ClientTLS for this
     process's outgoing channels (None: plaintext). ValueError names the flag."""
-    ca, cert, key = (
-        getattr(args, n, None) for n in ("tls_ca", "tls_client_cert", "tls_client_key")
+    ca, cert, key, server_name = (
+        getattr(args, n, None)
+        for n in ("tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name")
     )
+    return client_tls_from_files(ca, cert, key, server_name)
+
+
+def client_tls_from_files(
+    ca: str | None, cert: str | None = None, key: str | None = None, server_name: str | None = None
+) -> ClientTLS | None:
+    """PEM paths -> ClientTLS (None without a CA or a certificate: plaintext). ValueError when
+    only one of cert and key is given; OSError when a file cannot be read."""
     if bool(cert) != bool(key):
         raise ValueError("--tls-client-cert and --tls-client-key: give both or neither")
     if not (ca or cert):
         return None
-    return ClientTLS(_read(ca), _read(cert), _read(key), getattr(args, "tls_server_name", None))
+    return ClientTLS(_read(ca), _read(cert), _read(key), server_name)

@@ -4,8 +4,9 @@ Keys come from `--api-key-file` (one `tenant:key` a line, `#` comments) or the e
 variable `PAGEDSERVE_API_KEYS` (the same pairs, separated by commas or newlines), read once at
 start-up. Clients send `authorization: Bearer <key>`. `AuthInterceptor` rejects a missing or
 unknown key with UNAUTHENTICATED and otherwise runs the method with `current_tenant()` set to the
-key's tenant, which the servicer uses to scope Abort to the tenant's own requests and to prefix
-`cache_salt` (so two tenants never share prefix-cache blocks). Health checks need no key (probes).
+key's tenant, which the servicer uses to scope request ids (and so Abort) to the tenant's own
+requests and to prefix `cache_salt` (so two tenants never share prefix-cache blocks). Health
+checks need no key (probes).
 
 NOTE: keys are compared with `hmac.compare_digest` against every configured key, without an early
 exit, so the time taken says nothing about which key (or how much of one) matched. Keys never
@@ -150,6 +151,15 @@ class AuthInterceptor(grpc.ServerInterceptor):
             yield from fn(request, context)
 
         return call
+
+
+def worker_request_id(tenant: str, request_id: str) -> str:
+    """The id workers see (their logs, spans, in-flight tables) for a tenant's request: unique
+    across tenants, the client's own id when auth is off. Never sent back to a client.
+
+    NOTE: tenants match [A-Za-z0-9_.-], so `tenant:id` cannot collide with another tenant's id.
+    """
+    return f"{tenant}:{request_id}" if tenant else request_id
 
 
 def tenant_salt(tenant: str, cache_salt: str) -> str:

@@ -88,9 +88,10 @@ def _prompt_ids(
     return ids
 
 
-def worker_request(request: RouterRequest) -> common_pb2.WorkerRequest:
+def worker_request(request: RouterRequest, request_id: str) -> common_pb2.WorkerRequest:
+    """What the workers get; `request_id` is the worker-side id (`auth.worker_request_id`)."""
     return common_pb2.WorkerRequest(
-        request_id=request.request_id,
+        request_id=request_id,
         prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(request.params),
         priority=request.priority,

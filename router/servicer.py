@@ -9,6 +9,11 @@ Ownership of the request's KV while the router holds the handle:
 A client cancel or deadline cancels whichever worker call is in flight (the workers abort and
 free at once). A prefill that fails before any token retries once on another worker; a decode
 worker lost mid-stream ends the stream with UNAVAILABLE.
+
+Request ids are scoped by tenant (router/auth.py): the in-flight table is keyed by
+`(tenant, request_id)`, so two tenants may run the same id, and neither Abort nor an "already
+running" answer reveals another tenant's ids. Workers see `auth.worker_request_id(tenant, id)`;
+clients only ever see their own id.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from pagedserve.grpcutil import time_remaining
 from pagedserve.kvstore.hashing import hash_blocks
 from pagedserve.metrics import RequestMetrics
 from pagedserve.router import convert
-from pagedserve.router.auth import current_tenant, tenant_salt
+from pagedserve.router.auth import current_tenant, tenant_salt, worker_request_id
 from pagedserve.router.detokenizer import Detokenizer
 from pagedserve.router.routing import Decision, RoutingPolicy, Worker, WorkerSet
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
@@ -62,7 +67,6 @@ class RouterSettings:
 class _Active:
     """A request in flight: what to cancel when the client leaves or Abort arrives."""
 
-    tenant: str = ""  # who may Abort it (router/auth.py)
     cancel_current: Callable[[], None] | None = None
     aborted: bool = False
     handle: tuple[Worker, str] | None = None  # (prefill worker, handle id) not yet passed on
@@ -102,7 +106,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.workers = workers
         self.policy = policy
         self.settings = settings
-        self._active: dict[str, _Active] = {}
+        self._active: dict[tuple[str, str], _Active] = {}  # (tenant, request_id) -> request
         self._lock = threading.Lock()
         self.requests_to_workers = 0
         self.last_decision: Decision | None = None  # for tests and debugging
@@ -119,7 +123,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             req = convert.router_request(request, self.tokenizer, self.card)
             tenant = current_tenant()
             req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))
-            active = self._admit(req.request_id, tenant)
+            key = (tenant, req.request_id)
+            active = self._admit(key)
         except InvalidArgument:
             self.metrics.rejected.labels(reason="invalid_argument").inc()
             raise
@@ -134,7 +139,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         outcome = _Outcome()
         try:
-            responses = self._generate(req, active, context, span, outcome)
+            responses = self._generate(req, tenant, active, context, span, outcome)
             if req.stream:
                 yield from responses
             else:
@@ -149,11 +154,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             context.abort(exc.err.code(), exc.err.details())  # type: ignore[attr-defined]
         finally:
             with self._lock:
-                self._active.pop(req.request_id, None)
+                self._active.pop(key, None)
             self._release_unclaimed(active)
-            self._record(req, outcome, active, span, time.monotonic() - started)
+            self._record(req, tenant, outcome, active, span, time.monotonic() - started)
 
-    def _record(self, req, outcome: _Outcome, active: _Active, span, e2e_s: float) -> None:
+    def _record(
+        self, req, tenant: str, outcome: _Outcome, active: _Active, span, e2e_s: float
+    ) -> None:
         reason = outcome.reason or ("abort" if active.aborted else "error")
         if reason == "abort":
             self.metrics.aborted.labels(cause="client").inc()
@@ -178,6 +185,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             json.dumps(
                 {
                     "request_id": req.request_id,
+                    "tenant": tenant or None,  # workers log `tenant:request_id`
                     "trace_id": f"{trace_id:032x}" if trace_id else None,
                     "finish_reason": reason,
                     "prompt_tokens": len(req.prompt_token_ids),
@@ -188,18 +196,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             ),
         )
 
-    def _admit(self, request_id: str, tenant: str = "") -> _Active:
+    def _admit(self, key: tuple[str, str]) -> _Active:
+        """Register `(tenant, request_id)`; a duplicate is the same tenant's own mistake."""
         with self._lock:
             if len(self._active) >= self.settings.max_queued_requests:
                 raise ResourceExhausted("router queue is full", retry_after_s=1.0)
-            if request_id in self._active:
-                raise convert.InvalidArgument("request_id", f"{request_id!r} is already running")
-            active = self._active[request_id] = _Active(tenant)
+            if key in self._active:
+                raise convert.InvalidArgument("request_id", f"{key[1]!r} is already running")
+            active = self._active[key] = _Active()
         return active
 
     def _generate(
         self,
         req: convert.RouterRequest,
+        tenant: str,
         active: _Active,
         context: grpc.ServicerContext,
         span: Span,
@@ -213,7 +223,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         )
         parent = telemetry.span_context(span)
         metadata = telemetry.metadata(parent)
-        worker_request = convert.worker_request(req)
+        worker_request = convert.worker_request(req, worker_request_id(tenant, req.request_id))
         prefilled, decision = self._prefill(
             worker_request, hashes, active, context, metadata, parent
         )
@@ -346,9 +356,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
         with self._lock:
-            active = self._active.get(request.request_id)
-        if active is not None and active.tenant != current_tenant():
-            active = None  # NOTE: another tenant's request: as if unknown (reveals nothing)
+            # NOTE: only the caller's own tenant is looked at: another tenant's id is unknown
+            active = self._active.get((current_tenant(), request.request_id))
         if active is not None:
             active.abort()
         return common_pb2.AbortResponse(found=active is not None)

@@ -51,3 +51,14 @@ def test_missing_model_dir_is_a_clear_error(tmp_path):
     assert out.returncode == 2
     assert "config.json" in out.stderr or "nope" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_bad_tls_flags_of_the_client_commands_are_clear_errors(tmp_path):
+    half = pagedserve("status", "--tls-client-cert", str(tmp_path / "client.crt"))
+    assert half.returncode == 2
+    assert "--tls-client-key" in half.stderr and "Traceback" not in half.stderr
+    missing = pagedserve(
+        "generate", "--router", "127.0.0.1:1", "x", "--tls-ca", str(tmp_path / "ca")
+    )
+    assert missing.returncode == 2
+    assert str(tmp_path / "ca") in missing.stderr and "Traceback" not in missing.stderr

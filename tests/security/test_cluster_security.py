@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import os
+import subprocess
+import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -133,3 +137,105 @@ def test_client_tls_without_a_ca_uses_the_system_roots_and_refuses_the_test_ca(c
         stub = generation_pb2_grpc.GenerationStub(channel)
         err = error_of(lambda: stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=3))
         assert err.code() is grpc.StatusCode.UNAVAILABLE
+
+
+def greedy_tokens(stub, tenant: str, prompt: list[int], max_tokens: int) -> list[int]:
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    parts = list(stub.Generate(request(prompt, params), metadata=auth(tenant), timeout=60))
+    return [t for p in parts for t in p.token_ids]
+
+
+def test_tenants_may_run_the_same_request_id_and_abort_only_their_own(cluster):
+    _, _, stub = cluster
+    prompt_a, prompt_b = make_prompts((20, 20), seed=74)
+    want_a, want_b = (
+        greedy_tokens(stub, "alice", prompt_a, 24),
+        greedy_tokens(stub, "bob", prompt_b, 24),
+    )
+    shared = f"shared-{next(_ids)}"
+    long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
+
+    def start(tenant: str, prompt: list[int]):
+        stream = stub.Generate(
+            request(prompt, long, request_id=shared), metadata=auth(tenant), timeout=60
+        )
+        return stream, next(stream)
+
+    stream_a, first_a = start("alice", prompt_a)  # running now
+    again = error_of(lambda: start("alice", prompt_b))  # alice's own id: still one at a time
+    assert again.code() is grpc.StatusCode.INVALID_ARGUMENT and "already running" in again.details()
+    stream_b, first_b = start("bob", prompt_b)  # the same id for another tenant: no collision
+    assert stub.Abort(common_pb2.AbortRequest(request_id=shared), metadata=auth("alice")).found
+    parts_a, parts_b = [first_a, *stream_a], [first_b, *stream_b]
+    assert parts_a[-1].finish_reason == common_pb2.FINISH_REASON_ABORT
+    tokens_a = [t for p in parts_a for t in p.token_ids]
+    assert len(tokens_a) < 399 and tokens_a[:24] == want_a[: len(tokens_a)]
+    assert parts_b[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH  # bob's ran to the end
+    tokens_b = [t for p in parts_b for t in p.token_ids]
+    assert len(tokens_b) == 400 and tokens_b[:24] == want_b
+    assert {p.request_id for p in parts_a + parts_b} == {shared}  # never the worker-side id
+
+
+# ---- the client commands, run as real processes ------------------------------------------
+
+
+def pagedserve(*argv: str, env_key: str | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDSERVE_API_KEY")}
+    if env_key is not None:
+        env["PAGEDSERVE_API_KEY"] = env_key
+    return subprocess.run(
+        [sys.executable, "-m", "pagedserve.cli", *argv],
+        capture_output=True, text=True, timeout=60, env=env,
+    )  # fmt: skip
+
+
+def tls_flags(certs, which: str = "client") -> list[str]:
+    """`which`: "client" (the cluster's cert), "rogue" (another CA's), "none" (CA only)."""
+    pem = {"client": certs.client, "rogue": certs.rogue_client, "none": None}[which]
+    flags = ["--tls-ca", str(certs.ca)]
+    return flags if pem is None else [*flags, "--tls-client-cert", str(pem.cert),
+                                      "--tls-client-key", str(pem.key)]  # fmt: skip
+
+
+def run_all(*commands: tuple[list[str], str | None]) -> list[subprocess.CompletedProcess[str]]:
+    with ThreadPoolExecutor(len(commands)) as pool:
+        return list(pool.map(lambda c: pagedserve(*c[0], env_key=c[1]), commands))
+
+
+def test_cli_generate_and_status_work_with_the_cluster_certificate_and_a_key(cluster):
+    started, certs, _ = cluster
+    router = ["--router", started.router_address, *tls_flags(certs)]
+    generated, status = run_all(
+        (["generate", "--prompt", "The oven", "--max-tokens", "4", *router,
+          "--api-key", KEYS["alice"]], None),
+        (["status", *router], KEYS["bob"]),  # the key from $PAGEDSERVE_API_KEY
+    )  # fmt: skip
+    assert generated.returncode == 0, generated.stderr
+    assert "prompt tokens" in generated.stdout and "generated]" in generated.stdout
+    assert status.returncode == 0, status.stderr
+    assert "prefill" in status.stdout and "decode" in status.stdout
+    for out in (generated, status):
+        assert not any(key in out.stdout + out.stderr for key in KEYS.values())
+
+
+def test_cli_without_the_key_or_the_certificate_fails_in_one_line(cluster):
+    started, certs, _ = cluster
+    address = ["--router", started.router_address]
+    generate = ["generate", "--prompt", "The oven", "--max-tokens", "4", *address]
+    cases = {
+        "no key": ((generate + tls_flags(certs), None), "UNAUTHENTICATED"),
+        "wrong key": ((["status", *address, *tls_flags(certs)], "not-a-key-0123456789"),
+                      "UNAUTHENTICATED"),
+        "no client certificate": ((generate + tls_flags(certs, "none"), KEYS["alice"]), "TLS"),
+        "rogue certificate": ((["status", *address, *tls_flags(certs, "rogue")], KEYS["bob"]),
+                              "TLS"),
+        "plaintext": ((["status", *address, "--api-key", KEYS["bob"]], None), "TLS"),
+    }  # fmt: skip
+    results = run_all(*(command for command, _ in cases.values()))
+    for (name, (_, expected)), out in zip(cases.items(), results, strict=True):
+        assert out.returncode == 1, (name, out.stdout, out.stderr)
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1 and expected in lines[0], (name, out.stderr)
+        assert "Traceback" not in out.stderr, name
+        assert not any(key in out.stdout + out.stderr for key in KEYS.values()), name
+        assert "not-a-key" not in out.stderr, name
