@@ -6,7 +6,8 @@
 Each child prints `READY <id> <address>` when it serves; the launcher waits for all of them, then
 for the router's readiness (health of `pagedserve.v1.Generation`), prints the endpoints and
 waits. Ctrl-C / SIGTERM stops the router first (it drains), then the workers, then Redis, and
-kills whatever has not exited in time. Children are tied to the launcher's life
+kills whatever has not exited in time; during start-up it stops the children started so far
+(each exits as soon as its model is loaded) without waiting for the others to be ready. Children are tied to the launcher's life
 (PR_SET_PDEATHSIG), so even a killed launcher leaves no process behind.
 """
 
@@ -15,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import os
 import shutil
 import signal
 import socket
@@ -73,6 +75,14 @@ class Cluster:
             _wait(child.proc, max(0.1, deadline - time.monotonic()))
 
 
+class StartInterrupted(Exception):
+    """A stop was requested (SIGTERM / SIGINT) before the cluster was ready."""
+
+
+def _check_stop(stop: threading.Event | None) -> None:
+    return
+
+
 def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
     try:
         proc.wait(timeout_s)
@@ -81,7 +91,7 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
         proc.wait(5)
 
 
-def _spawn(name: str, argv: list[str], log_dir: Path) -> Child:
+def _spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Child:
     log_path = log_dir / f"{name}.log"
     with open(log_path, "w") as log:
         proc = subprocess.Popen(
@@ -89,6 +99,7 @@ def _spawn(name: str, argv: list[str], log_dir: Path) -> Child:
             stdout=subprocess.PIPE,
             stderr=log,
             text=True,
+            env=env,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run user code yet
         )
     return Child(name, proc, log_path, metrics_port=_metrics_port(argv))
@@ -105,15 +116,19 @@ def _metrics_port(argv: list[str]) -> int | None:
     return int(argv[argv.index("--metrics-port") + 1]) if "--metrics-port" in argv else None
 
 
-def _await_ready(child: Child, timeout_s: float) -> None:
-    """Read the child's stdout until `READY <id> <address>` (in a thread, to bound the wait)."""
+def _await_ready(child: Child, timeout_s: float, stop: threading.Event | None = None) -> None:
+    """Read the child's stdout until `READY <id> <address>` (in a thread, to bound the wait);
+    StartInterrupted as soon as `stop` is set."""
     result: list[str] = []
     stdout = child.proc.stdout
     assert stdout is not None
     reader = threading.Thread(target=lambda: result.append(stdout.readline()))
     reader.daemon = True
     reader.start()
-    reader.join(timeout_s)
+    deadline = time.monotonic() + timeout_s
+    while reader.is_alive() and time.monotonic() < deadline:
+        _check_stop(stop)
+        reader.join(0.1)
     line = result[0] if result else ""
     if not line.startswith("READY"):
         tail = child.log_path.read_text()[-3000:]
@@ -156,17 +171,26 @@ def wait_healthy(
     raise RuntimeError(f"{service} at {address} not healthy after {timeout_s}s")
 
 
-def start_cluster(args: argparse.Namespace, log_dir: Path) -> Cluster:
+def start_cluster(
+    args: argparse.Namespace, log_dir: Path, stop: threading.Event | None = None
+) -> Cluster:
+    """Start every child and wait until the router is ready. If `stop` is set meanwhile, stop
+    the children started so far and raise StartInterrupted."""
     cluster = Cluster()
     try:
-        _start_all(args, log_dir, cluster)
+        _start_all(args, log_dir, cluster, stop)
+    except StartInterrupted:
+        cluster.stop()  # NOTE: time to exit cleanly: a killed prefill leaves its shm segment
+        raise
     except BaseException:
         cluster.stop(timeout_s=5)
         raise
     return cluster
 
 
-def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> None:
+def _start_all(
+    args: argparse.Namespace, log_dir: Path, cluster: Cluster, stop: threading.Event | None
+) -> None:
     cli = [sys.executable, "-m", "pagedserve.cli"]
     common = ["--model", args.model, "--block-size", str(args.block_size)]
     if args.dtype:
@@ -184,13 +208,14 @@ def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> Non
     workers = [(f"prefill-{i}", "prefill") for i in range(args.prefill)]
     workers += [(f"decode-{i}", "decode") for i in range(args.decode)]
     started = []
+    env = _worker_env(getattr(args, "worker_threads", None), len(workers))
     for name, role in workers:
         argv = [*cli, role, *common, "--port", "0", "--worker-id", name, *redis_args]
         argv += ["--kv-cache-memory", args.kv_cache_memory]
-        started.append(_spawn(name, _with_metrics(argv, args), log_dir))
+        started.append(_spawn(name, _with_metrics(argv, args), log_dir, env))
+    cluster.children[:0] = started  # NOTE: before waiting, so that a failed start stops them
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
-        _await_ready(child, args.start_timeout)
-    cluster.children[:0] = started
+        _await_ready(child, args.start_timeout, stop)
     router_argv = [*cli, "router", *common, "--host", args.host, "--port", str(args.port)]
     router_argv += redis_args
     if getattr(args, "api_key_file", None):
@@ -199,11 +224,25 @@ def _start_all(args: argparse.Namespace, log_dir: Path, cluster: Cluster) -> Non
         router_argv += [f"--{child.name.split('-')[0]}", child.address]
     router = _spawn("router", _with_metrics(router_argv, args), log_dir)
     cluster.children.insert(0, router)
-    _await_ready(router, args.start_timeout)
+    _await_ready(router, args.start_timeout, stop)
     cluster.router_address = router.address
     wait_healthy(
         router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
     )
+
+
+def _worker_env(threads: int | None, num_workers: int) -> dict[str, str] | None:
+    """Environment of the model workers: their torch threads split the host's cores.
+
+    NOTE: every worker on one host with torch's default (a thread per core) oversubscribes the
+    cores, and OpenMP threads that wait for each other then slow every step several times over.
+    An explicit `--worker-threads` wins, then an `OMP_NUM_THREADS` already set, then the split.
+    """
+    if threads is None and "OMP_NUM_THREADS" in os.environ:
+        return None
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // max(num_workers, 1))
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
 
 
 _TLS_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_client_cert",
@@ -229,6 +268,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    parser.add_argument(
+        "--worker-threads", type=int, default=None,
+        help="torch threads per model worker (default: $OMP_NUM_THREADS, else the host's cores "
+        "divided among the workers)",
+    )  # fmt: skip
     parser.add_argument("--otlp-traces-endpoint", default=None, help="passed to every service")
     parser.add_argument("--metrics", action="store_true", help="give every service a metrics port")
     parser.add_argument("--start-timeout", type=float, default=120.0)
@@ -243,7 +287,11 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagedserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = start_cluster(args, log_dir)
+    try:
+        cluster = start_cluster(args, log_dir, stop)
+    except StartInterrupted:
+        print("pagedserve up: stopped during start-up", file=sys.stderr)
+        return 0
     try:
         for child in cluster.children:
             metrics = f"  metrics :{child.metrics_port}" if child.metrics_port else ""

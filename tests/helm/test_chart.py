@@ -372,6 +372,15 @@ def test_workers_advertise_their_pod_ip(renders: dict[str, list[Doc]]) -> None:
     assert "--prefill" not in router and "--decode" not in router  # discovery is Redis's job
 
 
+def test_workers_take_their_torch_threads_from_the_cpu_request(renders: dict[str, list[Doc]]) -> None:
+    for role in ("prefill", "decode"):
+        env = {e["name"]: e for e in container(renders["defaults"], role)["env"]}
+        ref = env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
+        assert ref == {"resource": "requests.cpu", "divisor": "1"}
+    router = {e["name"] for e in container(renders["defaults"], "router")["env"]}
+    assert "OMP_NUM_THREADS" not in router  # the router runs no torch
+
+
 def test_workers_get_a_memory_backed_dev_shm_and_no_shm_transport(
     renders: dict[str, list[Doc]],
 ) -> None:

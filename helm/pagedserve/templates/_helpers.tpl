@@ -264,6 +264,14 @@ spec:
               valueFrom:
                 fieldRef:
                   fieldPath: metadata.name
+            {{- if ne .component "router" }}
+            {{- /* torch threads = the CPU request (whole CPUs, rounded up), not the node's cores */}}
+            - name: OMP_NUM_THREADS
+              valueFrom:
+                resourceFieldRef:
+                  resource: requests.cpu
+                  divisor: "1"
+            {{- end }}
             {{- if and (not $root.Values.redis.enabled) $root.Values.redis.urlSecret.name }}
             - name: PAGEDSERVE_REDIS_URL
               valueFrom:
