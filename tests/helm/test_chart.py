@@ -372,7 +372,7 @@ def test_workers_advertise_their_pod_ip(renders: dict[str, list[Doc]]) -> None:
     assert "--prefill" not in router and "--decode" not in router  # discovery is Redis's job
 
 
-def test_workers_take_their_torch_threads_from_the_cpu_request(renders: dict[str, list[Doc]]) -> None:
+def test_workers_take_torch_threads_from_the_cpu_request(renders: dict[str, list[Doc]]) -> None:
     for role in ("prefill", "decode"):
         env = {e["name"]: e for e in container(renders["defaults"], role)["env"]}
         ref = env["OMP_NUM_THREADS"]["valueFrom"]["resourceFieldRef"]
