@@ -13,8 +13,9 @@ One import, on an import thread (never the engine loop)::
     finish    wait for the shared blocks' owners; all good -> the table holds the prompt's KV
 
 Fail closed: any check, pull, release or shared-block failure frees the table and returns the
-reason; the caller then recomputes the prompt. In-flight blocks are keyed by hash, so two
-requests importing the same prompt at once end up referencing one device copy, pulled once.
+reason; the caller then recomputes the prompt. An abort (`ImportCancel.cancel`) stops the pull at
+once: the table is freed first, then the lease is released. In-flight blocks are keyed by hash,
+so two requests importing the same prompt at once end up referencing one device copy, pulled once.
 
 NOTE: an import publishes its own blocks before waiting on others', so no two imports ever
 wait on each other.
@@ -91,6 +92,30 @@ class _Reservation:
     shared: list[_InFlight]  # others' pulls we wait for
 
 
+class ImportCancel:
+    """Lets an abort stop one import's pull at once (thread-safe; cancelling twice is fine)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: grpc.RpcContext | None = None
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        with self._lock:
+            self.cancelled = True
+            call = self._call
+        if call is not None:
+            call.cancel()
+
+    def attach(self, call: grpc.RpcContext) -> None:
+        """The pull in flight; cancelled at once if the import already was."""
+        with self._lock:
+            self._call = call
+            cancelled = self.cancelled
+        if cancelled:
+            call.cancel()
+
+
 @dataclass(slots=True)
 class TransferReport:
     """What one import did, for its `kv.transfer` span."""
@@ -151,9 +176,14 @@ class KvImporter:
         self._in_flight: dict[BlockHash, _InFlight] = {}
         self._readers: dict[str, ShmBlockReader] = {}
         self._readers_lock = threading.Lock()
+        self._local = threading.local()  # `cancel`: the ImportCancel of this thread's import
 
     def import_kv(
-        self, seq: Sequence, handle: KvHandleInfo | None, report: TransferReport | None = None
+        self,
+        seq: Sequence,
+        handle: KvHandleInfo | None,
+        report: TransferReport | None = None,
+        cancel: ImportCancel | None = None,
     ) -> str | None:
         """Fill `seq`'s empty table with the KV of its prompt from `handle`.
 
@@ -161,15 +191,19 @@ class KvImporter:
         hash) and `seq.num_computed_tokens` is the prompt length; the caller must hand `seq`
         to the engine (which then owns the blocks). Otherwise returns why the prompt must be
         recomputed, with the table empty and the lease released (best effort). `report`, when
-        given, is filled in for tracing.
+        given, is filled in for tracing; `cancel` lets an abort stop the pull.
         """
         report = report if report is not None else TransferReport()
-        reason = self._import_kv(seq, handle, report)
+        reason = self._import_kv(seq, handle, report, cancel or ImportCancel())
         report.outcome = reason or "ok"
         return reason
 
     def _import_kv(
-        self, seq: Sequence, handle: KvHandleInfo | None, report: TransferReport
+        self,
+        seq: Sequence,
+        handle: KvHandleInfo | None,
+        report: TransferReport,
+        cancel: ImportCancel,
     ) -> str | None:
         reason = self._check(seq, handle)
         if reason is not None or handle is None:
@@ -185,10 +219,17 @@ class KvImporter:
         report.blocks_pulled = len(reservation.pull)
         report.blocks_skipped = len(handle.block_ids) - len(reservation.pull)
         report.bytes = len(reservation.pull) * self.engine.runner.spec.bytes_per_block
-        own_ok = self._pull_and_release(seq, handle, reservation, report)
-        self._publish(reservation, own_ok)
-        if not own_ok:
-            return self._fail(seq, "pull failed or lease lost")
+        pulled = self._pull_and_release(seq, handle, reservation, report, cancel)
+        self._publish(reservation, pulled is True)
+        if pulled is not True:
+            with self.lock:
+                self.engine.kv.free(seq.block_table)
+            if pulled is None:
+                # NOTE: after the free: an abort's blocks come back without waiting on the producer
+                self._release_quietly(handle)
+            if cancel.cancelled:
+                return "aborted"
+            return self._gave_up(seq, "pull failed or lease lost")
         for shared in reservation.shared:
             if not shared.done.wait(SHARED_WAIT_S) or not shared.ok:
                 return self._fail(seq, "shared block's pull failed")
@@ -274,20 +315,27 @@ class KvImporter:
         handle: KvHandleInfo,
         reservation: _Reservation,
         report: TransferReport,
-    ) -> bool:
-        """Copy our blocks, then end the lease; True only if ReleaseKv confirmed it."""
+        cancel: ImportCancel,
+    ) -> bool | None:
+        """Copy our blocks, then end the lease. True only if ReleaseKv confirmed it; False if
+        the lease had ended; None if the pull failed or was cancelled (lease not released)."""
         if not reservation.pull:
             self._release_quietly(handle)
             return True
         try:
+            if cancel.cancelled:
+                return None
+            self._local.cancel = cancel  # NOTE: per import thread; `_pull_grpc` attaches its call
             report.transport = self._pull(handle, reservation.pull)
             found = self.producers.stub(handle.producer_address or handle.grpc_address).ReleaseKv(
                 convert.release_request(handle), timeout=RELEASE_TIMEOUT_S
             )
         except (TransferError, grpc.RpcError, ValueError) as exc:
-            log.warning("%s: KV pull from %s failed: %s", seq.request_id, handle.producer_id, exc)
-            self._release_quietly(handle)
-            return False
+            if not cancel.cancelled:
+                log.warning(
+                    "%s: KV pull from %s failed: %s", seq.request_id, handle.producer_id, exc
+                )
+            return None
         if not found.found:
             log.warning("%s: lease %s ended before the copy finished", seq.request_id, handle)
         return bool(found.found)
@@ -317,6 +365,9 @@ class KvImporter:
             convert.pull_request(handle, indices, PULL_CHUNK_BYTES),
             timeout=max(handle.lease_left_s(), 1.0) + 5.0,
         )
+        cancel = getattr(self._local, "cancel", None)
+        if cancel is not None:
+            cancel.attach(stream)
         for chunk in stream:
             assembler.feed(convert.block_chunk(chunk))
         if not assembler.complete:

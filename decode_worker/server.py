@@ -74,6 +74,9 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     engine = DecodeEngine.from_model_dir(args.model, engine_config(args), revision=args.revision)
+    if stop.is_set():  # NOTE: stopped while loading: nothing is bound or registered yet
+        engine.close()
+        return 0
     tracing = setup_tracing(
         "pagedserve-decode", args.otlp_traces_endpoint, include_text=args.trace_include_text
     )

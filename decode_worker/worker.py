@@ -23,14 +23,19 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
 
 from pagedserve.decode_worker.convert import DecodeCall, Delta, Load
 from pagedserve.decode_worker.engine import DecodeEngine
-from pagedserve.decode_worker.kv_import import KvImporter, ProducerClients, TransferReport
+from pagedserve.decode_worker.kv_import import (
+    ImportCancel,
+    KvImporter,
+    ProducerClients,
+    TransferReport,
+)
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.model.runner import ScheduledSequence
 from pagedserve.model.sequence import FinishReason, RequestId, Sequence
@@ -69,6 +74,7 @@ class _Tracked:
     span: Span = INVALID_SPAN  # decode.run: the request's life on this worker
     queue_span: Span | None = None  # decode.queue: KV ready until first scheduled
     importing: bool = True
+    cancel: ImportCancel = field(default_factory=ImportCancel)  # stops the import's pull
     recomputed: bool = False
     aborted: bool = False
     num_sent: int = 1  # output tokens already reported; the first token is the caller's
@@ -165,7 +171,7 @@ class DecodeWorker:
             "kv.transfer", context=set_span_in_context(tracked.span)
         ) as transfer:
             try:
-                reason = self.importer.import_kv(tracked.seq, call.handle, report)
+                reason = self.importer.import_kv(tracked.seq, call.handle, report, tracked.cancel)
             except Exception:
                 log.exception("%s: KV import failed", call.request_id)
                 with self.lock:
@@ -180,13 +186,13 @@ class DecodeWorker:
                     "pagedserve.kv.outcome": report.outcome,
                 }
             )
-        if reason is not None:
-            tracked.span.add_event("recompute", {"reason": reason})
         with self._wake:
             tracked.importing = False
             if tracked.aborted:
                 self.engine.kv.free(tracked.seq.block_table)
                 return
+            if reason is not None:
+                tracked.span.add_event("recompute", {"reason": reason})
             tracked.recomputed = reason is not None
             tracked.queue_span = self.tracing.tracer.start_span(
                 "decode.queue", context=set_span_in_context(tracked.span)
@@ -207,6 +213,7 @@ class DecodeWorker:
                 return False
             if tracked.importing:
                 tracked.aborted = True
+                tracked.cancel.cancel()  # NOTE: the import frees its blocks, then the lease
             else:
                 self.engine.abort(request_id)
             tracked.seq.finish(FinishReason.ABORT)
@@ -361,6 +368,7 @@ class DecodeWorker:
                     self.engine.abort(request_id)
                 else:
                     tracked.aborted = True
+                    tracked.cancel.cancel()
                 tracked.seq.finish(FinishReason.ERROR)
                 self.engine.errors[RequestId(request_id)] = "decode step failed"
                 self._finish(tracked)

@@ -7,8 +7,9 @@ Each child prints `READY <id> <address>` when it serves; the launcher waits for 
 for the router's readiness (health of `pagedserve.v1.Generation`), prints the endpoints and
 waits. Ctrl-C / SIGTERM stops the router first (it drains), then the workers, then Redis, and
 kills whatever has not exited in time; during start-up it stops the children started so far
-(each exits as soon as its model is loaded) without waiting for the others to be ready. Children are tied to the launcher's life
-(PR_SET_PDEATHSIG), so even a killed launcher leaves no process behind.
+(each exits as soon as its model is loaded) without waiting for the others to be ready.
+Children are tied to the launcher's life (PR_SET_PDEATHSIG), so even a killed launcher leaves no
+process behind.
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ class StartInterrupted(Exception):
 
 
 def _check_stop(stop: threading.Event | None) -> None:
-    return
+    if stop is not None and stop.is_set():
+        raise StartInterrupted("stopped during start-up")
 
 
 def _wait(proc: subprocess.Popen, timeout_s: float) -> None:

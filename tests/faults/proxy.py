@@ -4,7 +4,8 @@
 
 Modes (switchable while connections are open; a switch applies to every byte from then on):
   pass        forward both ways
-  delay N     hold every chunk N ms before forwarding it (both ways)
+  delay N     hold every chunk N ms before forwarding it (both ways, or one: `direction`
+              "up" is client -> upstream, "down" is upstream -> client)
   drop        accept, then black-hole: read and discard, never answer
   reset       close new and open connections with RST (SO_LINGER 0)
 
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 class Mode:
     name: str  # "pass" | "delay" | "drop" | "reset"
     delay_ms: int = 0
+    direction: str = "both"  # delay only: "both" | "up" (to upstream) | "down" (to client)
 
 
 PASS = Mode("pass")
@@ -33,8 +35,9 @@ DROP = Mode("drop")
 RESET = Mode("reset")
 
 
-def delay(ms: int) -> Mode:
-    return Mode("delay", ms)
+def delay(ms: int, direction: str = "both") -> Mode:
+    assert direction in ("both", "up", "down"), direction
+    return Mode("delay", ms, direction)
 
 
 class FaultProxy:
@@ -107,10 +110,10 @@ class FaultProxy:
             return
         with self._lock:
             self._sockets += [client, server]
-        for src, dst in ((client, server), (server, client)):
-            threading.Thread(target=self._pump, args=(src, dst), daemon=True).start()
+        for src, dst, direction in ((client, server, "up"), (server, client, "down")):
+            threading.Thread(target=self._pump, args=(src, dst, direction), daemon=True).start()
 
-    def _pump(self, src: socket.socket, dst: socket.socket) -> None:
+    def _pump(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
         src.settimeout(0.2)
         while self._alive():
             try:
@@ -124,7 +127,7 @@ class FaultProxy:
             mode = self.mode
             if mode.name == "drop":
                 continue  # NOTE: black hole: the peer sees silence, not an error
-            if mode.name == "delay":
+            if mode.name == "delay" and mode.direction in ("both", direction):
                 time.sleep(mode.delay_ms / 1000)
             try:
                 dst.sendall(data)

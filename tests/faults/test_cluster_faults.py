@@ -6,6 +6,7 @@ over the same workers; the kill goes through the cluster's own router process.""
 from __future__ import annotations
 
 import argparse
+import pathlib
 import signal
 import threading
 import time
@@ -19,6 +20,7 @@ from proxy import DROP, PASS, RESET, FaultProxy, delay
 
 from pagedserve.client import Client
 from pagedserve.grpcutil import build_server
+from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
 from pagedserve.launcher import start_cluster
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.router.server import build_servicer
@@ -169,7 +171,7 @@ def test_flapping_redis_fails_no_request(router, redis_proxy):
 
 
 def test_sigkill_decode_worker_ends_its_streams_unavailable_and_new_requests_avoid_it(cluster):
-    started, _ = cluster
+    started, model = cluster
     victim = next(c for c in started.children if c.name == "decode-0")
     prompts = make_prompts((24,) * 8, seed=94)
     # NOTE: the router is ready once ONE decode worker answers; wait until it has seen both,
@@ -209,10 +211,34 @@ def test_sigkill_decode_worker_ends_its_streams_unavailable_and_new_requests_avo
     # NOTE: >=: a stream whose first token came from prefill may not have reached decode-0 yet
     # when the load was read; every stream decode-0 held is lost, none of decode-1's
     assert on_victim >= 1 and len(lost) >= on_victim and finished, (on_victim, outcomes)
+    # Redis side: the dead worker's record outlives it (its TTL, 9 s), yet after one load poll
+    # the router sends it nothing: a request routed there would end UNAVAILABLE
+    registry = WorkerRegistry(connect(started.redis_url), pathlib.Path(model).name)
+    assert "decode-0" in {w.worker_id for w in registry.live_workers(Role.DECODE)}
     with Client(started.router_address) as client:
         time.sleep(0.6)  # one load poll (--load-poll-interval 0.5 s)
         alive = {w.worker_id: w.alive for w in client.status().workers}
         assert alive["decode-0"] is False and alive["decode-1"] is True
-        for prompt in make_prompts((10, 11, 12, 13), seed=95):
-            parts = list(client.generate(prompt, SHORT, timeout=60))
-            assert parts[-1].finish_reason in DONE
+        after: dict[int, object] = {}
+
+        def run_after(i: int, prompt: list[int]) -> None:
+            try:
+                after[i] = list(client.generate(prompt, SHORT, timeout=60))[-1].finish_reason
+            except grpc.RpcError as err:
+                after[i] = err.code()
+
+        prompts = make_prompts((10, 11, 12, 13, 14, 15, 16, 17), seed=95)
+        later = [threading.Thread(target=run_after, args=(i, p)) for i, p in enumerate(prompts)]
+        for t in later:
+            t.start()
+        for t in later:
+            t.join(60)
+        assert sorted(after) == list(range(8)) and all(f in DONE for f in after.values()), after
+        record_alive = "decode-0" in {w.worker_id for w in registry.live_workers(Role.DECODE)}
+        alive = {w.worker_id: w.alive for w in client.status().workers}
+        assert alive["decode-0"] is False  # a record still in Redis does not revive it
+    deadline = time.monotonic() + 15  # NOTE: nothing beats for the dead worker: its record ends
+    while "decode-0" in {w.worker_id for w in registry.live_workers(Role.DECODE)}:
+        assert time.monotonic() < deadline, "the dead worker's Redis record never expired"
+        time.sleep(0.5)
+    print(f"record still in Redis while 8 requests avoided it: {record_alive}")

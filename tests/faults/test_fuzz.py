@@ -1,6 +1,9 @@
 """Protobuf fuzzing of the public API: hypothesis-made GenerateRequests and random bytes against
 a real router server (no workers, so every well-formed request ends UNAVAILABLE at routing).
-Nothing malformed may come back INTERNAL, and the server must keep answering."""
+Nothing malformed may come back INTERNAL, and the server must keep answering.
+
+Each fuzzer runs for a time budget (`FUZZ_SECONDS`, 30 s each: 60 s in all), in batches of
+`BATCH` examples with seeds 0, 1, 2, ...: deterministic, bounded, and a failure names its seed."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 from pagedserve.grpcutil import build_server
@@ -20,8 +23,13 @@ SERVICE = "pagedserve.v1.Generation"
 ALLOWED = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.UNAVAILABLE}
 U32 = st.integers(0, 2**32 - 1)
 F32 = st.floats(width=32, allow_nan=True, allow_infinity=True)
+FUZZ_SECONDS = 30.0
+BATCH = 100
 FUZZ = settings(
-    max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+    max_examples=BATCH,
+    deadline=None,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
 )
 
 
@@ -84,24 +92,42 @@ def status_of(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-@FUZZ
-@given(msg=generate_requests())
-def test_random_requests_are_never_internal(router, msg):
+def fuzz_for(seconds: float, batch) -> int:
+    """Run `batch` (a hypothesis test) with seeds 0, 1, 2, ... until `seconds` have passed;
+    returns the number of examples run."""
+    deadline = time.monotonic() + seconds
+    batches = 0
+    while time.monotonic() < deadline:
+        seed(batches)(batch)()
+        batches += 1
+    return batches * BATCH
+
+
+def test_random_requests_are_never_internal(router):
     stub = generation_pb2_grpc.GenerationStub(router)
-    code = status_of(lambda: list(stub.Generate(msg, timeout=10)))
-    assert code in ALLOWED, (code, msg)
+
+    @FUZZ
+    @given(msg=generate_requests())
+    def batch(msg):
+        code = status_of(lambda: list(stub.Generate(msg, timeout=10)))
+        assert code in ALLOWED, (code, msg)
+
+    print(f"{fuzz_for(FUZZ_SECONDS, batch)} requests in {FUZZ_SECONDS:.0f} s")
 
 
-@FUZZ
-@given(data=st.binary(max_size=512), method=st.sampled_from(["Generate", "Tokenize", "Abort"]))
-def test_random_bytes_are_never_internal(router, data, method):
-    path = f"/{SERVICE}/{method}"
-    if method == "Generate":
-        call = router.unary_stream(path)
-        code = status_of(lambda: list(call(data, timeout=10)))
-    else:
-        code = status_of(lambda: router.unary_unary(path)(data, timeout=10))
-    assert code in ALLOWED | {grpc.StatusCode.OK}, (code, data)
+def test_random_bytes_are_never_internal(router):
+    @FUZZ
+    @given(data=st.binary(max_size=512), method=st.sampled_from(["Generate", "Tokenize", "Abort"]))
+    def batch(data, method):
+        path = f"/{SERVICE}/{method}"
+        if method == "Generate":
+            call = router.unary_stream(path)
+            code = status_of(lambda: list(call(data, timeout=10)))
+        else:
+            code = status_of(lambda: router.unary_unary(path)(data, timeout=10))
+        assert code in ALLOWED | {grpc.StatusCode.OK}, (code, data)
+
+    print(f"{fuzz_for(FUZZ_SECONDS, batch)} messages in {FUZZ_SECONDS:.0f} s")
 
 
 def test_the_router_still_answers_after_the_fuzzing(router):
