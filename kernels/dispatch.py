@@ -44,6 +44,10 @@ class AttentionMetadata:
     seq_lens: list[int]  # context length per sequence, including the new tokens
     # NOTE: device copies of the lengths for the Triton kernels, made once per step on demand.
     _device_lens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
+    # NOTE: the CPU decode plans, one per cache layout and window, shared by every layer.
+    _cpu_plans: dict[tuple[object, ...], cpu_attention.DecodePlan] = field(
+        default_factory=dict, repr=False
+    )
 
     @property
     def is_decode_only(self) -> bool:
@@ -59,6 +63,23 @@ class AttentionMetadata:
             both = both.to(self.block_tables.device, non_blocking=True)
             self._device_lens = (both[: len(starts)], both[len(starts) :])
         return self._device_lens
+
+    def cpu_decode_plan(
+        self, k_cache: torch.Tensor, sliding_window: int | None
+    ) -> cpu_attention.DecodePlan:
+        """The batched CPU plan of this step's single-token sequences (built on first use).
+
+        The plan holds block ids read from `block_tables` then: the tables must not change
+        during the step (the runner builds new metadata per step).
+        """
+        key = (tuple(k_cache.shape[1:]), k_cache.dtype, sliding_window)
+        plan = self._cpu_plans.get(key)
+        if plan is None:
+            plan = cpu_attention.plan_decode(
+                self.block_tables, self.query_lens, self.seq_lens, k_cache, sliding_window
+            )
+            self._cpu_plans[key] = plan
+        return plan
 
 
 def backend_for(device: torch.device) -> Backend:
@@ -109,12 +130,13 @@ def paged_attention(
     backend = backend_for(query.device)
     if backend == "triton":
         return _triton_attention(query, k_cache, v_cache, meta, scale, sliding_window)
-    impl = cpu_attention if backend == "cpu" else reference
+    if backend == "cpu":
+        return _cpu_attention(query, k_cache, v_cache, meta, scale, sliding_window)
     if meta.is_decode_only:
-        return impl.paged_decode_attention(
+        return reference.paged_decode_attention(
             query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
         )
-    return impl.paged_attention(
+    return reference.paged_attention(
         query,
         k_cache,
         v_cache,
@@ -123,6 +145,32 @@ def paged_attention(
         meta.seq_lens,
         scale,
         sliding_window,
+    )
+
+
+def _cpu_attention(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    plan = meta.cpu_decode_plan(k_cache, sliding_window)
+    if meta.is_decode_only:
+        return cpu_attention.paged_decode_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, plan
+        )
+    return cpu_attention.paged_attention(
+        query,
+        k_cache,
+        v_cache,
+        meta.block_tables,
+        meta.query_lens,
+        meta.seq_lens,
+        scale,
+        sliding_window,
+        plan,
     )
 
 

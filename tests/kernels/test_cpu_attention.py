@@ -130,3 +130,173 @@ def test_tiny_model_generates_the_reference_tokens_on_every_backend(
         want = generate()
     with dispatch.use_backend(backend):
         assert generate() == want
+
+
+# -- batched decode: buckets, padding, windows -------------------------------------------------
+
+MIXED_LENS = [1, 15, 16, 17, 300]
+
+
+def poison_unread(case, value: float, sliding_window=None) -> None:
+    """Fill every K/V position no query may read with `value`, and point table padding at it.
+
+    Read: sequence i's positions [seq_len - q_len - window + 1 .. seq_len) (all of them without a
+    window). Everything else of this layer (free blocks, partial-block tails, positions before a
+    window) is poisoned, so an output that touched one is no longer finite.
+    """
+    block_size = case.k_cache.shape[1]
+    keep = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)
+    used = set()
+    for i, (q_len, seq_len) in enumerate(zip(case.query_lens, case.seq_lens, strict=True)):
+        first = 0
+        if sliding_window:
+            first = max(0, seq_len - q_len + 1 - sliding_window)
+        for pos in range(first, seq_len):
+            keep[int(case.block_tables[i, pos // block_size]), pos % block_size] = True
+        used.update(case.block_tables[i, : -(-seq_len // block_size)].tolist())
+    free = next(b for b in range(case.k_cache.shape[0]) if b not in used)
+    for i, seq_len in enumerate(case.seq_lens):
+        case.block_tables[i, -(-seq_len // block_size) :] = free
+    case.k_cache[~keep] = value
+    case.v_cache[~keep] = value
+
+
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+@pytest.mark.parametrize("sliding_window", [None, 12])
+@pytest.mark.parametrize("block_size", [1, 16])
+def test_batched_decode_never_reads_padding_or_stale_slots(
+    make_cpu_case, tolerance, poison, sliding_window, block_size
+):
+    case = make_cpu_case(
+        seq_lens=MIXED_LENS, num_heads=8, num_kv_heads=2, block_size=block_size, head_dim=32
+    )
+    want = expected(case, sliding_window)
+    poison_unread(case, poison, sliding_window)
+    got = cpu_attention.paged_decode_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.seq_lens,
+        case.scale,
+        sliding_window,
+    )
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **tolerance(torch.float32))
+
+
+def test_decode_lengths_far_apart_split_into_buckets(make_cpu_case, tolerance):
+    lens = [5, 600, 17, 300, 1, 290, 1000]
+    case = make_cpu_case(seq_lens=lens, num_heads=8, num_kv_heads=2)
+    poison_unread(case, float("nan"))
+    plan = cpu_attention.plan_decode(case.block_tables, case.query_lens, lens, case.k_cache)
+    spans = sorted(sorted(lens[int(r)] for r in b.rows.tolist()) for b in plan.buckets)
+    assert spans == [[1, 5, 17], [290, 300], [600, 1000]]
+    got = cpu_attention.paged_decode_attention(
+        case.query, case.k_cache, case.v_cache, case.block_tables, lens, case.scale, plan=plan
+    )
+    torch.testing.assert_close(got, expected(case), **tolerance(torch.float32))
+
+
+def test_equal_lengths_plan_one_unmasked_bucket_in_place(make_cpu_case):
+    case = make_cpu_case(seq_lens=[40, 40, 40])
+    plan = cpu_attention.plan_decode(
+        case.block_tables, case.query_lens, case.seq_lens, case.k_cache
+    )
+    (bucket,) = plan.buckets
+    assert bucket.rows is None and bucket.mask is None and bucket.pad is None
+    assert bucket.keys == slice(0, 40)
+
+
+@pytest.mark.parametrize("sliding_window", [None, 12])
+def test_mixed_batch_decode_rows_take_the_batched_path(make_cpu_case, tolerance, sliding_window):
+    case = make_cpu_case(
+        seq_lens=[17, 40, 300, 1, 33, 16],
+        query_lens=[1, 40, 1, 1, 5, 1],
+        num_heads=8,
+        num_kv_heads=2,
+    )
+    want = expected(case, sliding_window)
+    poison_unread(case, float("nan"), sliding_window)
+    plan = cpu_attention.plan_decode(
+        case.block_tables, case.query_lens, case.seq_lens, case.k_cache, sliding_window
+    )
+    rows = sorted(r for b in plan.buckets for r in b.rows.tolist())
+    assert rows == [0, 41, 42, 48]  # the single-token sequences' rows of the flattened query
+    got = cpu_attention.paged_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_lens,
+        case.seq_lens,
+        case.scale,
+        sliding_window,
+        plan,
+    )
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, want, **tolerance(torch.float32))
+
+
+def test_dispatch_plans_once_per_step_for_every_layer(make_cpu_case, tolerance):
+    case = make_cpu_case(seq_lens=MIXED_LENS, num_heads=8, num_kv_heads=2)
+    meta = make_meta(case)
+    outs = [
+        dispatch.paged_attention(case.query, case.k_cache, case.v_cache, meta, case.scale)
+        for _ in range(2)
+    ]
+    plan = meta.cpu_decode_plan(case.k_cache, None)
+    assert meta.cpu_decode_plan(case.k_cache, None) is plan
+    assert meta.cpu_decode_plan(case.k_cache, 8) is not plan
+    for got in outs:
+        torch.testing.assert_close(got, expected(case), **tolerance(torch.float32))
+
+
+def test_a_plan_for_another_batch_is_refused(make_cpu_case):
+    case = make_cpu_case(seq_lens=[3, 4])
+    plan = cpu_attention.plan_decode(case.block_tables, [1], [3], case.k_cache)
+    with pytest.raises(ValueError, match="query"):
+        cpu_attention.paged_decode_attention(
+            case.query, case.k_cache, case.v_cache, case.block_tables, [3, 4], case.scale, plan=plan
+        )
+
+
+def test_buckets_stay_within_the_gather_byte_budget(make_cpu_case, tolerance, monkeypatch):
+    # 2 KV heads x head_dim 16 x fp32, K and V: 256 bytes per position -> 96 positions a bucket
+    monkeypatch.setattr(cpu_attention, "_BUCKET_BYTES", 96 * 256)
+    lens = [40, 33, 47, 20, 45, 38, 1]
+    case = make_cpu_case(seq_lens=lens)
+    plan = cpu_attention.plan_decode(case.block_tables, case.query_lens, lens, case.k_cache)
+    groups = sorted(sorted(lens[int(r)] for r in b.rows.tolist()) for b in plan.buckets)
+    assert groups == [[1], [20, 33], [38, 40], [45, 47]]
+    got = cpu_attention.paged_decode_attention(
+        case.query, case.k_cache, case.v_cache, case.block_tables, lens, case.scale, plan=plan
+    )
+    torch.testing.assert_close(got, expected(case), **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_half_precision_buckets_hold_equal_spans_only(
+    make_cpu_case, tolerance, dtype, sliding_window
+):
+    # windows of 20 over lengths 40 and 41 are equal spans at different block offsets
+    lens = [40, 17, 40, 41, 17, 41]
+    case = make_cpu_case(seq_lens=lens, dtype=dtype)
+    plan = cpu_attention.plan_decode(
+        case.block_tables, case.query_lens, lens, case.k_cache, sliding_window
+    )
+    groups = sorted(sorted(lens[int(r)] for r in b.rows.tolist()) for b in plan.buckets)
+    assert groups == [[17, 17], [40, 40], [41, 41]]
+    assert all(b.mask is None and b.pad is None for b in plan.buckets)
+    got = cpu_attention.paged_decode_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        lens,
+        case.scale,
+        sliding_window,
+        plan,
+    )
+    torch.testing.assert_close(got, expected(case, sliding_window), **tolerance(dtype))
