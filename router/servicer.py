@@ -310,12 +310,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             timeout=time_remaining(context),
             metadata=metadata,
         )
-        active.handle = None  # NOTE: the decode worker owns the lease from here (it releases)
         active.set_call(call.cancel)
         decision.decode.in_flight += 1
         self.requests_to_workers += 1
         try:
             for part in call:
+                # NOTE: a response proves the decode worker took the request, and with it the
+                # lease (it releases it). Until then the router still releases it itself: a
+                # cancel can end the call before the worker's handler ever runs. ReleaseKv is
+                # idempotent, and a worker whose lease goes mid-pull recomputes (fails closed).
+                active.handle = None
                 stop_id = (
                     part.matched_stop_token_id if part.HasField("matched_stop_token_id") else None
                 )
