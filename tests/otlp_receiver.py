@@ -26,6 +26,7 @@ class ReceivedSpan:
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
     def __init__(self) -> None:
         self.spans: list[ReceivedSpan] = []
+        self.raw: list[bytes] = []  # every export request as received (to grep for leaks)
         self._lock = threading.Lock()
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
@@ -61,6 +62,7 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                     )
         with self._lock:
             self.spans.extend(received)
+            self.raw.append(request.SerializeToString())
         return trace_service_pb2.ExportTraceServiceResponse()
 
     def wait_for(self, predicate, timeout_s: float = 10.0) -> list[ReceivedSpan]:

@@ -101,6 +101,31 @@ def test_one_trace_per_request_with_parent_links_transfer_and_preemption(traced)
     assert preempted, "the small decode pool should have forced a preemption"
 
 
+def test_prompt_and_output_text_stay_out_of_spans_and_logs(traced):
+    """`--trace-include-text` is off: no span attribute, event or resource of any service, and
+    no log line, holds the prompt or the generated text (it may hold token counts and ids)."""
+    cluster, receiver = traced
+    marker = "Zebra quartz 7781 is the private prompt"
+    before = sum(s.name == "decode.run" for s in receiver.spans)
+    with Client(cluster.router_address) as client:
+        parts = list(
+            client.generate(
+                marker, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), timeout=60
+            )
+        )
+    output = "".join(p.text for p in parts)
+    assert len(output) >= 4 and parts[-1].finish_reason
+    receiver.wait_for(lambda spans: sum(s.name == "decode.run" for s in spans) > before, 20)
+    exported = b"".join(receiver.raw)
+    assert (
+        b"router.generate" in exported and b"pagedserve-decode" in exported
+    )  # the grep sees spans
+    for secret in (marker, "Zebra quartz", output):
+        assert secret.encode() not in exported, f"{secret!r} exported in a span"
+        for child in cluster.children:
+            assert secret not in child.log_path.read_text(errors="replace"), child.name
+
+
 def test_metrics_endpoints_expose_names_that_move(traced):
     cluster, _ = traced
     ports = {c.name: c.metrics_port for c in cluster.children if c.metrics_port}
