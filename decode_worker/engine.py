@@ -3,7 +3,7 @@
 One `step()`::
 
     plan = scheduler.schedule()                      block ids and token counts only
-    swapper.submit(plan.swap_in, plan.swap_out)      async: copy thread / CUDA stream
+    swapper.submit_plan(plan.swaps)                  async, in decision order: copy thread / stream
     swapper.wait_for_writes(blocks this step writes) only if a pending swap-out reads one
     swapper.wait_swap_in()                           swapped-in blocks land before the forward
     runner.copy_blocks(plan.copies); runner.execute(plan.scheduled)
@@ -31,7 +31,7 @@ from pagedserve.decode_worker.plan import (
 from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
 from pagedserve.decode_worker.swapper import CopyFn, Swapper
-from pagedserve.kvstore.block_pool import BlockPool
+from pagedserve.kvstore.block_pool import BlockId, BlockPool
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
@@ -269,18 +269,26 @@ class DecodeEngine:
             self._observe_prefill(plan, time.perf_counter() - start)
         finished = self.scheduler.update(plan, output)
         self._observe_swap()
-        if plan.is_empty and self.has_unfinished:
+        # NOTE: a KV import holds device blocks outside the scheduler until it hands its table
+        # over (add_prefilled) or frees it; until then an empty plan is a wait, not a bug.
+        if plan.is_empty and self.has_unfinished and not self.num_block_refs_outside:
             raise RuntimeError("decode engine: nothing schedulable (scheduler invariant broken)")
         return DecodeStepOutput(plan, finished + [f.seq for f in plan.failed], waited)
+
+    @property
+    def num_block_refs_outside(self) -> int:
+        """Device-block references no queued sequence holds: tables KV imports are filling."""
+        held = sum(self.pool.ref_count(BlockId(b)) for b in range(self.pool.num_blocks))
+        return held - self.scheduler.num_block_refs
 
     def _prepare_blocks(self, plan: StepPlan) -> bool:
         """Issue the plan's swaps and copies, waiting only where an ordering rule needs it."""
         waited = False
         if self.swapper is not None:
-            self.swapper.submit(plan.swap_in, plan.swap_out)
+            self.swapper.submit_plan(plan.swaps)
             waited = self.swapper.wait_for_writes(self._blocks_written(plan))
             self.swapper.wait_swap_in()
-        elif plan.swap_in or plan.swap_out:
+        elif plan.swaps:
             raise RuntimeError("decode engine: swap planned without a swap space")
         self.runner.copy_blocks(plan.copies)
         return waited

@@ -2,7 +2,7 @@
 
 Plain data: no tensors. The engine executes a plan in this order (docs/scheduling.md)::
 
-    swap_in, swap_out  ─► Swapper (one FIFO queue: this plan's swap-ins, then its swap-outs)
+    swaps              ─► Swapper (one FIFO queue: this plan's copies in the order decided)
     copies             ─► ModelRunner.copy_blocks   (after pending swap-outs of their dst blocks)
     scheduled          ─► ModelRunner.execute       (after this plan's swap-ins have landed)
 """
@@ -36,6 +36,19 @@ class KVPolicy(enum.Enum):
     RESERVE_MAX = "reserve-max"
 
 
+class SwapDirection(enum.Enum):
+    IN = "in"  # swap space -> device: (host, device) pairs
+    OUT = "out"  # device -> swap space: (device, host) pairs
+
+
+@dataclass(slots=True)
+class SwapCopies:
+    """A run of one plan's swap copies in one direction."""
+
+    direction: SwapDirection
+    pairs: list[tuple[BlockId, BlockId]]
+
+
 @dataclass(frozen=True, slots=True)
 class Preemption:
     """`seq` left the running set this step, by `mode` (SWAP or RECOMPUTE)."""
@@ -62,13 +75,36 @@ class StepPlan:
     """
 
     scheduled: list[ScheduledSequence] = field(default_factory=list)
-    swap_out: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # (device, host)
-    swap_in: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # (host, device)
+    # NOTE: in the order the scheduler decided them, and the Swapper keeps that order: a block
+    # freed by one decision may be the destination of a later one in the same step (a victim
+    # displaced for a swap-in frees the device blocks that swap-in then fills; a swap-in frees
+    # host blocks that a later swap-out fills). Reordering them (say, every swap-in first)
+    # overwrites a block before the copy that reads it.
+    swaps: list[SwapCopies] = field(default_factory=list)
     copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Preemption] = field(default_factory=list)
     recomputed: list[Sequence] = field(default_factory=list)  # re-admitted after RECOMPUTE
     swapped_in: list[Sequence] = field(default_factory=list)
     failed: list[FailedSequence] = field(default_factory=list)
+
+    def add_swaps(self, direction: SwapDirection, pairs: list[tuple[BlockId, BlockId]]) -> None:
+        """Append copies after every copy decided so far."""
+        if not pairs:
+            return
+        if self.swaps and self.swaps[-1].direction is direction:
+            self.swaps[-1].pairs.extend(pairs)
+        else:
+            self.swaps.append(SwapCopies(direction, list(pairs)))
+
+    @property
+    def swap_in(self) -> list[tuple[BlockId, BlockId]]:
+        """Every (host, device) swap-in pair, in order."""
+        return [pair for c in self.swaps if c.direction is SwapDirection.IN for pair in c.pairs]
+
+    @property
+    def swap_out(self) -> list[tuple[BlockId, BlockId]]:
+        """Every (device, host) swap-out pair, in order."""
+        return [pair for c in self.swaps if c.direction is SwapDirection.OUT for pair in c.pairs]
 
     @property
     def num_batched_tokens(self) -> int:
@@ -76,9 +112,7 @@ class StepPlan:
 
     @property
     def is_empty(self) -> bool:
-        return not (
-            self.scheduled or self.swap_out or self.swap_in or self.preempted or self.failed
-        )
+        return not (self.scheduled or self.swaps or self.preempted or self.failed)
 
 
 @dataclass(slots=True)

@@ -41,6 +41,7 @@ from pagedserve.decode_worker.plan import (
     SchedulerStats,
     SchedulingPolicy,
     StepPlan,
+    SwapDirection,
 )
 from pagedserve.decode_worker.preemption import (
     PreemptionCostModel,
@@ -302,7 +303,7 @@ class Scheduler:
         entry.swapped = None
         entry.seq.status = SequenceStatus.RUNNING
         self.running.append(entry)
-        step.plan.swap_in.extend(pairs)
+        step.plan.add_swaps(SwapDirection.IN, pairs)
         step.plan.swapped_in.append(entry.seq)
         self.stats.num_swap_in_blocks += len(pairs)
         self.stats.num_swap_in_bytes += len(pairs) * self.config.bytes_per_block
@@ -506,7 +507,7 @@ class Scheduler:
         entry.seq.status = SequenceStatus.SWAPPED
         self.swapped.append(entry)
         self.swapped.sort()
-        step.plan.swap_out.extend(pairs)
+        step.plan.add_swaps(SwapDirection.OUT, pairs)
         step.plan.preempted.append(Preemption(entry.seq, PreemptionMode.SWAP, len(pairs)))
         self.stats.num_preemptions_swap += 1
         self.stats.num_swap_out_blocks += len(pairs)
@@ -525,6 +526,12 @@ class Scheduler:
 
     # -- checks --------------------------------------------------------------------------------
 
+    @property
+    def num_block_refs(self) -> int:
+        """Device-pool references the queued sequences hold (running tables, swapped records)."""
+        refs = sum(len(e.seq.block_table.block_ids) for e in self.running)
+        return refs + sum(_some_record(e).num_device_blocks for e in self.swapped)
+
     def check_integrity(self) -> None:
         """Raise RuntimeError unless queues and pools agree on who holds which block."""
         self.pool.check_integrity()
@@ -533,8 +540,7 @@ class Scheduler:
             raise RuntimeError(
                 f"integrity: {len(self._entries)} sequences, queues hold {len(queued)} entries"
             )
-        device_refs = sum(len(e.seq.block_table.block_ids) for e in self.running)
-        device_refs += sum(_some_record(e).num_device_blocks for e in self.swapped)
+        device_refs = self.num_block_refs
         held = sum(self.pool.ref_count(BlockId(b)) for b in range(self.pool.num_blocks))
         if device_refs != held:
             raise RuntimeError(f"integrity: sequences hold {device_refs} refs, pool counts {held}")

@@ -5,10 +5,12 @@ GPU. The scheduler frees a swapped-out block's device id at once (the step that 
 victim needs its blocks now), so the bytes may still be in flight when the id is reused. Three
 rules keep every read and write ordered; the engine applies the last two:
 
-1. **FIFO.** Jobs run in submission order; inside a job, swap-ins run before swap-outs. So a
-   host block freed by a swap-in and reused by a later swap-out is read before it is written, a
-   swap-out's host block is written before a later swap-in reads it, and a device block a
-   pending swap-out reads is read before a later swap-in overwrites it.
+1. **FIFO, in decision order.** Jobs run in submission order; inside a job, copies run in the
+   order the scheduler decided them (`StepPlan.swaps`). So every block id freed by one decision
+   and reused by a later one, in this step or a later step, is read before it is written: a
+   host block freed by a swap-in and reused by a later swap-out, a swap-out's host block read
+   by a later swap-in, and a victim's device block swapped out and then filled by a swap-in
+   (a swapped sequence displacing a running one in the same step).
 2. **Swap-ins land before the forward.** `wait_swap_in()` before the step's forward.
 3. **Swap-out sources are not overwritten before they are copied.** Before a step writes any
    device block (copy-on-write destinations, its new tokens' slots), the engine calls
@@ -34,9 +36,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.decode_worker.plan import SwapCopies, SwapDirection
 from pagedserve.kernels import dispatch
 
 Pairs = Seq[tuple[int, int]]
+_Copies = tuple[SwapDirection, Pairs]  # one run of a job's copies, in one direction
 CopyFn = Callable[[torch.Tensor, torch.Tensor, Pairs], None]
 
 
@@ -73,7 +77,7 @@ class _Job:
 
 
 class Swapper:
-    """Executes `StepPlan.swap_in` / `swap_out` between `device_cache` and `host_cache`.
+    """Executes `StepPlan.swaps` between `device_cache` and `host_cache`, in plan order.
 
     Both tensors are block-major pages with equal block shapes (`KVCache.tensor`,
     `SwapSpace.tensor`); block ids index dim 0. `copy_fn` replaces the copy (tests slow it down
@@ -106,16 +110,29 @@ class Swapper:
         return len(self._pending)
 
     def submit(self, swap_in: Pairs, swap_out: Pairs) -> None:
-        """Queue one step's copies: `swap_in` (host, device) pairs, then `swap_out` (device,
-        host) pairs. Returns at once; see the module docstring for what to wait on."""
-        if not swap_in and not swap_out:
+        """Queue one job: `swap_in` (host, device) pairs, then `swap_out` (device, host) pairs."""
+        self._submit([(SwapDirection.IN, list(swap_in)), (SwapDirection.OUT, list(swap_out))])
+
+    def submit_plan(self, swaps: Seq[SwapCopies]) -> None:
+        """Queue one step's copies (`StepPlan.swaps`) as one job that runs them in the given
+        order. Returns at once; see the module docstring for what to wait on."""
+        self._submit([(c.direction, list(c.pairs)) for c in swaps])
+
+    def _submit(self, swaps: list[_Copies]) -> None:
+        swaps = [(direction, pairs) for direction, pairs in swaps if pairs]
+        if not swaps:
             return
-        swap_in, swap_out = list(swap_in), list(swap_out)
-        job = _Job(frozenset(d for d, _ in swap_out), len(swap_in), len(swap_out))
+        outs = [pairs for direction, pairs in swaps if direction is SwapDirection.OUT]
+        ins = [pairs for direction, pairs in swaps if direction is SwapDirection.IN]
+        job = _Job(
+            frozenset(d for pairs in outs for d, _ in pairs),
+            sum(map(len, ins)),
+            sum(map(len, outs)),
+        )
         if self._executor is not None:
-            job.future = self._executor.submit(self._run, swap_in, swap_out)
+            job.future = self._executor.submit(self._run, swaps, job)
         else:
-            job.start, job.end = self._launch_cuda(swap_in, swap_out)
+            job.start, job.end = self._launch_cuda(swaps)
         self.stats.num_jobs += 1
         self._pending.append(job)
 
@@ -155,23 +172,27 @@ class Swapper:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _run(self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]) -> None:
+    def _run(self, swaps: list[_Copies], job: _Job) -> None:
         start = time.perf_counter()
-        self.copy_fn(self.host_cache, self.device_cache, swap_in)
-        self.copy_fn(self.device_cache, self.host_cache, swap_out)
-        self._account(len(swap_in), len(swap_out), time.perf_counter() - start)
+        for direction, pairs in swaps:
+            self._copy(direction, pairs)
+        self._account(job.num_in, job.num_out, time.perf_counter() - start)
 
-    def _launch_cuda(
-        self, swap_in: list[tuple[int, int]], swap_out: list[tuple[int, int]]
-    ) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    def _copy(self, direction: SwapDirection, pairs: Pairs) -> None:
+        if direction is SwapDirection.IN:
+            self.copy_fn(self.host_cache, self.device_cache, pairs)
+        else:
+            self.copy_fn(self.device_cache, self.host_cache, pairs)
+
+    def _launch_cuda(self, swaps: list[_Copies]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         stream = self._stream
         assert stream is not None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))
         with torch.cuda.stream(stream):
             start.record(stream)
-            self.copy_fn(self.host_cache, self.device_cache, swap_in)
-            self.copy_fn(self.device_cache, self.host_cache, swap_out)
+            for direction, pairs in swaps:
+                self._copy(direction, pairs)
             end.record(stream)
         # NOTE: counted when the job is pruned (elapsed_time needs both events done).
         return start, end

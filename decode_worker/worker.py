@@ -235,7 +235,9 @@ class DecodeWorker:
                     if self._stop:
                         return
                     try:
-                        self.step()
+                        if not self.step():
+                            # NOTE: nothing fits while KV imports hold blocks; one wakes us
+                            self._wake.wait(0.01)
                     except Exception:
                         log.exception("decode step failed; isolating the failing request")
                         self._isolate_failure()
@@ -290,8 +292,10 @@ class DecodeWorker:
             self.on_loop_death()
         self._fail_all()
 
-    def step(self) -> None:
-        """One engine step and its deltas (the loop's body; tests may call it directly)."""
+    def step(self) -> bool:
+        """One engine step and its deltas (the loop's body; tests may call it directly).
+
+        Returns False when the step did nothing (every block is held by KV imports)."""
         with self.lock:
             out = self.engine.step()
             self._trace_plan(out.plan)
@@ -303,6 +307,7 @@ class DecodeWorker:
                 tracked = self._tracked.get(item.seq.request_id)
                 if tracked is not None and item.seq.num_output_tokens > tracked.num_sent:
                     tracked.stream.put(self._delta(tracked))
+            return not out.plan.is_empty
 
     def _trace_plan(self, plan) -> None:
         """Span events for what the step did to each request (preempt, swap, recompute)."""

@@ -13,8 +13,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
-from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode
+from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SwapDirection
 from pagedserve.kernels.dispatch import swap_blocks
+from pagedserve.model.runner import ScheduledSequence
 from pagedserve.model.sequence import FinishReason, Sequence, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
 
@@ -202,6 +203,87 @@ def test_abort_mid_stream_returns_every_block_at_once(model_dir):
     run_to_end(engine, rest)
     want = dict(zip([s.request_id for s in seqs], unconstrained(model_dir), strict=True))
     assert all(tuple(s.output_token_ids) == want[s.request_id] for s in rest)
+
+
+def add_imported(
+    engine: DecodeEngine, prompt: list[int], params: SamplingParams, first_token: int, priority: int
+) -> Sequence:
+    """What `KvImporter` + `DecodeWorker` do for an imported prompt: fill a fresh table with the
+    prompt's KV (here computed by the engine's runner instead of pulled), then `add_prefilled`.
+    It joins `running` even while better-ranked sequences are swapped out."""
+    seq = engine.new_sequence(prompt, params, priority=priority)
+    assert engine.kv.allocate(seq.block_table, len(prompt)) == []
+    assert engine.swapper is not None
+    engine.swapper.wait_for_writes(seq.block_table.block_ids)
+    engine.runner.execute([ScheduledSequence(seq, len(prompt))])
+    engine.kv.cache_full_blocks(seq.block_table, seq.block_hashes, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    seq.append_token(first_token, None)
+    engine.add_prefilled(seq)
+    return seq
+
+
+def test_victim_swapped_out_for_a_swap_in_keeps_its_kv_when_the_swap_in_reuses_its_blocks(
+    model_dir,
+):
+    """A swapped sequence displaces a running one and is swapped in, in one step, into the
+    device blocks the victim has just freed: the victim's swap-out must read them first (the
+    soak's wrong token at index 1 when the Swapper ran every swap-in before every swap-out)."""
+    g = torch.Generator().manual_seed(3)
+    p_high, p_top, p_low = (torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 24, 25))
+    engine = make_engine(
+        model_dir, num_blocks=8, num_swap_blocks=16, preemption_mode=PreemptionMode.SWAP
+    )
+    high = engine.add_request(p_high, SamplingParams(temperature=0.0, max_tokens=12), priority=0)
+    engine.step()
+    engine.step()
+    top = engine.add_request(p_top, SamplingParams(temperature=0.0, max_tokens=8), priority=-1)
+    assert [p.seq for p in engine.step().plan.preempted] == [high]  # swapped out for `top`
+    assert engine.abort(top.request_id)
+    want_low = hf_greedy(model_dir, tuple(p_low))[:6]
+    low = add_imported(
+        engine, p_low, SamplingParams(temperature=0.0, max_tokens=6), want_low[0], priority=5
+    )
+    assert engine.pool.num_allocatable == 1  # `high` (3 blocks) must displace `low` to return
+
+    plan = engine.step().plan
+
+    assert [(p.seq, p.mode) for p in plan.preempted] == [(low, PreemptionMode.SWAP)]
+    assert plan.swapped_in == [high]
+    assert [c.direction for c in plan.swaps] == [SwapDirection.OUT, SwapDirection.IN]
+    reused = {d for _, d in plan.swap_in} & {d for d, _ in plan.swap_out}
+    assert reused, "the swap-in must fill blocks the victim's swap-out reads"
+    run_to_end(engine, [high, low])
+    assert low.output_token_ids == want_low
+    assert high.output_token_ids == hf_greedy(model_dir, tuple(p_high))[:12]
+
+
+def test_step_waits_while_a_kv_import_holds_the_blocks_a_swapped_sequence_needs(model_dir):
+    """Nothing running, a swapped sequence that does not fit because an import's table (not
+    yet handed over) holds the blocks: an empty step, not "nothing schedulable" (the soak's
+    FINISH_REASON_ERROR: the worker failed every request after that RuntimeError)."""
+    g = torch.Generator().manual_seed(3)
+    p_high, p_top, p_import = (
+        torch.randint(3, 512, (n,), generator=g).tolist() for n in (9, 24, 25)
+    )
+    engine = make_engine(
+        model_dir, num_blocks=8, num_swap_blocks=16, preemption_mode=PreemptionMode.SWAP
+    )
+    high = engine.add_request(p_high, SamplingParams(temperature=0.0, max_tokens=12), priority=0)
+    engine.step()
+    engine.step()
+    top = engine.add_request(p_top, SamplingParams(temperature=0.0, max_tokens=8), priority=-1)
+    assert [p.seq for p in engine.step().plan.preempted] == [high]
+    assert engine.abort(top.request_id)
+    importing = engine.new_sequence(p_import, SamplingParams(temperature=0.0, max_tokens=6))
+    assert engine.kv.allocate(importing.block_table, len(p_import)) == []  # its pull in flight
+
+    assert engine.step().plan.is_empty and engine.num_block_refs_outside == 7
+
+    engine.kv.free(importing.block_table)  # the import failed: its blocks come back
+    assert engine.step().plan.swapped_in == [high]
+    run_to_end(engine, [high])
+    assert high.output_token_ids == hf_greedy(model_dir, tuple(p_high))[:12]
 
 
 def test_request_that_cannot_fit_alone_ends_with_an_error(model_dir):

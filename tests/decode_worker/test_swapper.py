@@ -7,6 +7,7 @@ import threading
 import pytest
 import torch
 
+from pagedserve.decode_worker.plan import SwapCopies, SwapDirection
 from pagedserve.decode_worker.swapper import Swapper
 from pagedserve.kernels.dispatch import swap_blocks
 from pagedserve.kvstore.kv_cache import KVCacheSpec
@@ -63,11 +64,33 @@ def test_swap_ins_run_before_swap_outs_and_jobs_in_submission_order():
     copy.gate.set()
     swapper.wait_swap_in()
     swapper.synchronize()
-    assert copy.calls == [[], [(3, 0)], [(0, 1), (2, 3)], [(1, 1)]]
+    assert copy.calls == [[(3, 0)], [(0, 1), (2, 3)], [(1, 1)]]
     assert device[1].eq(3.0).all() and device[3].eq(102.0).all()
     assert host[1].eq(3.0).all()
     assert swapper.stats.num_blocks_in == 2 and swapper.stats.num_blocks_out == 2
     assert swapper.stats.num_bytes_out == 2 * SPEC.bytes_per_block
+    swapper.close()
+
+
+def test_a_plan_s_copies_run_in_decision_order():
+    device, host = pages(4), pages(3, start=100.0)
+    copy = GatedCopy()
+    copy.gate.set()
+    swapper = Swapper(device, host, copy_fn=copy)
+    # a victim's device block 3 goes out to host 0, then a swap-in fills the freed block 3
+    # from host 2 and frees host 2, which a later swap-out (device 1) fills
+    swapper.submit_plan(
+        [
+            SwapCopies(SwapDirection.OUT, [(3, 0)]),
+            SwapCopies(SwapDirection.IN, [(2, 3)]),
+            SwapCopies(SwapDirection.OUT, [(1, 2)]),
+        ]
+    )
+    swapper.wait_swap_in()
+    swapper.synchronize()
+    assert copy.calls == [[(3, 0)], [(2, 3)], [(1, 2)]]
+    assert host[0].eq(3.0).all() and device[3].eq(102.0).all() and host[2].eq(1.0).all()
+    assert swapper.stats.num_blocks_in == 1 and swapper.stats.num_blocks_out == 2
     swapper.close()
 
 

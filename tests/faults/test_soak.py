@@ -49,14 +49,7 @@ DONE = (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
 @pytest.fixture(
     params=[
         pytest.param(0, id="recompute-only"),
-        pytest.param(
-            8,
-            id="with-swap",
-            marks=pytest.mark.xfail(
-                reason="wrong tokens after swap preemption under cancels (docs/reliability.md)",
-                strict=False,
-            ),
-        ),
+        pytest.param(8, id="with-swap"),
     ]
 )
 def soak_cluster(request, tiny_llama, module_redis, tmp_path_factory):
