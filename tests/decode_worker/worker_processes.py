@@ -5,11 +5,11 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from processes import wait_until  # noqa: F401 - re-exported to the decode tests
 
 START_TIMEOUT_S = 60.0
 
@@ -53,12 +53,3 @@ def wait_ready(worker: WorkerProcess) -> WorkerProcess:
         pytest.fail(f"worker did not start: {worker.log_tail()}")
     _, worker.worker_id, worker.address = line.split()
     return worker
-
-
-def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())

@@ -17,6 +17,7 @@ import sys
 import time
 
 import pytest
+from processes import alive, children_of
 
 EXIT_TIMEOUT_S = 60.0  # loose: a worker finishes loading its model before it stops
 SHM_PREFIX = "pagedserve-kv-"
@@ -29,25 +30,6 @@ def catches_sigterm(pid: int) -> bool:
         return False
     mask = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
     return bool(int(mask.split()[1], 16) >> (signal.SIGTERM - 1) & 1)
-
-
-def children_of(pid: int) -> list[int]:
-    children = []
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
-
-
-def alive(pid: int) -> bool:
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def cmdline(pid: int) -> str:

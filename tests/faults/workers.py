@@ -6,12 +6,12 @@ from __future__ import annotations
 import select
 import subprocess
 import sys
-import time
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from processes import wait_until  # noqa: F401 - re-exported to the fault tests
 
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -79,12 +79,3 @@ def wait_ready(process: Process) -> Process:
         raise RuntimeError(f"{process.role} did not start: {process.log_path.read_text()[-3000:]}")
     process.address = line.split()[2]
     return process
-
-
-def wait_until(predicate, timeout_s: float = 5.0, interval_s: float = 0.02) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -18,6 +17,7 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from oracle import hf_greedy, make_prompts
+from processes import alive, children_of
 
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
@@ -171,7 +171,7 @@ def test_pagedserve_up_stops_every_child_on_sigterm(make_tiny, tmp_path):
             line = up.stdout.readline()
             assert line, f"pagedserve up exited early: {lines}"
             lines.append(line)
-        children = _children_of(up.pid)
+        children = children_of(up.pid)
         assert len(children) == 4, lines  # redis, prefill, decode, router
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
@@ -179,26 +179,6 @@ def test_pagedserve_up_stops_every_child_on_sigterm(make_tiny, tmp_path):
         if up.poll() is None:
             up.kill()
     deadline = time.monotonic() + 5
-    while any(os.path.exists(f"/proc/{pid}") and _alive(pid) for pid in children):
+    while any(os.path.exists(f"/proc/{pid}") and alive(pid) for pid in children):
         assert time.monotonic() < deadline, "a child outlived pagedserve up"
         time.sleep(0.1)
-
-
-def _children_of(pid: int) -> list[int]:
-    children = []
-    for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            children.append(int(stat.parent.name))
-    return children
-
-
-def _alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
