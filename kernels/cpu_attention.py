@@ -52,7 +52,9 @@ _PADDED_DTYPES = (torch.float32, torch.float64)
 
 def _workspace(cache: torch.Tensor, num_blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Two buffers [>= num_blocks, block_size, num_kv_heads, head_dim] of this thread."""
-    key = (cache.dtype, cache.device, tuple(cache.shape[1:]))
+    # NOTE: buffers made under inference mode cannot be written outside it, and vice versa
+    # they may be: keyed by the mode, so a caller outside inference mode gets its own.
+    key = (cache.dtype, cache.device, tuple(cache.shape[1:]), torch.is_inference_mode_enabled())
     bufs: dict[tuple[object, ...], tuple[torch.Tensor, torch.Tensor]]
     bufs = _local.__dict__.setdefault("bufs", {})
     got = bufs.get(key)

@@ -15,10 +15,18 @@ import torch
 from torch import nn
 from transformers.activations import ACT2FN
 
-from pagedserve.kernels import dispatch
+from pagedserve.kernels import cpu_linear, dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model.config import ModelConfig, rope_frequencies
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same checkpoint names) computed by `cpu_linear.linear`:
+    faster on CPU in fp32 for decode-sized batches, unchanged everywhere else."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return cpu_linear.linear(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -73,10 +81,10 @@ class Attention(nn.Module):
         self.scale = config.head_dim**-0.5
         self.sliding_window = config.sliding_windows[layer_idx]
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=config.qkv_bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
 
     def forward(
         self,
@@ -101,9 +109,9 @@ class MLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
-        self.gate_proj = nn.Linear(size, inner, bias=bias)
-        self.up_proj = nn.Linear(size, inner, bias=bias)
-        self.down_proj = nn.Linear(inner, size, bias=bias)
+        self.gate_proj = Linear(size, inner, bias=bias)
+        self.up_proj = Linear(size, inner, bias=bias)
+        self.down_proj = Linear(inner, size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = DecoderStack(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope
 
     def tie_weights(self) -> None:
