@@ -24,7 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-requests", type=positive_int, default=256)
     parser.add_argument("--load-poll-interval", type=float, default=0.5, help="seconds")
     parser.add_argument(
-        "--index-timeout", type=float, default=0.05,
+        "--index-timeout", type=float, default=0.04,
         help="seconds a prefix-index lookup may take before routing by load alone",
     )  # fmt: skip
     parser.add_argument(

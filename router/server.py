@@ -42,7 +42,7 @@ def build_servicer(
         client = connect(args.redis_url)
         registry = WorkerRegistry(client, card.name)
         # NOTE: its own client with a short timeout: a lookup is on every request's path
-        lookup_client = connect(args.redis_url, timeout_s=getattr(args, "index_timeout", 0.05))
+        lookup_client = connect(args.redis_url, timeout_s=getattr(args, "index_timeout", 0.04))
         index = RedisPrefixIndex(lookup_client, card.name, block_size=args.block_size)
     workers = WorkerSet(
         args.prefill,
