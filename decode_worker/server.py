@@ -29,6 +29,7 @@ from pagedserve.kvstore.worker_registry import (
     Role,
     WorkerLoad,
     WorkerRegistry,
+    compat_tag,
     connect,
     new_incarnation,
 )
@@ -183,7 +184,10 @@ def _join_cluster(
         )
 
     try:
-        registry.register(worker.worker_id, address, Role.DECODE, incarnation=new_incarnation())
+        registry.register(
+            worker.worker_id, address, Role.DECODE, incarnation=new_incarnation(),
+            compat=compat_tag(worker.engine.fingerprint, worker.engine.config.block_size),
+        )  # fmt: skip
     except RegistryUnavailable:
         log.warning("Redis unavailable at start; the heartbeat registers when it returns")
     heartbeater = Heartbeater(registry, load)

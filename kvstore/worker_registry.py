@@ -3,7 +3,8 @@
 Torch-free: the router reads it to build its load view. Redis layout (prefix ``ps:{model}:``)::
 
     worker:{id}   hash  address, role, incarnation, started_at (unix ms),
-                        heartbeat_at (unix ms), load (JSON of WorkerLoad)
+                        heartbeat_at (unix ms), load (JSON of WorkerLoad),
+                        compat (``compat_tag``: what block hashes and KV layout depend on)
                         key PX = ttl, renewed by every heartbeat
     workers       set   worker ids that registered; a hint only (see below)
 
@@ -19,6 +20,7 @@ Every Redis failure surfaces as ``RegistryUnavailable``; the caller decides how 
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import logging
@@ -107,6 +109,13 @@ class WorkerInfo:
     incarnation: str
     started_at_ms: int
     load: WorkerLoad = field(default_factory=WorkerLoad)
+    compat: str = ""  # `compat_tag` of the worker; "" when it did not say (older workers)
+
+
+def compat_tag(model_fingerprint: bytes, block_size: int) -> str:
+    """What must match between a router and its workers for block hashes to agree: the model
+    fingerprint (config, dtype, revision) and the block size."""
+    return f"{model_fingerprint.hex()}/{block_size}"
 
 
 def key_prefix(model: str) -> str:
@@ -196,6 +205,7 @@ class WorkerRegistry:
         *,
         incarnation: str | None = None,
         load: WorkerLoad | None = None,
+        compat: str = "",
     ) -> WorkerInfo:
         """Write this process's record (a fresh incarnation unless given) and return it.
 
@@ -212,6 +222,7 @@ class WorkerRegistry:
             incarnation=incarnation or new_incarnation(),
             started_at_ms=_now_ms(),
             load=load or WorkerLoad(),
+            compat=compat,
         )
         self._write(self._me)
         return self._me
@@ -223,9 +234,7 @@ class WorkerRegistry:
         """
         me = self._require_me()
         if load is not None:
-            me = self._me = WorkerInfo(
-                me.worker_id, me.address, me.role, me.incarnation, me.started_at_ms, load
-            )
+            me = self._me = dataclasses.replace(me, load=load)
         return self._write(me)
 
     def deregister(self) -> bool:
@@ -302,6 +311,7 @@ class WorkerRegistry:
             "started_at": str(info.started_at_ms),
             "heartbeat_at": str(_now_ms()),
             "load": info.load.to_json(),
+            "compat": info.compat,
         }
         try:
             pipe = self._client.pipeline(transaction=True)
@@ -323,6 +333,7 @@ class WorkerRegistry:
                 incarnation=rec[INCARNATION_FIELD.encode()].decode(),
                 started_at_ms=int(rec[b"started_at"]),
                 load=WorkerLoad.from_json(rec.get(b"load", b"{}")),
+                compat=rec.get(b"compat", b"").decode(),
             )
         except (KeyError, ValueError, TypeError) as e:
             # NOTE: a half-written or foreign record; treat the worker as not routable.

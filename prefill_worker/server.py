@@ -35,6 +35,7 @@ from pagedserve.kvstore.worker_registry import (
     Role,
     WorkerLoad,
     WorkerRegistry,
+    compat_tag,
     connect,
     new_incarnation,
 )
@@ -217,7 +218,10 @@ def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity)
         )
 
     try:
-        registry.register(me.worker_id, me.address, Role.PREFILL, incarnation=me.incarnation)
+        registry.register(
+            me.worker_id, me.address, Role.PREFILL, incarnation=me.incarnation,
+            compat=compat_tag(engine.fingerprint, args.block_size),
+        )  # fmt: skip
     except RegistryUnavailable:
         log.warning("Redis unavailable at start; serving without the index until it returns")
         publisher.stale = True

@@ -25,7 +25,12 @@ import grpc
 from pagedserve.grpcutil import ClientTLS, make_channel
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
-from pagedserve.kvstore.worker_registry import RegistryUnavailable, Role, WorkerRegistry
+from pagedserve.kvstore.worker_registry import (
+    RegistryUnavailable,
+    Role,
+    WorkerInfo,
+    WorkerRegistry,
+)
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -77,8 +82,11 @@ class WorkerSet:
         *,
         max_message_bytes: int,
         tls: ClientTLS | None = None,
+        compat: str = "",
     ) -> None:
         self._lock = threading.Lock()
+        self._compat = compat  # `compat_tag` of this router; "" skips the check
+        self.incompatible: dict[str, str] = {}  # worker id -> its compat tag (not routed to)
         self._tls = tls
         self._registry = registry
         self._options = [
@@ -114,7 +122,7 @@ class WorkerSet:
             return  # NOTE: keep the last membership; GetLoad polling still tracks health
         with self._lock:
             for info in live:
-                if info.role not in (Role.PREFILL, Role.DECODE):
+                if info.role not in (Role.PREFILL, Role.DECODE) or not self._compatible(info):
                     continue
                 known = self._workers.get(info.worker_id) or self._rekey_static(
                     info.address, info.worker_id
@@ -126,6 +134,22 @@ class WorkerSet:
                     self._add(Worker(info.worker_id, info.address, info.role, info.incarnation))
                 else:
                     known.incarnation = info.incarnation
+
+    def _compatible(self, info: WorkerInfo) -> bool:
+        """A registered worker whose block hashes would differ from the router's (another
+        revision, dtype or block size under the same model name) is not routed to: its prefix
+        hits would never match, and another revision gives other tokens. Logged once."""
+        if not (self._compat and info.compat) or info.compat == self._compat:
+            self.incompatible.pop(info.worker_id, None)
+            return True
+        if self.incompatible.get(info.worker_id) != info.compat:
+            log.error(
+                "worker %s at %s is not routed to: its model fingerprint/block size %s differs "
+                "from this router's %s (check --dtype, --revision and --block-size)",
+                info.worker_id, info.address, info.compat, self._compat,
+            )  # fmt: skip
+        self.incompatible[info.worker_id] = info.compat
+        return False
 
     def _rekey_static(self, address: str, worker_id: str) -> Worker | None:
         """A statically listed worker that registered too: known from now on by its id."""

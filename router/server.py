@@ -17,7 +17,7 @@ import threading
 from pagedserve.grpcutil import build_server, client_tls_from_args, server_tls_from_args
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
-from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
+from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, RequestMetrics, register_state
 from pagedserve.router.auth import AuthInterceptor, load_api_keys
 from pagedserve.router.cli_args import add_arguments
@@ -44,21 +44,22 @@ def build_servicer(
         # NOTE: its own client with a short timeout: a lookup is on every request's path
         lookup_client = connect(args.redis_url, timeout_s=getattr(args, "index_timeout", 0.04))
         index = RedisPrefixIndex(lookup_client, card.name, block_size=args.block_size)
+    fingerprint = model_fingerprint(
+        card.config, dtype=args.dtype or card.dtype, revision=args.revision
+    )
     workers = WorkerSet(
         args.prefill,
         args.decode,
         registry,
         max_message_bytes=args.max_message_bytes,
         tls=client_tls_from_args(args),
+        compat=compat_tag(fingerprint, args.block_size),
     )
     policy = RoutingPolicy(workers, index, block_size=args.block_size)
     tracing = setup_tracing(
         "pagedserve-router",
         getattr(args, "otlp_traces_endpoint", None),
         include_text=getattr(args, "trace_include_text", False),
-    )
-    fingerprint = model_fingerprint(
-        card.config, dtype=args.dtype or card.dtype, revision=args.revision
     )
     settings = RouterSettings(
         block_size=args.block_size,

@@ -14,6 +14,7 @@ from pagedserve.kvstore.worker_registry import (
     Role,
     WorkerLoad,
     WorkerRegistry,
+    compat_tag,
     connect,
 )
 
@@ -53,6 +54,7 @@ def test_registered_worker_is_listed_with_its_record(redis_server: RedisServer) 
         b"started_at",
         b"heartbeat_at",
         b"load",
+        b"compat",
     }
     assert raw[b"role"] == b"prefill"
     assert redis_server.client().smembers("ps:tiny:workers") == {b"p0"}
@@ -193,3 +195,15 @@ def test_load_json_ignores_unknown_keys() -> None:
 def test_model_names_are_checked() -> None:
     with pytest.raises(ValueError, match="model"):
         WorkerRegistry(connect("redis://127.0.0.1:1"), "a b")
+
+
+def test_compat_tag_is_kept_by_heartbeats_and_read_back(redis_server: RedisServer) -> None:
+    registry = make_registry(redis_server)
+    tag = compat_tag(bytes(range(16)), 16)
+    assert tag == "000102030405060708090a0b0c0d0e0f/16"
+    registry.register("d0", "10.0.0.2:7002", Role.DECODE, compat=tag)
+    registry.heartbeat(WorkerLoad(num_requests_running=2))
+    (info,) = registry.live_workers()
+    assert info.compat == tag and info.load.num_requests_running == 2
+    redis_server.client().hdel("ps:tiny:worker:d0", "compat")  # a worker that did not say
+    assert registry.get("d0").compat == ""
