@@ -38,9 +38,9 @@ import torch
 
 from pagedserve.decode_worker.plan import SwapCopies, SwapDirection
 from pagedserve.kernels import dispatch
+from pagedserve.kvstore.block_pool import BlockId
 
 Pairs = Seq[tuple[int, int]]
-_Copies = tuple[SwapDirection, Pairs]  # one run of a job's copies, in one direction
 CopyFn = Callable[[torch.Tensor, torch.Tensor, Pairs], None]
 
 
@@ -111,28 +111,29 @@ class Swapper:
 
     def submit(self, swap_in: Pairs, swap_out: Pairs) -> None:
         """Queue one job: `swap_in` (host, device) pairs, then `swap_out` (device, host) pairs."""
-        self._submit([(SwapDirection.IN, list(swap_in)), (SwapDirection.OUT, list(swap_out))])
+        self.submit_plan(
+            [
+                SwapCopies(SwapDirection.IN, [(BlockId(a), BlockId(b)) for a, b in swap_in]),
+                SwapCopies(SwapDirection.OUT, [(BlockId(a), BlockId(b)) for a, b in swap_out]),
+            ]
+        )
 
     def submit_plan(self, swaps: Seq[SwapCopies]) -> None:
         """Queue one step's copies (`StepPlan.swaps`) as one job that runs them in the given
         order. Returns at once; see the module docstring for what to wait on."""
-        self._submit([(c.direction, list(c.pairs)) for c in swaps])
-
-    def _submit(self, swaps: list[_Copies]) -> None:
-        swaps = [(direction, pairs) for direction, pairs in swaps if pairs]
-        if not swaps:
+        runs = [SwapCopies(c.direction, list(c.pairs)) for c in swaps if c.pairs]
+        if not runs:
             return
-        outs = [pairs for direction, pairs in swaps if direction is SwapDirection.OUT]
-        ins = [pairs for direction, pairs in swaps if direction is SwapDirection.IN]
+        outs = [c.pairs for c in runs if c.direction is SwapDirection.OUT]
         job = _Job(
             frozenset(d for pairs in outs for d, _ in pairs),
-            sum(map(len, ins)),
+            sum(len(c.pairs) for c in runs if c.direction is SwapDirection.IN),
             sum(map(len, outs)),
         )
         if self._executor is not None:
-            job.future = self._executor.submit(self._run, swaps, job)
+            job.future = self._executor.submit(self._run, runs, job)
         else:
-            job.start, job.end = self._launch_cuda(swaps)
+            job.start, job.end = self._launch_cuda(runs)
         self.stats.num_jobs += 1
         self._pending.append(job)
 
@@ -172,27 +173,27 @@ class Swapper:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _run(self, swaps: list[_Copies], job: _Job) -> None:
+    def _run(self, runs: list[SwapCopies], job: _Job) -> None:
         start = time.perf_counter()
-        for direction, pairs in swaps:
-            self._copy(direction, pairs)
+        for run in runs:
+            self._copy(run)
         self._account(job.num_in, job.num_out, time.perf_counter() - start)
 
-    def _copy(self, direction: SwapDirection, pairs: Pairs) -> None:
-        if direction is SwapDirection.IN:
-            self.copy_fn(self.host_cache, self.device_cache, pairs)
+    def _copy(self, run: SwapCopies) -> None:
+        if run.direction is SwapDirection.IN:
+            self.copy_fn(self.host_cache, self.device_cache, run.pairs)
         else:
-            self.copy_fn(self.device_cache, self.host_cache, pairs)
+            self.copy_fn(self.device_cache, self.host_cache, run.pairs)
 
-    def _launch_cuda(self, swaps: list[_Copies]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
+    def _launch_cuda(self, runs: list[SwapCopies]) -> tuple[torch.cuda.Event, torch.cuda.Event]:
         stream = self._stream
         assert stream is not None
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         stream.wait_stream(torch.cuda.current_stream(self.device_cache.device))
         with torch.cuda.stream(stream):
             start.record(stream)
-            for direction, pairs in swaps:
-                self._copy(direction, pairs)
+            for run in runs:
+                self._copy(run)
             end.record(stream)
         # NOTE: counted when the job is pruned (elapsed_time needs both events done).
         return start, end
