@@ -31,7 +31,7 @@ from pagedserve.decode_worker.plan import (
 from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
 from pagedserve.decode_worker.swapper import CopyFn, Swapper
-from pagedserve.kvstore.block_pool import BlockId, BlockPool
+from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
@@ -278,8 +278,7 @@ class DecodeEngine:
     @property
     def num_block_refs_outside(self) -> int:
         """Device-block references no queued sequence holds: tables KV imports are filling."""
-        held = sum(self.pool.ref_count(BlockId(b)) for b in range(self.pool.num_blocks))
-        return held - self.scheduler.num_block_refs
+        return self.pool.num_refs - self.scheduler.num_block_refs
 
     def _prepare_blocks(self, plan: StepPlan) -> bool:
         """Issue the plan's swaps and copies, waiting only where an ordering rule needs it."""

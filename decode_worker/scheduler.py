@@ -541,7 +541,7 @@ class Scheduler:
                 f"integrity: {len(self._entries)} sequences, queues hold {len(queued)} entries"
             )
         device_refs = self.num_block_refs
-        held = sum(self.pool.ref_count(BlockId(b)) for b in range(self.pool.num_blocks))
+        held = self.pool.num_refs
         if device_refs != held:
             raise RuntimeError(f"integrity: sequences hold {device_refs} refs, pool counts {held}")
         if any(e.seq.block_table.block_ids for e in (*self.waiting, *self.swapped)):

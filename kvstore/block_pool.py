@@ -103,6 +103,11 @@ class BlockPool:
         return self._num_used
 
     @property
+    def num_refs(self) -> int:
+        """References held on all blocks together (a block shared by two tables counts 2)."""
+        return sum(self._refs)
+
+    @property
     def num_cached(self) -> int:
         return len(self._lru)
 
