@@ -156,36 +156,3 @@ def release_request(handle: KvHandleInfo) -> prefill_pb2.ReleaseKvRequest:
 
 def block_chunk(msg: prefill_pb2.KvChunk) -> BlockChunk:
     return BlockChunk(msg.block_index, msg.block_id, msg.offset, msg.data, msg.last_of_block)
-
-
-@dataclass(frozen=True, slots=True)
-class Load:
-    """A decode worker's load at one instant (the `LoadReport` fields it fills)."""
-
-    worker_id: str
-    num_running: int
-    num_waiting: int  # queued in the scheduler, plus importing
-    num_swapped: int
-    kv_blocks_total: int
-    kv_blocks_free: int
-    kv_blocks_cached: int
-    kv_cache_usage: float
-    prefix_cache_hit_rate: float
-    draining: bool
-
-
-def load_report(load: Load) -> common_pb2.LoadReport:
-    return common_pb2.LoadReport(
-        worker_id=load.worker_id,
-        role=common_pb2.WORKER_ROLE_DECODE,
-        num_requests_running=load.num_running,
-        num_requests_waiting=load.num_waiting,
-        num_requests_swapped=load.num_swapped,
-        kv_blocks_total=load.kv_blocks_total,
-        kv_blocks_free=load.kv_blocks_free,
-        kv_blocks_cached=load.kv_blocks_cached,
-        kv_cache_usage=load.kv_cache_usage,
-        prefix_cache_hit_rate=load.prefix_cache_hit_rate,
-        draining=load.draining,
-        reported_at_unix_ms=int(time.time() * 1000),
-    )

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 
+from pagedserve.cluster import ClusterMember, join, model_key
 from pagedserve.config import default_worker_id
 from pagedserve.decode_worker.cli_args import add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
@@ -23,16 +24,7 @@ from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPo
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.grpcutil import build_server, client_tls_from_args, server_tls_from_args
-from pagedserve.kvstore.worker_registry import (
-    Heartbeater,
-    RegistryUnavailable,
-    Role,
-    WorkerLoad,
-    WorkerRegistry,
-    compat_tag,
-    connect,
-    new_incarnation,
-)
+from pagedserve.kvstore.worker_registry import Role, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
 from pagedserve.model.config import load_model_config
 from pagedserve.model.runner import kv_cache_spec
@@ -100,7 +92,7 @@ def main(args: argparse.Namespace) -> int:
     )
     address = args.advertise_address or f"{args.host}:{handle.port}"
     worker.worker_id = args.worker_id or default_worker_id("decode", handle.port)
-    heartbeater, registry = _join_cluster(args, worker, address)
+    member = _join_cluster(args, worker, address)
     worker.on_loop_death = lambda: handle.set_ready(False)
     worker.start()
     handle.server.start()
@@ -114,13 +106,8 @@ def main(args: argparse.Namespace) -> int:
     deadline = time.monotonic() + args.drain_timeout
     while worker.num_in_flight and time.monotonic() < deadline:
         time.sleep(0.05)
-    if heartbeater is not None:
-        heartbeater.stop()
-    if registry is not None:
-        try:
-            registry.deregister()
-        except RegistryUnavailable:
-            log.warning("could not deregister: Redis unavailable")
+    if member is not None:
+        member.leave()
     handle.server.stop(grace=1.0).wait(2.0)
     worker.close()
     tracing.shutdown()
@@ -138,11 +125,11 @@ def _register_metrics(worker: DecodeWorker) -> None:
     register_state(
         [
             Gauge("num_requests_running", "Sequences in the running batch.",
-                  lambda: load().num_running),
+                  lambda: load().num_requests_running),
             Gauge("num_requests_waiting", "Sequences waiting (or importing their KV).",
-                  lambda: load().num_waiting),
+                  lambda: load().num_requests_waiting),
             Gauge("num_requests_swapped", "Sequences swapped out to host memory.",
-                  lambda: load().num_swapped),
+                  lambda: load().num_requests_swapped),
             Gauge("kv_cache_usage_perc", "Fraction of KV blocks in use.",
                   lambda: load().kv_cache_usage),
             Gauge("kv_blocks_cached", "Blocks kept for prefix reuse (ref count 0).",
@@ -163,36 +150,12 @@ def _register_metrics(worker: DecodeWorker) -> None:
 
 def _join_cluster(
     args: argparse.Namespace, worker: DecodeWorker, address: str
-) -> tuple[Heartbeater | None, WorkerRegistry | None]:
+) -> ClusterMember | None:
     if not args.redis_url:
-        return None, None
-    model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
-    registry = WorkerRegistry(connect(args.redis_url), model)
-
-    def load() -> WorkerLoad:
-        report = worker.load()
-        return WorkerLoad(
-            num_requests_running=report.num_running,
-            num_requests_waiting=report.num_waiting,
-            num_requests_swapped=report.num_swapped,
-            kv_blocks_total=report.kv_blocks_total,
-            kv_blocks_free=report.kv_blocks_free,
-            kv_blocks_cached=report.kv_blocks_cached,
-            kv_cache_usage=report.kv_cache_usage,
-            prefix_cache_hit_rate=report.prefix_cache_hit_rate,
-            draining=report.draining,
-        )
-
-    try:
-        registry.register(
-            worker.worker_id, address, Role.DECODE, incarnation=new_incarnation(),
-            compat=compat_tag(worker.engine.fingerprint, worker.engine.config.block_size),
-        )  # fmt: skip
-    except RegistryUnavailable:
-        log.warning("Redis unavailable at start; the heartbeat registers when it returns")
-    heartbeater = Heartbeater(registry, load)
-    heartbeater.start()
-    return heartbeater, registry
+        return None
+    client, model = connect(args.redis_url), model_key(args.served_model_name, args.model)
+    compat = compat_tag(worker.engine.fingerprint, worker.engine.config.block_size)
+    return join(client, model, worker.worker_id, address, Role.DECODE, worker.load, compat=compat)
 
 
 if __name__ == "__main__":

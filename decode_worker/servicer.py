@@ -14,8 +14,10 @@ import grpc
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.model.sequence import FinishReason
+from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import context_from
 from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pagedserve.worker_load import Role
 
 POLL_S = 0.2  # how often a quiet stream checks that its client is still there
 
@@ -44,4 +46,4 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
-        return convert.load_report(self.worker.load())
+        return load_to_proto(self.worker.load(), self.worker.worker_id, Role.DECODE)

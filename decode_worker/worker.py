@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
 
-from pagedserve.decode_worker.convert import DecodeCall, Delta, Load
+from pagedserve.decode_worker.convert import DecodeCall, Delta
 from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.decode_worker.kv_import import (
     ImportCancel,
@@ -40,6 +40,7 @@ from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.model.runner import ScheduledSequence
 from pagedserve.model.sequence import FinishReason, RequestId, Sequence
 from pagedserve.telemetry import Tracing, setup_tracing
+from pagedserve.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
 
@@ -385,24 +386,24 @@ class DecodeWorker:
         with self.lock:
             return len(self._tracked)
 
-    def load(self) -> Load:
+    def load(self) -> WorkerLoad:
         with self.lock:
             pool, scheduler = self.engine.pool, self.engine.scheduler
             importing = sum(t.importing for t in self._tracked.values())
             stats = self.importer.stats
             looked_up = stats.blocks_looked_up
             hits = stats.blocks_reused + stats.blocks_shared_in_flight
-            return Load(
-                worker_id=self.worker_id,
-                num_running=len(scheduler.running),
-                num_waiting=len(scheduler.waiting) + importing,
-                num_swapped=len(scheduler.swapped),
+            return WorkerLoad(
+                num_requests_running=len(scheduler.running),
+                num_requests_waiting=len(scheduler.waiting) + importing,
+                num_requests_swapped=len(scheduler.swapped),
                 kv_blocks_total=pool.num_blocks,
                 kv_blocks_free=pool.num_free,
                 kv_blocks_cached=pool.num_cached,
                 kv_cache_usage=pool.usage,
                 prefix_cache_hit_rate=hits / looked_up if looked_up else 0.0,
                 draining=self.draining or self.dead,
+                reported_at_unix_ms=int(time.time() * 1000),
             )
 
     def close(self) -> None:

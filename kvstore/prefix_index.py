@@ -14,9 +14,9 @@ Two implementations behind one interface:
 
 The index is a *hint*: a hit only makes a worker cheaper to route to; the worker's own pool is
 the truth. An entry counts only while its worker is alive **with the incarnation that wrote
-it** (``worker:{id}`` in the registry); other entries are ignored by ``lookup`` and deleted
-lazily. Every Redis failure raises ``IndexUnavailable`` so the router can fall back to load-only
-routing and a worker can drop (and count) a publish.
+it** (the index asks a ``Liveness``: the registry's ``live_incarnations``); other entries are
+ignored by ``lookup`` and deleted lazily. Every Redis failure raises ``IndexUnavailable`` so the
+router can fall back to load-only routing and a worker can drop (and count) a publish.
 """
 
 from __future__ import annotations
@@ -36,11 +36,10 @@ from redis.typing import EncodableT, FieldT
 from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind
 from pagedserve.kvstore.hashing import BLOCK_HASH_BYTES, BlockHash
 from pagedserve.kvstore.worker_registry import (
-    INCARNATION_FIELD,
     RegistryUnavailable,
+    WorkerRegistry,
     check_worker_id,
     key_prefix,
-    worker_key,
 )
 
 DEFAULT_ENTRY_TTL_S = 600.0
@@ -164,10 +163,11 @@ class PrefixIndex(ABC):
       refreshes) the worker's entry, REMOVED deletes it. Events are not retained on failure:
       the caller counts the loss and calls ``refresh`` with its cached hashes later.
     - ``lookup`` never writes an entry; it may delete entries of dead incarnations.
-    - Thread-safe. Every failure of the backing store raises ``IndexUnavailable``.
+    - Thread-safe. Every failure of the backing store (or of ``liveness``) raises
+      ``IndexUnavailable``.
     """
 
-    def __init__(self, *, first_chunk: int, max_chunk: int) -> None:
+    def __init__(self, liveness: Liveness, *, first_chunk: int, max_chunk: int) -> None:
         if first_chunk <= 0 or max_chunk < first_chunk:
             raise ValueError(
                 f"first_chunk/max_chunk: need 0 < first_chunk <= max_chunk, got "
@@ -175,6 +175,7 @@ class PrefixIndex(ABC):
             )
         self._first_chunk = first_chunk
         self._max_chunk = max_chunk
+        self._liveness = liveness
         self.stats = IndexStats()
 
     # -- writer side ---------------------------------------------------------------------------
@@ -288,9 +289,12 @@ class PrefixIndex(ABC):
     def _fetch(self, block_hashes: Sequence[BlockHash]) -> list[dict[str, Entry | None]]:
         """Every entry of each hash (None for an unparsable value), in order."""
 
-    @abstractmethod
     def _live(self, worker_ids: Collection[str]) -> Mapping[str, str]:
         """Live incarnation of each of ``worker_ids``; absent = dead."""
+        try:
+            return self._liveness.live_incarnations(worker_ids)
+        except RegistryUnavailable as e:
+            raise IndexUnavailable(f"liveness: {e}") from e
 
     @abstractmethod
     def _forget(self, stale: list[tuple[BlockHash, str, Entry | None]]) -> int:
@@ -298,7 +302,7 @@ class PrefixIndex(ABC):
 
 
 class RedisPrefixIndex(PrefixIndex):
-    """The shared index in Redis; liveness comes from the registry's ``worker:{id}`` keys.
+    """The shared index in Redis; liveness comes from the ``WorkerRegistry`` of the same model.
 
     Use a client from ``worker_registry.connect`` (short timeouts, no retries): a lookup then
     fails within about one socket timeout per round trip instead of stalling a request.
@@ -316,8 +320,13 @@ class RedisPrefixIndex(PrefixIndex):
         max_chunk: int = DEFAULT_MAX_CHUNK,
     ) -> None:
         """``events_maxlen`` enables the ``events`` stream (approximately that long).
-        ``block_size`` only fills the field of the same name in stream events."""
-        super().__init__(first_chunk=first_chunk, max_chunk=max_chunk)
+        ``block_size`` only fills the field of the same name in stream events.
+
+        NOTE: liveness is read through a registry on this same ``client``, so a lookup's
+        liveness round trip has the lookup's (short) timeout, not the registry client's.
+        """
+        liveness = WorkerRegistry(client, model)
+        super().__init__(liveness, first_chunk=first_chunk, max_chunk=max_chunk)
         if entry_ttl_s <= 0:
             raise ValueError(f"entry_ttl_s: must be positive, got {entry_ttl_s}")
         if events_maxlen is not None and events_maxlen <= 0:
@@ -406,17 +415,6 @@ class RedisPrefixIndex(PrefixIndex):
             raise IndexUnavailable(f"lookup: {e}") from e
         return [{w.decode(): Entry.decode(v) for w, v in row.items()} for row in rows]
 
-    def _live(self, worker_ids: Collection[str]) -> Mapping[str, str]:
-        ids = list(worker_ids)
-        try:
-            pipe = self._client.pipeline(transaction=False)
-            for worker_id in ids:
-                pipe.hget(worker_key(self._prefix, worker_id), INCARNATION_FIELD)
-            values = pipe.execute()
-        except _REDIS_ERRORS as e:
-            raise IndexUnavailable(f"liveness: {e}") from e
-        return {w: v.decode() for w, v in zip(ids, values, strict=True) if v is not None}
-
     def _forget(self, stale: list[tuple[BlockHash, str, Entry | None]]) -> int:
         keys = [self.block_key(h) for h, _, _ in stale]
         args: list[str] = []
@@ -434,7 +432,8 @@ class LocalPrefixIndex(PrefixIndex):
     """The same index in this process's memory (no Redis): a dict with per-key expiry.
 
     ``liveness`` None: the incarnation that published last for a worker is its live one (one
-    process, nothing else to die). Give a ``StaticLiveness`` or a ``WorkerRegistry`` to get the
+    process, nothing else to die; a restarted worker's first publish retires the entries of its
+    previous incarnation). Give a ``StaticLiveness`` or a ``WorkerRegistry`` to get the
     incarnation rules of ``RedisPrefixIndex``.
     ``clock`` (seconds, monotonic) is injectable for tests.
     """
@@ -448,16 +447,15 @@ class LocalPrefixIndex(PrefixIndex):
         first_chunk: int = DEFAULT_FIRST_CHUNK,
         max_chunk: int = DEFAULT_MAX_CHUNK,
     ) -> None:
-        super().__init__(first_chunk=first_chunk, max_chunk=max_chunk)
+        self._published = StaticLiveness()  # worker_id -> incarnation of its last publish
+        super().__init__(liveness or self._published, first_chunk=first_chunk, max_chunk=max_chunk)
         if entry_ttl_s <= 0:
             raise ValueError(f"entry_ttl_s: must be positive, got {entry_ttl_s}")
-        self._liveness = liveness
         self._ttl_s = entry_ttl_s
         self._clock = clock
         self._lock = threading.Lock()
         # block hash -> (expires_at, worker_id -> entry)
         self._blocks: dict[BlockHash, tuple[float, dict[str, Entry]]] = {}
-        self._latest: dict[str, str] = {}  # worker_id -> incarnation of its last publish
 
     def __len__(self) -> int:
         """Number of unexpired keys (for tests)."""
@@ -476,7 +474,7 @@ class LocalPrefixIndex(PrefixIndex):
     ) -> None:
         expires_at = self._clock() + self._ttl_s
         with self._lock:
-            self._latest[worker_id] = entry.incarnation
+            self._published.set_alive(worker_id, entry.incarnation)
             for event in events:
                 h = _checked(event.block_hash)
                 if event.kind is BlockEventKind.STORED:
@@ -493,17 +491,6 @@ class LocalPrefixIndex(PrefixIndex):
                 found = self._live_key(_checked(h))
                 rows.append({w: e for w, e in found[1].items()} if found is not None else {})
         return rows
-
-    def _live(self, worker_ids: Collection[str]) -> Mapping[str, str]:
-        if self._liveness is not None:
-            try:
-                return self._liveness.live_incarnations(worker_ids)
-            except RegistryUnavailable as e:
-                raise IndexUnavailable(f"liveness: {e}") from e
-        # NOTE: no liveness source: the incarnation that published last is the live one, so a
-        # restarted worker's first publish retires the entries of its previous incarnation.
-        with self._lock:
-            return {w: self._latest[w] for w in worker_ids if w in self._latest}
 
     def _forget(self, stale: list[tuple[BlockHash, str, Entry | None]]) -> int:
         n = 0

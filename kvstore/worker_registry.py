@@ -21,20 +21,20 @@ Every Redis failure surfaces as ``RegistryUnavailable``; the caller decides how 
 from __future__ import annotations
 
 import dataclasses
-import enum
-import json
 import logging
 import secrets
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import cast
 
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 from redis.typing import EncodableT, FieldT
+
+from pagedserve.worker_load import Role, WorkerLoad  # NOTE: part of this module's API too
 
 logger = logging.getLogger(__name__)
 
@@ -60,43 +60,6 @@ return 0
 
 class RegistryUnavailable(Exception):
     """Redis could not be reached or answered with an error; the registry state is unknown."""
-
-
-class Role(enum.Enum):
-    """Role of a registered process (mirrors ``pagedserve.v1.WorkerRole``)."""
-
-    ROUTER = "router"
-    PREFILL = "prefill"
-    DECODE = "decode"
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerLoad:
-    """A worker's load at one instant (the subset of ``LoadReport`` routers need)."""
-
-    num_requests_running: int = 0
-    num_requests_waiting: int = 0
-    num_requests_swapped: int = 0
-    queued_prefill_tokens: int = 0
-    kv_blocks_total: int = 0
-    kv_blocks_free: int = 0
-    kv_blocks_cached: int = 0
-    kv_cache_usage: float = 0.0
-    prefix_cache_hit_rate: float = 0.0
-    draining: bool = False
-    reported_at_unix_ms: int = 0
-
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
-
-    @classmethod
-    def from_json(cls, text: str | bytes) -> WorkerLoad:
-        """Parse ``to_json`` output; unknown keys (from a newer writer) are ignored."""
-        data = json.loads(text)
-        if not isinstance(data, dict):
-            raise ValueError(f"load: expected a JSON object, got {text!r}")
-        known = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,11 +6,13 @@ Torch-free (the router imports it). Each service's own messages are converted in
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from pagedserve.errors import InvalidArgument
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2
+from pagedserve.worker_load import Role, WorkerLoad
 
 # proto field -> dataclass field, for the scalar `optional` fields whose names agree
 _SCALARS = (
@@ -73,3 +75,24 @@ def worker_request_fields(msg: common_pb2.WorkerRequest) -> dict[str, Any]:
         "priority": msg.priority,
         "cache_salt": msg.cache_salt,
     }
+
+
+_ROLES = {
+    Role.ROUTER: common_pb2.WORKER_ROLE_ROUTER,
+    Role.PREFILL: common_pb2.WORKER_ROLE_PREFILL,
+    Role.DECODE: common_pb2.WORKER_ROLE_DECODE,
+}
+# the `LoadReport` fields that a `WorkerLoad` holds, by the same name
+_LOAD_FIELDS = tuple(f.name for f in dataclasses.fields(WorkerLoad))
+
+
+def load_to_proto(load: WorkerLoad, worker_id: str, role: Role) -> common_pb2.LoadReport:
+    """The `LoadReport` that worker `worker_id` of `role` sends for `load`."""
+    values = {name: getattr(load, name) for name in _LOAD_FIELDS}
+    return common_pb2.LoadReport(worker_id=worker_id, role=_ROLES[role], **values)
+
+
+def load_from_proto(msg: common_pb2.LoadReport) -> WorkerLoad:
+    """The load in a `LoadReport`, floats as received (`load_to_proto` gives the same message
+    back); its `worker_id` and `role` are the caller's to keep."""
+    return WorkerLoad(**{name: getattr(msg, name) for name in _LOAD_FIELDS})

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from pagedserve.kvstore.transfer import BlockChunk
@@ -10,6 +11,7 @@ from pagedserve.prefill_worker.engine import PrefillEngine, PrefillResult
 from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, prefill_pb2
+from pagedserve.worker_load import WorkerLoad
 
 HANDLE_VERSION = 1
 
@@ -111,13 +113,12 @@ def kv_chunk(chunk: BlockChunk) -> prefill_pb2.KvChunk:
     )
 
 
-def load_report(engine: PrefillEngine, worker_id: str, draining: bool) -> common_pb2.LoadReport:
+def worker_load(engine: PrefillEngine, draining: bool) -> WorkerLoad:
+    """The engine's load now (sent by `GetLoad` and by the registry heartbeat)."""
     pool = engine.pool
     computed, cached = engine.num_prompt_tokens_computed, engine.num_prompt_tokens_cached
     total = computed + cached
-    return common_pb2.LoadReport(
-        worker_id=worker_id,
-        role=common_pb2.WORKER_ROLE_PREFILL,
+    return WorkerLoad(
         num_requests_running=len(engine.scheduler.running),
         num_requests_waiting=engine.scheduler.num_waiting,
         queued_prefill_tokens=engine.scheduler.queued_tokens,
@@ -127,4 +128,5 @@ def load_report(engine: PrefillEngine, worker_id: str, draining: bool) -> common
         kv_cache_usage=pool.usage,
         prefix_cache_hit_rate=cached / total if total else 0.0,
         draining=draining,
+        reported_at_unix_ms=int(time.time() * 1000),
     )

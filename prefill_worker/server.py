@@ -20,6 +20,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from pagedserve.cluster import ClusterMember, join, model_key
 from pagedserve.config import default_worker_id
 from pagedserve.grpcutil import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -28,13 +29,10 @@ from pagedserve.grpcutil import (
     build_server,
     server_tls_from_args,
 )
-from pagedserve.kvstore.prefix_index import IndexUnavailable, RedisPrefixIndex
+from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import (
-    Heartbeater,
-    RegistryUnavailable,
     Role,
     WorkerLoad,
-    WorkerRegistry,
     compat_tag,
     connect,
     new_incarnation,
@@ -44,7 +42,7 @@ from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.runner import kv_cache_spec
 from pagedserve.prefill_worker.cli_args import add_arguments
-from pagedserve.prefill_worker.convert import Identity, load_report
+from pagedserve.prefill_worker.convert import Identity, worker_load
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.index_publisher import IndexPublisher
 from pagedserve.prefill_worker.servicer import PrefillServicer
@@ -59,21 +57,18 @@ WARMUP_TIMEOUT_S = 600.0
 
 @dataclass(slots=True)
 class _Cluster:
-    """This worker's membership in Redis: its record, its heartbeat and its index entries."""
+    """This worker's membership in Redis: its record and heartbeat, and its index entries."""
 
-    registry: WorkerRegistry
-    heartbeater: Heartbeater
+    member: ClusterMember
     publisher: IndexPublisher
 
     def leave(self) -> None:
         """Stop beating and publishing, delete the index entries, then the record (best effort)."""
-        self.heartbeater.stop()
+        self.member.leave(before_deregister=self._clear_index)
+
+    def _clear_index(self) -> None:
         self.publisher.stop()
-        try:
-            self.publisher.clear()
-            self.registry.deregister()
-        except (IndexUnavailable, RegistryUnavailable):
-            log.warning("could not leave the cluster cleanly: Redis unavailable")
+        self.publisher.clear()
 
 
 def build_engine(args: argparse.Namespace) -> PrefillEngine:
@@ -190,9 +185,7 @@ def _warm_up(engine: PrefillEngine, prompts: list[list[int]], cluster: _Cluster 
 def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity) -> _Cluster | None:
     if not args.redis_url:
         return None
-    model = args.served_model_name or args.model.rstrip("/").rsplit("/", 1)[-1]
-    client = connect(args.redis_url)
-    registry = WorkerRegistry(client, model, ttl_s=args.worker_ttl)
+    client, model = connect(args.redis_url), model_key(args.served_model_name, args.model)
     publisher = IndexPublisher(
         RedisPrefixIndex(client, model, block_size=args.block_size),
         me.worker_id,
@@ -205,35 +198,21 @@ def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity)
     def load() -> WorkerLoad:
         # NOTE: called on every heartbeat; also the idle-time hook for the index refresh
         publisher.refresh()
-        report = load_report(engine, me.worker_id, draining=engine.dead)
-        return WorkerLoad(
-            num_requests_running=report.num_requests_running,
-            num_requests_waiting=report.num_requests_waiting,
-            queued_prefill_tokens=report.queued_prefill_tokens,
-            kv_blocks_total=report.kv_blocks_total,
-            kv_blocks_free=report.kv_blocks_free,
-            kv_blocks_cached=report.kv_blocks_cached,
-            kv_cache_usage=report.kv_cache_usage,
-            prefix_cache_hit_rate=report.prefix_cache_hit_rate,
-        )
+        return worker_load(engine, draining=engine.dead)
 
-    try:
-        registry.register(
-            me.worker_id, me.address, Role.PREFILL, incarnation=me.incarnation,
-            compat=compat_tag(engine.fingerprint, args.block_size),
-        )  # fmt: skip
-    except RegistryUnavailable:
-        log.warning("Redis unavailable at start; serving without the index until it returns")
-        publisher.stale = True
-    heartbeater = Heartbeater(
-        registry,
-        load,
-        interval_s=args.heartbeat_interval,
+    member = join(
+        client, model, me.worker_id, me.address, Role.PREFILL, load,
+        compat=compat_tag(engine.fingerprint, args.block_size),
+        incarnation=me.incarnation,
+        ttl_s=args.worker_ttl,
+        heartbeat_interval_s=args.heartbeat_interval,
         # NOTE: a re-created record means Redis lost our keys (restart, or TTL ran out)
         on_recreated=lambda: publisher.refresh(force=True),
-    )
-    heartbeater.start()
-    return _Cluster(registry, heartbeater, publisher)
+    )  # fmt: skip
+    if not member.registered:
+        log.warning("serving without the prefix index until Redis returns")
+        publisher.stale = True
+    return _Cluster(member, publisher)
 
 
 def _register_metrics(engine: PrefillEngine) -> None:

@@ -21,8 +21,10 @@ from pagedserve.kvstore.transfer import iter_block_chunks
 from pagedserve.prefill_worker import convert
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillFailed
 from pagedserve.prefill_worker.lease_table import LeaseState
+from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import Tracing, context_from, setup_tracing
 from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pagedserve.worker_load import Role
 
 log = logging.getLogger(__name__)
 
@@ -147,4 +149,5 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
 
     def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
         draining = self.draining or self.engine.dead
-        return convert.load_report(self.engine, self.me.worker_id, draining)
+        load = convert.worker_load(self.engine, draining)
+        return load_to_proto(load, self.me.worker_id, Role.PREFILL)

@@ -29,8 +29,10 @@ from pagedserve.kvstore.worker_registry import (
     RegistryUnavailable,
     Role,
     WorkerInfo,
+    WorkerLoad,
     WorkerRegistry,
 )
+from pagedserve.protoconv import load_from_proto
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ class Worker:
     role: Role
     incarnation: str = ""
     channel: grpc.Channel | None = None
-    load: common_pb2.LoadReport | None = None
+    load: WorkerLoad | None = None
     in_flight: int = 0
     failures: int = 0
     assigned: int = 0  # requests routed here so far: breaks ties between equal costs
@@ -167,7 +169,7 @@ class WorkerSet:
             else decode_pb2_grpc.DecodeWorkerStub(worker.channel).GetLoad
         )
         try:
-            worker.load = stub(common_pb2.GetLoadRequest(), timeout=timeout_s)
+            worker.load = load_from_proto(stub(common_pb2.GetLoadRequest(), timeout=timeout_s))
             worker.failures = 0
         except grpc.RpcError:
             worker.failures += 1

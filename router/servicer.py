@@ -35,6 +35,7 @@ from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import time_remaining
 from pagedserve.kvstore.hashing import hash_blocks
 from pagedserve.metrics import RequestMetrics
+from pagedserve.protoconv import load_to_proto
 from pagedserve.router import convert
 from pagedserve.router.auth import current_tenant, tenant_salt, worker_request_id
 from pagedserve.router.detokenizer import Detokenizer
@@ -398,7 +399,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 address=w.address,
                 incarnation=w.incarnation,
                 alive=w.healthy,
-                load=w.load,
+                load=load_to_proto(w.load, w.worker_id, w.role) if w.load is not None else None,
             )
             if w.load is not None and role is not None:
                 cached += w.load.prefix_cache_hit_rate

@@ -1,10 +1,16 @@
-"""Sampling parameters survive the wire exactly, and unset fields mean the defaults."""
+"""Sampling parameters and loads survive the wire exactly; unset fields mean the defaults."""
 
 from __future__ import annotations
 
-from pagedserve.protoconv import sampling_from_proto, sampling_to_proto
+from pagedserve.protoconv import (
+    load_from_proto,
+    load_to_proto,
+    sampling_from_proto,
+    sampling_to_proto,
+)
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2
+from pagedserve.worker_load import Role, WorkerLoad
 
 
 def test_round_trip_keeps_every_field_exactly():
@@ -35,3 +41,33 @@ def test_unset_fields_take_defaults_and_explicit_zero_is_kept():
     assert greedy.temperature == 0.0 and greedy.greedy and greedy.max_tokens == 5
     assert sampling_to_proto(SamplingParams()).HasField("temperature")
     assert not sampling_to_proto(SamplingParams()).HasField("logprobs")
+
+
+def test_load_report_round_trip_keeps_every_load_field():
+    load = WorkerLoad(
+        num_requests_running=3,
+        num_requests_waiting=5,
+        num_requests_swapped=1,
+        queued_prefill_tokens=700,
+        kv_blocks_total=64,
+        kv_blocks_free=40,
+        kv_blocks_cached=8,
+        kv_cache_usage=0.25,
+        prefix_cache_hit_rate=0.5,
+        draining=True,
+        reported_at_unix_ms=1_700_000_000_123,
+    )
+    msg = load_to_proto(load, "decode-1", Role.DECODE)
+    assert (msg.worker_id, msg.role) == ("decode-1", common_pb2.WORKER_ROLE_DECODE)
+    wire = common_pb2.LoadReport.FromString(msg.SerializeToString())
+    assert load_from_proto(wire) == load
+    assert load_to_proto(load_from_proto(wire), "decode-1", Role.DECODE) == wire
+
+
+def test_load_report_names_the_role_of_each_worker_kind():
+    roles = {role: load_to_proto(WorkerLoad(), "w", role).role for role in Role}
+    assert roles == {
+        Role.ROUTER: common_pb2.WORKER_ROLE_ROUTER,
+        Role.PREFILL: common_pb2.WORKER_ROLE_PREFILL,
+        Role.DECODE: common_pb2.WORKER_ROLE_DECODE,
+    }

@@ -464,6 +464,7 @@ def test_router_side_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import pagedserve.kvstore.prefix_index, pagedserve.kvstore.worker_registry\n"
+        "import pagedserve.cluster, pagedserve.protoconv\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"
     )

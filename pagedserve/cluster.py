@@ -1,0 +1,100 @@
+"""Joining the cluster (DESIGN §3.4): the one join-the-cluster code of both workers.
+
+A worker joins with its id, address, role and this process's incarnation: its record goes into
+the Redis registry (``worker:{id}``) and a heartbeat thread keeps it alive, carrying the load the
+worker's callback reports. Leaving stops the heartbeat and deletes the record (this incarnation's
+only). Redis is a hint: a worker whose Redis is unavailable at start serves anyway, and its
+heartbeat registers it as soon as Redis answers (``on_recreated`` is then called).
+
+Torch-free; imports no service package (a worker passes callbacks).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import redis
+
+from pagedserve.kvstore.prefix_index import IndexUnavailable
+from pagedserve.kvstore.worker_registry import (
+    DEFAULT_WORKER_TTL_S,
+    Heartbeater,
+    RegistryUnavailable,
+    Role,
+    WorkerLoad,
+    WorkerRegistry,
+    new_incarnation,
+)
+
+log = logging.getLogger(__name__)
+
+
+def model_key(served_model_name: str | None, model_dir: str) -> str:
+    """The model's name in Redis keys: ``--served-model-name``, else the model folder's name."""
+    return served_model_name or model_dir.rstrip("/").rsplit("/", 1)[-1]
+
+
+class ClusterMember:
+    """This process's membership: its registry record and the heartbeat that keeps it alive.
+
+    Made by ``join``. ``registered`` says whether the record was written at start (False: Redis
+    was unavailable; the heartbeat writes it when Redis returns).
+    """
+
+    def __init__(self, registry: WorkerRegistry, heartbeater: Heartbeater, registered: bool):
+        self.registry = registry
+        self.heartbeater = heartbeater
+        self.registered = registered
+
+    def leave(self, before_deregister: Callable[[], None] | None = None) -> None:
+        """Stop the heartbeat, call ``before_deregister`` (delete what points at this
+        incarnation, e.g. index entries), then delete the record. Best effort: a Redis failure
+        is logged, and the rest is skipped (the record expires with its TTL)."""
+        self.heartbeater.stop()
+        try:
+            if before_deregister is not None:
+                before_deregister()
+            self.registry.deregister()
+        except (IndexUnavailable, RegistryUnavailable):
+            log.warning("could not leave the cluster cleanly: Redis unavailable")
+
+
+def join(
+    client: redis.Redis,
+    model: str,
+    worker_id: str,
+    address: str,
+    role: Role,
+    load: Callable[[], WorkerLoad],
+    *,
+    compat: str,
+    incarnation: str | None = None,
+    ttl_s: float = DEFAULT_WORKER_TTL_S,
+    heartbeat_interval_s: float | None = None,
+    on_recreated: Callable[[], None] | None = None,
+) -> ClusterMember:
+    """Register ``worker_id`` in the registry of ``model`` on ``client`` (a
+    ``worker_registry.connect`` client), under ``incarnation`` (a fresh one if None), and
+    start its heartbeat: every ``heartbeat_interval_s`` (default: a third of ``ttl_s``) it
+    sends ``load()`` and, if it had to re-create the record, calls ``on_recreated`` (republish
+    the index there).
+    """
+    registry = WorkerRegistry(client, model, ttl_s=ttl_s)
+    try:
+        registry.register(
+            worker_id,
+            address,
+            role,
+            incarnation=incarnation or new_incarnation(),
+            compat=compat,
+        )
+        registered = True
+    except RegistryUnavailable:
+        log.warning("Redis unavailable at start; the heartbeat registers when it returns")
+        registered = False
+    heartbeater = Heartbeater(
+        registry, load, interval_s=heartbeat_interval_s, on_recreated=on_recreated
+    )
+    heartbeater.start()
+    return ClusterMember(registry, heartbeater, registered)

@@ -1,0 +1,53 @@
+"""What every process knows about a worker besides its address: its `Role` and its `WorkerLoad`.
+
+Torch-free and Redis-free: both workers build a `WorkerLoad`, the registry stores it as JSON in
+``worker:{id}``, `GetLoad` sends it as a `LoadReport` (`pagedserve.protoconv`), and the router's
+load view holds it.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import asdict, dataclass, fields
+
+
+class Role(enum.Enum):
+    """Role of a registered process (mirrors ``pagedserve.v1.WorkerRole``)."""
+
+    ROUTER = "router"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """A worker's load at one instant: the fields of a ``LoadReport`` but the worker's identity.
+
+    Fields a role does not have stay 0 (``num_requests_swapped`` on prefill,
+    ``queued_prefill_tokens`` on decode).
+    """
+
+    num_requests_running: int = 0
+    num_requests_waiting: int = 0
+    num_requests_swapped: int = 0
+    queued_prefill_tokens: int = 0
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    kv_cache_usage: float = 0.0
+    prefix_cache_hit_rate: float = 0.0
+    draining: bool = False
+    reported_at_unix_ms: int = 0
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> WorkerLoad:
+        """Parse ``to_json`` output; unknown keys (from a newer writer) are ignored."""
+        data = json.loads(text)
+        if not isinstance(data, dict):
+            raise ValueError(f"load: expected a JSON object, got {text!r}")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
