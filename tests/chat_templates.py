@@ -1,9 +1,10 @@
 """Chat templates for tests, and a tiny model directory that carries one.
 
-CHATML follows the shape of SmolLM2-Instruct's template (ChatML turns); STRICT is a Llama-2-like
-template written with one tag per line (so trim_blocks/lstrip_blocks matter), with `bos_token`,
-`eos_token`, a default system prompt, a `{% generation %}` block and `raise_exception` for roles
-it does not know; TOOLKIT uses `namespace`, `{% continue %}` and `tojson`.
+CHATML follows the shape of SmolLM2-Instruct's template (ChatML turns, a default system turn
+when the conversation has none); STRICT is a Llama-2-like template written with one tag per line
+(so trim_blocks/lstrip_blocks matter), with `bos_token`, `eos_token`, a default system prompt, a
+`{% generation %}` block and `raise_exception` for roles it does not know; TOOLKIT uses
+`namespace`, `{% continue %}` and `tojson`.
 """
 
 from __future__ import annotations
@@ -14,6 +15,9 @@ from pathlib import Path
 
 CHATML = (
     "{% for message in messages %}"
+    "{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n' }}"
+    "{% endif %}"
     "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' }}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
