@@ -52,19 +52,59 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("text", nargs="?", help="the prompt")
     p.add_argument("--prompt", dest="prompt_flag", default=None, help="the prompt (same as TEXT)")
+    p.add_argument(
+        "--chat", default=None, metavar="QUESTION",
+        help="one chat turn: QUESTION as the user's message, rendered with the model's chat "
+        "template by the router (needs --router)",
+    )  # fmt: skip
+    p.add_argument("--system", default=None, help="with --chat: a system message before it")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--router", help="HOST:PORT of a running router")
     where.add_argument("--model", help="local model directory: generate in-process, no servers")
     p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    _add_sampling_arguments(p)
     p.add_argument("--cache-salt", default="")
     p.add_argument("--block-size", type=int, default=16, help="in-process only")
     p.add_argument("--num-blocks", type=int, default=256, help="in-process only")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     _add_client_arguments(p)
     p.set_defaults(func=_run_generate)
+
+
+def _add_sampling_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the model's EOS")
+
+
+def _sampling(args: argparse.Namespace):
+    from pagedserve.sampling_params import SamplingParams
+
+    return SamplingParams(
+        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
+        stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )  # fmt: skip
+
+
+def _add_chat(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "chat",
+        help="talk to a router's model interactively (history kept; Ctrl-C aborts an answer)",
+    )
+    p.add_argument("--router", required=True, help="HOST:PORT of a running router")
+    p.add_argument("--system", default=None, help="system message that starts the conversation")
+    p.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer")
+    _add_sampling_arguments(p)
+    _add_client_arguments(p)
+    p.set_defaults(func=_run_chat)
+
+
+def _run_chat(args: argparse.Namespace) -> int:
+    from pagedserve import chat_cli
+
+    with _client(args) as client:
+        return chat_cli.run(client, _sampling(args), system=args.system)
 
 
 def _add_client_arguments(p: argparse.ArgumentParser) -> None:
@@ -123,15 +163,15 @@ def _rpc_failed(args: argparse.Namespace, err: Any) -> int:
 
 
 def _run_generate(args: argparse.Namespace) -> int:
-    from pagedserve.sampling_params import SamplingParams
-
     prompt = args.text if args.text is not None else args.prompt_flag
+    params = _sampling(args)
+    if args.chat is not None:
+        if prompt is not None or not args.router:
+            raise ValueError("chat: --chat QUESTION is the prompt, and needs --router")
+        head = [{"role": "system", "content": args.system}] if args.system else []
+        return _generate_remote(args, [*head, {"role": "user", "content": args.chat}], params)
     if prompt is None:
-        raise ValueError("text: give the prompt as TEXT or --prompt")
-    params = SamplingParams(
-        temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed,
-        stop=tuple(args.stop),
-    )  # fmt: skip
+        raise ValueError("text: give the prompt as TEXT, --prompt or --chat")
     if args.router:
         return _generate_remote(args, prompt, params)
     from transformers import AutoTokenizer
@@ -148,7 +188,7 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _generate_remote(args: argparse.Namespace, prompt: str, params) -> int:
+def _generate_remote(args: argparse.Namespace, prompt: str | list[dict[str, str]], params) -> int:
     import grpc
 
     from pagedserve.v1 import common_pb2
@@ -156,7 +196,11 @@ def _generate_remote(args: argparse.Namespace, prompt: str, params) -> int:
     with _client(args) as client:
         last = None
         try:
-            for last in client.generate(prompt, params, cache_salt=args.cache_salt):
+            if isinstance(prompt, str):
+                stream = client.generate(prompt, params, cache_salt=args.cache_salt)
+            else:
+                stream = client.chat(prompt, params, cache_salt=args.cache_salt)
+            for last in stream:
                 print(last.text, end="", flush=True)
         except grpc.RpcError as err:
             if last is not None:
@@ -289,6 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny_model(sub)
     _add_generate(sub)
+    _add_chat(sub)
     _add_bench(sub)
     _add_prefill(sub)
     _add_decode(sub)

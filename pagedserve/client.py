@@ -11,7 +11,7 @@ from __future__ import annotations
 import collections
 import ipaddress
 import logging
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 import grpc
@@ -70,17 +70,31 @@ class Client:
         timeout: float | None = None,
     ) -> Iterator[generation_pb2.GenerateResponse]:
         """Stream the response messages (the iterator's `cancel()` aborts the request)."""
-        request = generation_pb2.GenerateRequest(
-            request_id=request_id,
-            sampling=sampling_to_proto(params),
-            priority=priority,
-            cache_salt=cache_salt,
-            stream=True,
-        )
+        request = _request(params, request_id, priority, cache_salt)
         if isinstance(prompt, str):
             request.text = prompt
         else:
             request.token_ids.ids.extend(prompt)
+        return self.stub.Generate(request, timeout=timeout)
+
+    def chat(
+        self,
+        messages: Sequence[Mapping[str, str]],
+        params: SamplingParams,
+        *,
+        add_generation_prompt: bool = True,
+        request_id: str = "",
+        priority: int = 0,
+        cache_salt: str = "",
+        timeout: float | None = None,
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        """Stream the answer to a conversation: `messages` are `{"role": ..., "content": ...}`,
+        oldest first; the router renders them with the model's chat template."""
+        request = _request(params, request_id, priority, cache_salt)
+        request.messages.SetInParent()  # NOTE: selects the oneof even for an empty list
+        for message in messages:
+            request.messages.messages.add(role=message["role"], content=message["content"])
+        request.add_generation_prompt = add_generation_prompt
         return self.stub.Generate(request, timeout=timeout)
 
     def status(self, timeout: float = 5.0) -> generation_pb2.ClusterStatus:
@@ -92,6 +106,18 @@ class Client:
     def abort(self, request_id: str, timeout: float = 5.0) -> bool:
         request = common_pb2.AbortRequest(request_id=request_id)
         return self.stub.Abort(request, timeout=timeout).found
+
+
+def _request(
+    params: SamplingParams, request_id: str, priority: int, cache_salt: str
+) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        request_id=request_id,
+        sampling=sampling_to_proto(params),
+        priority=priority,
+        cache_salt=cache_salt,
+        stream=True,
+    )
 
 
 def is_loopback(address: str) -> bool:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from pagedserve.errors import InvalidArgument
 from pagedserve.protoconv import sampling_from_proto, sampling_to_proto
+from pagedserve.router.chat import ChatMessage
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2
@@ -69,7 +70,9 @@ def _prompt_ids(
     kind = msg.WhichOneof("prompt")
     add_special = msg.add_special_tokens if msg.HasField("add_special_tokens") else True
     if kind is None:
-        raise InvalidArgument("prompt", "set either text or token_ids")
+        raise InvalidArgument("prompt", "set one of text, token_ids or messages")
+    if kind == "messages":
+        return _chat_prompt_ids(msg, tokenizer)
     if kind == "text":
         if not msg.text:
             raise InvalidArgument("text", "must not be empty")
@@ -85,6 +88,23 @@ def _prompt_ids(
     bad = next((t for t in ids if t >= card.vocab_size), None)
     if bad is not None:
         raise InvalidArgument("token_ids", f"id {bad} is not below vocab_size {card.vocab_size}")
+    return ids
+
+
+def _chat_prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
+    """Render the conversation with the model's template; the text holds its special tokens."""
+    if not tokenizer.chat.available:
+        raise InvalidArgument("messages", tokenizer.chat.unavailable_reason)
+    messages = [ChatMessage(m.role, m.content) for m in msg.messages.messages]
+    add_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
+    try:
+        text = tokenizer.chat.render(messages, add_generation_prompt=add_prompt)
+    except InvalidArgument as exc:
+        raise exc.with_prefix("messages") from None
+    # NOTE: as transformers' apply_chat_template(tokenize=True): the template wrote BOS etc.
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise InvalidArgument("messages", "the chat template rendered no tokens")
     return ids
 
 

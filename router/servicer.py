@@ -385,6 +385,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             dtype=card.dtype,
             architecture=card.architecture,
             max_logprobs=MAX_LOGPROBS,
+            has_chat_template=self.tokenizer.chat.available,
         )
 
     def GetClusterStatus(self, request, context) -> generation_pb2.ClusterStatus:  # noqa: N802

@@ -2,7 +2,8 @@
 in well under a second (DESIGN §1).
 
 Reads `tokenizer.json` of a Hugging Face model directory; special token ids come from the
-tokenizer's added tokens, eos ids from `generation_config.json` / `config.json`.
+tokenizer's added tokens, eos ids from `generation_config.json` / `config.json`, the chat template
+from `chat_template.jinja` / `tokenizer_config.json` (router/chat.py).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tokenizers import Tokenizer
+
+from pagedserve.router.chat import ChatTemplate
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +33,9 @@ class ModelCard:
 class RouterTokenizer:
     """Encode prompts and decode token windows. Thread-safe (tokenizers releases the GIL)."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, chat: ChatTemplate | None = None) -> None:
         self._tok = tokenizer
+        self.chat = chat if chat is not None else ChatTemplate(None)
         self.special_ids = frozenset(
             token_id
             for token_id, added in tokenizer.get_added_tokens_decoder().items()
@@ -43,7 +47,7 @@ class RouterTokenizer:
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"model: no tokenizer.json in {model_dir}")
-        return cls(Tokenizer.from_file(str(path)))
+        return cls(Tokenizer.from_file(str(path)), ChatTemplate.from_model_dir(model_dir))
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
