@@ -1,0 +1,198 @@
+"""The router's calls to its workers: Prefill (retried once elsewhere), Decode, ReleaseKv.
+
+Ownership of the request's KV while the router holds the handle:
+
+    Prefill (worker leases the blocks) ──► router holds the handle ──► Decode (imports, releases)
+                                                 │
+                              stop / cancel here ─► ReleaseKv (else the lease expires)
+
+Every call carries what is left of the client's deadline (`TimeLeft`, asked at each call) and
+the trace metadata, and is registered on the request's `ActiveRequest`: a client cancel or an
+Abort cancels whichever call is in flight (the workers abort and free at once). Nothing here
+sees the servicer's context, so the calls port to grpc.aio as they are.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+
+import grpc
+
+from pagedserve.errors import Unavailable
+from pagedserve.router.routing import Decision, Worker, WorkerSet
+from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+log = logging.getLogger(__name__)
+RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+TimeLeft = Callable[[], float | None]  # seconds left of the client's deadline (None: none)
+Metadata = Sequence[tuple[str, str]]
+
+
+class Aborted(Exception):
+    """The client aborted (Abort RPC or cancel) while a worker call was in flight."""
+
+
+class WorkerError(Exception):
+    """A worker answered with a status we pass on as is."""
+
+    def __init__(self, err: grpc.RpcError) -> None:
+        super().__init__(err)
+        self.err = err
+
+    @property
+    def code(self) -> grpc.StatusCode:
+        return self.err.code()  # type: ignore[attr-defined]
+
+    @property
+    def details(self) -> str:
+        return self.err.details()  # type: ignore[attr-defined]
+
+
+@dataclass(slots=True)
+class ActiveRequest:
+    """A request in flight: what to cancel when the client leaves or Abort arrives.
+
+    `handle` is the lease the router holds: set when Prefill returns one, cleared when the
+    decode worker answers (it releases the lease from then on); still set at the end, the
+    router releases it (`WorkerClients.release_unclaimed`)."""
+
+    cancel_current: Callable[[], None] | None = None
+    aborted: bool = False
+    handle: tuple[Worker, str] | None = None  # (prefill worker, handle id) not yet passed on
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def set_call(self, cancel: Callable[[], None] | None) -> None:
+        with self.lock:
+            self.cancel_current = cancel
+            aborted = self.aborted
+        if aborted and cancel is not None:
+            cancel()
+
+    def abort(self) -> None:
+        with self.lock:
+            self.aborted = True
+            cancel = self.cancel_current
+        if cancel is not None:
+            cancel()
+
+
+class WorkerClients:
+    """Worker RPCs of every request; counts the calls it makes and the workers' in-flight."""
+
+    def __init__(self, workers: WorkerSet, prefill_retries: int) -> None:
+        self.workers = workers
+        self.prefill_retries = prefill_retries
+        self.requests_to_workers = 0
+
+    def prefill(
+        self,
+        request: common_pb2.WorkerRequest,
+        route: Callable[[list[str]], Decision],
+        active: ActiveRequest,
+        time_left: TimeLeft,
+        metadata: Metadata,
+    ) -> tuple[prefill_pb2.PrefillResponse, Decision]:
+        """Prefill on the pair `route(tried workers)` picks; a retryable failure before any
+        token retries on another pair. On return `active.handle` holds the lease (if any).
+        Raises Aborted, WorkerError, or what `route` raises."""
+        tried: list[str] = []
+        for attempt in range(1 + self.prefill_retries):
+            decision = route(tried)
+            stub = prefill_pb2_grpc.PrefillWorkerStub(decision.prefill.channel)
+            call = stub.Prefill.future(
+                prefill_pb2.PrefillRequest(
+                    request=request, decode_worker_id=decision.decode.worker_id
+                ),
+                timeout=time_left(),
+                metadata=metadata,
+            )
+            active.set_call(call.cancel)
+            decision.prefill.in_flight += 1
+            self.requests_to_workers += 1
+            try:
+                result = call.result()
+                if result.HasField("kv_handle"):
+                    active.handle = (decision.prefill, result.kv_handle.handle_id)
+                return result, decision
+            except grpc.RpcError as err:
+                self._raise_unless_retryable(err, active, attempt)
+                self.workers.mark_failed(decision.prefill)
+                tried.append(decision.prefill.worker_id)
+            finally:
+                decision.prefill.in_flight -= 1
+                active.set_call(None)
+        raise AssertionError("unreachable")
+
+    def _raise_unless_retryable(self, err: grpc.RpcError, active: ActiveRequest, attempt: int):
+        code = err.code()  # type: ignore[attr-defined]
+        if active.aborted or code is grpc.StatusCode.CANCELLED:
+            raise Aborted from None
+        if code not in RETRYABLE or attempt >= self.prefill_retries:
+            raise WorkerError(err) from None
+
+    def decode(
+        self,
+        request: common_pb2.WorkerRequest,
+        prefilled: prefill_pb2.PrefillResponse,
+        decision: Decision,
+        active: ActiveRequest,
+        time_left: TimeLeft,
+        metadata: Metadata,
+    ) -> Generator[decode_pb2.DecodeResponse, None, None]:
+        """The decode worker's stream. Closing it before the worker's last message cancels the
+        call (the worker frees at once). Raises Aborted, Unavailable (worker lost mid-stream,
+        marked failed) or WorkerError."""
+        stub = decode_pb2_grpc.DecodeWorkerStub(decision.decode.channel)
+        call = stub.Decode(
+            decode_pb2.DecodeRequest(
+                request=request,
+                first_token=prefilled.first_token,
+                first_logprobs=prefilled.logprobs if prefilled.HasField("logprobs") else None,
+                kv_handle=prefilled.kv_handle,
+            ),
+            timeout=time_left(),
+            metadata=metadata,
+        )
+        active.set_call(call.cancel)
+        decision.decode.in_flight += 1
+        self.requests_to_workers += 1
+        finished = False
+        try:
+            for part in call:
+                # NOTE: a response proves the decode worker took the request, and with it the
+                # lease (it releases it). Until then the router still releases it itself: a
+                # cancel can end the call before the worker's handler ever runs. ReleaseKv is
+                # idempotent, and a worker whose lease goes mid-pull recomputes (fails closed).
+                active.handle = None
+                finished = bool(part.finish_reason)
+                yield part
+        except GeneratorExit:
+            if not finished:
+                call.cancel()  # NOTE: e.g. a stop string matched; the worker frees at once
+            raise
+        except grpc.RpcError as err:
+            if active.aborted or err.code() is grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                raise Aborted from None
+            if err.code() is grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+                self.workers.mark_failed(decision.decode)
+                raise Unavailable("decode worker lost mid-stream") from None
+            raise WorkerError(err) from None
+        finally:
+            decision.decode.in_flight -= 1
+            active.set_call(None)
+
+    def release_unclaimed(self, active: ActiveRequest) -> None:
+        """ReleaseKv for a lease no decode worker took (idempotent; a failure leaves the lease
+        to expire)."""
+        if active.handle is None:
+            return
+        worker, handle_id = active.handle
+        try:
+            stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
+            stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
+        except grpc.RpcError:
+            log.warning("could not release lease %s; it will expire", handle_id)

@@ -1,0 +1,212 @@
+"""One Generate request across the cluster: route -> Prefill -> first token -> Decode -> stream.
+
+    admit ─► hash the prompt's blocks ─► route (router.route span) ─► Prefill ──► first token
+                                              ▲ retry once elsewhere ┘                │
+                                                                          Decode ◄────┘
+    release the lease no worker took, record the outcome ◄─ stop / cancel / error / finish
+
+A prefill that fails before any token retries once on another worker; a decode worker lost
+mid-stream ends the stream with UNAVAILABLE. Worker calls live in `clients.py`, the client's
+messages in `stream.py`, the record of the end in `outcome.py`.
+
+Request ids are scoped by tenant (router/auth.py): the in-flight table is keyed by
+`(tenant, request_id)`, so two tenants may run the same id, and neither Abort nor an "already
+running" answer reveals another tenant's ids. Workers see `auth.worker_request_id(tenant, id)`;
+clients only ever see their own id.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import closing
+from dataclasses import dataclass
+
+from opentelemetry.context import Context
+from opentelemetry.trace import Span
+
+from pagedserve import telemetry
+from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.kvstore.hashing import BlockHash, hash_blocks
+from pagedserve.metrics import RequestMetrics
+from pagedserve.router import convert
+from pagedserve.router.auth import worker_request_id
+from pagedserve.router.clients import (
+    Aborted,
+    ActiveRequest,
+    Metadata,
+    TimeLeft,
+    WorkerClients,
+    WorkerError,
+)
+from pagedserve.router.outcome import Outcome, reason_name, record
+from pagedserve.router.routing import Decision, RoutingPolicy, WorkerSet
+from pagedserve.router.stream import ClientStream, merge
+from pagedserve.router.tokenizer import RouterTokenizer
+from pagedserve.v1 import common_pb2, generation_pb2, prefill_pb2
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    block_size: int
+    model_fingerprint: bytes
+    max_queued_requests: int = 256
+    prefill_retries: int = 1
+
+
+class Orchestrator:
+    """Runs Generate requests and owns the table of those in flight (`active`)."""
+
+    def __init__(
+        self,
+        tokenizer: RouterTokenizer,
+        workers: WorkerSet,
+        policy: RoutingPolicy,
+        settings: RouterSettings,
+        tracing: telemetry.Tracing,
+        metrics: RequestMetrics,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.policy = policy
+        self.settings = settings
+        self.tracing = tracing
+        self.metrics = metrics
+        self.clients = WorkerClients(workers, settings.prefill_retries)
+        self.active: dict[tuple[str, str], ActiveRequest] = {}  # (tenant, request_id) -> it
+        self._lock = threading.Lock()
+        self.last_decision: Decision | None = None  # for tests and debugging
+
+    def admit(self, tenant: str, request_id: str) -> ActiveRequest:
+        """Register `(tenant, request_id)`; a duplicate is the same tenant's own mistake.
+        The caller then runs `generate`, which removes it again."""
+        with self._lock:
+            if len(self.active) >= self.settings.max_queued_requests:
+                raise ResourceExhausted("router queue is full", retry_after_s=1.0)
+            key = (tenant, request_id)
+            if key in self.active:
+                raise InvalidArgument("request_id", f"{request_id!r} is already running")
+            active = self.active[key] = ActiveRequest()
+        return active
+
+    def abort(self, tenant: str, request_id: str) -> bool:
+        """Abort the tenant's own request; False when it has none of that id in flight."""
+        with self._lock:
+            active = self.active.get((tenant, request_id))
+        if active is not None:
+            active.abort()
+        return active is not None
+
+    def generate(
+        self,
+        req: convert.RouterRequest,
+        tenant: str,
+        active: ActiveRequest,
+        *,
+        trace_parent: Context,
+        attributes: dict,
+        time_left: TimeLeft,
+        started: float,
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        """The client's messages (one merged message unless `req.stream`). Raises WorkerError
+        (a status to pass on) or `pagedserve.errors`; at the end, whatever happened, removes
+        the request from `active`, releases a lease no worker took and records the outcome."""
+        span = self.tracing.tracer.start_span(
+            "router.generate", context=trace_parent, attributes=attributes
+        )
+        outcome = Outcome()
+        try:
+            responses = self._run(req, tenant, active, span, outcome, time_left)
+            if req.stream:
+                yield from responses
+            else:
+                yield merge(list(responses))
+        except Aborted:
+            outcome.reason = "abort"
+            yield generation_pb2.GenerateResponse(
+                request_id=req.request_id, finish_reason=common_pb2.FINISH_REASON_ABORT
+            )
+        except WorkerError:
+            outcome.reason = "error"
+            raise
+        finally:
+            with self._lock:
+                self.active.pop((tenant, req.request_id), None)
+            self.clients.release_unclaimed(active)
+            e2e_s = time.monotonic() - started
+            record(self.metrics, span, req, tenant, outcome, active.aborted, e2e_s)
+
+    def _run(
+        self,
+        req: convert.RouterRequest,
+        tenant: str,
+        active: ActiveRequest,
+        span: Span,
+        outcome: Outcome,
+        time_left: TimeLeft,
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        hashes = hash_blocks(
+            req.prompt_token_ids,
+            self.settings.block_size,
+            model_fingerprint=self.settings.model_fingerprint,
+            cache_salt=req.cache_salt,
+        )
+        parent = telemetry.span_context(span)
+        metadata = telemetry.metadata(parent)
+        request = convert.worker_request(req, worker_request_id(tenant, req.request_id))
+        prefilled, decision = self.clients.prefill(
+            request, lambda tried: self._route(hashes, tried, parent), active, time_left, metadata
+        )
+        self.last_decision = decision
+        outcome.ttft_s = time.monotonic() - outcome.started
+        outcome.generated = 1
+        stream = ClientStream(req, self.tokenizer, prefilled.cached_tokens)
+        first = stream.from_prefill(prefilled)
+        if stream.finished:
+            outcome.reason = reason_name(first.finish_reason)
+            yield stream.finish(first)
+            return
+        yield first
+        for out in self._decode(request, prefilled, decision, stream, active, time_left, metadata):
+            outcome.generated = stream.completion_tokens
+            if out.finish_reason:
+                outcome.reason = reason_name(out.finish_reason)
+            yield out
+
+    def _route(self, hashes: Sequence[BlockHash], exclude: list[str], parent: Context) -> Decision:
+        with self.tracing.tracer.start_span("router.route", context=parent) as route:
+            try:
+                decision = self.policy.choose(hashes, exclude)
+            except LookupError as exc:
+                raise Unavailable(str(exc)) from None
+            route.set_attributes(decision.terms)
+            route.set_attribute("pagedserve.prefill_worker", decision.prefill.worker_id)
+            route.set_attribute("pagedserve.decode_worker", decision.decode.worker_id)
+            route.set_attribute("pagedserve.cached_blocks", decision.cached_blocks)
+        return decision
+
+    def _decode(
+        self,
+        request: common_pb2.WorkerRequest,
+        prefilled: prefill_pb2.PrefillResponse,
+        decision: Decision,
+        stream: ClientStream,
+        active: ActiveRequest,
+        time_left: TimeLeft,
+        metadata: Metadata,
+    ) -> Iterator[generation_pb2.GenerateResponse]:
+        parts = self.clients.decode(request, prefilled, decision, active, time_left, metadata)
+        with closing(parts):
+            try:
+                for part in parts:
+                    out = stream.from_decode(part)
+                    if stream.finished:
+                        parts.close()  # NOTE: cancels the call unless the worker finished it
+                        yield stream.finish(out)
+                        return
+                    if out.token_ids or out.text:
+                        yield out
+            except Aborted:
+                yield stream.abort()
+                return
+        raise Unavailable("decode stream ended without a finish reason")
