@@ -78,3 +78,10 @@ def test_a_gguf_given_as_model_converts_once_next_to_it(smollm2_dir, tmp_path):
     again = subprocess.run(argv, capture_output=True, text=True, timeout=600)
     assert again.returncode == 0 and again.stdout == out.stdout
     assert "dequantizing" not in again.stderr, "the second run reuses the conversion"
+
+
+def test_a_missing_gguf_is_a_clear_error(tmp_path):
+    argv = [*CLI, "generate", "--model", str(tmp_path / "nope.gguf"), "--prompt", "x"]
+    out = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert "no GGUF file" in out.stderr and "Traceback" not in out.stderr
