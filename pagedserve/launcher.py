@@ -197,6 +197,8 @@ def _start_all(
     common = ["--model", args.model, "--block-size", str(args.block_size)]
     if args.dtype:
         common += ["--dtype", args.dtype]
+    if getattr(args, "max_model_len", None):
+        common += ["--max-model-len", str(args.max_model_len)]
     if getattr(args, "otlp_traces_endpoint", None):
         common += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
     common += _tls_flags(args)
@@ -222,6 +224,7 @@ def _start_all(
     router_argv += redis_args
     if getattr(args, "api_key_file", None):
         router_argv += ["--api-key-file", args.api_key_file]
+    router_argv += ["--generation-config", getattr(args, "generation_config", "auto")]
     for child in started:
         router_argv += [f"--{child.name.split('-')[0]}", child.address]
     router = _spawn("router", _with_metrics(router_argv, args), log_dir)
@@ -261,7 +264,7 @@ def _tls_flags(args: argparse.Namespace) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", required=True, help="model directory, or FILE.gguf")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="the router's port (0: free)")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
@@ -270,6 +273,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="passed to the router and every worker"
+    )
+    parser.add_argument(
+        "--generation-config", default="auto", choices=["auto", "none"],
+        help="passed to the router (sampling defaults of generation_config.json)",
+    )  # fmt: skip
     parser.add_argument(
         "--worker-threads", type=int, default=None,
         help="torch threads per model worker (default: $OMP_NUM_THREADS, else the host's cores "

@@ -7,6 +7,7 @@ Torch-free (the router imports it). Each service's own messages are converted in
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from pagedserve.errors import InvalidArgument
@@ -34,13 +35,16 @@ _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_pena
 _FLOATS |= {"frequency_penalty"}
 
 
-def sampling_from_proto(msg: common_pb2.SamplingParams) -> SamplingParams:
-    """Unset fields take SamplingParams' defaults. Not validated: call `.validate()`.
+def sampling_from_proto(
+    msg: common_pb2.SamplingParams, defaults: Mapping[str, float] | None = None
+) -> SamplingParams:
+    """Unset fields take `defaults` (the router passes generation_config.json's), then
+    SamplingParams' defaults. Not validated: call `.validate()`.
 
     NOTE: proto floats are float32; they are widened to the nearest decimal of float32 precision
     (0.7 stays 0.7, not 0.699999988) so that every hop sees the same value it was given.
     """
-    values: dict[str, object] = {}
+    values: dict[str, object] = dict(defaults or {})
     for name in _SCALARS:
         if msg.HasField(name):
             value = getattr(msg, name)

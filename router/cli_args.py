@@ -8,7 +8,9 @@ from pagedserve.config import add_server_arguments, positive_int
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model", required=True, help="model directory (tokenizer + config)")
+    parser.add_argument(
+        "--model", required=True, help="model directory (tokenizer + config), or FILE.gguf"
+    )
     parser.add_argument("--served-model-name", default=None, help="name in Redis keys and APIs")
     parser.add_argument("--revision", default="", help="must match the workers' --revision")
     parser.add_argument(
@@ -18,6 +20,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--block-size", type=positive_int, default=16, help="the workers' block size"
     )
+    parser.add_argument(
+        "--max-model-len", type=positive_int, default=None,
+        help="the workers' --max-model-len (default: the model's max_position_embeddings)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--generation-config", default="auto", choices=["auto", "none"],
+        help="auto: generation_config.json's sampling defaults apply to requests that leave them "
+        "unset; none: SamplingParams' own defaults (eos ids are read either way)",
+    )  # fmt: skip
     add_server_arguments(parser, default_port=50051)
     parser.add_argument("--prefill", action="append", default=[], help="static prefill address")
     parser.add_argument("--decode", action="append", default=[], help="static decode address")

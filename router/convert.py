@@ -47,7 +47,7 @@ def router_request(
             msg.WhichOneof("prompt") or "prompt",
             f"{len(prompt)} prompt tokens leave no room under max_model_len {card.max_model_len}",
         )
-    params = sampling_from_proto(msg.sampling)
+    params = sampling_from_proto(msg.sampling, card.sampling_defaults)
     try:
         params.validate(
             vocab_size=card.vocab_size, max_model_len=card.max_model_len, prompt_len=len(prompt)

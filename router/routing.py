@@ -38,6 +38,10 @@ from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+MAX_SLOW_POLLS = 3
+"""GetLoad timeouts in a row that a worker is forgiven before it counts as failed."""
+
+
 @dataclass(frozen=True, slots=True)
 class CostWeights:
     overlap: float = 1.0
@@ -58,6 +62,7 @@ class Worker:
     load: WorkerLoad | None = None
     in_flight: int = 0
     failures: int = 0
+    slow_polls: int = 0  # GetLoad timeouts in a row, forgiven up to MAX_SLOW_POLLS
     assigned: int = 0  # requests routed here so far: breaks ties between equal costs
 
     @property
@@ -170,9 +175,16 @@ class WorkerSet:
         )
         try:
             worker.load = load_from_proto(stub(common_pb2.GetLoadRequest(), timeout=timeout_s))
-            worker.failures = 0
-        except grpc.RpcError:
-            worker.failures += 1
+            worker.failures = worker.slow_polls = 0
+        except grpc.RpcError as err:
+            # NOTE: on a saturated host a busy worker can answer GetLoad late; like a readiness
+            # probe's failure threshold, only MAX_SLOW_POLLS timeouts in a row take it out of
+            # routing (any other error at once)
+            slow = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            if slow and worker.slow_polls < MAX_SLOW_POLLS:
+                worker.slow_polls += 1
+            else:
+                worker.failures += 1
 
     def mark_failed(self, worker: Worker) -> None:
         worker.failures += 1

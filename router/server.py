@@ -35,7 +35,12 @@ def build_servicer(
     args: argparse.Namespace, metrics: RequestMetrics | None = None
 ) -> tuple[GenerationServicer, WorkerSet]:
     """The router's servicer and worker set. `metrics` None: a private registry (tests)."""
-    card = read_model_card(args.model, args.served_model_name)
+    card = read_model_card(
+        args.model,
+        args.served_model_name,
+        max_model_len=getattr(args, "max_model_len", None),
+        use_generation_config=getattr(args, "generation_config", "auto") != "none",
+    )
     tokenizer = RouterTokenizer.from_model_dir(args.model)
     registry = index = None
     if args.redis_url:

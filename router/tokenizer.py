@@ -2,8 +2,9 @@
 in well under a second (DESIGN §1).
 
 Reads `tokenizer.json` of a Hugging Face model directory; special token ids come from the
-tokenizer's added tokens, eos ids from `generation_config.json` / `config.json`, the chat template
-from `chat_template.jinja` / `tokenizer_config.json` (router/chat.py).
+tokenizer's added tokens, eos ids from `config.json` and `generation_config.json`
+(`pagedserve.generation_config`), the chat template from `chat_template.jinja` /
+`tokenizer_config.json` (router/chat.py).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from pagedserve import generation_config
 from pagedserve.router.chat import ChatTemplate
+from pagedserve.sampling_params import SamplingParams
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +31,8 @@ class ModelCard:
     architecture: str
     dtype: str
     config: dict  # config.json as written (the block-hash fingerprint is computed over it)
+    # generation_config.json's sampling values for the fields a request leaves unset
+    sampling_defaults: dict[str, float]
 
 
 class RouterTokenizer:
@@ -56,24 +61,38 @@ class RouterTokenizer:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
 
 
-def read_model_card(model_dir: str | Path, name: str | None = None) -> ModelCard:
-    """Read config.json (and generation_config.json) of a local model directory."""
+def read_model_card(
+    model_dir: str | Path,
+    name: str | None = None,
+    *,
+    max_model_len: int | None = None,
+    use_generation_config: bool = True,
+) -> ModelCard:
+    """Read config.json and generation_config.json of a local model directory.
+
+    `max_model_len`: the workers' `--max-model-len` (default: `max_position_embeddings`).
+    `use_generation_config` False (`--generation-config none`): no sampling defaults; the eos
+    ids of generation_config.json count either way. ValueError for sampling defaults that are
+    not valid SamplingParams.
+    """
     model_dir = Path(model_dir)
     config_path = model_dir / "config.json"
     if not config_path.is_file():
         raise FileNotFoundError(f"model: no config.json in {model_dir}")
     config = json.loads(config_path.read_text())
-    eos = config.get("eos_token_id")
-    generation_path = model_dir / "generation_config.json"
-    if generation_path.is_file():
-        eos = json.loads(generation_path.read_text()).get("eos_token_id", eos)
-    eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+    generation = generation_config.read_generation_config(model_dir)
+    defaults = generation_config.sampling_defaults(generation) if use_generation_config else {}
+    try:
+        SamplingParams(**defaults).validate()  # type: ignore[arg-type]
+    except ValueError as exc:
+        raise ValueError(f"model: {generation_config.FILE} of {model_dir}: {exc}") from None
     return ModelCard(
         name=name or model_dir.resolve().name,
         vocab_size=int(config["vocab_size"]),
-        max_model_len=int(config.get("max_position_embeddings", 2048)),
-        eos_token_ids=eos_ids,
+        max_model_len=max_model_len or int(config.get("max_position_embeddings", 2048)),
+        eos_token_ids=generation_config.eos_token_ids(config, generation),
         architecture=(config.get("architectures") or ["?"])[0],
         dtype=str(config.get("dtype") or config.get("torch_dtype") or "float32"),
         config=config,
+        sampling_defaults=defaults,
     )

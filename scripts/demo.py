@@ -1,5 +1,6 @@
-"""`make demo`: a whole pagedserve cluster on this machine, two streamed generations that share
-a prefix (the second reports cached prompt tokens), the cluster view, then a clean stop.
+"""`make demo`: a whole pagedserve cluster on this machine serving a real instruct model
+(SmolLM2-135M-Instruct, from `pagedserve fetch-model`), two chat questions that share a system
+prompt (the second reports cached prompt tokens), the cluster view, then a clean stop.
 
 Exits non-zero if any step fails, so `make test` can run it as a smoke test of the real thing.
 """
@@ -13,21 +14,35 @@ import sys
 import time
 
 SYSTEM = (
-    "You are a concise assistant for a bakery. Answer in one short sentence, and mention the "
-    "oven temperature when it matters."
+    "You are a concise assistant for a bakery. Answer in one or two short sentences, and mention "
+    "the oven temperature when it matters."
 )
 QUESTIONS = ("How long do croissants bake?", "What makes bread crust crisp?")
 
 
+def render_chat(model_dir: str, question: str) -> str:
+    """The conversation as the model's chat template renders it.
+
+    NOTE: rendered here, on the client, with the template of the model directory; once the
+    router renders `messages` itself (GenerateRequest.messages), this becomes the messages list
+    and the generate command below `pagedserve generate --chat`.
+    """
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default=".cache/tiny-llama")
-    parser.add_argument("--max-tokens", default="24")
+    parser.add_argument("--model", default=".cache/smollm2-135m-instruct")
+    parser.add_argument("--max-tokens", default="64")
     args = parser.parse_args()
     cli = [sys.executable, "-m", "pagedserve.cli"]
     print("$ pagedserve up --model", args.model, "--port 0", flush=True)
     up = subprocess.Popen(
-        [*cli, "up", "--model", args.model, "--port", "0", "--kv-cache-memory", "32MiB"],
+        [*cli, "up", "--model", args.model, "--port", "0", "--kv-cache-memory", "64MiB"],
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -44,9 +59,11 @@ def main() -> int:
                 address = line.split()[2]
         if address is None:
             return 1
+        print(f"\nsystem: {SYSTEM}", flush=True)
         for question in QUESTIONS:
-            prompt = f"{SYSTEM}\n\nQ: {question}\nA:"
-            print(f"\n$ pagedserve generate --router {address} '...{question}'", flush=True)
+            prompt = render_chat(args.model, question)
+            print(f"\nuser: {question}", flush=True)
+            print(f"$ pagedserve generate --router {address} '<chat template>'", flush=True)
             generate = [*cli, "generate", "--router", address, prompt]
             if subprocess.run([*generate, "--max-tokens", args.max_tokens], timeout=120).returncode:
                 return 1
