@@ -31,26 +31,21 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-import torch
-
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks, model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import ShmKVPool, layout_compat_hash
+from pagedserve.model.batch import RunnerOutput, StepPlan
 from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
-from pagedserve.model.engine import make_sequence
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
-from pagedserve.model.runner import ModelRunner, RunnerOutput, ScheduledSequence, kv_cache_spec
-from pagedserve.model.sequence import Sequence
+from pagedserve.model.runner import ModelRunner, kv_cache_spec
+from pagedserve.model.sampler import GeneratorStates
+from pagedserve.model.sequence import Sequence, make_sequence
 from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
-from pagedserve.prefill_worker.scheduler import (
-    PrefillPlan,
-    PrefillScheduler,
-    PrefillSchedulerConfig,
-)
+from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -222,6 +217,7 @@ class PrefillEngine:
             if pending is None:
                 return False
             self.scheduler.abort(request_id)
+            self.runner.sampler.remove(request_id)
         pending.future.cancel()
         return True
 
@@ -351,33 +347,38 @@ class PrefillEngine:
         if plan is None:
             return 0
         self.runner.copy_blocks(plan.copies)
-        generators = _generator_states(plan.batch)
+        generators = self.runner.sampler.save(i.seq.request_id for i in plan.scheduled)
         try:
-            output = self.runner.execute(plan.batch)
+            output = self.runner.execute(plan.scheduled)
         except Exception:
-            log.exception("prefill step of %d prompts failed; running each alone", len(plan.batch))
+            log.exception(
+                "prefill step of %d prompts failed; running each alone", len(plan.scheduled)
+            )
             return self._isolate_failure(plan, generators)
         self._apply(plan, output)
-        return plan.num_tokens
+        return plan.num_batched_tokens
 
-    def _schedule(self) -> PrefillPlan | None:
+    def _schedule(self) -> StepPlan | None:
         with self._lock:
             plan = self.scheduler.schedule()
-            if not plan.batch:
+            if not plan.scheduled:
                 self._wake.wait(0.05)  # NOTE: pool full of leased blocks; wait for frees
                 return None
             now_ns = time.time_ns()
-            for item in plan.batch:
+            for item in plan.scheduled:
                 pending = self._pending.get(item.seq.request_id)
                 if pending is not None and not pending.started_ns:
                     pending.started_ns = now_ns
             return plan
 
-    def _apply(self, plan: PrefillPlan, output: RunnerOutput) -> None:
+    def _apply(self, plan: StepPlan, output: RunnerOutput) -> None:
         """Advance the plan's prompts, hand over those done, publish the pool's events."""
         with self._lock:
             done = self.scheduler.update(plan, output)
-            self.num_prompt_tokens_computed += plan.num_tokens
+            for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
+                if sampled is not None or not self.scheduler.is_in_flight(item.seq):
+                    self.runner.sampler.remove(item.seq.request_id)  # done or aborted
+            self.num_prompt_tokens_computed += plan.num_batched_tokens
             events = self.pool.drain_events()
             finished = [self._hand_over(seq) for seq in done]
         for pending, result in finished:
@@ -386,7 +387,7 @@ class PrefillEngine:
         if events and self.on_events is not None:
             self.on_events(events)
 
-    def _isolate_failure(self, plan: PrefillPlan, generators: dict[int, torch.Tensor]) -> int:
+    def _isolate_failure(self, plan: StepPlan, generators: GeneratorStates) -> int:
         """Run each chunk of a failed step alone: keep the results of those that succeed, fail
         the prompts whose chunk raises alone. Returns the prompt tokens computed.
 
@@ -396,20 +397,18 @@ class PrefillEngine:
         would have.
         """
         computed, culprits = 0, []
-        for item in plan.batch:
+        for item in plan.scheduled:
             with self._lock:
                 if not self.scheduler.is_in_flight(item.seq):
                     continue  # aborted meanwhile: its blocks are already free
-            state = generators.get(id(item.seq))
-            if state is not None and item.seq.generator is not None:
-                item.seq.generator.set_state(state)
+            self.runner.sampler.restore({item.seq.request_id: generators[item.seq.request_id]})
             try:
                 output = self.runner.execute([item])
             except Exception:
                 log.exception("%s: prefill failed alone after a failed step", item.seq.request_id)
                 culprits.append(item.seq)
                 continue
-            self._apply(PrefillPlan([item], []), output)
+            self._apply(StepPlan([item]), output)
             computed += item.num_new_tokens
         if not culprits:
             log.warning("prefill step failed, but each of its prompts succeeded alone")
@@ -424,6 +423,7 @@ class PrefillEngine:
                 if not self.scheduler.is_in_flight(seq):
                     continue
                 self.scheduler.abort(seq.request_id)
+                self.runner.sampler.remove(seq.request_id)
                 pending = self._pending.pop(seq.request_id, None)
                 if pending is not None:
                     failed.append(pending)
@@ -450,15 +450,11 @@ class PrefillEngine:
             pending = list(self._pending.values())
             for p in pending:
                 self.scheduler.abort(p.seq.request_id)
+                self.runner.sampler.remove(p.seq.request_id)
             self._pending.clear()
             self._wake.notify()
         for p in pending:
             p.future.set_exception(error(p.seq.request_id))
-
-
-def _generator_states(batch: list[ScheduledSequence]) -> dict[int, torch.Tensor]:
-    """The state of each seeded sequence's generator, by `id(seq)`, to undo a failed step."""
-    return {id(i.seq): i.seq.generator.get_state() for i in batch if i.seq.generator is not None}
 
 
 def _unix_ms(monotonic_deadline: float, monotonic_now: float) -> int:

@@ -8,10 +8,9 @@ import time
 
 import pytest
 import torch
-from oracle import hf_greedy, hf_model, make_prompts
+from oracle import hf_greedy, hf_model, make_engine, make_prompts
 
 from pagedserve.errors import InvalidArgument
-from pagedserve.model.engine import Engine, EngineConfig
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.lease_table import LeaseState, LeaseStats
 from pagedserve.sampling_params import SamplingParams
@@ -60,8 +59,8 @@ def test_first_tokens_match_transformers_and_kv_is_leased_in_shm(engine, tiny_ll
     assert engine.pool.num_used == sum(-(-len(p) // 16) for p in prompts)
     assert os.path.exists(f"/dev/shm/{engine.shm_pool.segment_name}")
 
-    # the leased pages hold the same K/V a plain engine computes for the prompt
-    reference = Engine.from_model_dir(str(tiny_llama), EngineConfig(block_size=16, num_blocks=64))
+    # the leased pages hold the same K/V the decode engine computes for the prompt
+    reference = make_engine(tiny_llama, block_size=16, num_blocks=64)
     prompt, result = prompts[3], results[3]
     seq = reference.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2))
     reference.step()
