@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -301,7 +301,7 @@ class DecodeEngine:
         if not self.record_logits:
             return self.runner.execute(plan.scheduled)
         output, logits = self.runner.execute_with_logits(plan.scheduled)
-        rows = iter(logits if logits is not None else [])
+        rows: Iterator[torch.Tensor] = iter(logits if logits is not None else [])
         for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
             if sampled is not None:
                 self.logits.setdefault(item.seq.request_id, []).append(next(rows))
