@@ -99,7 +99,7 @@ class PagedPeer:
         self.passes += 1
         engine = self.engine
         seqs = [
-            engine.new_sequence(f"{self.passes}-{i}", p, self.params)
+            engine.new_sequence(p, self.params, request_id=f"{self.passes}-{i}")
             for i, p in enumerate(self.prompts)
         ]
         for seq in seqs:

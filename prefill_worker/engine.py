@@ -122,10 +122,10 @@ class PrefillEngine:
 
     def new_sequence(
         self,
-        request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
         *,
+        request_id: str,
         priority: int = 0,
         cache_salt: str = "",
     ) -> Sequence:
@@ -196,6 +196,10 @@ class PrefillEngine:
         return PrefillStepOutput(plan, done, self.pool.drain_events())
 
     # ---- state ----------------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise RuntimeError unless the pool's counts agree."""
+        self.pool.check_integrity()
 
     def count_cached(self, prompts: list[list[int]], cache_salt: str) -> int:
         """How many distinct full blocks of `prompts` the prefix cache holds now."""

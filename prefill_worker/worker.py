@@ -112,7 +112,11 @@ class PrefillWorker:
         step fails even alone, with Unavailable if the loop dies first.
         """
         seq = self.engine.new_sequence(
-            request_id, prompt_token_ids, params, priority=priority, cache_salt=cache_salt
+            prompt_token_ids,
+            params,
+            request_id=request_id,
+            priority=priority,
+            cache_salt=cache_salt,
         )
         lease_s = min(lease_seconds or self.config.lease_seconds, self.config.max_lease_seconds)
         future: Future[PrefillResult] = Future()
@@ -185,7 +189,7 @@ class PrefillWorker:
     def check_integrity(self) -> None:
         """`BlockPool.check_integrity()` under the worker's lock (safe while serving)."""
         with self.lock:
-            self.engine.pool.check_integrity()
+            self.engine.check_integrity()
 
     def registered_hashes(self) -> list:
         """Hashes of every block a prefix hit could use now (for republishing the index)."""

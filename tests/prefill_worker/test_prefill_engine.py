@@ -197,3 +197,21 @@ def test_bad_requests_are_refused_before_queueing(worker):
         worker.submit("big", [5] * (64 * 16 + 1), SamplingParams(max_tokens=1))
     assert info.value.field in ("prompt_token_ids", "max_tokens")
     assert not worker.engine.scheduler.has_work()
+
+
+def test_the_engine_alone_steps_without_a_thread_and_hands_prompts_back(tiny_llama):
+    config = PrefillEngineConfig(num_blocks=16, max_num_batched_tokens=32, use_shm=False)
+    engine = PrefillEngine.from_model_dir(str(tiny_llama), config)
+    (prompt,) = make_prompts((40,), seed=17)
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
+    seq = engine.new_sequence(prompt, seeded, request_id="alone")
+    engine.add_sequence(seq)
+    outputs = [engine.step() for _ in range(2)]
+    assert [out.plan.num_batched_tokens for out in outputs] == [32, 8]
+    assert outputs[0].done == [] and outputs[1].done == [seq]
+    assert seq.num_output_tokens == 1 and not engine.has_unfinished
+    assert engine.runner.sampler.num_generators == 0, "a handed-back prompt keeps no generator"
+    assert engine.pool.num_used == 3, "its blocks are the caller's until freed"
+    engine.free(seq.block_table)
+    engine.check_integrity()
+    assert engine.pool.num_used == 0
