@@ -8,7 +8,7 @@ lengths. Each peer lives in its own process, loads the model once and runs the w
 once untimed; then the repetitions are interleaved (one peer at a time, the order rotated every
 repetition), each timing one pass over every prompt:
 
-    pagedserve   PrefillEngine.submit() every prompt, step() until all have their first token
+    pagedserve   PrefillEngine.add_sequence() every prompt, step() until all have their first token
                  (batched + chunked under --max-num-batched-tokens, paged KV written, prefix
                  caching off so repetitions do not hit)
     hf-one       transformers forward per prompt, batch 1, no padding, use_cache=True (the KV is
@@ -97,13 +97,17 @@ class PagedPeer:
 
     def run(self) -> list[int]:
         self.passes += 1
-        futures = [
-            self.engine.submit(f"{self.passes}-{i}", p, self.params)
+        engine = self.engine
+        seqs = [
+            engine.new_sequence(p, self.params, request_id=f"{self.passes}-{i}")
             for i, p in enumerate(self.prompts)
         ]
-        while not all(f.done() for f in futures):
-            self.engine.step()
-        return [f.result().seq.output_token_ids[0] for f in futures]
+        for seq in seqs:
+            engine.add_sequence(seq)
+        while engine.has_unfinished:
+            for seq in engine.step().done:
+                engine.free(seq.block_table)
+        return [seq.output_token_ids[0] for seq in seqs]
 
 
 class HfPeer:

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
+from pagedserve.model.batch import TokenLogprobs
 from pagedserve.model.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
-from pagedserve.model.sampler import TokenLogprobs
 from pagedserve.model.sequence import FinishReason
 from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams

@@ -9,24 +9,26 @@ One `step()`::
     runner.copy_blocks(plan.copies); runner.execute(plan.scheduled)
     scheduler.update(plan, output)                   tokens, stops, frees
 
-It supersedes `pagedserve.model.engine.Engine` for the decode worker (that loop cannot preempt).
-`DecodeWorker` (worker.py) drives it from one loop thread and feeds it imported prompts
-(kv_import.py, DESIGN §3.5) through `add_prefilled`.
+It is the one generation loop in pagedserve: `DecodeWorker` (worker.py) drives it from one loop
+thread and feeds it imported prompts (kv_import.py, DESIGN §3.5) through `add_prefilled`;
+`pagedserve generate --model`, the oracle tests and the in-process benchmark peer call
+`add_request` / `generate` / `step` directly.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pagedserve.decode_worker.plan import (
+    DecodePlan,
     KVPolicy,
     PreemptionMode,
     SchedulerStats,
     SchedulingPolicy,
-    StepPlan,
 )
 from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
@@ -35,18 +37,30 @@ from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
+from pagedserve.model.batch import RunnerOutput
 from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
-from pagedserve.model.engine import EngineConfig, make_sequence
 from pagedserve.model.loader import load_model
-from pagedserve.model.runner import ModelRunner, RunnerOutput
-from pagedserve.model.sequence import RequestId, Sequence
+from pagedserve.model.runner import ModelRunner
+from pagedserve.model.sequence import RequestId, Sequence, make_sequence
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True, slots=True)
-class DecodeEngineConfig(EngineConfig):
-    """`EngineConfig` plus the decode worker's swap space, preemption and scheduling policy."""
+class DecodeEngineConfig:
+    """The pool, batch limits, model and device of one engine, its swap space, preemption and
+    scheduling policy. Validated once, here."""
 
+    block_size: int = 16
+    num_blocks: int = 512
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
+    enable_prefix_caching: bool = True
+    dtype: str | None = None  # default: the checkpoint's
+    device: str = "cpu"
     swap_space_gib: float = 4.0
     num_swap_blocks: int | None = None  # overrides swap_space_gib (tests size it in blocks)
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
@@ -61,7 +75,9 @@ class DecodeEngineConfig(EngineConfig):
     measure_costs: bool = True
 
     def __post_init__(self) -> None:
-        EngineConfig.__post_init__(self)
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.swap_space_gib < 0:
             raise ValueError(f"swap_space_gib: must be >= 0, got {self.swap_space_gib}")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
@@ -78,7 +94,7 @@ class DecodeEngineConfig(EngineConfig):
 
 @dataclass(slots=True)
 class DecodeStepOutput:
-    plan: StepPlan
+    plan: DecodePlan
     finished: list[Sequence] = field(default_factory=list)  # incl. plan.failed's sequences
     waited_for_swap_out: bool = False
 
@@ -124,6 +140,9 @@ class DecodeEngine:
             config.cost_model(),
         )
         self.errors: dict[RequestId, str] = {}  # request id -> why it finished with ERROR
+        # Tests compare logits with the oracle's: when set, each sampled step's logits row.
+        self.record_logits = False
+        self.logits: dict[RequestId, list[torch.Tensor]] = {}
         self._ids = itertools.count()
         self._swap_seen = (0, 0.0)  # (bytes, busy seconds) already fed to the cost model
 
@@ -234,6 +253,7 @@ class DecodeEngine:
 
     def abort(self, request_id: str) -> bool:
         """Free the request's device and host blocks now; False if unknown or finished."""
+        self.runner.sampler.remove(request_id)
         return self.scheduler.abort(request_id)
 
     def generate(
@@ -265,22 +285,34 @@ class DecodeEngine:
         output = RunnerOutput(sampled=[])
         if plan.scheduled:
             start = time.perf_counter()
-            output = self.runner.execute(plan.scheduled)
+            output = self._execute(plan)
             self._observe_prefill(plan, time.perf_counter() - start)
-        finished = self.scheduler.update(plan, output)
+        finished = self.scheduler.update(plan, output) + [f.seq for f in plan.failed]
+        for seq in finished:
+            self.runner.sampler.remove(seq.request_id)
         self._observe_swap()
         # NOTE: a KV import holds device blocks outside the scheduler until it hands its table
         # over (add_prefilled) or frees it; until then an empty plan is a wait, not a bug.
         if plan.is_empty and self.has_unfinished and not self.num_block_refs_outside:
             raise RuntimeError("decode engine: nothing schedulable (scheduler invariant broken)")
-        return DecodeStepOutput(plan, finished + [f.seq for f in plan.failed], waited)
+        return DecodeStepOutput(plan, finished, waited)
+
+    def _execute(self, plan: DecodePlan) -> RunnerOutput:
+        if not self.record_logits:
+            return self.runner.execute(plan.scheduled)
+        output, logits = self.runner.execute_with_logits(plan.scheduled)
+        rows: Iterator[torch.Tensor] = iter(logits if logits is not None else [])
+        for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
+            if sampled is not None:
+                self.logits.setdefault(item.seq.request_id, []).append(next(rows))
+        return output
 
     @property
     def num_block_refs_outside(self) -> int:
         """Device-block references no queued sequence holds: tables KV imports are filling."""
         return self.pool.num_refs - self.scheduler.num_block_refs
 
-    def _prepare_blocks(self, plan: StepPlan) -> bool:
+    def _prepare_blocks(self, plan: DecodePlan) -> bool:
         """Issue the plan's swaps and copies, waiting only where an ordering rule needs it."""
         waited = False
         if self.swapper is not None:
@@ -293,7 +325,7 @@ class DecodeEngine:
         return waited
 
     @staticmethod
-    def _blocks_written(plan: StepPlan) -> set[int]:
+    def _blocks_written(plan: DecodePlan) -> set[int]:
         """Device blocks this step writes: copy-on-write destinations and new tokens' slots."""
         blocks: set[int] = {dst for _, dst in plan.copies}
         for item in plan.scheduled:
@@ -305,7 +337,7 @@ class DecodeEngine:
             blocks.update(table.block_ids[first:end])
         return blocks
 
-    def _observe_prefill(self, plan: StepPlan, seconds: float) -> None:
+    def _observe_prefill(self, plan: DecodePlan, seconds: float) -> None:
         # NOTE: a decode-heavy step says little about prefill speed; only prefill-heavy count.
         prefill = sum(item.num_new_tokens for item in plan.scheduled if item.num_new_tokens > 1)
         if 2 * prefill >= plan.num_batched_tokens:

@@ -1,6 +1,8 @@
-"""What the decode scheduler decides for one step (`StepPlan`) and counts (`SchedulerStats`).
+"""What the decode scheduler decides for one step (`DecodePlan`) and counts (`SchedulerStats`).
 
-Plain data: no tensors. The engine executes a plan in this order (docs/scheduling.md)::
+Plain data: no tensors (no torch import). `DecodePlan` is the runner's `StepPlan`
+(model/batch.py: chunks and copy-on-write pairs) plus the decode worker's own decisions: swaps,
+preemptions, failures. The engine executes a plan in this order (docs/scheduling.md)::
 
     swaps              ─► Swapper (one FIFO queue: this plan's copies in the order decided)
     copies             ─► ModelRunner.copy_blocks   (after pending swap-outs of their dst blocks)
@@ -13,7 +15,7 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedserve.kvstore.block_pool import BlockId
-from pagedserve.model.runner import ScheduledSequence
+from pagedserve.model.batch import StepPlan
 from pagedserve.model.sequence import Sequence
 
 
@@ -67,21 +69,19 @@ class FailedSequence:
 
 
 @dataclass(slots=True)
-class StepPlan:
+class DecodePlan(StepPlan):
     """One step's decisions. Block pairs are ids in the device pool and the swap space's pool.
 
     Every sequence in `scheduled` has its slots for this step allocated; its
     `num_computed_tokens` is advanced by `Scheduler.update`, not here.
     """
 
-    scheduled: list[ScheduledSequence] = field(default_factory=list)
     # NOTE: in the order the scheduler decided them, and the Swapper keeps that order: a block
     # freed by one decision may be the destination of a later one in the same step (a victim
     # displaced for a swap-in frees the device blocks that swap-in then fills; a swap-in frees
     # host blocks that a later swap-out fills). Reordering them (say, every swap-in first)
     # overwrites a block before the copy that reads it.
     swaps: list[SwapCopies] = field(default_factory=list)
-    copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[Preemption] = field(default_factory=list)
     recomputed: list[Sequence] = field(default_factory=list)  # re-admitted after RECOMPUTE
     swapped_in: list[Sequence] = field(default_factory=list)
@@ -105,10 +105,6 @@ class StepPlan:
     def swap_out(self) -> list[tuple[BlockId, BlockId]]:
         """Every (device, host) swap-out pair, in order."""
         return [pair for c in self.swaps if c.direction is SwapDirection.OUT for pair in c.pairs]
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.scheduled)
 
     @property
     def is_empty(self) -> bool:

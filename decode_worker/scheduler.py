@@ -9,7 +9,7 @@ Three queues, each sequence in exactly one::
     rank = (priority, arrival)   under the `priority` policy (lower runs sooner)
     rank = (0, arrival)          under `fcfs`
 
-`schedule()` decides one step with block ids and token counts only and returns a `StepPlan`:
+`schedule()` decides one step with block ids and token counts only and returns a `DecodePlan`:
 
 1. swap in the best-ranked swapped sequences that fit (seat, blocks for their host blocks and
    next token, leaving room for the running sequences' next tokens);
@@ -34,13 +34,13 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from pagedserve.decode_worker.plan import (
+    DecodePlan,
     FailedSequence,
     KVPolicy,
     Preemption,
     PreemptionMode,
     SchedulerStats,
     SchedulingPolicy,
-    StepPlan,
     SwapDirection,
 )
 from pagedserve.decode_worker.preemption import (
@@ -55,8 +55,8 @@ from pagedserve.decode_worker.preemption import (
 )
 from pagedserve.kvstore.block_pool import BlockId, BlockPool
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.model.batch import RunnerOutput, ScheduledSequence
 from pagedserve.model.progress import admit, advance
-from pagedserve.model.runner import RunnerOutput, ScheduledSequence
 from pagedserve.model.sequence import FinishReason, RequestId, Sequence, SequenceStatus
 
 Rank = tuple[int, int]
@@ -106,7 +106,7 @@ class _Entry:
 class _Step:
     """One `schedule()` call in progress: the token budget left and what is scheduled so far."""
 
-    plan: StepPlan
+    plan: DecodePlan
     budget: int
     items: dict[RequestId, ScheduledSequence] = field(default_factory=dict)
     copies: dict[RequestId, Pairs] = field(default_factory=dict)
@@ -126,7 +126,7 @@ class _Step:
         self.items.pop(entry.seq.request_id, None)
         return self.copies.pop(entry.seq.request_id, [])
 
-    def finish(self) -> StepPlan:
+    def finish(self) -> DecodePlan:
         self.plan.scheduled = list(self.items.values())
         self.plan.copies = [pair for pairs in self.copies.values() for pair in pairs]
         return self.plan
@@ -234,9 +234,9 @@ class Scheduler:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def schedule(self) -> StepPlan:
+    def schedule(self) -> DecodePlan:
         """Decide the next step (see the module docstring). Mutates tables and queues."""
-        plan = StepPlan(failed=self._failed)
+        plan = DecodePlan(failed=self._failed)
         self._failed = []
         step = _Step(plan, self.config.max_num_batched_tokens)
         self._swap_in_what_fits(step)
@@ -248,7 +248,7 @@ class Scheduler:
         self._admit_waiting(step)
         return step.finish()
 
-    def update(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
+    def update(self, plan: DecodePlan, output: RunnerOutput) -> list[Sequence]:
         """Apply the runner's results for `plan`; return the sequences that finished.
 
         Advances `num_computed_tokens`, offers full blocks to the prefix cache, appends each

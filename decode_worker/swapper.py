@@ -6,7 +6,7 @@ victim needs its blocks now), so the bytes may still be in flight when the id is
 rules keep every read and write ordered; the engine applies the last two:
 
 1. **FIFO, in decision order.** Jobs run in submission order; inside a job, copies run in the
-   order the scheduler decided them (`StepPlan.swaps`). So every block id freed by one decision
+   order the scheduler decided them (`DecodePlan.swaps`). So every block id freed by one decision
    and reused by a later one, in this step or a later step, is read before it is written: a
    host block freed by a swap-in and reused by a later swap-out, a swap-out's host block read
    by a later swap-in, and a victim's device block swapped out and then filled by a swap-in
@@ -77,7 +77,7 @@ class _Job:
 
 
 class Swapper:
-    """Executes `StepPlan.swaps` between `device_cache` and `host_cache`, in plan order.
+    """Executes `DecodePlan.swaps` between `device_cache` and `host_cache`, in plan order.
 
     Both tensors are block-major pages with equal block shapes (`KVCache.tensor`,
     `SwapSpace.tensor`); block ids index dim 0. `copy_fn` replaces the copy (tests slow it down
@@ -119,7 +119,7 @@ class Swapper:
         )
 
     def submit_plan(self, swaps: Seq[SwapCopies]) -> None:
-        """Queue one step's copies (`StepPlan.swaps`) as one job that runs them in the given
+        """Queue one step's copies (`DecodePlan.swaps`) as one job that runs them in the given
         order. Returns at once; see the module docstring for what to wait on."""
         runs = [SwapCopies(c.direction, list(c.pairs)) for c in swaps if c.pairs]
         if not runs:

@@ -37,7 +37,7 @@ from pagedserve.decode_worker.kv_import import (
     TransferReport,
 )
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
-from pagedserve.model.runner import ScheduledSequence
+from pagedserve.model.batch import ScheduledSequence
 from pagedserve.model.sequence import FinishReason, RequestId, Sequence
 from pagedserve.telemetry import Tracing, setup_tracing
 from pagedserve.worker_load import WorkerLoad
@@ -277,14 +277,14 @@ class DecodeWorker:
         pending = seq.num_tokens - seq.num_computed_tokens
         if pending <= 0 or seq.num_tokens > len(table.block_ids) * table.block_size:
             return True  # nothing allocated to probe: not blamed
-        state = seq.generator.get_state() if seq.generator is not None else None
+        runner = self.engine.runner
+        states = runner.sampler.save([seq.request_id])
         try:
-            self.engine.runner.execute([ScheduledSequence(seq, pending)])
+            runner.execute([ScheduledSequence(seq, pending)])
         except Exception:
             return False
         finally:
-            if state is not None and seq.generator is not None:
-                seq.generator.set_state(state)
+            runner.sampler.restore(states)
         return True
 
     def _die(self) -> None:

@@ -5,7 +5,7 @@ Shared by both workers' `convert.py`; nothing else in `model/` touches protobuf.
 
 from __future__ import annotations
 
-from pagedserve.model.sampler import TokenLogprobs
+from pagedserve.model.batch import TokenLogprobs
 from pagedserve.model.sequence import FinishReason
 from pagedserve.v1 import common_pb2
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.runner import SampledToken, ScheduledSequence
+from pagedserve.model.batch import SampledToken, ScheduledSequence
 from pagedserve.model.sequence import Sequence, SequenceStatus
 
 

@@ -1,51 +1,24 @@
 """`ModelRunner`: turns a plan (which sequences compute how many tokens) into tensors and back.
 
 The runner never decides anything: schedulers hand it `ScheduledSequence`s whose blocks are
-already allocated, and it returns what the model produced. It mutates nothing but the KV cache
-(the slots of this step's tokens and any copy-on-write destination blocks).
+already allocated (model/batch.py), and it returns what the model produced. It mutates nothing
+but the KV cache (the slots of this step's tokens and any copy-on-write destination blocks) and
+its sampler's generators (one draw per seeded, sampled row).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence as Seq
-from dataclasses import dataclass
 
 import torch
 
 from pagedserve.kernels import dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
+from pagedserve.model.batch import RunnerOutput, SampledToken, ScheduledSequence
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM
-from pagedserve.model.sampler import Sampler, TokenLogprobs
-from pagedserve.model.sequence import Sequence
-
-
-@dataclass(slots=True)
-class ScheduledSequence:
-    """`num_new_tokens` of `seq`, starting at `seq.num_computed_tokens`, run this step."""
-
-    seq: Sequence
-    num_new_tokens: int
-
-    @property
-    def completes(self) -> bool:
-        """True when this chunk reaches the last known token, so the next token is sampled."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
-
-
-@dataclass(slots=True)
-class SampledToken:
-    token_id: int
-    logprobs: TokenLogprobs | None
-
-
-@dataclass(slots=True)
-class RunnerOutput:
-    """Per scheduled sequence (same order): the sampled token, or None for a partial chunk."""
-
-    sampled: list[SampledToken | None]
-    logits: torch.Tensor | None = None  # [num_sampled, vocab] float32, when asked for
+from pagedserve.model.sampler import Sampler, SamplingRow
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
@@ -88,16 +61,22 @@ class ModelRunner:
         """Apply copy-on-write pairs from the block manager before the step that needs them."""
         dispatch.copy_blocks(self.kv_cache.tensor, list(pairs))
 
-    def execute(
-        self, batch: Seq[ScheduledSequence], *, return_logits: bool = False
-    ) -> RunnerOutput:
+    def execute(self, batch: Seq[ScheduledSequence]) -> RunnerOutput:
         """Run one forward over `batch` and sample for every sequence whose chunk completes.
 
         Sequences are not updated here: the caller advances `num_computed_tokens` and appends
-        the sampled tokens (so a failed step leaves every sequence as it was).
+        the sampled tokens (so a failed step leaves every sequence as it was; only the seeded
+        rows' generators have advanced, see `Sampler.save`).
         """
+        return self.execute_with_logits(batch)[0]
+
+    def execute_with_logits(
+        self, batch: Seq[ScheduledSequence]
+    ) -> tuple[RunnerOutput, torch.Tensor | None]:
+        """`execute`, and beside its output the logits it sampled from: [num_sampled, vocab]
+        float32, one row per sampled sequence in batch order (None when none was sampled)."""
         if not batch:
-            return RunnerOutput(sampled=[])
+            return RunnerOutput(sampled=[]), None
         input_ids, positions, meta = self._prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         last_rows = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
@@ -106,11 +85,20 @@ class ModelRunner:
         logits = None
         if sample_idx:
             logits = self.model.compute_logits(hidden[last_rows[sample_idx]]).float()
-            rows = [batch[i].seq.sampling_row(self.config.eos_token_ids) for i in sample_idx]
-            out = self.sampler(logits, rows)
+            out = self.sampler(logits, [self._sampling_row(batch[i]) for i in sample_idx])
             for j, i in enumerate(sample_idx):
                 sampled[i] = SampledToken(out.token_ids[j], out.logprobs[j])
-        return RunnerOutput(sampled=sampled, logits=logits if return_logits else None)
+        return RunnerOutput(sampled=sampled), logits
+
+    def _sampling_row(self, item: ScheduledSequence) -> SamplingRow:
+        seq = item.seq
+        return SamplingRow(
+            request_id=seq.request_id,
+            params=seq.params,
+            prompt_token_ids=seq.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            eos_token_ids=self.config.eos_token_ids,
+        )
 
     def _prepare(
         self, batch: Seq[ScheduledSequence]

@@ -11,15 +11,21 @@ Per row, in the order vLLM and Hugging Face use:
 
 Filters follow `transformers`' warpers exactly (`TopKLogitsWarper` keeps ties with the k-th
 value, `TopPLogitsWarper`, `MinPLogitsWarper`) and always keep at least one token.
+
+Seeds: the sampler owns one `torch.Generator` per seeded request, keyed by request id, created
+from the seed when the request is first sampled and dropped by `remove` when it finishes or is
+aborted. So a seeded request draws the same tokens whatever else shares its batches; a worker
+that re-runs a failed step saves and restores the generators around it (`save` / `restore`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from pagedserve.model.batch import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")
@@ -29,29 +35,15 @@ _NEG_INF = float("-inf")
 class SamplingRow:
     """What the sampler needs to know about one row of the batch. Read, never mutated.
 
-    `generator` belongs to the sequence for its whole life (see `make_generator`); the sampler
-    advances it by one draw per sampled (non-greedy) step.
+    `request_id` keys the request's generator when `params.seed` is set: the sampler advances
+    it by one draw per sampled (non-greedy) step, for the request's whole life.
     """
 
+    request_id: str
     params: SamplingParams
     prompt_token_ids: Sequence[int]
     output_token_ids: Sequence[int]
-    generator: torch.Generator | None
     eos_token_ids: tuple[int, ...] = ()
-
-
-@dataclass(slots=True)
-class TokenLogprobs:
-    """Logprobs of one chosen token, from the raw model logits (before penalties/temperature).
-
-    `rank` is 1 for the most likely token (ties count against the token, as in vLLM); `top` holds
-    the `params.logprobs` most likely `(token_id, logprob)` pairs, most likely first.
-    """
-
-    token_id: int
-    logprob: float
-    rank: int
-    top: list[tuple[int, float]]
 
 
 @dataclass(slots=True)
@@ -62,19 +54,23 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
-def make_generator(seed: int | None, device: torch.device | str = "cpu") -> torch.Generator | None:
-    """A generator for one sequence's whole life, or None (global RNG) when `seed` is None.
-
-    Owning it per sequence makes a seeded request produce the same tokens whatever else shares
-    its batches. Create it on the device the logits live on.
-    """
-    if seed is None:
-        return None
+def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
+    """A generator for one request's whole life, on the device the logits live on."""
     return torch.Generator(device=device).manual_seed(seed)
 
 
+# A request's generator state before a step, or None when it had no generator yet.
+GeneratorStates = dict[str, torch.Tensor | None]
+
+
 class Sampler:
-    """Stateless; one instance per model runner. Never mutates `logits` or `rows`."""
+    """One instance per model runner; owns the seeded requests' generators, nothing else.
+
+    Never mutates `logits` or `rows`. Not thread-safe: call it from the runner's thread.
+    """
+
+    def __init__(self) -> None:
+        self._generators: dict[str, torch.Generator] = {}
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Choose one token per row of `logits` ([B, V], any float dtype) for `rows` (len B)."""
@@ -83,8 +79,43 @@ class Sampler:
         if all(_is_plain_greedy(row) for row in rows):
             token_ids = raw.argmax(dim=-1)
         else:
-            token_ids = _choose(self.processed_logits(raw, rows), rows)
+            generators = [self._generator(row, raw.device) for row in rows]
+            token_ids = _choose(self.processed_logits(raw, rows), rows, generators)
         return SamplerOutput(token_ids.tolist(), _logprobs(raw, token_ids, rows))
+
+    def _generator(self, row: SamplingRow, device: torch.device) -> torch.Generator | None:
+        """The row's own generator (created from its seed on first use), or None: global RNG."""
+        seed = row.params.seed
+        if seed is None or row.params.greedy:
+            return None
+        generator = self._generators.get(row.request_id)
+        if generator is None:
+            generator = make_generator(seed, device)
+            self._generators[row.request_id] = generator
+        return generator
+
+    def remove(self, request_id: str) -> None:
+        """Drop the request's generator (it finished or was aborted); a no-op if it has none."""
+        self._generators.pop(request_id, None)
+
+    def save(self, request_ids: Iterable[str]) -> GeneratorStates:
+        """The generator state of each request, to undo the draws of a step that failed."""
+        return {
+            rid: gen.get_state() if (gen := self._generators.get(rid)) is not None else None
+            for rid in request_ids
+        }
+
+    def restore(self, states: GeneratorStates) -> None:
+        """Put back generators as `save` found them (a request without one then loses it)."""
+        for request_id, state in states.items():
+            if state is None:
+                self._generators.pop(request_id, None)
+            elif (generator := self._generators.get(request_id)) is not None:
+                generator.set_state(state)
+
+    @property
+    def num_generators(self) -> int:
+        return len(self._generators)
 
     def processed_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The float32 logits each row's token is chosen from, as a new [B, V] tensor.
@@ -215,19 +246,23 @@ def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
     return logits.masked_fill(drop, _NEG_INF)
 
 
-def _choose(logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
+def _choose(
+    logits: torch.Tensor,
+    rows: Sequence[SamplingRow],
+    generators: Sequence[torch.Generator | None],
+) -> torch.Tensor:
     """Greedy rows take the argmax, others draw from softmax with their own generator."""
     token_ids = logits.argmax(dim=-1)
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if not sampled:
         return token_ids
     probs = logits.softmax(dim=-1)
-    unseeded = [i for i in sampled if rows[i].generator is None]
+    unseeded = [i for i in sampled if generators[i] is None]
     if unseeded:
         index = torch.tensor(unseeded, device=logits.device)
         token_ids[index] = torch.multinomial(probs[index], 1).squeeze(1)
     for i in sampled:
-        generator = rows[i].generator
+        generator = generators[i]
         if generator is not None:
             token_ids[i : i + 1] = torch.multinomial(probs[i], 1, generator=generator)
     return token_ids

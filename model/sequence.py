@@ -9,6 +9,9 @@ Progress is two counters (STYLE §4):
 Prefill, chunked prefill, prefix hits, resume after preemption and decode all follow from them:
 a step computes `token_ids[num_computed_tokens : num_computed_tokens + n]`, and when that reaches
 `num_tokens` the model's last row is sampled to get the next token.
+
+`make_sequence` is the one way every engine builds a sequence from a request: it validates the
+request against the model (InvalidArgument naming the field). This module imports no torch.
 """
 
 from __future__ import annotations
@@ -16,14 +19,17 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import NewType
+from typing import TYPE_CHECKING, NewType
 
-import torch
-
+from pagedserve.errors import InvalidArgument
+from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash, extend_block_hashes
-from pagedserve.model.sampler import SamplingRow, TokenLogprobs
+from pagedserve.model.batch import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from pagedserve.model.config import ModelConfig
 
 RequestId = NewType("RequestId", str)
 
@@ -54,7 +60,6 @@ class Sequence:
     cache_salt: str = ""
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
-    generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprobs | None] = field(default_factory=list)
     block_hashes: list[BlockHash] = field(default_factory=list)
@@ -103,15 +108,6 @@ class Sequence:
         self.output_logprobs.append(logprobs)
         self.update_block_hashes()
 
-    def sampling_row(self, eos_token_ids: tuple[int, ...]) -> SamplingRow:
-        return SamplingRow(
-            params=self.params,
-            prompt_token_ids=self.prompt_token_ids,
-            output_token_ids=self.output_token_ids,
-            generator=self.generator,
-            eos_token_ids=eos_token_ids,
-        )
-
     def check_stop(self, eos_token_ids: tuple[int, ...], max_model_len: int) -> bool:
         """Finish the sequence if its last token ends it; token-level stops only.
 
@@ -132,3 +128,53 @@ class Sequence:
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+
+
+def validate_request(
+    model_config: ModelConfig,
+    max_model_len: int,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+) -> None:
+    """Raise InvalidArgument naming the field if the request cannot run on this model.
+
+    Shared by every engine; capacity (does it fit this worker's KV cache) is each engine's own
+    policy, not checked here.
+    """
+    if not prompt_token_ids:
+        raise InvalidArgument("prompt_token_ids", "must not be empty")
+    if any(t < 0 or t >= model_config.vocab_size for t in prompt_token_ids):
+        raise InvalidArgument("prompt_token_ids", f"ids must be < {model_config.vocab_size}")
+    params.validate(
+        vocab_size=model_config.vocab_size,
+        max_model_len=max_model_len,
+        prompt_len=len(prompt_token_ids),
+    )
+
+
+def make_sequence(
+    model_config: ModelConfig,
+    max_model_len: int,
+    pool: BlockPool,
+    fingerprint: bytes,
+    request_id: str,
+    prompt_token_ids: list[int],
+    params: SamplingParams,
+    *,
+    priority: int = 0,
+    cache_salt: str = "",
+) -> Sequence:
+    """A validated `Sequence` with an empty block table of `pool`, not queued anywhere.
+
+    Shared by every engine; raises InvalidArgument naming the field for a bad request.
+    """
+    validate_request(model_config, max_model_len, prompt_token_ids, params)
+    return Sequence(
+        request_id=RequestId(request_id),
+        prompt_token_ids=list(prompt_token_ids),
+        params=params,
+        block_table=BlockTable(pool),
+        model_fingerprint=fingerprint,
+        cache_salt=cache_salt,
+        priority=priority,
+    )

@@ -209,14 +209,21 @@ def _run_generate(args: argparse.Namespace) -> int:
         return _generate_remote(args, prompt, params)
     from transformers import AutoTokenizer
 
-    from pagedserve.model.engine import Engine, EngineConfig
+    from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
+    from pagedserve.errors import InvalidArgument
 
-    engine = Engine.from_model_dir(
-        args.model,
-        EngineConfig(block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype),
+    config = DecodeEngineConfig(
+        block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype, num_swap_blocks=0
     )
+    engine = DecodeEngine.from_model_dir(args.model, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    (seq,) = engine.generate([tokenizer(prompt)["input_ids"]], params)
+    seq = engine.new_sequence(tokenizer(prompt)["input_ids"], params)  # validates the request
+    if not engine.would_fit(seq.num_prompt_tokens, params.max_tokens):
+        worst_case = seq.num_prompt_tokens + params.max_tokens
+        raise InvalidArgument("max_tokens", f"{worst_case} tokens cannot fit in the KV cache")
+    engine.add_sequence(seq)
+    while engine.has_unfinished:
+        engine.step()
     print(tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
     return 0
 

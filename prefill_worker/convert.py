@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 from pagedserve.kvstore.transfer import BlockChunk
 from pagedserve.model.convert import finish_reason_to_proto, logprobs_to_proto
-from pagedserve.prefill_worker.engine import PrefillEngine, PrefillResult
+from pagedserve.prefill_worker.engine import PrefillEngine
+from pagedserve.prefill_worker.worker import PrefillResult
 from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, prefill_pb2

@@ -1,6 +1,6 @@
 """`IndexPublisher`: mirrors a prefill worker's block events into the Redis prefix index.
 
-Threads: the engine loop calls `submit` after every step and never waits for Redis; one
+Threads: the worker's loop calls `submit` after every step and never waits for Redis; one
 publisher thread writes what was submitted, in order; the heartbeat thread calls `refresh`.
 One lock orders the publisher thread's writes and the heartbeat's refreshes, so a refresh
 snapshot never re-adds a hash whose REMOVED was already written.
@@ -21,7 +21,7 @@ import time
 from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
-from pagedserve.prefill_worker.engine import PrefillEngine
+from pagedserve.prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
@@ -37,14 +37,14 @@ class IndexPublisher:
         index: PrefixIndex,
         worker_id: str,
         incarnation: str,
-        engine: PrefillEngine,
+        worker: PrefillWorker,
         *,
         refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
     ) -> None:
         self.index = index
         self.worker_id = worker_id
         self.incarnation = incarnation
-        self.engine = engine
+        self.worker = worker
         self.refresh_interval_s = refresh_interval_s
         self.stale = False
         self.dropped_events = 0
@@ -69,7 +69,7 @@ class IndexPublisher:
             self._thread.join(timeout_s)
 
     def submit(self, events: list[BlockEvent]) -> None:
-        """Queue events for the publisher thread (the engine's `on_events`); never blocks."""
+        """Queue events for the publisher thread (the worker's `on_events`); never blocks."""
         with self._cond:
             self._queue.extend(events)
             self._cond.notify_all()
@@ -105,7 +105,7 @@ class IndexPublisher:
     def clear(self) -> None:
         """Delete this worker's entries (shutdown). Raises IndexUnavailable."""
         with self._lock:
-            self.index.clear(self.worker_id, self.engine.registered_hashes())
+            self.index.clear(self.worker_id, self.worker.registered_hashes())
 
     def _run(self) -> None:
         while True:
@@ -140,7 +140,7 @@ class IndexPublisher:
         due = time.monotonic() - self._last_refresh > self.refresh_interval_s
         if not (force or self.stale or due):
             return
-        hashes = self.engine.registered_hashes()
+        hashes = self.worker.registered_hashes()
         gone = self._removed_while_stale.difference(hashes)
         if gone:
             removed = [BlockEvent(BlockEventKind.REMOVED, h) for h in gone]

@@ -8,7 +8,7 @@ waiting prompts in heap order while the token budget, the seat limit and the poo
 
 A prompt is done when its last token has been computed and the first output token sampled; its
 blocks then belong to whoever takes the `Sequence` from `update()` (the worker leases them). The
-scheduler never touches tensors.
+scheduler never touches tensors (nor imports torch): it plans with model/batch.py's `StepPlan`.
 """
 
 from __future__ import annotations
@@ -17,10 +17,9 @@ import heapq
 import itertools
 from dataclasses import dataclass
 
-from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.model.batch import RunnerOutput, ScheduledSequence, StepPlan
 from pagedserve.model.progress import admit, advance
-from pagedserve.model.runner import RunnerOutput, ScheduledSequence
 from pagedserve.model.sequence import FinishReason, Sequence, SequenceStatus
 
 
@@ -29,18 +28,6 @@ class PrefillSchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64  # prompts in flight (started, not done)
     enable_prefix_caching: bool = True
-
-
-@dataclass(slots=True)
-class PrefillPlan:
-    """One step: the chunks to run and the copy-on-write pairs to apply before them."""
-
-    batch: list[ScheduledSequence]
-    copies: list[tuple[BlockId, BlockId]]
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(item.num_new_tokens for item in self.batch)
 
 
 class PrefillScheduler:
@@ -97,9 +84,10 @@ class PrefillScheduler:
         seq.finish(FinishReason.ABORT)  # queued entries are skipped lazily in the heap
         return seq
 
-    def schedule(self) -> PrefillPlan:
+    def schedule(self) -> StepPlan:
+        """The next step's chunks (allocated) and the copy-on-write pairs to apply before them."""
         budget = self.config.max_num_batched_tokens
-        plan = PrefillPlan(batch=[], copies=[])
+        plan = StepPlan()
         for seq in self.running:
             if budget == 0:
                 break
@@ -108,7 +96,7 @@ class PrefillScheduler:
             if pairs is None:
                 break  # NOTE: blocks free up as prompts finish and leases end; wait for them
             plan.copies += pairs
-            plan.batch.append(ScheduledSequence(seq, n))
+            plan.scheduled.append(ScheduledSequence(seq, n))
             budget -= n
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             head = self._peek()
@@ -122,12 +110,12 @@ class PrefillScheduler:
             heapq.heappop(self._waiting)
             item, pairs = admitted
             self.running.append(head)
-            plan.batch.append(item)
+            plan.scheduled.append(item)
             plan.copies += pairs
             budget -= item.num_new_tokens
         return plan
 
-    def update(self, plan: PrefillPlan, output: RunnerOutput) -> list[Sequence]:
+    def update(self, plan: StepPlan, output: RunnerOutput) -> list[Sequence]:
         """Apply a step's results; returns the prompts that are done, in batch order.
 
         A done prompt has its first token appended (and may already be FINISHED if that token
@@ -137,7 +125,7 @@ class PrefillScheduler:
         one at a time), as long as each chunk is applied at most once.
         """
         done = []
-        for item, sampled in zip(plan.batch, output.sampled, strict=True):
+        for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
             if not self.is_in_flight(item.seq):
                 continue  # NOTE: aborted while its forward ran: nothing to advance or register
             advance(

@@ -3,11 +3,11 @@
 Start-up: load the model, allocate the KV pool (in shared memory), bind the gRPC server, register
 in Redis (if `--redis-url`), prefill `--warmup-prompts` into the prefix cache and publish them,
 mark ready, print `READY <worker_id> <address>` on stdout. While serving, block events go to the
-Redis prefix index after every step (`IndexPublisher`, off the engine loop) and a heartbeat
+Redis prefix index after every step (`IndexPublisher`, off the worker's loop) and a heartbeat
 keeps the worker record alive; a Redis outage only makes the index stale (docs/prefill.md).
-If the engine loop dies, health turns NOT_SERVING and load reports draining.
+If the worker's loop dies, health turns NOT_SERVING and load reports draining.
 SIGTERM/SIGINT: health NOT_SERVING, refuse new prefills, wait for outstanding leases up to
-`--drain-timeout`, stop the engine, delete the index entries and the record, stop.
+`--drain-timeout`, stop the worker's loop, delete the index entries and the record, stop.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.index_publisher import IndexPublisher
 from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.warmup import load_warmup_prompts
+from pagedserve.prefill_worker.worker import PrefillWorker
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import prefill_pb2_grpc
 
@@ -99,15 +100,15 @@ def main(args: argparse.Namespace) -> int:
     if args.heartbeat_interval is not None and not 0 < args.heartbeat_interval < args.worker_ttl:
         raise ValueError("heartbeat-interval: must be in (0, --worker-ttl)")
     warmup = load_warmup_prompts(args.warmup_prompts, args.model) if args.warmup_prompts else []
-    engine = build_engine(args)
+    worker = PrefillWorker(build_engine(args))
     if stop.is_set():
-        engine.close()
+        worker.close()
         return 0
     tracing = setup_tracing(
         "pagedserve-prefill", args.otlp_traces_endpoint, include_text=args.trace_include_text
     )
-    servicer = PrefillServicer(engine, Identity("", "", ""), tracing)
-    _register_metrics(engine)
+    servicer = PrefillServicer(worker, Identity("", "", ""), tracing)
+    _register_metrics(worker)
     start_metrics_server(args.metrics_port, args.host)
     handle = build_grpc_server(
         servicer,
@@ -119,33 +120,33 @@ def main(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or default_worker_id("prefill", handle.port)
     me = Identity(worker_id, new_incarnation(), address)
     servicer.me = me
-    cluster = _join_cluster(args, engine, me)
-    engine.start()
+    cluster = _join_cluster(args, worker, me)
+    worker.start()
     try:
-        _warm_up(engine, warmup, cluster)
+        _warm_up(worker, warmup, cluster)
     except Exception:
         if cluster is not None:
             cluster.leave()
-        engine.close()
+        worker.close()
         raise
     handle.server.start()
     handle.set_ready(True)
-    if engine.dead:
+    if worker.dead:
         handle.set_ready(False)  # NOTE: the loop died before we turned ready
     print(f"READY {worker_id} {address}", flush=True)
     stop.wait()
 
-    log.info("draining: %d leases outstanding", len(engine.leases))
+    log.info("draining: %d leases outstanding", len(worker.leases))
     handle.set_ready(False)
     servicer.draining = True
     deadline = time.monotonic() + args.drain_timeout
-    while len(engine.leases) and time.monotonic() < deadline:
+    while len(worker.leases) and time.monotonic() < deadline:
         time.sleep(0.05)
-    engine.stop()  # NOTE: no step may publish after the index entries are cleared
+    worker.stop()  # NOTE: no step may publish after the index entries are cleared
     if cluster is not None:
         cluster.leave()
     handle.server.stop(grace=1.0).wait(2.0)
-    engine.close()
+    worker.close()
     tracing.shutdown()
     return 0
 
@@ -159,7 +160,7 @@ def build_grpc_server(
 ) -> ServerHandle:
     """The worker's gRPC server (not started, NOT_SERVING until `set_ready(True)`).
 
-    Health follows the engine: if its loop thread dies, every service turns NOT_SERVING.
+    Health follows the worker: if its loop thread dies, every service turns NOT_SERVING.
     """
     handle = build_server(
         [lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s)],
@@ -168,21 +169,21 @@ def build_grpc_server(
         max_message_bytes=max_message_bytes,
         tls=tls,
     )
-    servicer.engine.on_loop_death = lambda: handle.set_ready(False)
+    servicer.worker.on_loop_death = lambda: handle.set_ready(False)
     return handle
 
 
-def _warm_up(engine: PrefillEngine, prompts: list[list[int]], cluster: _Cluster | None) -> None:
+def _warm_up(worker: PrefillWorker, prompts: list[list[int]], cluster: _Cluster | None) -> None:
     """Prefill the warm-up prompts and wait until their blocks are in Redis (bounded)."""
     if not prompts:
         return
-    blocks = engine.warmup(prompts, timeout_s=WARMUP_TIMEOUT_S)
+    blocks = worker.warmup(prompts, timeout_s=WARMUP_TIMEOUT_S)
     log.info("warm-up: %d prompts, %d full blocks cached", len(prompts), blocks)
     if cluster is not None and not cluster.publisher.flush(timeout_s=5.0):
         log.warning("warm-up blocks not yet published to Redis")
 
 
-def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity) -> _Cluster | None:
+def _join_cluster(args: argparse.Namespace, worker: PrefillWorker, me: Identity) -> _Cluster | None:
     if not args.redis_url:
         return None
     client, model = connect(args.redis_url), model_key(args.served_model_name, args.model)
@@ -190,19 +191,19 @@ def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity)
         RedisPrefixIndex(client, model, block_size=args.block_size),
         me.worker_id,
         me.incarnation,
-        engine,
+        worker,
     )
-    engine.on_events = publisher.submit
+    worker.on_events = publisher.submit
     publisher.start()
 
     def load() -> WorkerLoad:
         # NOTE: called on every heartbeat; also the idle-time hook for the index refresh
         publisher.refresh()
-        return worker_load(engine, draining=engine.dead)
+        return worker_load(worker.engine, draining=worker.dead)
 
     member = join(
         client, model, me.worker_id, me.address, Role.PREFILL, load,
-        compat=compat_tag(engine.fingerprint, args.block_size),
+        compat=compat_tag(worker.engine.fingerprint, args.block_size),
         incarnation=me.incarnation,
         ttl_s=args.worker_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
@@ -215,8 +216,9 @@ def _join_cluster(args: argparse.Namespace, engine: PrefillEngine, me: Identity)
     return _Cluster(member, publisher)
 
 
-def _register_metrics(engine: PrefillEngine) -> None:
-    """Scrape-time metrics from the engine's pool, scheduler and lease table."""
+def _register_metrics(worker: PrefillWorker) -> None:
+    """Scrape-time metrics from the engine's pool and scheduler and the worker's lease table."""
+    engine = worker.engine
     pool, scheduler = engine.pool, engine.scheduler
     register_state(
         [
@@ -235,7 +237,7 @@ def _register_metrics(engine: PrefillEngine) -> None:
                   lambda: engine.num_prompt_tokens_cached),
         ],
         [
-            CounterSource("kv_leases_", engine.leases.stats, gauge_fields=("active",)),
+            CounterSource("kv_leases_", worker.leases.stats, gauge_fields=("active",)),
             CounterSource("prefix_cache_", lambda: PrefixCacheCounts(
                 queries=engine.num_prompt_tokens_computed + engine.num_prompt_tokens_cached,
                 hits=engine.num_prompt_tokens_cached,

@@ -1,4 +1,4 @@
-"""`pagedserve.v1.PrefillWorker`: a thin servicer over `PrefillEngine` (DESIGN §3.2).
+"""`pagedserve.v1.PrefillWorker`: a thin servicer over `PrefillWorker` (DESIGN §3.2).
 
 Errors are raised, not aborted: the server's interceptor maps them (pagedserve/errors.py), except
 a prompt whose step failed (`PrefillFailed`): INTERNAL with the request id in the message. A
@@ -19,8 +19,8 @@ from pagedserve.errors import Unavailable
 from pagedserve.grpcutil import time_remaining
 from pagedserve.kvstore.transfer import iter_block_chunks
 from pagedserve.prefill_worker import convert
-from pagedserve.prefill_worker.engine import PrefillEngine, PrefillFailed
 from pagedserve.prefill_worker.lease_table import LeaseState
+from pagedserve.prefill_worker.worker import PrefillFailed, PrefillWorker
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import Tracing, context_from, setup_tracing
 from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -35,10 +35,10 @@ TRACE_KEYS = ("traceparent", "tracestate")
 
 class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def __init__(
-        self, engine: PrefillEngine, me: convert.Identity, tracing: Tracing | None = None
+        self, worker: PrefillWorker, me: convert.Identity, tracing: Tracing | None = None
     ) -> None:
         self.tracing = tracing or setup_tracing("pagedserve-prefill", None)
-        self.engine = engine
+        self.worker = worker
         self.me = me
         self.draining = False
 
@@ -46,7 +46,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if self.draining:
             raise Unavailable("prefill worker is draining")
         call = convert.prefill_call(request)
-        future = self.engine.submit(
+        future = self.worker.submit(
             call.request_id,
             call.prompt_token_ids,
             call.params,
@@ -58,7 +58,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         try:
             result = future.result(timeout=time_remaining(context))
         except FutureTimeout:
-            self.engine.abort(call.request_id)
+            self.worker.abort(call.request_id)
             context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
         except CancelledError:
             context.abort(grpc.StatusCode.CANCELLED, "prefill aborted")
@@ -68,14 +68,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             # NOTE: the client left while the first token was computed: nobody will pull.
             # (A response lost after this check still ends by lease expiry, DESIGN §3.5.)
             if result.lease is not None:
-                self.engine.release(result.lease.handle_id)
+                self.worker.release(result.lease.handle_id)
             context.abort(grpc.StatusCode.CANCELLED, "client went away")
         trace = {k: v for k, v in context.invocation_metadata() if k in TRACE_KEYS}
         self._record_spans(result, context_from(trace))
-        return convert.prefill_response(result, self.engine, self.me, trace)
+        return convert.prefill_response(result, self.worker.engine, self.me, trace)
 
     def _record_spans(self, result, parent) -> None:
-        """prefill.queue and prefill.compute, from the times the engine recorded."""
+        """prefill.queue and prefill.compute, from the times the worker recorded."""
         if not self.tracing.enabled or not result.started_ns:
             return
         seq = result.seq
@@ -101,36 +101,36 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
     def _abandon(self, request_id: str, future) -> None:
         """Called when the RPC ends, however it ends: a prefill nobody awaits is aborted."""
         if not future.done():
-            self.engine.abort(request_id)
+            self.worker.abort(request_id)
 
     def PullKv(self, request, context) -> Iterator[prefill_pb2.KvChunk]:  # noqa: N802
         if request.producer_incarnation != self.me.incarnation:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, "handle of another incarnation")
-        block_ids = self.engine.leased_blocks(request.handle_id)
+        block_ids = self.worker.leased_blocks(request.handle_id)
         if block_ids is None:
             self._abort_dead_lease(request.handle_id, context)
             return
         max_chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         chunks = iter_block_chunks(
-            self.engine.runner.kv_cache, block_ids, max_chunk, list(request.block_indices)
+            self.worker.engine.runner.kv_cache, block_ids, max_chunk, list(request.block_indices)
         )
         for chunk in chunks:
             yield convert.kv_chunk(chunk)
-        if self.engine.leased_blocks(request.handle_id) is None:
+        if self.worker.leased_blocks(request.handle_id) is None:
             # NOTE: the lease ended while we streamed: the bytes may be from a reused block
             self._abort_dead_lease(request.handle_id, context, " during the transfer")
 
     def _abort_dead_lease(self, handle_id: str, context, when: str = "") -> None:
         """FAILED_PRECONDITION for an expired lease, NOT_FOUND for an unknown or released one."""
-        if self.engine.lease_state(handle_id) is LeaseState.EXPIRED:
+        if self.worker.lease_state(handle_id) is LeaseState.EXPIRED:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"lease expired{when}")
         context.abort(grpc.StatusCode.NOT_FOUND, f"lease unknown or released{when}")
 
     def ReleaseKv(self, request, context):  # noqa: N802
-        return prefill_pb2.ReleaseKvResponse(found=self.engine.release(request.handle_id))
+        return prefill_pb2.ReleaseKvResponse(found=self.worker.release(request.handle_id))
 
     def RenewLease(self, request, context):  # noqa: N802
-        expires = self.engine.renew(request.handle_id, float(request.extend_seconds))
+        expires = self.worker.renew(request.handle_id, float(request.extend_seconds))
         if expires is None:
             self._abort_dead_lease(request.handle_id, context)
         return prefill_pb2.RenewLeaseResponse(lease_expires_unix_ms=expires)
@@ -140,7 +140,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             raise Unavailable("prefill worker is draining")
         prompts = [list(p.ids) for p in request.prompts]
         try:
-            blocks = self.engine.warmup(
+            blocks = self.worker.warmup(
                 prompts, cache_salt=request.cache_salt, timeout_s=time_remaining(context)
             )
         except FutureTimeout:
@@ -148,6 +148,6 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.WarmupResponse(blocks_cached=blocks)
 
     def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
-        draining = self.draining or self.engine.dead
-        load = convert.worker_load(self.engine, draining)
+        draining = self.draining or self.worker.dead
+        load = convert.worker_load(self.worker.engine, draining)
         return load_to_proto(load, self.me.worker_id, Role.PREFILL)

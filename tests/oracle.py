@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from pagedserve.model.engine import Engine, EngineConfig
+from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.sampling_params import SamplingParams
 
 PROMPT_LENS = (1, 7, 16, 17, 33, 64, 150, 300)
@@ -46,10 +46,17 @@ def hf_greedy(model_dir: Path, dtype: torch.dtype, prompt: tuple[int, ...]):
     return tokens, torch.cat(out.logits).float()
 
 
+def make_engine(model_dir: Path, **config) -> DecodeEngine:
+    """The decode engine, in-process, without a swap space unless `config` asks for one."""
+    config.setdefault("num_swap_blocks", 0)
+    return DecodeEngine.from_model_dir(str(model_dir), DecodeEngineConfig(**config))
+
+
 def run_engine(model_dir: Path, prompts, *, record_logits=False, **config):
-    engine = Engine.from_model_dir(str(model_dir), EngineConfig(**config))
+    engine = make_engine(model_dir, **config)
     engine.record_logits = record_logits
     seqs = engine.generate(prompts, GREEDY)
-    engine.kv.check_integrity()
+    engine.check_integrity()
     assert engine.pool.num_used == 0, "finished sequences must hold no blocks"
+    assert engine.runner.sampler.num_generators == 0, "finished sequences hold no generator"
     return engine, seqs

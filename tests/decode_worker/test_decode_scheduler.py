@@ -10,17 +10,17 @@ import random
 import pytest
 
 from pagedserve.decode_worker.plan import (
+    DecodePlan,
     KVPolicy,
     PreemptionMode,
     SchedulingPolicy,
-    StepPlan,
 )
 from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.runner import RunnerOutput, SampledToken
+from pagedserve.model.batch import RunnerOutput, SampledToken
 from pagedserve.model.sequence import FinishReason, RequestId, Sequence, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
 
@@ -57,7 +57,7 @@ def make_seq(
     return seq
 
 
-def step(scheduler: Scheduler) -> tuple[StepPlan, list[Sequence]]:
+def step(scheduler: Scheduler) -> tuple[DecodePlan, list[Sequence]]:
     """One schedule + fake forward + update, with an integrity check after each half."""
     plan = scheduler.schedule()
     scheduler.check_integrity()
@@ -67,11 +67,11 @@ def step(scheduler: Scheduler) -> tuple[StepPlan, list[Sequence]]:
     return plan, finished
 
 
-def scheduled(plan: StepPlan) -> dict[str, int]:
+def scheduled(plan: DecodePlan) -> dict[str, int]:
     return {item.seq.request_id: item.num_new_tokens for item in plan.scheduled}
 
 
-def preempted(plan: StepPlan) -> list[tuple[str, PreemptionMode, int]]:
+def preempted(plan: DecodePlan) -> list[tuple[str, PreemptionMode, int]]:
     return [(p.seq.request_id, p.mode, p.num_blocks) for p in plan.preempted]
 
 

@@ -1,4 +1,4 @@
-"""A forward that raises for one prompt fails that prompt only (a real `PrefillEngine` on the tiny
+"""A forward that raises for one prompt fails that prompt only (a real `PrefillWorker` on the tiny
 model, then the real prefill gRPC server in-process on loopback); a dead loop flips health.
 
 The fault: every forward whose batch holds the poisoned request computes, then scribbles NaN over
@@ -33,14 +33,10 @@ from pagedserve.kvstore.transfer import BlockAssembler, BlockChunk
 from pagedserve.model.runner import ModelRunner, ScheduledSequence
 from pagedserve.model.sequence import RequestId, Sequence
 from pagedserve.prefill_worker.convert import Identity
-from pagedserve.prefill_worker.engine import (
-    PrefillEngine,
-    PrefillEngineConfig,
-    PrefillFailed,
-    PrefillResult,
-)
+from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.server import SERVICE_NAME, build_grpc_server
 from pagedserve.prefill_worker.servicer import PrefillServicer
+from pagedserve.prefill_worker.worker import PrefillFailed, PrefillResult, PrefillWorker
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
@@ -57,8 +53,8 @@ PARAMS = {rid: SEEDED if rid == "a" else GREEDY for rid in IDS}  # a completes i
 DECODE_STEPS = 6
 
 
-def make_engine(model_dir) -> PrefillEngine:
-    return PrefillEngine.from_model_dir(str(model_dir), CONFIG)
+def make_worker(model_dir) -> PrefillWorker:
+    return PrefillWorker(PrefillEngine.from_model_dir(str(model_dir), CONFIG))
 
 
 def workload() -> dict[str, list[int]]:
@@ -66,9 +62,9 @@ def workload() -> dict[str, list[int]]:
     return dict(zip(IDS, make_prompts((150, 40, 200, 30, 17), seed=91), strict=True))
 
 
-def poison(engine: PrefillEngine, monkeypatch, request_id: str = POISON) -> threading.Event:
+def poison(worker: PrefillWorker, monkeypatch, request_id: str = POISON) -> threading.Event:
     """Make every forward holding `request_id` past its first chunk corrupt its batch and raise."""
-    original = engine.runner.execute
+    original, cache = worker.engine.runner.execute, worker.engine.runner.kv_cache
     raised = threading.Event()
 
     def execute(batch, **kwargs):
@@ -77,12 +73,12 @@ def poison(engine: PrefillEngine, monkeypatch, request_id: str = POISON) -> thre
             for item in batch:
                 start = item.seq.num_computed_tokens
                 for slot in item.seq.block_table.slot_mapping(start, start + item.num_new_tokens):
-                    engine.runner.kv_cache.tensor[slot // BLOCK, :, :, slot % BLOCK] = torch.nan
+                    cache.tensor[slot // BLOCK, :, :, slot % BLOCK] = torch.nan
             raised.set()
             raise RuntimeError("injected prefill fault")
         return output
 
-    monkeypatch.setattr(engine.runner, "execute", execute)
+    monkeypatch.setattr(worker.engine.runner, "execute", execute)
     return raised
 
 
@@ -100,26 +96,26 @@ class Reference:
 @pytest.fixture(scope="module")
 def clean(tiny_llama) -> Iterator[dict[str, Reference]]:
     """Each prompt's first token and K/V from a run without the fault."""
-    engine = make_engine(tiny_llama)
-    engine.start()
+    worker = make_worker(tiny_llama)
+    worker.start()
     prompts = workload()
     try:
-        futures = {rid: engine.submit(rid, p, PARAMS[rid]) for rid, p in prompts.items()}
+        futures = {rid: worker.submit(rid, p, PARAMS[rid]) for rid, p in prompts.items()}
         references = {}
         for rid, future in futures.items():
             result = future.result(timeout=120)
             assert result.lease is not None
             blocks = list(result.lease.resource.block_ids)
-            kv = prompt_kv(engine.runner.kv_cache, blocks, len(prompts[rid])).clone()
+            kv = prompt_kv(worker.engine.runner.kv_cache, blocks, len(prompts[rid])).clone()
             references[rid] = Reference(result.seq.output_token_ids[0], kv)
-            assert engine.release(result.lease.handle_id)
+            assert worker.release(result.lease.handle_id)
         for rid in IDS:  # the reference itself follows transformers
             if PARAMS[rid] is GREEDY:
                 want = hf_greedy(tiny_llama, torch.float32, tuple(prompts[rid]))[0][0]
                 assert references[rid].first_token == want
         yield references
     finally:
-        engine.close()
+        worker.close()
 
 
 def assert_like(result: PrefillResult, reference: Reference, cache: KVCache) -> None:
@@ -132,57 +128,57 @@ def assert_like(result: PrefillResult, reference: Reference, cache: KVCache) -> 
 def test_a_prompt_whose_forward_raises_fails_alone_and_leaves_no_bad_block(
     tiny_llama, clean, monkeypatch
 ):
-    engine = make_engine(tiny_llama)
+    worker = make_worker(tiny_llama)
     prompts = workload()
     try:
-        raised = poison(engine, monkeypatch)
-        futures = {rid: engine.submit(rid, p, PARAMS[rid]) for rid, p in prompts.items()}
-        engine.start()  # NOTE: all five are in flight before the first step
+        raised = poison(worker, monkeypatch)
+        futures = {rid: worker.submit(rid, p, PARAMS[rid]) for rid, p in prompts.items()}
+        worker.start()  # NOTE: all five are in flight before the first step
         with pytest.raises(PrefillFailed, match=POISON) as info:
             futures[POISON].result(timeout=120)
         assert info.value.request_id == POISON and raised.is_set()
         results = {rid: futures[rid].result(timeout=120) for rid in IDS[1:]}
-        engine.check_integrity()
-        cache = engine.runner.kv_cache
+        worker.check_integrity()
+        cache = worker.engine.runner.kv_cache
         for rid, result in results.items():
             assert_like(result, clean[rid], cache)
-        assert not engine.dead
+        assert not worker.dead
 
         # the failed chunk's block was never offered to the prefix cache; the first chunk's
         # (computed by a step that succeeded) were, and hold the right K/V (the retry below)
-        hashes = hash_blocks(prompts[POISON], BLOCK, model_fingerprint=engine.fingerprint)
-        assert [engine.pool.lookup(h) is not None for h in hashes] == [True] * 8 + [False]
-        retry = engine.submit("poison-retry", prompts[POISON], GREEDY).result(timeout=120)
+        hashes = hash_blocks(prompts[POISON], BLOCK, model_fingerprint=worker.engine.fingerprint)
+        assert [worker.engine.pool.lookup(h) is not None for h in hashes] == [True] * 8 + [False]
+        retry = worker.submit("poison-retry", prompts[POISON], GREEDY).result(timeout=120)
         assert retry.seq.num_cached_prompt_tokens == 128
         assert_like(retry, clean[POISON], cache)
-        engine.check_integrity()
+        worker.check_integrity()
 
         for result in [*results.values(), retry]:
-            assert result.lease is not None and engine.release(result.lease.handle_id)
-        engine.check_integrity()
-        assert engine.pool.num_used == 0 and len(engine.scheduler.running) == 0
+            assert result.lease is not None and worker.release(result.lease.handle_id)
+        worker.check_integrity()
+        assert worker.engine.pool.num_used == 0 and len(worker.engine.scheduler.running) == 0
     finally:
-        engine.close()
-    engine.pool.check_integrity()
+        worker.close()
+    worker.engine.pool.check_integrity()
 
 
 def test_every_prompt_failing_alone_fails_each_by_name_and_frees_everything(
     tiny_llama, monkeypatch
 ):
-    engine = make_engine(tiny_llama)
+    worker = make_worker(tiny_llama)
     try:
-        monkeypatch.setattr(engine.runner, "execute", broken_forward)
+        monkeypatch.setattr(worker.engine.runner, "execute", broken_forward)
         prompts = make_prompts((20, 33, 5, 70), seed=92)
-        futures = [engine.submit(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
-        engine.start()
+        futures = [worker.submit(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        worker.start()
         for i, future in enumerate(futures):
             with pytest.raises(PrefillFailed, match=f"r{i}: "):
                 future.result(timeout=60)
-        engine.check_integrity()
-        assert engine.pool.num_used == 0 and engine.pool.num_cached == 0
-        assert not engine.scheduler.has_work() and not engine.dead
+        worker.check_integrity()
+        assert worker.engine.pool.num_used == 0 and worker.engine.pool.num_cached == 0
+        assert not worker.engine.scheduler.has_work() and not worker.dead
     finally:
-        engine.close()
+        worker.close()
 
 
 def broken_forward(batch, **kwargs):
@@ -193,11 +189,11 @@ def broken_forward(batch, **kwargs):
 
 
 class Server:
-    """A started prefill gRPC server on 127.0.0.1 over `engine` (the engine loop not started)."""
+    """A started prefill gRPC server on 127.0.0.1 over `worker` (the worker loop not started)."""
 
-    def __init__(self, engine: PrefillEngine) -> None:
-        self.engine = engine
-        self.servicer = PrefillServicer(engine, Identity("prefill-f", "inc-1", ""))
+    def __init__(self, worker: PrefillWorker) -> None:
+        self.worker = worker
+        self.servicer = PrefillServicer(worker, Identity("prefill-f", "inc-1", ""))
         self.handle = build_grpc_server(self.servicer)
         address = f"127.0.0.1:{self.handle.port}"
         self.servicer.me = Identity("prefill-f", "inc-1", address)
@@ -222,12 +218,12 @@ class Server:
         return self.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
 
     def wait_queued(self, n: int) -> None:
-        wait_for(lambda: self.engine.scheduler.num_waiting == n, "requests queued")
+        wait_for(lambda: self.worker.engine.scheduler.num_waiting == n, "requests queued")
 
     def close(self) -> None:
         self.channel.close()
         self.handle.server.stop(grace=None).wait(5)
-        self.engine.close()
+        self.worker.close()
 
 
 def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
@@ -239,10 +235,10 @@ def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 @pytest.fixture
 def server(tiny_llama) -> Iterator[Server]:
-    server = Server(make_engine(tiny_llama))
+    server = Server(make_worker(tiny_llama))
     yield server
     server.close()
-    server.engine.pool.check_integrity()
+    server.worker.engine.pool.check_integrity()
 
 
 def pull(stub, handle: common_pb2.KvHandle, cache: KVCache, dst: list[int]) -> None:
@@ -282,19 +278,19 @@ def decode_pulled(runner: ModelRunner, prompt, response, stub) -> list[int]:
 def test_grpc_answers_internal_naming_the_request_and_the_others_decode_right(
     server, tiny_llama, monkeypatch
 ):
-    engine = server.engine
-    raised = poison(engine, monkeypatch)
+    worker = server.worker
+    raised = poison(worker, monkeypatch)
     prompts = workload()
     calls = {rid: server.prefill(rid, p) for rid, p in prompts.items()}
     server.wait_queued(len(prompts))
-    engine.start()
+    worker.start()
     with pytest.raises(grpc.RpcError) as info:
         calls[POISON].result(timeout=120)
     assert info.value.code() == grpc.StatusCode.INTERNAL
     assert POISON in (info.value.details() or "")
     assert raised.is_set()
 
-    consumer = ModelRunner(engine.model_config, engine.runner.model, 16, BLOCK)
+    consumer = ModelRunner(worker.engine.model_config, worker.engine.runner.model, 16, BLOCK)
     for rid in IDS[1:]:
         response = calls[rid].result(timeout=120)
         want, _ = hf_greedy(tiny_llama, torch.float32, tuple(prompts[rid]))
@@ -306,33 +302,33 @@ def test_grpc_answers_internal_naming_the_request_and_the_others_decode_right(
         ).found
         assert found
     assert server.serving() and not server.load().draining
-    engine.check_integrity()
-    assert engine.pool.num_used == 0
+    worker.check_integrity()
+    assert worker.engine.pool.num_used == 0
 
 
 def test_a_dead_loop_flips_health_and_fails_every_prompt(server, monkeypatch):
-    engine = server.engine
+    worker = server.worker
 
     def explode():
         raise SystemExit("the loop thread is gone")  # not an Exception: the loop cannot go on
 
-    monkeypatch.setattr(engine, "step", explode)
+    monkeypatch.setattr(worker, "step", explode)
     prompts = make_prompts((9, 40), seed=93)
     calls = [server.prefill(f"doomed{i}", p) for i, p in enumerate(prompts)]
     server.wait_queued(len(prompts))
     assert server.serving()
-    engine.start()
+    worker.start()
     for i, call in enumerate(calls):
         with pytest.raises(grpc.RpcError) as info:
             call.result(timeout=60)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert f"doomed{i}" in (info.value.details() or "")
     wait_for(lambda: not server.serving(), "health NOT_SERVING")
-    assert engine.dead and server.load().draining
+    assert worker.dead and server.load().draining
     with pytest.raises(grpc.RpcError) as info:
         server.prefill("late", prompts[0]).result(timeout=10)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     with pytest.raises(Unavailable):
-        engine.submit("late", prompts[0], GREEDY)
-    engine.check_integrity()
-    assert engine.pool.num_used == 0 and not engine.scheduler.has_work()
+        worker.submit("late", prompts[0], GREEDY)
+    worker.check_integrity()
+    assert worker.engine.pool.num_used == 0 and not worker.engine.scheduler.has_work()

@@ -111,19 +111,22 @@ def test_every_backend_agrees_through_dispatch(triton_modules, make_case, tolera
 def test_tiny_model_generates_the_reference_tokens_on_every_backend(
     triton_modules, make_tiny, device, backend
 ):
-    from pagedserve.model.engine import Engine, EngineConfig
+    from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
     from pagedserve.sampling_params import SamplingParams
 
     model_dir = make_tiny("llama")
     prompts = [[5, 9, 13, 200, 7], list(range(3, 40))]
     params = SamplingParams(temperature=0.0, max_tokens=6)
 
-    config = EngineConfig(
-        block_size=8, num_blocks=32, device=str(device if backend == "triton" else "cpu")
+    config = DecodeEngineConfig(
+        block_size=8,
+        num_blocks=32,
+        device=str(device if backend == "triton" else "cpu"),
+        num_swap_blocks=0,
     )
 
     def generate():
-        engine = Engine.from_model_dir(str(model_dir), config)
+        engine = DecodeEngine.from_model_dir(str(model_dir), config)
         return [seq.output_token_ids for seq in engine.generate(prompts, params)]
 
     with dispatch.use_backend("reference"):

@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import GREEDY, hf_greedy, make_prompts, run_engine
+from oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
 
 from pagedserve.model.config import load_model_config
-from pagedserve.model.engine import Engine, EngineConfig
 from pagedserve.model.loader import load_model
+from pagedserve.model.sequence import FinishReason
 from pagedserve.sampling_params import SamplingParams
 
 VARIANTS = {
@@ -59,16 +59,15 @@ def test_config_variant_greedy_matches_transformers(make_tiny, variant):
 def test_mixed_prefill_chunks_and_decodes_in_one_forward_match_transformers(tiny_llama):
     """A small token budget forces steps that carry decode tokens and prefill chunks together."""
     prompts = make_prompts((3, 90, 20, 150, 1, 64), seed=5)
-    engine = Engine.from_model_dir(
-        str(tiny_llama), EngineConfig(block_size=16, num_blocks=64, max_num_batched_tokens=48)
-    )
+    engine = make_engine(tiny_llama, block_size=16, num_blocks=64, max_num_batched_tokens=48)
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
     mixed_steps = 0
     while engine.has_unfinished:
-        decoding = [s for s in engine.running if s.num_computed_tokens >= s.num_prompt_tokens]
-        prefilling = len(engine.running) + len(engine.waiting) - len(decoding)
-        stats = engine.step()
-        mixed_steps += bool(decoding) and prefilling > 0 and stats.num_scheduled_tokens > 1
+        running = [entry.seq for entry in engine.scheduler.running]
+        decoding = [s for s in running if s.num_computed_tokens >= s.num_prompt_tokens]
+        prefilling = len(running) + len(engine.scheduler.waiting) - len(decoding)
+        out = engine.step()
+        mixed_steps += bool(decoding) and prefilling > 0 and out.plan.num_batched_tokens > 1
     assert mixed_steps >= 3
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
@@ -78,7 +77,7 @@ def test_seeded_sampling_is_independent_of_the_batch(tiny_llama):
     prompt = make_prompts((12,), seed=6)[0]
     params = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=16)
     _, (alone,) = run_engine(tiny_llama, [prompt], block_size=16, num_blocks=64)
-    engine = Engine.from_model_dir(str(tiny_llama), EngineConfig(block_size=16, num_blocks=128))
+    engine = make_engine(tiny_llama, block_size=16, num_blocks=128)
     solo = engine.generate([prompt], params)[0].output_token_ids
     others = make_prompts((7, 33, 60), seed=7)
     mixed = engine.generate(
@@ -125,11 +124,10 @@ def test_missing_tensor_is_named(tiny_llama, tmp_path: Path):
 def test_bad_requests_raise_invalid_argument_naming_the_field(tiny_llama):
     from pagedserve.errors import InvalidArgument
 
-    engine = Engine.from_model_dir(str(tiny_llama), EngineConfig(block_size=16, num_blocks=8))
+    engine = make_engine(tiny_llama, block_size=16, num_blocks=8)
     cases = {
         "prompt_token_ids": ([], GREEDY),
         "prompt_token_ids ": ([5, 10_000], GREEDY),
-        "max_tokens": ([5] * 100, SamplingParams(max_tokens=100)),  # 200 tokens > 8 blocks of 16
         "temperature": ([5], SamplingParams(temperature=-1.0)),
     }
     for field, (prompt, params) in cases.items():
@@ -137,3 +135,15 @@ def test_bad_requests_raise_invalid_argument_naming_the_field(tiny_llama):
             engine.add_request(prompt, params)
         assert info.value.field == field.strip()
     assert not engine.has_unfinished
+
+
+def test_a_request_that_can_never_fit_ends_with_error_and_holds_nothing(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=16, num_blocks=8)
+    too_big = SamplingParams(max_tokens=100)  # 200 tokens > 8 blocks of 16
+    assert not engine.would_fit(100, too_big.max_tokens)
+    seq = engine.add_request([5] * 100, too_big)
+    assert seq.finish_reason is FinishReason.ERROR
+    (finished,) = engine.step().finished
+    assert finished is seq and "8 blocks" in engine.errors[seq.request_id]
+    assert not engine.has_unfinished and engine.pool.num_used == 0
+    engine.check_integrity()

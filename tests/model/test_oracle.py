@@ -1,6 +1,7 @@
 """The runtime against its oracle: Hugging Face transformers' greedy `generate()`, token for token.
 
-Every test here runs pagedserve's engine (paged KV cache, flattened mixed batches) and compares
+Every test here runs pagedserve's decode engine in-process (paged KV cache, flattened mixed
+batches, no gRPC) and compares
 with transformers on the same weights, one prompt at a time (no padding on the oracle side).
 """
 
@@ -8,9 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import GREEDY, hf_greedy, make_prompts, run_engine
-
-from pagedserve.model.engine import Engine, EngineConfig
+from oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
@@ -48,13 +47,11 @@ def test_half_precision_greedy_tokens_match_transformers(make_tiny, arch, dtype,
 def test_chunked_prefill_yields_the_same_tokens_as_one_pass(tiny_llama):
     (prompt,) = make_prompts((300,), seed=1)
     _, (one_pass,) = run_engine(tiny_llama, [prompt], block_size=16, num_blocks=64)
-    engine = Engine.from_model_dir(
-        str(tiny_llama), EngineConfig(block_size=16, num_blocks=64, max_num_batched_tokens=64)
-    )
+    engine = make_engine(tiny_llama, block_size=16, num_blocks=64, max_num_batched_tokens=64)
     (seq,) = [engine.add_request(prompt, GREEDY)]
     chunk_sizes = []
     while seq.num_computed_tokens < len(prompt):
-        chunk_sizes.append(engine.step().num_scheduled_tokens)
+        chunk_sizes.append(engine.step().plan.num_batched_tokens)
     assert chunk_sizes == [64, 64, 64, 64, 44]
     while engine.has_unfinished:
         engine.step()
@@ -68,10 +65,10 @@ def test_prefix_cache_hit_skips_three_blocks_and_keeps_tokens(tiny_llama):
     first = shared + make_prompts((5,), seed=3)[0]
     second = shared + make_prompts((9,), seed=4)[0]
 
-    engine = Engine.from_model_dir(str(tiny_llama), EngineConfig(block_size=16, num_blocks=64))
+    engine = make_engine(tiny_llama, block_size=16, num_blocks=64)
     engine.generate([first], GREEDY)
     seq = engine.add_request(second, GREEDY)
-    prefill_tokens = engine.step().num_scheduled_tokens
+    prefill_tokens = engine.step().plan.num_batched_tokens
     while engine.has_unfinished:
         engine.step()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 from collections import Counter
 from collections.abc import Sequence
 from typing import cast
@@ -15,13 +17,14 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from pagedserve.model.sampler import Sampler, SamplingRow, make_generator
+from pagedserve.model.sampler import Sampler, SamplingRow
 from pagedserve.sampling_params import SamplingParams
 
 VOCAB = 50
 GREEDY = SamplingParams(temperature=0.0)
 # transformers' warpers ignore input_ids; they only need the argument.
 NO_IDS = cast(torch.LongTensor, torch.zeros(1, 1, dtype=torch.long))
+ROW_IDS = itertools.count()
 
 
 def make_row(
@@ -32,7 +35,9 @@ def make_row(
     seed: int | None = None,
     eos: tuple[int, ...] = (),
 ) -> SamplingRow:
-    return SamplingRow(params, list(prompt), list(output), make_generator(seed), eos)
+    """A row of its own request (a fresh id), seeded with `seed` (None: the global RNG)."""
+    params = dataclasses.replace(params, seed=seed)
+    return SamplingRow(f"row-{next(ROW_IDS)}", params, list(prompt), list(output), eos)
 
 
 def random_logits(batch: int = 1, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
@@ -63,9 +68,9 @@ def test_greedy_ties_take_the_lowest_index() -> None:
 
 def test_top_k_one_is_greedy_whatever_the_temperature() -> None:
     logits = random_logits(batch=1)
-    row = make_row(SamplingParams(temperature=5.0, top_k=1), seed=0)
+    row, sampler = make_row(SamplingParams(temperature=5.0, top_k=1), seed=0), Sampler()
     for _ in range(20):
-        assert Sampler()(logits, [row]).token_ids == [int(logits.argmax())]
+        assert sampler(logits, [row]).token_ids == [int(logits.argmax())]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
@@ -228,8 +233,8 @@ def test_rows_in_one_batch_are_filtered_independently() -> None:
 def test_sampled_tokens_stay_within_top_k() -> None:
     logits = random_logits(seed=4)
     allowed = set(torch.topk(logits[0], 3).indices.tolist())
-    row = make_row(SamplingParams(temperature=1.5, top_k=3), seed=123)
-    draws = Counter(Sampler()(logits, [row]).token_ids[0] for _ in range(200))
+    row, sampler = make_row(SamplingParams(temperature=1.5, top_k=3), seed=123), Sampler()
+    draws = Counter(sampler(logits, [row]).token_ids[0] for _ in range(200))
     assert set(draws) <= allowed
     assert len(draws) >= 2  # it does sample, not argmax
 
@@ -239,7 +244,12 @@ def test_sampled_tokens_stay_within_top_k() -> None:
 
 def generate(rows: list[SamplingRow], steps: int, seed: int = 0) -> list[list[int]]:
     """Sample `steps` tokens for every row with fresh random logits per step."""
-    sampler = Sampler()
+    return generate_with(Sampler(), rows, steps, seed)
+
+
+def generate_with(
+    sampler: Sampler, rows: list[SamplingRow], steps: int, seed: int = 0
+) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     tokens: list[list[int]] = [[] for _ in rows]
     base = torch.randn(steps, VOCAB, generator=g)
@@ -269,6 +279,32 @@ def test_different_seeds_give_different_tokens() -> None:
     params = SamplingParams(temperature=1.0)
     a, b = generate([make_row(params, seed=1), make_row(params, seed=2)], steps=16)
     assert a != b
+
+
+def test_the_sampler_keeps_a_generator_per_request_until_it_is_removed() -> None:
+    params = SamplingParams(temperature=1.0)
+    row = make_row(params, seed=42)
+    sampler = Sampler()
+    first = generate_with(sampler, [row], steps=8)[0]
+    assert sampler.num_generators == 1
+    assert generate_with(sampler, [row], steps=8)[0] != first, "the generator went on"
+    sampler.remove(row.request_id)
+    assert sampler.num_generators == 0
+    assert generate_with(sampler, [row], steps=8)[0] == first, "a new request starts over"
+    greedy = make_row(GREEDY, seed=42)
+    generate_with(sampler, [greedy], steps=1)
+    assert sampler.num_generators == 1, "a greedy row draws nothing: no generator"
+
+
+def test_restore_undoes_the_draws_since_save() -> None:
+    params = SamplingParams(temperature=1.0)
+    used, fresh = make_row(params, seed=5), make_row(params, seed=6)
+    sampler = Sampler()
+    generate_with(sampler, [used], steps=3)
+    states = sampler.save([used.request_id, fresh.request_id])
+    once = generate_with(sampler, [used, fresh], steps=4)
+    sampler.restore(states)
+    assert generate_with(sampler, [used, fresh], steps=4) == once
 
 
 def test_high_temperature_flattens_the_distribution() -> None:

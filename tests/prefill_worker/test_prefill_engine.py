@@ -1,5 +1,6 @@
-"""PrefillEngine on the tiny model: first tokens equal transformers', blocks are leased in
-shared memory, and every lease ends (release or expiry) with its blocks in the prefix cache."""
+"""PrefillWorker over PrefillEngine on the tiny model: first tokens equal transformers', blocks
+are leased in shared memory, and every lease ends (release or expiry) with its blocks in the
+prefix cache."""
 
 from __future__ import annotations
 
@@ -8,12 +9,12 @@ import time
 
 import pytest
 import torch
-from oracle import hf_greedy, hf_model, make_prompts
+from oracle import hf_greedy, hf_model, make_engine, make_prompts
 
 from pagedserve.errors import InvalidArgument
-from pagedserve.model.engine import Engine, EngineConfig
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.lease_table import LeaseState, LeaseStats
+from pagedserve.prefill_worker.worker import PrefillWorker
 from pagedserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
@@ -26,16 +27,19 @@ def hf_next_token(model_dir, prompt: list[int]) -> int:
     return int(logits[0, -1].argmax())
 
 
+def make_worker(model_dir, config: PrefillEngineConfig) -> PrefillWorker:
+    return PrefillWorker(PrefillEngine.from_model_dir(str(model_dir), config))
+
+
 @pytest.fixture
-def engine(tiny_llama):
-    eng = PrefillEngine.from_model_dir(
-        str(tiny_llama),
-        PrefillEngineConfig(block_size=16, num_blocks=64, max_num_batched_tokens=128),
+def worker(tiny_llama):
+    worker = make_worker(
+        tiny_llama, PrefillEngineConfig(block_size=16, num_blocks=64, max_num_batched_tokens=128)
     )
-    eng.start()
-    yield eng
-    eng.close()
-    eng.pool.check_integrity()
+    worker.start()
+    yield worker
+    worker.close()
+    worker.engine.pool.check_integrity()
 
 
 def wait_for(predicate, timeout_s=5.0):
@@ -45,9 +49,9 @@ def wait_for(predicate, timeout_s=5.0):
         time.sleep(0.01)
 
 
-def test_first_tokens_match_transformers_and_kv_is_leased_in_shm(engine, tiny_llama):
+def test_first_tokens_match_transformers_and_kv_is_leased_in_shm(worker, tiny_llama):
     prompts = make_prompts((1, 16, 40, 130, 7), seed=11)
-    futures = [engine.submit(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
+    futures = [worker.submit(f"r{i}", p, GREEDY) for i, p in enumerate(prompts)]
     results = [f.result(timeout=60) for f in futures]
     for prompt, result in zip(prompts, results, strict=True):
         assert (
@@ -57,11 +61,11 @@ def test_first_tokens_match_transformers_and_kv_is_leased_in_shm(engine, tiny_ll
         assert result.lease is not None
         assert len(result.lease.resource.block_ids) == -(-len(prompt) // 16)
         assert result.lease_expires_unix_ms > time.time() * 1000
-    assert engine.pool.num_used == sum(-(-len(p) // 16) for p in prompts)
-    assert os.path.exists(f"/dev/shm/{engine.shm_pool.segment_name}")
+    assert worker.engine.pool.num_used == sum(-(-len(p) // 16) for p in prompts)
+    assert os.path.exists(f"/dev/shm/{worker.engine.shm_pool.segment_name}")
 
-    # the leased pages hold the same K/V a plain engine computes for the prompt
-    reference = Engine.from_model_dir(str(tiny_llama), EngineConfig(block_size=16, num_blocks=64))
+    # the leased pages hold the same K/V the decode worker computes for the prompt
+    reference = make_engine(tiny_llama, block_size=16, num_blocks=64)
     prompt, result = prompts[3], results[3]
     seq = reference.add_request(prompt, SamplingParams(temperature=0.0, max_tokens=2))
     reference.step()
@@ -69,62 +73,62 @@ def test_first_tokens_match_transformers_and_kv_is_leased_in_shm(engine, tiny_ll
         zip(result.lease.resource.block_ids, seq.block_table.block_ids, strict=True)
     ):
         tokens = min(16, len(prompt) - i * 16)
-        got = engine.runner.kv_cache.tensor[mine][:, :, :tokens]
+        got = worker.engine.runner.kv_cache.tensor[mine][:, :, :tokens]
         want = reference.runner.kv_cache.tensor[theirs][:, :, :tokens]
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
     reference.abort(seq.request_id)
 
     for result in results:
-        assert engine.release(result.lease.handle_id)
-        assert not engine.release(result.lease.handle_id), "release is idempotent"
-    assert engine.pool.num_used == 0
-    assert engine.pool.num_cached == sum(len(p) // 16 for p in prompts)
+        assert worker.release(result.lease.handle_id)
+        assert not worker.release(result.lease.handle_id), "release is idempotent"
+    assert worker.engine.pool.num_used == 0
+    assert worker.engine.pool.num_cached == sum(len(p) // 16 for p in prompts)
 
 
-def test_lease_release_expiry_renewal_keep_the_pool_whole_and_blocks_cached(engine):
+def test_lease_release_expiry_renewal_keep_the_pool_whole_and_blocks_cached(worker):
     pa, pb, pc = make_prompts((40, 40, 40), seed=12)
-    a = engine.submit("lease-a", pa, GREEDY).result(timeout=60)  # the default 30 s lease
-    engine.check_integrity()
-    assert engine.pool.num_used == 3
-    assert engine.release(a.lease.handle_id)
-    assert engine.pool.num_used == 0, "release frees at once"
-    engine.check_integrity()
-    assert engine.lease_state(a.lease.handle_id) is LeaseState.UNKNOWN
+    a = worker.submit("lease-a", pa, GREEDY).result(timeout=60)  # the default 30 s lease
+    worker.check_integrity()
+    assert worker.engine.pool.num_used == 3
+    assert worker.release(a.lease.handle_id)
+    assert worker.engine.pool.num_used == 0, "release frees at once"
+    worker.check_integrity()
+    assert worker.lease_state(a.lease.handle_id) is LeaseState.UNKNOWN
 
-    b = engine.submit("lease-b", pb, GREEDY, lease_seconds=1.0).result(timeout=60)
-    c = engine.submit("lease-c", pc, GREEDY, lease_seconds=1.0).result(timeout=60)
-    renewed_ms = engine.renew(c.lease.handle_id, 30)
+    b = worker.submit("lease-b", pb, GREEDY, lease_seconds=1.0).result(timeout=60)
+    c = worker.submit("lease-c", pc, GREEDY, lease_seconds=1.0).result(timeout=60)
+    renewed_ms = worker.renew(c.lease.handle_id, 30)
     assert renewed_ms is not None and renewed_ms > c.lease_expires_unix_ms + 20_000
     if time.time() * 1000 < b.lease_expires_unix_ms - 100:
-        assert engine.pool.num_used == 6, "nothing is freed before the deadline"
-    wait_for(lambda: engine.pool.num_used == 3)
+        assert worker.engine.pool.num_used == 6, "nothing is freed before the deadline"
+    wait_for(lambda: worker.engine.pool.num_used == 3)
     assert time.time() * 1000 >= b.lease_expires_unix_ms - 50
-    engine.check_integrity()
-    assert engine.lease_state(b.lease.handle_id) is LeaseState.EXPIRED
-    assert engine.leased_blocks(b.lease.handle_id) is None
-    assert engine.renew(b.lease.handle_id, 10) is None, "an expired lease cannot come back"
-    assert engine.leased_blocks(c.lease.handle_id) == c.lease.resource.block_ids
-    assert engine.leases.stats() == LeaseStats(granted=3, released=1, expired=1, active=1)
+    worker.check_integrity()
+    assert worker.lease_state(b.lease.handle_id) is LeaseState.EXPIRED
+    assert worker.leased_blocks(b.lease.handle_id) is None
+    assert worker.renew(b.lease.handle_id, 10) is None, "an expired lease cannot come back"
+    assert worker.leased_blocks(c.lease.handle_id) == c.lease.resource.block_ids
+    assert worker.leases.stats() == LeaseStats(granted=3, released=1, expired=1, active=1)
 
-    assert engine.release(c.lease.handle_id)
-    engine.check_integrity()
-    assert (engine.pool.num_used, engine.pool.num_cached) == (0, 6)
+    assert worker.release(c.lease.handle_id)
+    worker.check_integrity()
+    assert (worker.engine.pool.num_used, worker.engine.pool.num_cached) == (0, 6)
     for i, prompt in enumerate((pa, pb, pc)):
-        again = engine.submit(f"again-{i}", prompt, GREEDY).result(timeout=60)
+        again = worker.submit(f"again-{i}", prompt, GREEDY).result(timeout=60)
         assert again.seq.num_cached_prompt_tokens == 32, "a retry still hits the cache"
-        engine.release(again.lease.handle_id)
-    engine.check_integrity()
+        worker.release(again.lease.handle_id)
+    worker.check_integrity()
 
 
-def test_warmup_caches_full_blocks_for_the_first_request_that_uses_them(engine):
+def test_warmup_caches_full_blocks_for_the_first_request_that_uses_them(worker):
     system, user = make_prompts((40, 5), seed=14)
-    assert engine.warmup([system, system[:20]]) == 2, "distinct full blocks"
-    assert engine.pool.num_used == 0 and engine.leases.stats().granted == 0
-    result = engine.submit("user", system + user, GREEDY).result(timeout=60)
+    assert worker.warmup([system, system[:20]]) == 2, "distinct full blocks"
+    assert worker.engine.pool.num_used == 0 and worker.leases.stats().granted == 0
+    result = worker.submit("user", system + user, GREEDY).result(timeout=60)
     assert result.seq.num_cached_prompt_tokens == 32
-    engine.release(result.lease.handle_id)
+    worker.release(result.lease.handle_id)
     with pytest.raises(InvalidArgument):
-        engine.warmup([[]])
+        worker.warmup([[]])
 
 
 def test_sixteen_mixed_length_prompts_in_one_step_match_one_at_a_time(tiny_llama):
@@ -133,22 +137,22 @@ def test_sixteen_mixed_length_prompts_in_one_step_match_one_at_a_time(tiny_llama
     config = PrefillEngineConfig(
         num_blocks=128, max_num_batched_tokens=1024, enable_prefix_caching=False, use_shm=False
     )
-    engine = PrefillEngine.from_model_dir(str(tiny_llama), config)  # no loop: steps by hand
+    worker = make_worker(tiny_llama, config)  # no loop: steps by hand
     try:
-        futures = [engine.submit(f"b{i}", p, GREEDY) for i, p in enumerate(prompts)]
-        assert engine.step() == sum(lens), "all 16 prompts in one step"
+        futures = [worker.submit(f"b{i}", p, GREEDY) for i, p in enumerate(prompts)]
+        assert worker.step() == sum(lens), "all 16 prompts in one step"
         batched = [f.result(timeout=0) for f in futures]
         for result in batched:
-            engine.release(result.lease.handle_id)
+            worker.release(result.lease.handle_id)
         alone = []
         for i, prompt in enumerate(prompts):
-            future = engine.submit(f"a{i}", prompt, GREEDY)
-            assert engine.step() == len(prompt)
+            future = worker.submit(f"a{i}", prompt, GREEDY)
+            assert worker.step() == len(prompt)
             alone.append(future.result(timeout=0))
-            engine.release(alone[-1].lease.handle_id)
-        engine.check_integrity()
+            worker.release(alone[-1].lease.handle_id)
+        worker.check_integrity()
     finally:
-        engine.close()
+        worker.close()
     first = [r.seq.output_token_ids for r in batched]
     assert first == [r.seq.output_token_ids for r in alone]
     assert first == [[hf_next_token(tiny_llama, p)] for p in prompts]
@@ -159,37 +163,55 @@ def test_a_prompt_longer_than_the_budget_is_chunked_and_exact(tiny_llama):
     results, kv = [], []
     for budget, steps in ((32, 5), (2048, 1)):
         config = PrefillEngineConfig(num_blocks=16, max_num_batched_tokens=budget, use_shm=False)
-        engine = PrefillEngine.from_model_dir(str(tiny_llama), config)
+        worker = make_worker(tiny_llama, config)
         try:
-            future = engine.submit("long", prompt, GREEDY)
-            assert [engine.step() for _ in range(steps)][-1] == 150 - (steps - 1) * budget
+            future = worker.submit("long", prompt, GREEDY)
+            assert [worker.step() for _ in range(steps)][-1] == 150 - (steps - 1) * budget
             result = future.result(timeout=0)
-            pages = engine.runner.kv_cache.tensor[result.lease.resource.block_ids]
+            pages = worker.engine.runner.kv_cache.tensor[result.lease.resource.block_ids]
             # pages: [block, layer, k/v, slot, head, dim]; the last block holds 150 - 9 * 16 = 6
             kv.append(torch.cat([pages[:-1].flatten(), pages[-1][:, :, :6].flatten()]))
             results.append(result.seq.output_token_ids)
-            engine.release(result.lease.handle_id)
-            engine.check_integrity()
+            worker.release(result.lease.handle_id)
+            worker.check_integrity()
         finally:
-            engine.close()
+            worker.close()
     assert results[0] == results[1] == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0][:1]
     torch.testing.assert_close(kv[0], kv[1], atol=1e-5, rtol=1e-5)
 
 
-def test_first_token_that_finishes_takes_no_lease(engine):
+def test_first_token_that_finishes_takes_no_lease(worker):
     (prompt,) = make_prompts((20,), seed=13)
-    result = engine.submit("one", prompt, SamplingParams(temperature=0.0, max_tokens=1)).result(
+    result = worker.submit("one", prompt, SamplingParams(temperature=0.0, max_tokens=1)).result(
         timeout=60
     )
     assert result.lease is None and result.seq.is_finished
-    assert engine.pool.num_used == 0
+    assert worker.engine.pool.num_used == 0
 
 
-def test_bad_requests_are_refused_before_queueing(engine):
+def test_bad_requests_are_refused_before_queueing(worker):
     with pytest.raises(InvalidArgument) as info:
-        engine.submit("bad", [], GREEDY)
+        worker.submit("bad", [], GREEDY)
     assert info.value.field == "prompt_token_ids"
     with pytest.raises(InvalidArgument) as info:
-        engine.submit("big", [5] * (64 * 16 + 1), SamplingParams(max_tokens=1))
+        worker.submit("big", [5] * (64 * 16 + 1), SamplingParams(max_tokens=1))
     assert info.value.field in ("prompt_token_ids", "max_tokens")
-    assert not engine.scheduler.has_work()
+    assert not worker.engine.scheduler.has_work()
+
+
+def test_the_engine_alone_steps_without_a_thread_and_hands_prompts_back(tiny_llama):
+    config = PrefillEngineConfig(num_blocks=16, max_num_batched_tokens=32, use_shm=False)
+    engine = PrefillEngine.from_model_dir(str(tiny_llama), config)
+    (prompt,) = make_prompts((40,), seed=17)
+    seeded = SamplingParams(temperature=1.0, seed=3, max_tokens=4)
+    seq = engine.new_sequence(prompt, seeded, request_id="alone")
+    engine.add_sequence(seq)
+    outputs = [engine.step() for _ in range(2)]
+    assert [out.plan.num_batched_tokens for out in outputs] == [32, 8]
+    assert outputs[0].done == [] and outputs[1].done == [seq]
+    assert seq.num_output_tokens == 1 and not engine.has_unfinished
+    assert engine.runner.sampler.num_generators == 0, "a handed-back prompt keeps no generator"
+    assert engine.pool.num_used == 3, "its blocks are the caller's until freed"
+    engine.free(seq.block_table)
+    engine.check_integrity()
+    assert engine.pool.num_used == 0

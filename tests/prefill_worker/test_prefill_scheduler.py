@@ -5,10 +5,9 @@ from __future__ import annotations
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.runner import RunnerOutput, SampledToken
+from pagedserve.model.batch import RunnerOutput, SampledToken, StepPlan
 from pagedserve.model.sequence import RequestId, Sequence
 from pagedserve.prefill_worker.scheduler import (
-    PrefillPlan,
     PrefillScheduler,
     PrefillSchedulerConfig,
 )
@@ -37,7 +36,7 @@ def make_seq(pool, rid, n, priority=0, start=10):
 
 def run(scheduler, plan, token=7):
     """Pretend the model ran: sample `token` for every chunk that completes its prompt."""
-    sampled = [SampledToken(token, None) if item.completes else None for item in plan.batch]
+    sampled = [SampledToken(token, None) if item.completes else None for item in plan.scheduled]
     return scheduler.update(plan, RunnerOutput(sampled=sampled))
 
 
@@ -50,12 +49,12 @@ def test_priority_then_arrival_order_and_chunking_under_the_budget():
         scheduler.add(seq)
 
     plan = scheduler.schedule()
-    assert [(i.seq.request_id, i.num_new_tokens) for i in plan.batch] == [("high", 8)]
+    assert [(i.seq.request_id, i.num_new_tokens) for i in plan.scheduled] == [("high", 8)]
     assert high.block_table.block_ids == [0, 1]
     assert run(scheduler, plan) == []
 
     plan = scheduler.schedule()  # the started prompt continues first, then the next in order
-    assert [(i.seq.request_id, i.num_new_tokens) for i in plan.batch] == [
+    assert [(i.seq.request_id, i.num_new_tokens) for i in plan.scheduled] == [
         ("high", 2),
         ("later", 3),
         ("low", 3),
@@ -82,7 +81,7 @@ def test_prefix_hit_computes_only_the_suffix():
     second = make_seq(pool, "b", 11)  # same first 8 tokens
     scheduler.add(second)
     plan = scheduler.schedule()
-    assert [(i.seq.request_id, i.num_new_tokens) for i in plan.batch] == [("b", 3)]
+    assert [(i.seq.request_id, i.num_new_tokens) for i in plan.scheduled] == [("b", 3)]
     assert second.num_cached_prompt_tokens == 8
     assert second.block_table.block_ids[:2] == [0, 1]
 
@@ -99,7 +98,7 @@ def test_abort_frees_blocks_of_a_started_prompt_and_skips_a_queued_one():
     assert scheduler.abort("queued") is queued
     assert scheduler.abort("unknown") is None
     assert pool.num_used == 0 and not scheduler.has_work()
-    assert scheduler.schedule().batch == []
+    assert scheduler.schedule().scheduled == []
 
 
 def test_a_full_pool_waits_instead_of_failing():
@@ -109,10 +108,10 @@ def test_a_full_pool_waits_instead_of_failing():
     scheduler.add(a)
     scheduler.add(b)
     (done,) = run(scheduler, scheduler.schedule())
-    assert done is a and scheduler.schedule().batch == []  # a's blocks are leased
+    assert done is a and scheduler.schedule().scheduled == []  # a's blocks are leased
     scheduler.kv.free(a.block_table)
     plan = scheduler.schedule()
-    assert [i.seq.request_id for i in plan.batch] == ["b"]
+    assert [i.seq.request_id for i in plan.scheduled] == ["b"]
     assert scheduler.queued_tokens == 4
 
 
@@ -140,8 +139,8 @@ def test_a_chunk_is_registered_only_when_its_step_is_applied():
     scheduler.add(seq)
     plan = scheduler.schedule()  # the forward of this plan "fails": update is never called
     assert seq.block_table.block_ids == [0, 1] and pool.num_cached == 0
-    (item,) = plan.batch
-    assert run(scheduler, PrefillPlan([item], [])) == []  # the chunk run alone, then applied
+    (item,) = plan.scheduled
+    assert run(scheduler, StepPlan([item], [])) == []  # the chunk run alone, then applied
     assert seq.num_computed_tokens == 8 and seq.block_table.num_cached_blocks == 2
     plan = scheduler.schedule()  # the last 4 tokens; this forward fails and the prompt ends
     assert seq.block_table.block_ids == [0, 1, 2]

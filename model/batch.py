@@ -1,0 +1,76 @@
+"""The contracts between a scheduler and the model runner: plain data, no tensors (DESIGN §2).
+
+    scheduler ── StepPlan (scheduled chunks, copy-on-write pairs) ──► ModelRunner
+    scheduler ◄── RunnerOutput (one SampledToken or None per scheduled chunk) ──┘
+
+Tensors stay inside the runner, the sampler and the kernels; a caller that wants the logits
+asks the runner for them beside the output (`ModelRunner.execute_with_logits`). This module
+imports no torch, so schedulers, plans and `Sequence` are testable without it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from pagedserve.kvstore.block_pool import BlockId
+
+if TYPE_CHECKING:
+    from pagedserve.model.sequence import Sequence
+
+
+@dataclass(slots=True)
+class TokenLogprobs:
+    """Logprobs of one chosen token, from the raw model logits (before penalties/temperature).
+
+    `rank` is 1 for the most likely token (ties count against the token, as in vLLM); `top` holds
+    the `params.logprobs` most likely `(token_id, logprob)` pairs, most likely first.
+    """
+
+    token_id: int
+    logprob: float
+    rank: int
+    top: list[tuple[int, float]]
+
+
+@dataclass(slots=True)
+class ScheduledSequence:
+    """`num_new_tokens` of `seq`, starting at `seq.num_computed_tokens`, run this step."""
+
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def completes(self) -> bool:
+        """True when this chunk reaches the last known token, so the next token is sampled."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """What the runner executes in one step: copy-on-write pairs first, then the chunks.
+
+    Every chunk in `scheduled` has its slots allocated; its `num_computed_tokens` is advanced
+    by the scheduler's `update`, not here. A worker's scheduler may extend this with its own
+    decisions (the decode worker's `DecodePlan` adds swaps and preemptions).
+    """
+
+    scheduled: list[ScheduledSequence] = field(default_factory=list)
+    copies: list[tuple[BlockId, BlockId]] = field(default_factory=list)  # copy-on-write (src, dst)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(item.num_new_tokens for item in self.scheduled)
+
+
+@dataclass(slots=True)
+class SampledToken:
+    token_id: int
+    logprobs: TokenLogprobs | None
+
+
+@dataclass(slots=True)
+class RunnerOutput:
+    """Per scheduled sequence (same order): the sampled token, or None for a partial chunk."""
+
+    sampled: list[SampledToken | None]
