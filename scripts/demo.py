@@ -1,6 +1,7 @@
 """`make demo`: a whole pagedserve cluster on this machine serving a real instruct model
 (SmolLM2-135M-Instruct, from `pagedserve fetch-model`), two chat questions that share a system
-prompt (the second reports cached prompt tokens), the cluster view, then a clean stop.
+prompt (the second reports cached prompt tokens), the cluster view, then a clean stop. The
+router renders the messages with the model's own chat template (`GenerateRequest.messages`).
 
 Exits non-zero if any step fails, so `make test` can run it as a smoke test of the real thing.
 """
@@ -18,20 +19,6 @@ SYSTEM = (
     "the oven temperature when it matters."
 )
 QUESTIONS = ("How long do croissants bake?", "What makes bread crust crisp?")
-
-
-def render_chat(model_dir: str, question: str) -> str:
-    """The conversation as the model's chat template renders it.
-
-    NOTE: rendered here, on the client, with the template of the model directory; once the
-    router renders `messages` itself (GenerateRequest.messages), this becomes the messages list
-    and the generate command below `pagedserve generate --chat`.
-    """
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
-    return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def main() -> int:
@@ -61,10 +48,10 @@ def main() -> int:
             return 1
         print(f"\nsystem: {SYSTEM}", flush=True)
         for question in QUESTIONS:
-            prompt = render_chat(args.model, question)
             print(f"\nuser: {question}", flush=True)
-            print(f"$ pagedserve generate --router {address} '<chat template>'", flush=True)
-            generate = [*cli, "generate", "--router", address, prompt]
+            print(f"$ pagedserve generate --router {address} --system '...' --chat '{question}'")
+            chat = ["--system", SYSTEM, "--chat", question]
+            generate = [*cli, "generate", "--router", address, *chat]
             if subprocess.run([*generate, "--max-tokens", args.max_tokens], timeout=120).returncode:
                 return 1
         print(f"\n$ pagedserve status --router {address}", flush=True)
