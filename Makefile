@@ -48,6 +48,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/typecheck.py
+	$(PY) scripts/lint_imports.py
 
 tiny-model: $(TINY_MODEL)/config.json
 

@@ -152,7 +152,9 @@ def validate_request(
     )
 
 
-def make_sequence(
+# NOTE: the engine's fixed context (config, length, pool, fingerprint) and the request's fields;
+# each engine binds the first four once in its own `new_sequence`.
+def make_sequence(  # noqa: PLR0913
     model_config: ModelConfig,
     max_model_len: int,
     pool: BlockPool,

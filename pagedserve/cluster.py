@@ -60,7 +60,8 @@ class ClusterMember:
             log.warning("could not leave the cluster cleanly: Redis unavailable")
 
 
-def join(
+# NOTE: the registry record's fields, each named at the one call site per worker kind.
+def join(  # noqa: PLR0913
     client: redis.Redis,
     model: str,
     worker_id: str,
