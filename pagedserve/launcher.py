@@ -32,10 +32,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.config import add_tls_arguments
+from pagedserve.config import add_tls_arguments, parse_bytes
+from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 
 _PR_SET_PDEATHSIG = 1
+GIB = 1 << 30
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -215,8 +217,10 @@ def _start_all(
     env = _worker_env(getattr(args, "worker_threads", None), len(workers))
     for name, role in workers:
         argv = [*cli, role, *common, "--port", "0", "--worker-id", name, *redis_args]
-        argv += ["--kv-cache-memory", args.kv_cache_memory]
-        started.append(_spawn(name, _with_metrics(argv, args), log_dir, env))
+        print(f"  {name:<10} memory: {memory_plan(role, args)}", flush=True)
+        started.append(
+            _spawn(name, _with_metrics(argv + _memory_flags(role, args), args), log_dir, env)
+        )
     cluster.children[:0] = started  # NOTE: before waiting, so that a failed start stops them
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
         _await_ready(child, args.start_timeout, stop)
@@ -234,6 +238,28 @@ def _start_all(
     wait_healthy(
         router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
     )
+
+
+def _memory_flags(role: str, args: argparse.Namespace) -> list[str]:
+    flags = ["--kv-cache-memory", args.kv_cache_memory]
+    if role == "decode" and getattr(args, "swap_space", None) is not None:
+        flags += ["--swap-space", str(args.swap_space)]
+    return flags
+
+
+def memory_plan(role: str, args: argparse.Namespace) -> str:
+    """What a worker will allocate beyond its model weights, as the flags say (one line)."""
+    kv = parse_bytes(args.kv_cache_memory)
+    plan = f"KV cache {_mib(kv)}"
+    if role != "decode":
+        return plan
+    swap_gib = getattr(args, "swap_space", None)
+    swap = min(kv, int(DEFAULT_MAX_SWAP_GIB * GIB)) if swap_gib is None else int(swap_gib * GIB)
+    return f"{plan} + host swap up to {_mib(swap)} (committed as used; pinned on CUDA)"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 def _worker_env(threads: int | None, num_workers: int) -> dict[str, str] | None:
@@ -273,6 +299,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    parser.add_argument(
+        "--swap-space", type=float, default=None,
+        help="GiB of host swap per decode worker (default: the decode worker's: as large as "
+        f"--kv-cache-memory, at most {DEFAULT_MAX_SWAP_GIB:g} GiB)",
+    )  # fmt: skip
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="passed to the router and every worker"
     )
