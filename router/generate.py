@@ -27,7 +27,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from pagedserve import telemetry
-from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.errors import AlreadyExists, ResourceExhausted, Unavailable
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.metrics import RequestMetrics
 from pagedserve.router import convert
@@ -85,7 +85,7 @@ class Orchestrator:
                 raise ResourceExhausted("router queue is full", retry_after_s=1.0)
             key = (tenant, request_id)
             if key in self.active:
-                raise InvalidArgument("request_id", f"{request_id!r} is already running")
+                raise AlreadyExists(f"request_id: {request_id!r} is already running")
             active = self.active[key] = ActiveRequest()
         return active
 
