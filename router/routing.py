@@ -99,6 +99,11 @@ class WorkerSet:
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # NOTE: a restarted worker comes back at the same address within seconds; gRPC's
+            # default reconnect back-off grows to 120 s and would keep it out of routing
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         self._workers: dict[str, Worker] = {}
         for role, addresses in ((Role.PREFILL, static_prefill), (Role.DECODE, static_decode)):
