@@ -18,8 +18,6 @@ from pagedserve.router.chat import ChatMessage, ChatTemplate
 from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
 from pagedserve.v1 import generation_pb2
 
-REPO = Path(__file__).resolve().parents[2]
-
 SYSTEM = {"role": "system", "content": "You answer in one word."}
 USER = {"role": "user", "content": "  What is 2 + 2? Héllo ✓ <b>&</b> "}
 ASSISTANT = {"role": "assistant", "content": "Four."}
