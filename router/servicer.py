@@ -6,6 +6,11 @@ Ownership of the request's KV while the router holds the handle:
                                                  │
                               stop / cancel here ─► ReleaseKv (else the lease expires)
 
+A Prefill call that ends without its answer (the router cancelled it, or the deadline passed)
+may still have leased the blocks: the answer can be on its way when the call ends, and the
+worker cannot know it was lost. The router then sends the prefill worker Abort for the request
+id, which ends that lease (or the prompt, if still queued).
+
 A client cancel or deadline cancels whichever worker call is in flight (the workers abort and
 free at once). A prefill that fails before any token retries once on another worker; a decode
 worker lost mid-stream ends the stream with UNAVAILABLE.
@@ -53,6 +58,8 @@ from pagedserve.v1 import (
 
 log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+# A Prefill call ended so by our side may have been answered with a lease we never saw
+UNANSWERED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,6 +77,7 @@ class _Active:
     cancel_current: Callable[[], None] | None = None
     aborted: bool = False
     handle: tuple[Worker, str] | None = None  # (prefill worker, handle id) not yet passed on
+    unanswered: tuple[Worker, str] | None = None  # (prefill worker, request id): answer lost
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def set_call(self, cancel: Callable[[], None] | None) -> None:
@@ -153,9 +161,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             outcome.reason = "error"
             context.abort(exc.err.code(), exc.err.details())  # type: ignore[attr-defined]
         finally:
+            # NOTE: before the id is free again: an Abort by id must not reach a new request
+            self._release_unclaimed(active)
             with self._lock:
                 self._active.pop(key, None)
-            self._release_unclaimed(active)
             self._record(req, tenant, outcome, active, span, time.monotonic() - started)
 
     def _record(
@@ -276,7 +285,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 result = call.result()
                 self.last_decision = decision
                 return result, decision
+            except grpc.FutureCancelledError:
+                active.unanswered = (decision.prefill, worker_request.request_id)
+                raise _Aborted from None
             except grpc.RpcError as err:
+                if err.code() in UNANSWERED:  # type: ignore[attr-defined]
+                    active.unanswered = (decision.prefill, worker_request.request_id)
                 self._raise_unless_retryable(err, active, attempt)
                 self.workers.mark_failed(decision.prefill)
                 tried.append(decision.prefill.worker_id)
@@ -347,14 +361,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         raise Unavailable("decode stream ended without a finish reason")
 
     def _release_unclaimed(self, active: _Active) -> None:
-        if active.handle is None:
-            return
-        worker, handle_id = active.handle
-        try:
-            stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
-            stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
-        except grpc.RpcError:
-            log.warning("could not release lease %s; it will expire", handle_id)
+        """End the lease no decode worker took: by its handle, or by the request id when the
+        Prefill answer carrying the handle was lost (best effort: else the lease expires)."""
+        if active.handle is not None:
+            worker, handle_id = active.handle
+            try:
+                stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
+                stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
+            except grpc.RpcError:
+                log.warning("could not release lease %s; it will expire", handle_id)
+        if active.unanswered is not None:
+            worker, request_id = active.unanswered
+            try:
+                stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
+                stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=2.0)
+            except grpc.RpcError:
+                log.warning(
+                    "%s: could not abort on %s; a lease expires", request_id, worker.worker_id
+                )
 
     # ---- the rest -------------------------------------------------------------------------
 
