@@ -4,7 +4,8 @@
 # "leases still held" in 2 runs of 5 beside one busy process).
 #
 # Usage: scripts/soak_loop.sh [RUNS=20] [BUSY=1] [PYTEST -k EXPR=swap]
-# The output of each failed run is kept under $SOAK_LOOP_DIR (default: a fresh temp dir).
+# The output and the worker logs (pytest's basetemp: soak-logs*/router.log, prefill.log) of each
+# failed run are kept under $SOAK_LOOP_DIR (default: a fresh temp dir).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -25,11 +26,11 @@ done
 failures=0
 for i in $(seq "$runs"); do
   started=$(date +%s)
-  timeout 900 .venv/bin/pytest -q -x -p no:cacheprovider tests/faults/test_soak.py -k "$expr" \
-    >"$out/run-$i.log" 2>&1
+  timeout 900 .venv/bin/pytest -q -x -p no:cacheprovider --basetemp "$out/tmp-$i" \
+    tests/faults/test_soak.py -k "$expr" >"$out/run-$i.log" 2>&1
   rc=$?
   if [ "$rc" -eq 0 ]; then
-    rm -f "$out/run-$i.log"
+    rm -rf "$out/run-$i.log" "$out/tmp-$i"
     verdict=passed
   else
     failures=$((failures + 1))
