@@ -36,7 +36,7 @@ for i in $(seq "$runs"); do
     failures=$((failures + 1))
     # NOTE: the prefill worker logs the leases still held when it is stopped: a stranded one
     # shows there even when the run failed on something else first
-    leases=$(grep -h -o 'draining: [0-9]* leases outstanding' "$out/tmp-$i"/soak-logs*/prefill.log)
+    leases=$(grep -h -o 'draining: [0-9]* leases outstanding' "$out/tmp-$i"/soak-logs[0-9]*/prefill.log)
     verdict="FAILED (rc $rc, $out/run-$i.log; prefill at exit: ${leases:-?}): $(grep -m1 '^E ' "$out/run-$i.log" | cut -c1-300)"
   fi
   echo "run $i/$runs: $verdict in $(($(date +%s) - started)) s"
