@@ -189,6 +189,16 @@ class LeaseTable(Generic[T]):
         self._release_fn(lease)
         return True
 
+    def release_request(self, request_id: str, now: float | None = None) -> int:
+        """Free every lease granted to ``request_id``, each as ``release`` does; how many this
+        call freed. For a caller that gave the request up without learning its handle.
+
+        NOTE: a scan of the active leases: only an abort whose answer was lost takes this path.
+        """
+        with self._lock:
+            ids = [h for h, lease in self._leases.items() if lease.request_id == request_id]
+        return sum(self.release(handle_id, now) for handle_id in ids)
+
     def reap(self, now: float | None = None) -> list[Lease[T]]:
         """Free every lease expired at ``now`` (``expires_at <= now``), earliest expiry first
         (equal expiries in the order they were granted or last renewed).

@@ -66,7 +66,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             context.abort(grpc.StatusCode.INTERNAL, str(exc))
         if not context.is_active():
             # NOTE: the client left while the first token was computed: nobody will pull.
-            # (A response lost after this check still ends by lease expiry, DESIGN §3.5.)
+            # (A client that leaves after this check never gets the answer either: it calls
+            # Abort, which ends the lease by request id.)
             if result.lease is not None:
                 self.worker.release(result.lease.handle_id)
             context.abort(grpc.StatusCode.CANCELLED, "client went away")
@@ -125,6 +126,9 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if self.worker.lease_state(handle_id) is LeaseState.EXPIRED:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"lease expired{when}")
         context.abort(grpc.StatusCode.NOT_FOUND, f"lease unknown or released{when}")
+
+    def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
+        return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
     def ReleaseKv(self, request, context):  # noqa: N802
         return prefill_pb2.ReleaseKvResponse(found=self.worker.release(request.handle_id))

@@ -133,11 +133,17 @@ class PrefillWorker:
         return future
 
     def abort(self, request_id: str) -> bool:
-        """Drop a queued or running prompt and free its blocks; False if not in flight here."""
+        """Drop a queued or running prompt and free its blocks, or, once its prefill is done,
+        end the lease granted to it (its caller gave up and may never see the handle). False
+        if neither is here.
+
+        NOTE: a prompt leaves `_pending` and its lease is granted under one lock hold
+        (`_hand_over`), so an abort finds one or the other, never the gap between them.
+        """
         with self.lock:
             pending = self._pending.pop(request_id, None)
             if pending is None:
-                return False
+                return self.leases.release_request(request_id) > 0
             self.engine.abort(request_id)
         pending.future.cancel()
         return True

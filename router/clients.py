@@ -6,6 +6,11 @@ Ownership of the request's KV while the router holds the handle:
                                                  │
                               stop / cancel here ─► ReleaseKv (else the lease expires)
 
+A Prefill call that ends without its answer (the router cancelled it, or the deadline passed)
+may still have leased the blocks: the answer can be on its way when the call ends, and the
+worker cannot know it was lost. The router then sends the prefill worker Abort for the request
+id, which ends that lease (or the prompt, if still queued): docs/leases.md.
+
 Every call carries what is left of the client's deadline (`TimeLeft`, asked at each call) and
 the trace metadata, and is registered on the request's `ActiveRequest`: a client cancel or an
 Abort cancels whichever call is in flight (the workers abort and free at once). Nothing here
@@ -27,6 +32,8 @@ from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, 
 
 log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+# A Prefill call ended so by our side may have been answered with a lease we never saw
+UNANSWERED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 TimeLeft = Callable[[], float | None]  # seconds left of the client's deadline (None: none)
 Metadata = Sequence[tuple[str, str]]
@@ -63,6 +70,7 @@ class ActiveRequest:
     cancel_current: Callable[[], None] | None = None
     aborted: bool = False
     handle: tuple[Worker, str] | None = None  # (prefill worker, handle id) not yet passed on
+    unanswered: tuple[Worker, str] | None = None  # (prefill worker, request id): answer lost
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def set_call(self, cancel: Callable[[], None] | None) -> None:
@@ -118,7 +126,12 @@ class WorkerClients:
                 if result.HasField("kv_handle"):
                     active.handle = (decision.prefill, result.kv_handle.handle_id)
                 return result, decision
+            except grpc.FutureCancelledError:
+                active.unanswered = (decision.prefill, request.request_id)
+                raise Aborted from None
             except grpc.RpcError as err:
+                if err.code() in UNANSWERED:  # type: ignore[attr-defined]
+                    active.unanswered = (decision.prefill, request.request_id)
                 self._raise_unless_retryable(err, active, attempt)
                 self.workers.mark_failed(decision.prefill)
                 tried.append(decision.prefill.worker_id)
@@ -186,13 +199,22 @@ class WorkerClients:
             active.set_call(None)
 
     def release_unclaimed(self, active: ActiveRequest) -> None:
-        """ReleaseKv for a lease no decode worker took (idempotent; a failure leaves the lease
-        to expire)."""
-        if active.handle is None:
-            return
-        worker, handle_id = active.handle
-        try:
-            stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
-            stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
-        except grpc.RpcError:
-            log.warning("could not release lease %s; it will expire", handle_id)
+        """End the lease no decode worker took: ReleaseKv by its handle, or Abort by the request
+        id when the Prefill answer carrying the handle was lost (both idempotent; a failure
+        leaves the lease to expire)."""
+        if active.handle is not None:
+            worker, handle_id = active.handle
+            try:
+                stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
+                stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
+            except grpc.RpcError:
+                log.warning("could not release lease %s; it will expire", handle_id)
+        if active.unanswered is not None:
+            worker, request_id = active.unanswered
+            try:
+                stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
+                stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=2.0)
+            except grpc.RpcError:
+                log.warning(
+                    "%s: could not abort on %s; a lease expires", request_id, worker.worker_id
+                )

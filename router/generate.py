@@ -133,9 +133,10 @@ class Orchestrator:
             outcome.reason = "error"
             raise
         finally:
+            # NOTE: before the id is free again: an Abort by id must not reach a new request
+            self.clients.release_unclaimed(active)
             with self._lock:
                 self.active.pop((tenant, req.request_id), None)
-            self.clients.release_unclaimed(active)
             e2e_s = time.monotonic() - started
             record(self.metrics, span, req, tenant, outcome, active.aborted, e2e_s)
 

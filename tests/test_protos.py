@@ -266,6 +266,7 @@ EXPECTED_SERVICES = {
         "Prefill": ("PrefillRequest", "PrefillResponse", False),
         "PullKv": ("PullKvRequest", "KvChunk", True),
         "ReleaseKv": ("ReleaseKvRequest", "ReleaseKvResponse", False),
+        "Abort": ("AbortRequest", "AbortResponse", False),
         "RenewLease": ("RenewLeaseRequest", "RenewLeaseResponse", False),
         "Warmup": ("WarmupRequest", "WarmupResponse", False),
         "GetLoad": ("GetLoadRequest", "LoadReport", False),

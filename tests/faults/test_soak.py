@@ -39,7 +39,8 @@ NUM_REQUESTS = 2000
 NUM_CLIENTS = 16
 # NOTE: far longer than the test: every lease must be released, none may end by expiry (a
 # client cancel right after the first token, before the decode worker has the request, is
-# released by the router; anything else by the decode worker).
+# released by the router; one while the Prefill answer is on its way, by the router's Abort;
+# anything else by the decode worker).
 LEASE_S = 120
 SEED = 2010
 DONE = (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)

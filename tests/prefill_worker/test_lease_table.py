@@ -109,6 +109,17 @@ def test_release_is_idempotent_and_frees_once() -> None:
     assert table.stats() == LeaseStats(granted=1, released=1, expired=0, active=0)
 
 
+def test_release_request_frees_every_lease_of_that_request_once() -> None:
+    table, recorder, _ = make_table()
+    first, other, second = (table.grant(r, "blocks", ttl_s=30) for r in ("req", "other", "req"))
+    assert table.release_request("req") == 2
+    assert table.release_request("req") == 0
+    assert table.release_request("no-such-request") == 0
+    assert sorted(recorder.calls) == sorted([first.handle_id, second.handle_id])
+    assert table.get(other.handle_id) is other
+    assert table.stats() == LeaseStats(granted=3, released=2, expired=0, active=1)
+
+
 def test_reap_frees_expired_leases_in_expiry_order() -> None:
     table, recorder, clock = make_table()
     a = table.grant("a", "x", ttl_s=5)  # 105

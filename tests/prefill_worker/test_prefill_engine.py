@@ -180,6 +180,19 @@ def test_a_prompt_longer_than_the_budget_is_chunked_and_exact(tiny_llama):
     torch.testing.assert_close(kv[0], kv[1], atol=1e-5, rtol=1e-5)
 
 
+def test_abort_after_the_first_token_ends_the_lease_its_caller_never_saw(worker):
+    # NOTE: a caller whose Prefill call ended without the answer can only name the request
+    (prompt,) = make_prompts((40,), seed=14)
+    done = worker.submit("lost", prompt, GREEDY).result(timeout=60)
+    assert done.lease is not None and worker.engine.pool.num_used == 3
+    assert worker.abort("lost")
+    assert worker.engine.pool.num_used == 0
+    worker.check_integrity()
+    assert worker.lease_state(done.lease.handle_id) is LeaseState.UNKNOWN
+    assert not worker.abort("lost"), "idempotent"
+    assert worker.leases.stats() == LeaseStats(granted=1, released=1, expired=0, active=0)
+
+
 def test_first_token_that_finishes_takes_no_lease(worker):
     (prompt,) = make_prompts((20,), seed=13)
     result = worker.submit("one", prompt, SamplingParams(temperature=0.0, max_tokens=1)).result(

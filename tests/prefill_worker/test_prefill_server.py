@@ -171,7 +171,8 @@ def test_pulled_blocks_decode_like_transformers_over_both_transports(worker, tin
     stub = worker.stub
     (prompt,) = make_prompts((40,), seed=23)
     want, _ = hf_greedy(tiny_llama, torch.float32, tuple(prompt))
-    response = prefill(stub, "decode-me", prompt)
+    # NOTE: four decodes read the lease; on a loaded machine they can outlast the default 30 s
+    response = prefill(stub, "decode-me", prompt, lease_seconds=300)
     handle, cache = response.kv_handle, consumer.runner.kv_cache
     assert response.first_token == want[0]
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 from chat_templates import CHATML, STRICT, TOOLKIT, model_with_template
+from smollm2 import smollm2_dir
 from transformers import AutoTokenizer
 
 from pagedserve.errors import InvalidArgument
@@ -16,9 +17,6 @@ from pagedserve.router import convert
 from pagedserve.router.chat import ChatMessage, ChatTemplate
 from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
 from pagedserve.v1 import generation_pb2
-
-REPO = Path(__file__).resolve().parents[2]
-SMOLLM2 = REPO / ".cache" / "models" / "smollm2-135m-instruct"
 
 SYSTEM = {"role": "system", "content": "You answer in one word."}
 USER = {"role": "user", "content": "  What is 2 + 2? Héllo ✓ <b>&</b> "}
@@ -43,8 +41,6 @@ def model_dirs(tiny_llama, tmp_path_factory) -> dict[str, Path]:
         "toolkit": model_with_template(tiny_llama, root / "toolkit", TOOLKIT),
         "none": model_with_template(tiny_llama, root / "none", None),
     }
-    if (SMOLLM2 / "tokenizer.json").is_file():
-        dirs["smollm2"] = SMOLLM2
     return dirs
 
 
@@ -76,9 +72,9 @@ def hf_ids(model_dir: Path, messages: list[dict], add_generation_prompt: bool) -
 @pytest.mark.parametrize("history", sorted(HISTORIES))
 @pytest.mark.parametrize("template", ["chatml", "strict", "toolkit", "smollm2"])
 def test_chat_prompt_equals_transformers_apply_chat_template(model_dirs, template, history):
-    if template not in model_dirs:
-        pytest.skip(f"no SmolLM2 at {SMOLLM2} (pagedserve fetch-model builds it)")
-    model_dir, messages = model_dirs[template], HISTORIES[history]
+    # NOTE: the real model's own template: converted once (skips off CI without the wheel)
+    model_dir = smollm2_dir() if template == "smollm2" else model_dirs[template]
+    messages = HISTORIES[history]
     if template == "strict" and history == "empty_content":
         messages = [USER, ASSISTANT, USER2]
     want = hf_ids(model_dir, messages, add_generation_prompt=True)

@@ -51,6 +51,11 @@ class PrefillWorkerStub:
                 request_serializer=pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
+        self.Abort = channel.unary_unary(
+                '/pagedserve.v1.PrefillWorker/Abort',
+                request_serializer=pagedserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
+                _registered_method=True)
         self.RenewLease = channel.unary_unary(
                 '/pagedserve.v1.PrefillWorker/RenewLease',
                 request_serializer=pagedserve_dot_v1_dot_prefill__pb2.RenewLeaseRequest.SerializeToString,
@@ -97,6 +102,16 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Abort(self, request, context):
+        """Aborts a request: drops its prompt if queued or running, or, if its prefill is already done,
+        ends the lease granted to it. For a caller whose Prefill call ended without the answer (its
+        own cancel, the deadline): the answer, and with it the handle, may have been lost on the
+        way, so only the request id can name the lease. Idempotent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RenewLease(self, request, context):
         """Extends a lease. FAILED_PRECONDITION if it has already expired (an expired lease cannot come
         back); NOT_FOUND if the handle is unknown or released.
@@ -136,6 +151,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.ReleaseKv,
                     request_deserializer=pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.SerializeToString,
+            ),
+            'Abort': grpc.unary_unary_rpc_method_handler(
+                    servicer.Abort,
+                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.AbortRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_common__pb2.AbortResponse.SerializeToString,
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
@@ -235,6 +255,33 @@ class PrefillWorker:
             '/pagedserve.v1.PrefillWorker/ReleaseKv',
             pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
             pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Abort(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.PrefillWorker/Abort',
+            pagedserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
+            pagedserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,
