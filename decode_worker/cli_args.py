@@ -6,13 +6,19 @@ import argparse
 
 from pagedserve.config import add_model_arguments, add_server_arguments
 
+DEFAULT_MAX_SWAP_GIB = 4.0  # the cap of the default swap space (vLLM's default size)
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_server_arguments(parser, default_port=50071)
     parser.add_argument(
-        "--swap-space", type=float, default=4.0, help="GiB of host memory for preempted KV"
-    )
+        "--swap-space", type=float, default=None,
+        help="GiB of host memory for preempted KV (default: the size of the device KV pool, "
+        f"--kv-cache-memory, at most {DEFAULT_MAX_SWAP_GIB:g} GiB; 0: no swap). Without CUDA "
+        "its pages are committed only as blocks are first swapped into; pinned (CUDA) it is "
+        "committed at start",
+    )  # fmt: skip
     parser.add_argument(
         "--preemption-mode", default="auto", choices=["auto", "swap", "recompute"],
         help="auto: per victim, swap when it fits and is estimated cheaper than recompute",

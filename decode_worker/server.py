@@ -17,13 +17,14 @@ import time
 
 from pagedserve.cluster import ClusterMember, join, model_key
 from pagedserve.config import default_worker_id
-from pagedserve.decode_worker.cli_args import add_arguments
+from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB, add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.kv_import import ProducerClients
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.grpcutil import build_server, client_tls_from_args, server_tls_from_args
+from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
 from pagedserve.model.config import load_model_config
@@ -37,7 +38,7 @@ SERVICE_NAME = "pagedserve.v1.DecodeWorker"
 
 def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
     """The engine's config from the flags; ValueError naming the flag if they do not fit."""
-    if args.swap_space < 0:
+    if args.swap_space is not None and args.swap_space < 0:
         raise ValueError(f"swap-space: must be >= 0 GiB, got {args.swap_space}")
     if args.import_threads < 1:
         raise ValueError(f"import-threads: must be >= 1, got {args.import_threads}")
@@ -54,11 +55,18 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         dtype=args.dtype,
         device=args.device,
-        swap_space_gib=args.swap_space,
+        swap_space_gib=swap_space_gib(args.swap_space, num_blocks * spec.bytes_per_block),
         preemption_mode=PreemptionMode(args.preemption_mode),
         scheduling_policy=SchedulingPolicy(args.scheduling_policy),
         kv_policy=KVPolicy(args.kv_policy),
     )
+
+
+def swap_space_gib(flag: float | None, kv_pool_bytes: int) -> float:
+    """`--swap-space`, or its default: as large as the device pool, at most the cap."""
+    if flag is not None:
+        return flag
+    return min(DEFAULT_MAX_SWAP_GIB, kv_pool_bytes / GIB)
 
 
 def main(args: argparse.Namespace) -> int:

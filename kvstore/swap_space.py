@@ -37,6 +37,9 @@ class SwapSpace:
     - The tensor is never reallocated; the swapper may hold it for the life of the space.
     - `pin_memory=None` pins exactly when CUDA is available (pinned memory makes host↔device
       copies asynchronous; pinning without CUDA is an error in torch).
+    - Unpinned, the tensor is reserved, not committed: its pages become resident as blocks are
+      first swapped into, so an idle swap space costs address space, not memory. Pinned memory
+      is committed up front (page-locked), which is why the worker sizes it from its KV budget.
     """
 
     __slots__ = ("cache", "pool")
@@ -46,7 +49,9 @@ class SwapSpace:
             raise ValueError(f"num_blocks: swap space needs >= 1 block, got {num_blocks}")
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
         shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
-        tensor = torch.zeros(shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
+        # NOTE: `empty`, not `zeros`: zero-filling would touch (commit) every page at start, and
+        # a host block is always written by a swap-out before a swap-in reads it.
+        tensor = torch.empty(shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
         self.cache = KVCache(spec, num_blocks, "cpu", tensor=tensor)
         self.pool = BlockPool(num_blocks, spec.block_size, record_events=False)
 

@@ -7,6 +7,7 @@ Torch-free: the router imports this. One interceptor per server maps them:
 | `InvalidArgument`   | `INVALID_ARGUMENT`   | `BadRequest.FieldViolation`       |
 | `ResourceExhausted` | `RESOURCE_EXHAUSTED` | `RetryInfo` when `retry_after_s`  |
 | `Unavailable`       | `UNAVAILABLE`        | none                              |
+| `AlreadyExists`     | `ALREADY_EXISTS`     | none                              |
 
 Anything else that escapes a servicer is a bug (`INTERNAL`); a caller's mistake must never be one.
 """
@@ -54,3 +55,7 @@ class ResourceExhausted(Exception):
 
 class Unavailable(Exception):
     """A worker was lost, is draining or not yet ready; maps to `UNAVAILABLE` (retryable)."""
+
+
+class AlreadyExists(Exception):
+    """The caller's own request of that id is still running; maps to `ALREADY_EXISTS`."""

@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
 
-from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ def status_for(exc: BaseException) -> status_pb2.Status:
         return _status(code_pb2.RESOURCE_EXHAUSTED, str(exc), *details)
     if isinstance(exc, Unavailable):
         return _status(code_pb2.UNAVAILABLE, str(exc) or "unavailable")
+    if isinstance(exc, AlreadyExists):
+        return _status(code_pb2.ALREADY_EXISTS, str(exc))
     return _status(code_pb2.INTERNAL, f"internal error: {type(exc).__name__}")
 
 

@@ -32,10 +32,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.config import add_tls_arguments
+from pagedserve.config import add_tls_arguments, parse_bytes
+from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 
 _PR_SET_PDEATHSIG = 1
+GIB = 1 << 30
 
 
 def _die_with_parent() -> None:  # runs in the child before exec
@@ -51,11 +53,22 @@ def free_port() -> int:
 
 @dataclass(slots=True)
 class Child:
+    """One supervised process: what started it (to start it again) and where it serves."""
+
     name: str
     proc: subprocess.Popen
     log_path: Path
     address: str = ""
     metrics_port: int | None = None
+    argv: list[str] = field(default_factory=list)
+    env: dict[str, str] | None = None
+    segments: list[str] = field(default_factory=list)  # /dev/shm KV pools it owns (prefill)
+
+    def note_segments(self) -> None:
+        """Remember the KV segments a prefill worker created. NOTE: only a prefill worker's
+        own: a decode worker maps the prefill workers' segments, which it must not remove."""
+        if self.name.startswith("prefill"):
+            self.segments = shm_segments(self.proc.pid)
 
 
 @dataclass(slots=True)
@@ -95,8 +108,17 @@ def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
 
 def _spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Child:
     log_path = log_dir / f"{name}.log"
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
+    child = Child(name, _popen(argv, log_path, env, "w"), log_path, argv=argv, env=env)
+    child.metrics_port = _metrics_port(argv)
+    return child
+
+
+def _popen(argv: list[str], log_path: Path, env: dict[str, str] | None, mode: str):
+    """Start one child. NOTE: call from the main thread only: PR_SET_PDEATHSIG fires when the
+    *thread* that forked the child exits, so a child forked by a short-lived thread would be
+    stopped with it."""
+    with open(log_path, mode) as log:
+        return subprocess.Popen(
             argv,
             stdout=subprocess.PIPE,
             stderr=log,
@@ -104,7 +126,6 @@ def _spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None
             env=env,
             preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run user code yet
         )
-    return Child(name, proc, log_path, metrics_port=_metrics_port(argv))
 
 
 def _with_metrics(argv: list[str], args: argparse.Namespace) -> list[str]:
@@ -136,6 +157,26 @@ def _await_ready(child: Child, timeout_s: float, stop: threading.Event | None = 
         tail = child.log_path.read_text()[-3000:]
         raise RuntimeError(f"{child.name} did not start (see {child.log_path}):\n{tail}")
     child.address = line.split()[2]
+    child.note_segments()
+
+
+def shm_segments(pid: int) -> list[str]:
+    """The pagedserve KV segments (/dev/shm files) process `pid` maps: a prefill worker's pool,
+    which a SIGKILL leaves behind for whoever restarts it to remove."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return []
+    paths = {line.split(maxsplit=5)[-1] for line in maps.splitlines() if "/dev/shm/" in line}
+    return sorted(p for p in paths if Path(p).name.startswith("pagedserve-kv-"))
+
+
+def remove_segments(child: Child) -> None:
+    """Unlink the segments a dead child left (an exiting worker unlinks its own first)."""
+    for path in child.segments:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    child.segments = []
 
 
 def _start_redis(log_dir: Path) -> Child | None:
@@ -214,9 +255,14 @@ def _start_all(
     started = []
     env = _worker_env(getattr(args, "worker_threads", None), len(workers))
     for name, role in workers:
-        argv = [*cli, role, *common, "--port", "0", "--worker-id", name, *redis_args]
-        argv += ["--kv-cache-memory", args.kv_cache_memory]
-        started.append(_spawn(name, _with_metrics(argv, args), log_dir, env))
+        # NOTE: a port of our choosing, not 0: a restarted worker comes back at the same
+        # address, so the router's static list and its open channel find it again
+        port = str(free_port())
+        argv = [*cli, role, *common, "--port", port, "--worker-id", name, *redis_args]
+        print(f"  {name:<10} memory: {memory_plan(role, args)}", flush=True)
+        started.append(
+            _spawn(name, _with_metrics(argv + _memory_flags(role, args), args), log_dir, env)
+        )
     cluster.children[:0] = started  # NOTE: before waiting, so that a failed start stops them
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
         _await_ready(child, args.start_timeout, stop)
@@ -231,9 +277,33 @@ def _start_all(
     cluster.children.insert(0, router)
     _await_ready(router, args.start_timeout, stop)
     cluster.router_address = router.address
+    port_at = router.argv.index("--port") + 1
+    router.argv[port_at] = router.address.rsplit(":", 1)[1]  # NOTE: --port 0: restart there
     wait_healthy(
         router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
     )
+
+
+def _memory_flags(role: str, args: argparse.Namespace) -> list[str]:
+    flags = ["--kv-cache-memory", args.kv_cache_memory]
+    if role == "decode" and getattr(args, "swap_space", None) is not None:
+        flags += ["--swap-space", str(args.swap_space)]
+    return flags
+
+
+def memory_plan(role: str, args: argparse.Namespace) -> str:
+    """What a worker will allocate beyond its model weights, as the flags say (one line)."""
+    kv = parse_bytes(args.kv_cache_memory)
+    plan = f"KV cache {_mib(kv)}"
+    if role != "decode":
+        return plan
+    swap_gib = getattr(args, "swap_space", None)
+    swap = min(kv, int(DEFAULT_MAX_SWAP_GIB * GIB)) if swap_gib is None else int(swap_gib * GIB)
+    return f"{plan} + host swap up to {_mib(swap)} (committed as used; pinned on CUDA)"
+
+
+def _mib(num_bytes: int) -> str:
+    return f"{num_bytes / (1 << 20):.1f} MiB"
 
 
 def _worker_env(threads: int | None, num_workers: int) -> dict[str, str] | None:
@@ -263,6 +333,92 @@ def _tls_flags(args: argparse.Namespace) -> list[str]:
     return flags
 
 
+@dataclass(frozen=True, slots=True)
+class RestartPolicy:
+    """Kubernetes' `restartPolicy: Always` with its back-off: a child that exits is started
+    again after `backoff_s`, doubled per restart still inside the window, at most
+    `max_backoff_s`; more than `max_restarts` exits within `window_s` is a crash loop."""
+
+    max_restarts: int = 5
+    window_s: float = 60.0
+    backoff_s: float = 0.5
+    max_backoff_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.max_restarts < 0:
+            raise ValueError(f"max-restarts: must be >= 0, got {self.max_restarts}")
+        if self.window_s <= 0 or self.backoff_s < 0:
+            raise ValueError("restart-window / restart-backoff: must be > 0 / >= 0")
+
+
+DEFAULT_POLICY = RestartPolicy()
+
+
+class CrashLoop(Exception):
+    """A child exited more often than the restart policy allows."""
+
+
+class Supervisor:
+    """Restarts the children of a running cluster on the same argv, port and log (appended).
+
+    Call `poll()` from the main thread (see `_popen`); it raises CrashLoop. A restarted child
+    is back when it prints READY again (a reader thread logs it); Redis restarts on its port,
+    empty: the workers re-register and re-publish, the router routes by load meanwhile.
+    """
+
+    def __init__(self, cluster: Cluster, policy: RestartPolicy, out=sys.stderr) -> None:
+        self.cluster = cluster
+        self.policy = policy
+        self.restarts: dict[str, list[float]] = {}  # name -> exit times inside the window
+        self._due: dict[str, float] = {}  # name -> when to start it again (monotonic)
+        self._out = out
+
+    def poll(self) -> None:
+        now = time.monotonic()
+        for child in self.cluster.children:
+            if child.name in self._due:
+                if now >= self._due[child.name]:
+                    self._restart(child)
+            elif (rc := child.proc.poll()) is not None:
+                self._exited(child, rc, now)
+
+    def _exited(self, child: Child, rc: int, now: float) -> None:
+        remove_segments(child)
+        recent = [t for t in self.restarts.get(child.name, []) if now - t < self.policy.window_s]
+        if len(recent) >= self.policy.max_restarts:
+            raise CrashLoop(
+                f"{child.name} is crash-looping: it exited {len(recent) + 1} times within "
+                f"{self.policy.window_s:g} s (last: {describe_exit(rc)}); see {child.log_path}"
+            )
+        delay = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** len(recent))
+        self.restarts[child.name] = [*recent, now]
+        self._due[child.name] = now + delay
+        self._say(f"{child.name} exited ({describe_exit(rc)}); restarting in {delay:g} s")
+
+    def _restart(self, child: Child) -> None:
+        del self._due[child.name]
+        child.proc = _popen(child.argv, child.log_path, child.env, "a")
+        self._say(f"{child.name} restarted (pid {child.proc.pid})")
+        if child.name != "redis":  # NOTE: redis prints no READY line; its port is the same
+            threading.Thread(target=self._await_back, args=(child, child.proc), daemon=True).start()
+
+    def _await_back(self, child: Child, proc: subprocess.Popen) -> None:
+        line = proc.stdout.readline() if proc.stdout else ""
+        if line.startswith("READY") and proc is child.proc:
+            child.note_segments()
+            self._say(f"{child.name} is back at {line.split()[2]}")
+
+    def _say(self, message: str) -> None:
+        print(f"pagedserve up: {message}", file=self._out, flush=True)
+
+
+def describe_exit(rc: int) -> str:
+    if rc < 0:
+        with contextlib.suppress(ValueError):
+            return f"killed by {signal.Signals(-rc).name}"
+    return f"exit status {rc}"
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory, or FILE.gguf")
     parser.add_argument("--host", default="127.0.0.1")
@@ -273,6 +429,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    parser.add_argument(
+        "--swap-space", type=float, default=None,
+        help="GiB of host swap per decode worker (default: the decode worker's: as large as "
+        f"--kv-cache-memory, at most {DEFAULT_MAX_SWAP_GIB:g} GiB)",
+    )  # fmt: skip
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="passed to the router and every worker"
     )
@@ -288,6 +449,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--otlp-traces-endpoint", default=None, help="passed to every service")
     parser.add_argument("--metrics", action="store_true", help="give every service a metrics port")
     parser.add_argument("--start-timeout", type=float, default=120.0)
+    parser.add_argument(
+        "--max-restarts", type=int, default=DEFAULT_POLICY.max_restarts,
+        help="a child that exits is restarted (same port), with exponential back-off; this "
+        "many restarts within --restart-window seconds, and one more exit stops `up`",
+    )  # fmt: skip
+    parser.add_argument("--restart-window", type=float, default=DEFAULT_POLICY.window_s)
+    parser.add_argument(
+        "--restart-backoff", type=float, default=DEFAULT_POLICY.backoff_s,
+        help=f"seconds before the first restart; doubled per restart in the window, at most "
+        f"{DEFAULT_POLICY.max_backoff_s:g}",
+    )  # fmt: skip
     parser.add_argument("--log-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--api-key-file", default=None, help="passed to the router")
     add_tls_arguments(parser)
@@ -297,6 +469,7 @@ def main(args: argparse.Namespace) -> int:
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    policy = RestartPolicy(args.max_restarts, args.restart_window, args.restart_backoff)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagedserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -310,11 +483,14 @@ def main(args: argparse.Namespace) -> int:
             print(f"  {child.name:<10} {child.address}{metrics}", flush=True)
         print(f"  logs       {log_dir}", flush=True)
         print(f"READY router {cluster.router_address}", flush=True)
-        while not stop.wait(0.5):
-            dead = [c.name for c in cluster.children if c.proc.poll() is not None]
-            if dead:
-                print(f"pagedserve up: {', '.join(dead)} exited; stopping", file=sys.stderr)
-                return 1
+        supervisor = Supervisor(cluster, policy)
+        while not stop.wait(0.1):
+            supervisor.poll()
         return 0
+    except CrashLoop as exc:
+        print(f"pagedserve up: {exc}; stopping", file=sys.stderr, flush=True)
+        return 1
     finally:
         cluster.stop()
+        for child in cluster.children:
+            remove_segments(child)

@@ -35,6 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-queued-requests", type=positive_int, default=256)
     parser.add_argument("--load-poll-interval", type=float, default=0.5, help="seconds")
     parser.add_argument(
+        "--route-wait-timeout", type=float, default=5.0,
+        help="seconds a request with no ready (prefill, decode) pair waits for one (a worker "
+        "restarting) before UNAVAILABLE; never past the request's deadline",
+    )  # fmt: skip
+    parser.add_argument(
         "--index-timeout", type=float, default=0.04,
         help="seconds a prefix-index lookup may take before routing by load alone",
     )  # fmt: skip

@@ -72,12 +72,13 @@ def _prompt_ids(
     if kind is None:
         raise InvalidArgument("prompt", "set one of text, token_ids or messages")
     if kind == "messages":
-        return _chat_prompt_ids(msg, tokenizer)
+        return _chat_prompt_ids(msg, tokenizer, card)
     if kind == "text":
         if not msg.text:
             raise InvalidArgument("text", "must not be empty")
         if len(msg.text) > MAX_PROMPT_CHARS:
             raise InvalidArgument("text", f"must be <= {MAX_PROMPT_CHARS} characters")
+        _check_fits(msg.text, "text", tokenizer, card)
         ids = tokenizer.encode(msg.text, add_special_tokens=add_special)
         if not ids:
             raise InvalidArgument("text", "tokenizes to no tokens")
@@ -91,7 +92,9 @@ def _prompt_ids(
     return ids
 
 
-def _chat_prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer) -> list[int]:
+def _chat_prompt_ids(
+    msg: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer, card: ModelCard
+) -> list[int]:
     """Render the conversation with the model's template; the text holds its special tokens."""
     if not tokenizer.chat.available:
         raise InvalidArgument("messages", tokenizer.chat.unavailable_reason)
@@ -101,11 +104,28 @@ def _chat_prompt_ids(msg: generation_pb2.GenerateRequest, tokenizer: RouterToken
         text = tokenizer.chat.render(messages, add_generation_prompt=add_prompt)
     except InvalidArgument as exc:
         raise exc.with_prefix("messages") from None
+    _check_fits(text, "messages", tokenizer, card)
     # NOTE: as transformers' apply_chat_template(tokenize=True): the template wrote BOS etc.
     ids = tokenizer.encode(text, add_special_tokens=False)
     if not ids:
         raise InvalidArgument("messages", "the chat template rendered no tokens")
     return ids
+
+
+def _check_fits(text: str, field: str, tokenizer: RouterTokenizer, card: ModelCard) -> None:
+    """Refuse, before tokenizing, a text whose token count is provably too large.
+
+    NOTE: tokenizing a ~1 MB prompt costs about a second of router CPU and leaves the process
+    hundreds of MB larger; the byte-length bound (`RouterTokenizer.min_tokens`) costs a pass
+    over the bytes and refuses only prompts that could never fit.
+    """
+    at_least = tokenizer.min_tokens(text)
+    if at_least >= card.max_model_len:
+        raise InvalidArgument(
+            field,
+            f"at least {at_least} prompt tokens leave no room under max_model_len "
+            f"{card.max_model_len}",
+        )
 
 
 def worker_request(request: RouterRequest, request_id: str) -> common_pb2.WorkerRequest:

@@ -27,7 +27,7 @@ from opentelemetry.context import Context
 from opentelemetry.trace import Span
 
 from pagedserve import telemetry
-from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.errors import AlreadyExists, ResourceExhausted, Unavailable
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.metrics import RequestMetrics
 from pagedserve.router import convert
@@ -46,6 +46,8 @@ from pagedserve.router.stream import ClientStream, merge
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.v1 import common_pb2, generation_pb2, prefill_pb2
 
+ROUTE_POLL_S = 0.05  # how often a request waiting for a ready pair looks again
+
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
@@ -53,6 +55,7 @@ class RouterSettings:
     model_fingerprint: bytes
     max_queued_requests: int = 256
     prefill_retries: int = 1
+    route_wait_s: float = 5.0  # how long a request waits for a ready pair (within its deadline)
 
 
 class Orchestrator:
@@ -85,7 +88,7 @@ class Orchestrator:
                 raise ResourceExhausted("router queue is full", retry_after_s=1.0)
             key = (tenant, request_id)
             if key in self.active:
-                raise InvalidArgument("request_id", f"{request_id!r} is already running")
+                raise AlreadyExists(f"request_id: {request_id!r} is already running")
             active = self.active[key] = ActiveRequest()
         return active
 
@@ -156,7 +159,11 @@ class Orchestrator:
         metadata = telemetry.metadata(parent)
         request = convert.worker_request(req, worker_request_id(tenant, req.request_id))
         prefilled, decision = self.clients.prefill(
-            request, lambda tried: self._route(hashes, tried, parent), active, time_left, metadata
+            request,
+            lambda tried: self._route(hashes, tried, parent, active, time_left),
+            active,
+            time_left,
+            metadata,
         )
         self.last_decision = decision
         outcome.ttft_s = time.monotonic() - outcome.started
@@ -174,17 +181,44 @@ class Orchestrator:
                 outcome.reason = reason_name(out.finish_reason)
             yield out
 
-    def _route(self, hashes: Sequence[BlockHash], exclude: list[str], parent: Context) -> Decision:
+    def _route(
+        self,
+        hashes: Sequence[BlockHash],
+        exclude: list[str],
+        parent: Context,
+        active: ActiveRequest,
+        time_left: TimeLeft,
+    ) -> Decision:
         with self.tracing.tracer.start_span("router.route", context=parent) as route:
-            try:
-                decision = self.policy.choose(hashes, exclude)
-            except LookupError as exc:
-                raise Unavailable(str(exc)) from None
+            decision = self._choose_or_wait(hashes, exclude, active, time_left)
             route.set_attributes(decision.terms)
             route.set_attribute("pagedserve.prefill_worker", decision.prefill.worker_id)
             route.set_attribute("pagedserve.decode_worker", decision.decode.worker_id)
             route.set_attribute("pagedserve.cached_blocks", decision.cached_blocks)
         return decision
+
+    def _choose_or_wait(
+        self,
+        hashes: Sequence[BlockHash],
+        exclude: list[str],
+        active: ActiveRequest,
+        time_left: TimeLeft,
+    ) -> Decision:
+        """The cheapest ready pair. With none (a worker restarting, every worker busy failing
+        over), wait for one, polling every ROUTE_POLL_S, at most `route_wait_s` and never past
+        the request's deadline; then Unavailable. Aborted if the client leaves meanwhile."""
+        wait_s = self.settings.route_wait_s
+        left = time_left()
+        give_up = time.monotonic() + (wait_s if left is None else min(wait_s, left))
+        while True:
+            try:
+                return self.policy.choose(hashes, exclude)
+            except LookupError as exc:
+                if active.aborted:
+                    raise Aborted() from None
+                if time.monotonic() + ROUTE_POLL_S > give_up:
+                    raise Unavailable(str(exc)) from None
+            time.sleep(ROUTE_POLL_S)
 
     def _decode(
         self,

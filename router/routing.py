@@ -38,10 +38,6 @@ from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 log = logging.getLogger(__name__)
 
 
-MAX_SLOW_POLLS = 3
-"""GetLoad timeouts in a row that a worker is forgiven before it counts as failed."""
-
-
 @dataclass(frozen=True, slots=True)
 class CostWeights:
     overlap: float = 1.0
@@ -62,7 +58,7 @@ class Worker:
     load: WorkerLoad | None = None
     in_flight: int = 0
     failures: int = 0
-    slow_polls: int = 0  # GetLoad timeouts in a row, forgiven up to MAX_SLOW_POLLS
+    stale: bool = False  # the last GetLoad timed out: `load` is the one before (slow, not dead)
     assigned: int = 0  # requests routed here so far: breaks ties between equal costs
 
     @property
@@ -99,6 +95,11 @@ class WorkerSet:
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
+            # NOTE: a restarted worker comes back at the same address within seconds; gRPC's
+            # default reconnect back-off grows to 120 s and would keep it out of routing
+            ("grpc.initial_reconnect_backoff_ms", 100),
+            ("grpc.min_reconnect_backoff_ms", 100),
+            ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         self._workers: dict[str, Worker] = {}
         for role, addresses in ((Role.PREFILL, static_prefill), (Role.DECODE, static_decode)):
@@ -175,14 +176,15 @@ class WorkerSet:
         )
         try:
             worker.load = load_from_proto(stub(common_pb2.GetLoadRequest(), timeout=timeout_s))
-            worker.failures = worker.slow_polls = 0
+            worker.failures = 0
+            worker.stale = False
         except grpc.RpcError as err:
-            # NOTE: on a saturated host a busy worker can answer GetLoad late; like a readiness
-            # probe's failure threshold, only MAX_SLOW_POLLS timeouts in a row take it out of
-            # routing (any other error at once)
-            slow = err.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            if slow and worker.slow_polls < MAX_SLOW_POLLS:
-                worker.slow_polls += 1
+            # NOTE: slow is not dead: on a saturated host a busy worker answers GetLoad late, and
+            # taking it out of routing would move its load onto the others. A timeout keeps the
+            # last load (stale); only a failed connection or another error takes it out, and a
+            # draining worker (NOT_SERVING) says so in its load
+            if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
+                worker.stale = True
             else:
                 worker.failures += 1
 

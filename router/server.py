@@ -70,6 +70,7 @@ def build_servicer(
         block_size=args.block_size,
         model_fingerprint=fingerprint,
         max_queued_requests=args.max_queued_requests,
+        route_wait_s=getattr(args, "route_wait_timeout", 5.0),
     )
     servicer = GenerationServicer(
         tokenizer, card, workers, policy, settings, tracing=tracing, metrics=metrics

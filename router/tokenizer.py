@@ -41,6 +41,8 @@ class RouterTokenizer:
     def __init__(self, tokenizer: Tokenizer, chat: ChatTemplate | None = None) -> None:
         self._tok = tokenizer
         self.chat = chat if chat is not None else ChatTemplate(None)
+        # the most input bytes one token can stand for; None: unbounded (see `min_tokens`)
+        self.max_token_bytes = max_token_bytes(tokenizer)
         self.special_ids = frozenset(
             token_id
             for token_id, added in tokenizer.get_added_tokens_decoder().items()
@@ -59,6 +61,66 @@ class RouterTokenizer:
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def min_tokens(self, text: str) -> int:
+        """A lower bound on `len(encode(text))`, in time linear in the text and no allocation
+        beyond it: ceil(bytes / max_token_bytes), or 0 when the tokenizer gives no bound.
+
+        NOTE: exact in the sense that matters: no text has fewer tokens, so a prompt refused by
+        this bound could never have fit. It holds when every input byte reaches the BPE model
+        (no normalizer or pre-tokenizer that drops or shrinks text) and no token stands for
+        more bytes than its vocabulary string (no fused unknowns): `max_token_bytes`.
+        """
+        if self.max_token_bytes is None:
+            return 0
+        return -(-len(text.encode("utf-8")) // self.max_token_bytes)
+
+
+_SAFE_PRE_TOKENIZERS = frozenset({"ByteLevel", "Metaspace", "Digits", "Split", "Punctuation"})
+_SAFE_NORMALIZERS = frozenset({"Prepend", "Replace"})
+
+
+def max_token_bytes(tokenizer: Tokenizer) -> int | None:
+    """The most input (UTF-8) bytes one token can cover, or None when no token count follows
+    from the byte length (a normalizer or pre-tokenizer that can drop or shrink input, a model
+    other than BPE, fused unknown tokens).
+
+    Byte-level BPE: one vocabulary character per input byte. Otherwise a vocabulary string's
+    UTF-8 length, which over-counts (`▁` for a space, `<0x41>` for one byte): safe. Added tokens
+    match the raw text: their content's UTF-8 length.
+    """
+    spec = json.loads(tokenizer.to_str())
+    model = spec.get("model") or {}
+    if model.get("type") != "BPE" or (model.get("fuse_unk") and not model.get("byte_fallback")):
+        return None
+    if not _keeps_every_byte(spec.get("normalizer"), _SAFE_NORMALIZERS):
+        return None
+    pre = spec.get("pre_tokenizer")
+    if not _keeps_every_byte(pre, _SAFE_PRE_TOKENIZERS):
+        return None
+    byte_level = "ByteLevel" in json.dumps(pre)
+    vocab = tokenizer.get_vocab(with_added_tokens=False)
+    longest = max((len(t) if byte_level else len(t.encode()) for t in vocab), default=1)
+    added = tokenizer.get_added_tokens_decoder().values()
+    longest_added = max((len(a.content.encode()) for a in added), default=1)
+    return max(longest, longest_added, 1)
+
+
+def _keeps_every_byte(component: dict | None, safe: frozenset[str]) -> bool:
+    """Whether a normalizer / pre-tokenizer (tokenizer.json form) never drops or shrinks text."""
+    if component is None:
+        return True
+    kind = component.get("type")
+    if kind == "Sequence":
+        parts = component.get("normalizers") or component.get("pretokenizers") or []
+        return all(_keeps_every_byte(part, safe) for part in parts)
+    if kind not in safe or component.get("behavior") == "Removed":
+        return False
+    if kind == "Replace":  # e.g. " " -> "▁": never shorter than what it replaces
+        pattern = (component.get("pattern") or {}).get("String")
+        content = component.get("content") or ""
+        return pattern is not None and len(content.encode()) >= len(pattern.encode())
+    return True
 
 
 def read_model_card(

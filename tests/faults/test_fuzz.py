@@ -38,7 +38,7 @@ def router(make_tiny):
     args = argparse.Namespace(
         model=str(make_tiny("llama")), served_model_name=None, revision="", dtype=None,
         block_size=16, redis_url=None, prefill=[], decode=[], max_queued_requests=64,
-        max_message_bytes=1 << 20,
+        max_message_bytes=1 << 20, route_wait_timeout=0.0,  # no worker will come: answer now
     )  # fmt: skip
     servicer, workers = build_servicer(args)
     handle = build_server(

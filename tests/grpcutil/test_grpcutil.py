@@ -9,7 +9,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
-from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import build_server
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -26,6 +26,8 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
             raise ResourceExhausted("queue full", retry_after_s=1.5)
         if request.text == "gone":
             raise Unavailable("decode worker lost")
+        if request.text == "dup":
+            raise AlreadyExists("request_id: 'x' is already running")
         if request.text == "bug":
             raise KeyError("oops")
         if request.text == "self-abort":
@@ -81,6 +83,8 @@ def test_overload_carries_retry_info(server):
 def test_unavailable_bug_and_own_abort(server):
     _, channel = server
     assert call_tokenize(channel, "gone").code() == grpc.StatusCode.UNAVAILABLE
+    dup = call_tokenize(channel, "dup")
+    assert dup.code() == grpc.StatusCode.ALREADY_EXISTS and "already running" in dup.details()
     bug = call_tokenize(channel, "bug")
     assert bug.code() == grpc.StatusCode.INTERNAL
     assert "oops" not in bug.details(), "internal details must not leak to clients"

@@ -163,7 +163,7 @@ def test_tenants_may_run_the_same_request_id_and_abort_only_their_own(cluster):
 
     stream_a, first_a = start("alice", prompt_a)  # running now
     again = error_of(lambda: start("alice", prompt_b))  # alice's own id: still one at a time
-    assert again.code() is grpc.StatusCode.INVALID_ARGUMENT and "already running" in again.details()
+    assert again.code() is grpc.StatusCode.ALREADY_EXISTS and "already running" in again.details()
     stream_b, first_b = start("bob", prompt_b)  # the same id for another tenant: no collision
     assert stub.Abort(common_pb2.AbortRequest(request_id=shared), metadata=auth("alice")).found
     parts_a, parts_b = [first_a, *stream_a], [first_b, *stream_b]
