@@ -1,8 +1,9 @@
 """The real model through real processes (redis-server, router, prefill and decode workers started
 by `pagedserve up`'s code), against transformers `generate()` on the same directory.
 
-Prompts are chat conversations rendered with the model's own chat template (sharing a system
-prompt, so the prefix cache is exercised too) and sent as token ids.
+Requests are chat conversations (sharing a system prompt, so the prefix cache is exercised too)
+sent as `messages`: the router renders them with the model's own chat template; transformers gets
+`apply_chat_template`'s ids.
 """
 
 from __future__ import annotations
@@ -36,12 +37,19 @@ QUESTIONS = (
 )  # fmt: skip
 
 
+CONVERSATIONS = [
+    [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    for question in QUESTIONS
+]
+
+
 @pytest.fixture(scope="module")
 def prompts(smollm2_dir) -> list[list[int]]:
+    """What transformers makes of each conversation (the oracle's input); the cluster gets the
+    messages themselves and renders them in the router."""
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     rendered = []
-    for question in QUESTIONS:
-        messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    for messages in CONVERSATIONS:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         rendered.append(tokenizer(text, add_special_tokens=False)["input_ids"])
     return rendered
@@ -67,8 +75,9 @@ def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
-def serve_concurrently(model_dir, dtype: str, prompts, tmp_path) -> dict[int, list]:
-    """Start a cluster, send every prompt at once, return each stream's messages; stop it."""
+def serve_concurrently(model_dir, dtype: str, tmp_path) -> dict[int, list]:
+    """Start a cluster, send every conversation at once as a chat request (`messages`), return
+    each stream's messages; stop it."""
     args = argparse.Namespace(
         model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
         block_size=16, dtype=dtype, kv_cache_memory="48MiB", start_timeout=180.0, log_dir=None,
@@ -79,9 +88,9 @@ def serve_concurrently(model_dir, dtype: str, prompts, tmp_path) -> dict[int, li
 
         def run(i: int) -> None:
             with Client(cluster.router_address) as client:
-                results[i] = list(client.generate(prompts[i], GREEDY, timeout=300))
+                results[i] = list(client.chat(CONVERSATIONS[i], GREEDY, timeout=300))
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(CONVERSATIONS))]
         for t in threads:
             t.start()
         for t in threads:
@@ -90,7 +99,7 @@ def serve_concurrently(model_dir, dtype: str, prompts, tmp_path) -> dict[int, li
             status = client.status()
     finally:
         cluster.stop()
-    assert len(results) == len(prompts), "every stream must finish"
+    assert len(results) == len(CONVERSATIONS), "every stream must finish"
     assert sum(w.load.kv_blocks_total - w.load.kv_blocks_free - w.load.kv_blocks_cached
                for w in status.workers) == 0, "finished streams must hold no blocks"  # fmt: skip
     return results
@@ -101,7 +110,7 @@ def tokens_of(parts) -> list[int]:
 
 
 def test_fp32_concurrent_chat_requests_equal_transformers(smollm2_dir, prompts, tmp_path):
-    results = serve_concurrently(smollm2_dir, "float32", prompts, tmp_path)
+    results = serve_concurrently(smollm2_dir, "float32", tmp_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     cached = 0
     for i, prompt in enumerate(prompts):
@@ -109,6 +118,7 @@ def test_fp32_concurrent_chat_requests_equal_transformers(smollm2_dir, prompts, 
         parts = results[i]
         assert tokens_of(parts) == want, f"prompt {i}: {QUESTIONS[i]!r}"
         last = parts[-1]
+        # NOTE: the router's rendering of the messages is transformers' prompt, token for token
         assert last.usage.prompt_tokens == len(prompt)
         assert last.finish_reason in (
             common_pb2.FINISH_REASON_LENGTH,
@@ -124,7 +134,7 @@ def test_fp32_concurrent_chat_requests_equal_transformers(smollm2_dir, prompts, 
 def test_bf16_first_tokens_equal_transformers_or_differ_at_a_near_tie(
     smollm2_dir, prompts, tmp_path
 ):
-    results = serve_concurrently(smollm2_dir, "bfloat16", prompts, tmp_path)
+    results = serve_concurrently(smollm2_dir, "bfloat16", tmp_path)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.bfloat16).eval()
     margins = []
     for i, prompt in enumerate(prompts):
