@@ -15,17 +15,16 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from in_process_router import serve_router
 from oracle import make_prompts
 from proxy import DROP, PASS, RESET, FaultProxy, delay
 
 from pagedserve.client import Client
-from pagedserve.grpcutil import build_server
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
 from pagedserve.launcher import start_cluster
 from pagedserve.protoconv import sampling_to_proto
-from pagedserve.router.server import build_servicer
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.v1 import common_pb2, generation_pb2
 
 SHORT = SamplingParams(temperature=0.0, max_tokens=4)
 LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
@@ -64,19 +63,9 @@ def router(cluster, redis_proxy):
         decode=[workers["decode-0"], workers["decode-1"]], max_queued_requests=2,
         max_message_bytes=16 << 20,
     )  # fmt: skip
-    servicer, worker_set = build_servicer(args)
-    servicer.policy.index_retry_s = 0.3
-    worker_set.refresh()
-    handle = build_server(
-        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
-        ["pagedserve.v1.Generation"],
-    )
-    handle.server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
-    yield servicer, generation_pb2_grpc.GenerationStub(channel)
-    channel.close()
-    handle.server.stop(None).wait(5)
-    worker_set.close()
+    with serve_router(args) as router:
+        router.servicer.policy.index_retry_s = 0.3
+        yield router.servicer, router.stub
 
 
 def request(prompt: list[int], params: SamplingParams = SHORT) -> generation_pb2.GenerateRequest:

@@ -14,9 +14,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
+from in_process_router import serve_router
 
-from pagedserve.grpcutil import build_server
-from pagedserve.router.server import build_servicer
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 SERVICE = "pagedserve.v1.Generation"
@@ -40,18 +39,8 @@ def router(make_tiny):
         block_size=16, redis_url=None, prefill=[], decode=[], max_queued_requests=64,
         max_message_bytes=1 << 20, route_wait_timeout=0.0,  # no worker will come: answer now
     )  # fmt: skip
-    servicer, workers = build_servicer(args)
-    handle = build_server(
-        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
-        [SERVICE],
-        max_message_bytes=1 << 20,
-    )
-    handle.server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
-    yield channel
-    channel.close()
-    handle.server.stop(None).wait(5)
-    workers.close()
+    with serve_router(args, max_message_bytes=1 << 20) as router:
+        yield router.channel
 
 
 sampling = st.builds(

@@ -18,21 +18,19 @@ import time
 import grpc
 import pytest
 import torch
+from in_process_router import serve_router
 from oracle import hf_greedy, make_prompts
 from proxy import PASS, FaultProxy, delay
 from workers import start, wait_ready, wait_until
 
-from pagedserve.grpcutil import build_server
 from pagedserve.launcher import free_port
 from pagedserve.protoconv import sampling_to_proto
-from pagedserve.router.server import build_servicer
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import (
     common_pb2,
     decode_pb2,
     decode_pb2_grpc,
     generation_pb2,
-    generation_pb2_grpc,
     prefill_pb2,
     prefill_pb2_grpc,
 )
@@ -80,18 +78,8 @@ def router(workers, tiny_llama):
         redis_url=None, prefill=[prefill_address], decode=[decode.address],
         max_queued_requests=64, max_message_bytes=16 << 20,
     )  # fmt: skip
-    servicer, worker_set = build_servicer(args)
-    worker_set.refresh()
-    handle = build_server(
-        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
-        ["pagedserve.v1.Generation"],
-    )
-    handle.server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
-    yield servicer, generation_pb2_grpc.GenerationStub(channel)
-    channel.close()
-    handle.server.stop(None).wait(5)
-    worker_set.close()
+    with serve_router(args) as router:
+        yield router.servicer, router.stub
 
 
 def generate_request(prompt, params, request_id="") -> generation_pb2.GenerateRequest:

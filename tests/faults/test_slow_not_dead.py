@@ -14,15 +14,14 @@ import time
 
 import grpc
 import pytest
+from in_process_router import serve_router
 from oracle import make_prompts
 from proxy import PASS, RESET, FaultProxy, delay
 from workers import start, wait_ready
 
-from pagedserve.grpcutil import build_server
 from pagedserve.protoconv import sampling_to_proto
-from pagedserve.router.server import build_servicer
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import generation_pb2, generation_pb2_grpc
+from pagedserve.v1 import generation_pb2
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=4)
 ROUTE_WAIT_S = 2.0
@@ -56,19 +55,9 @@ def router(workers):
         redis_url=None, prefill=[prefill], decode=[proxy.address], max_queued_requests=8,
         max_message_bytes=16 << 20, route_wait_timeout=ROUTE_WAIT_S,
     )  # fmt: skip
-    servicer, worker_set = build_servicer(args)
-    worker_set.refresh()
-    handle = build_server(
-        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
-        ["pagedserve.v1.Generation"],
-    )
-    handle.server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
-    yield worker_set, proxy, generation_pb2_grpc.GenerationStub(channel)
-    proxy.set_mode(PASS)
-    channel.close()
-    handle.server.stop(None).wait(5)
-    worker_set.close()
+    with serve_router(args) as router:
+        yield router.worker_set, proxy, router.stub
+        proxy.set_mode(PASS)
 
 
 def generate(stub, timeout: float = 60) -> list[int]:

@@ -13,12 +13,11 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from in_process_router import serve_router
 from oracle import make_prompts
 
-from pagedserve.grpcutil import build_server
 from pagedserve.launcher import start_cluster
-from pagedserve.router.server import build_servicer
-from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.v1 import common_pb2, generation_pb2
 
 
 @pytest.fixture(scope="module")
@@ -43,18 +42,8 @@ def router(workers, module_redis):
         redis_url=module_redis.url, prefill=[], decode=[], max_queued_requests=64,
         max_message_bytes=16 << 20,
     )  # fmt: skip
-    servicer, worker_set = build_servicer(args)
-    handle = build_server(
-        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
-        ["pagedserve.v1.Generation"],
-    )
-    handle.server.start()
-    worker_set.refresh()
-    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
-    yield servicer, generation_pb2_grpc.GenerationStub(channel)
-    channel.close()
-    handle.server.stop(None)
-    worker_set.close()
+    with serve_router(args) as router:
+        yield router.servicer, router.stub
 
 
 def generate(stub, prompt, **sampling):
