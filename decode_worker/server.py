@@ -9,6 +9,7 @@ new requests, let in-flight streams finish up to `--drain-timeout`, deregister, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
@@ -78,6 +79,11 @@ def main(args: argparse.Namespace) -> int:
     if stop.is_set():  # NOTE: stopped while loading: nothing is bound or registered yet
         engine.close()
         return 0
+    return asyncio.run(serve(args, engine, stop))
+
+
+async def serve(args: argparse.Namespace, engine: DecodeEngine, stop: threading.Event) -> int:
+    """Serve `engine` on a `grpc.aio` server until `stop` is set, then drain and stop."""
     tracing = setup_tracing(
         "pagedserve-decode", args.otlp_traces_endpoint, include_text=args.trace_include_text
     )
@@ -90,33 +96,33 @@ def main(args: argparse.Namespace) -> int:
     _register_metrics(worker)
     start_metrics_server(args.metrics_port, args.host)
     servicer = DecodeServicer(worker)
-    handle = build_server(
+    handle = await build_server(
         [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s)],
         [SERVICE_NAME],
         address=f"{args.host}:{args.port}",
-        max_workers=max(16, 2 * args.max_num_seqs + 8),
         max_message_bytes=args.max_message_bytes,
         tls=server_tls_from_args(args),
     )
     address = args.advertise_address or f"{args.host}:{handle.port}"
     worker.worker_id = args.worker_id or default_worker_id("decode", handle.port)
-    member = _join_cluster(args, worker, address)
-    worker.on_loop_death = lambda: handle.set_ready(False)
+    member = await asyncio.to_thread(_join_cluster, args, worker, address)
+    worker.on_loop_death = lambda: handle.set_ready_threadsafe(False)
     worker.start()
-    handle.server.start()
-    handle.set_ready(True)
+    await handle.server.start()
+    await handle.set_ready(True)
     print(f"READY {worker.worker_id} {address}", flush=True)
-    stop.wait()
+    await asyncio.to_thread(stop.wait)
 
     log.info("draining: %d requests in flight", worker.num_in_flight)
-    handle.set_ready(False)
+    await handle.set_ready(False)
     worker.draining = True
     deadline = time.monotonic() + args.drain_timeout
     while worker.num_in_flight and time.monotonic() < deadline:
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     if member is not None:
-        member.leave()
-    handle.server.stop(grace=1.0).wait(2.0)
+        await asyncio.to_thread(member.leave)
+    await handle.server.stop(grace=1.0)
+    servicer.close()
     worker.close()
     tracing.shutdown()
     return 0

@@ -1,4 +1,9 @@
-"""`pagedserve.v1.DecodeWorker`: a thin servicer over `DecodeWorker` (DESIGN §3.2).
+"""`pagedserve.v1.DecodeWorker`: a thin asyncio servicer over `DecodeWorker` (DESIGN §3.2, §3.8).
+
+No thread per stream: each Decode call is a coroutine awaiting its `AsyncRequestStream`, which
+the engine loop fills once per step. The worker's calls that take its lock (`submit`, `abort`,
+`load`: at most one step's wait) run on a small executor, never on the event loop, so health
+checks answer while a step computes.
 
 Errors are raised, not aborted: the server's interceptor maps them (pagedserve/errors.py). When
 the call ends however it ends (client cancel, deadline, disconnect), the request is aborted and
@@ -7,43 +12,67 @@ its blocks are freed at once (a no-op if it already finished).
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import asyncio
+from collections.abc import AsyncIterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
 from pagedserve.decode_worker import convert
-from pagedserve.decode_worker.worker import DecodeWorker
+from pagedserve.decode_worker.worker import AsyncRequestStream, DecodeWorker
 from pagedserve.model.sequence import FinishReason
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import context_from
 from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pagedserve.worker_load import Role
 
-POLL_S = 0.2  # how often a quiet stream checks that its client is still there
+RPC_THREADS = 4  # the executor for calls that wait on the engine's lock
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
+        self.executor = ThreadPoolExecutor(RPC_THREADS, thread_name_prefix="decode-rpc")
 
-    def Decode(self, request, context) -> Iterator[decode_pb2.DecodeResponse]:  # noqa: N802
+    async def Decode(self, request, context) -> AsyncIterator[decode_pb2.DecodeResponse]:  # noqa: N802
         call = convert.decode_call(request)
-        stream = self.worker.submit(call, context_from(context.invocation_metadata()))
-        context.add_callback(lambda: self.worker.abort(call.request_id, stream))
-        while True:
-            delta = stream.get(POLL_S)
-            if delta is None:
-                if not context.is_active():
-                    return
-                continue
-            yield convert.decode_response(call.request_id, delta)
-            if delta.finish_reason is FinishReason.ERROR:
-                context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, delta.error or "decode failed")
-            if delta.finish_reason is not None:
-                return
+        loop = asyncio.get_running_loop()
+        stream = AsyncRequestStream(loop)
+        parent = context_from(context.invocation_metadata())
+        submitted = self.executor.submit(self.worker.submit, call, parent, stream)
+        finished = False
+        try:
+            await asyncio.wrap_future(submitted)
+            while not finished:
+                delta = await stream.get()
+                yield convert.decode_response(call.request_id, delta)
+                if delta.finish_reason is FinishReason.ERROR:
+                    await context.abort(
+                        grpc.StatusCode.RESOURCE_EXHAUSTED, delta.error or "decode failed"
+                    )
+                finished = delta.finish_reason is not None
+        finally:
+            if not finished:
+                # NOTE: the client left (or the deadline passed): once submit has returned
+                # (it may still be running on the executor), abort frees the blocks
+                submitted.add_done_callback(
+                    lambda f: self._abort_submitted(f, call.request_id, stream)
+                )
 
-    def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
-        return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))
+    def _abort_submitted(self, submitted: Future, request_id: str, stream) -> None:
+        if not submitted.cancelled() and submitted.exception() is None:
+            self.executor.submit(self.worker.abort, request_id, stream)
 
-    def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
-        return load_to_proto(self.worker.load(), self.worker.worker_id, Role.DECODE)
+    async def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
+        found = await self._off_loop(self.worker.abort, request.request_id)
+        return common_pb2.AbortResponse(found=found)
+
+    async def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
+        load = await self._off_loop(self.worker.load)
+        return load_to_proto(load, self.worker.worker_id, Role.DECODE)
+
+    async def _off_loop(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=True)

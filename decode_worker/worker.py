@@ -1,8 +1,12 @@
 """`DecodeWorker`: the decode worker's threads around one `DecodeEngine`.
 
-    gRPC thread ── submit ──► import pool (KvImporter: pull or give up) ──► engine (lock)
-    loop thread ── step() under the lock ──► deltas ──► each request's `RequestStream`
-    gRPC thread ── abort / cancel ──► engine.abort under the lock: blocks freed at once
+    caller ── submit ──► import pool (KvImporter: pull or give up) ──► engine (lock)
+    loop thread ── step() under the lock ──► the step's deltas ──► `publish`: one hand-over
+                   to the server's event loop (`AsyncRequestStream`s) per step
+    caller ── abort / cancel ──► engine.abort under the lock: blocks freed at once
+
+Callers (the asyncio server's RPC executor, tests) block on `lock` for at most one step, so
+the server calls `submit`, `abort` and `load` off its event loop.
 
 The engine and its scheduler are single-threaded: every call into them holds `lock`, which the
 loop holds for a whole `step()`. So an abort waits at most one step, and an import's pool
@@ -17,6 +21,8 @@ in flight ends with ERROR.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import queue
 import threading
@@ -46,7 +52,8 @@ log = logging.getLogger(__name__)
 
 
 class RequestStream:
-    """The deltas of one request, in order; the last one has `finish_reason` set."""
+    """The deltas of one request, in order, read by a thread (`get`); the last one has
+    `finish_reason` set."""
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
@@ -68,10 +75,54 @@ class RequestStream:
         return delta
 
 
+class AsyncRequestStream:
+    """The deltas of one request, read on an asyncio event loop (`await get()`). The worker
+    hands a step's deltas for every such stream of one loop to that loop in one call
+    (`publish`), never one wake-up per stream."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+
+    def put(self, delta: Delta) -> None:
+        """On the loop's thread only (`publish` gets it there)."""
+        self._queue.put_nowait(delta)
+
+    async def get(self) -> Delta:
+        """The next delta merged with any others already queued."""
+        delta = await self._queue.get()
+        while delta.finish_reason is None and not self._queue.empty():
+            delta.merge(self._queue.get_nowait())
+        return delta
+
+
+AnyStream = RequestStream | AsyncRequestStream
+
+
+def publish(items: list[tuple[AnyStream, Delta]]) -> None:
+    """Deliver deltas from the engine's thread: thread streams at once, asyncio streams in one
+    `call_soon_threadsafe` per event loop."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AnyStream, Delta]]] = {}
+    for stream, delta in items:
+        if isinstance(stream, AsyncRequestStream):
+            by_loop.setdefault(stream.loop, []).append((stream, delta))
+        else:
+            stream.put(delta)
+    for loop, batch in by_loop.items():
+        # NOTE: a closed loop raises RuntimeError: the server is gone, nobody reads these
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(_put_all, batch)
+
+
+def _put_all(batch: list[tuple[AnyStream, Delta]]) -> None:
+    for stream, delta in batch:
+        stream.put(delta)
+
+
 @dataclass(slots=True, eq=False)
 class _Tracked:
     seq: Sequence
-    stream: RequestStream
+    stream: AnyStream
     span: Span = INVALID_SPAN  # decode.run: the request's life on this worker
     queue_span: Span | None = None  # decode.queue: KV ready until first scheduled
     importing: bool = True
@@ -102,6 +153,7 @@ class DecodeWorker:
         self.draining = False
         self._wake = threading.Condition(self.lock)
         self._tracked: dict[str, _Tracked] = {}
+        self._outbox: list[tuple[AnyStream, Delta]] = []  # deltas to publish (lock held)
         self._imports = ThreadPoolExecutor(import_threads, thread_name_prefix="kv-import")
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -110,8 +162,11 @@ class DecodeWorker:
 
     # -- requests ------------------------------------------------------------------------------
 
-    def submit(self, call: DecodeCall, parent: Context | None = None) -> RequestStream:
-        """Start a request: import (or recompute) its prompt, then stream its tokens.
+    def submit(
+        self, call: DecodeCall, parent: Context | None = None, stream: AnyStream | None = None
+    ) -> AnyStream:
+        """Start a request: import (or recompute) its prompt, then stream its tokens to
+        `stream` (a new thread-read `RequestStream` when None), which it returns.
 
         `parent` is the caller's trace context (the `decode.run` span's parent). Raises
         InvalidArgument naming the field, ResourceExhausted for a request this worker can never
@@ -120,7 +175,7 @@ class DecodeWorker:
         if self.draining or self.dead:
             raise Unavailable("decode worker is draining" if not self.dead else "engine stopped")
         seq = self._new_sequence(call)
-        stream = RequestStream()
+        stream = stream if stream is not None else RequestStream()
         span = self.tracing.tracer.start_span(
             "decode.run",
             context=parent,
@@ -137,6 +192,7 @@ class DecodeWorker:
             self._tracked[call.request_id] = tracked
             if seq.check_stop(self.engine.model_config.eos_token_ids, self.engine.max_model_len):
                 self._finish(tracked)  # NOTE: the first token already ended it
+                self._flush()
                 return stream
         self._imports.submit(self._import, tracked, call)
         return stream
@@ -205,7 +261,7 @@ class DecodeWorker:
                 self.engine.add_sequence(tracked.seq)
             self._wake.notify()
 
-    def abort(self, request_id: str, stream: RequestStream | None = None) -> bool:
+    def abort(self, request_id: str, stream: AnyStream | None = None) -> bool:
         """Abort a request (only if its stream is `stream`, when given); its blocks are freed
         now, or as soon as its import returns. False if unknown or already finished."""
         with self.lock:
@@ -219,6 +275,7 @@ class DecodeWorker:
                 self.engine.abort(request_id)
             tracked.seq.finish(FinishReason.ABORT)
             self._finish(tracked)
+            self._flush()
             return True
 
     # -- loop ----------------------------------------------------------------------------------
@@ -265,6 +322,7 @@ class DecodeWorker:
             tracked = self._tracked.get(seq.request_id)
             if tracked is not None:
                 self._finish(tracked)
+        self._flush()
 
     def _runs_alone(self, seq: Sequence) -> bool:
         """Re-run `seq`'s pending tokens alone (results dropped). False if that raises.
@@ -307,7 +365,8 @@ class DecodeWorker:
             for item in out.plan.scheduled:
                 tracked = self._tracked.get(item.seq.request_id)
                 if tracked is not None and item.seq.num_output_tokens > tracked.num_sent:
-                    tracked.stream.put(self._delta(tracked))
+                    self._outbox.append((tracked.stream, self._delta(tracked)))
+            self._flush()
             return not out.plan.is_empty
 
     def _trace_plan(self, plan) -> None:
@@ -356,7 +415,7 @@ class DecodeWorker:
         if seq.finish_reason is FinishReason.ERROR:
             delta.error = self.engine.errors.pop(seq.request_id, "decode failed")
         del self._tracked[seq.request_id]
-        tracked.stream.put(delta)
+        self._outbox.append((tracked.stream, delta))
         if tracked.queue_span is not None:
             tracked.queue_span.end()
         tracked.span.set_attribute("gen_ai.usage.completion_tokens", seq.num_output_tokens)
@@ -366,6 +425,12 @@ class DecodeWorker:
         reason = seq.finish_reason.value if seq.finish_reason else "unknown"
         tracked.span.set_attribute("gen_ai.response.finish_reasons", [reason])
         tracked.span.end()
+
+    def _flush(self) -> None:
+        """Publish the deltas queued so far (lock held): one hand-over per step."""
+        items, self._outbox = self._outbox, []
+        if items:
+            publish(items)
 
     def _fail_all(self) -> None:
         with self.lock:
@@ -378,6 +443,7 @@ class DecodeWorker:
                 tracked.seq.finish(FinishReason.ERROR)
                 self.engine.errors[RequestId(request_id)] = "decode step failed"
                 self._finish(tracked)
+            self._flush()
 
     # -- state ---------------------------------------------------------------------------------
 

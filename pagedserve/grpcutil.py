@@ -1,9 +1,10 @@
 """gRPC server plumbing shared by every pagedserve service (router, prefill, decode).
 
-`build_server` gives each server the same shape: explicit message size limits (never unlimited),
-`grpc.health.v1.Health` (service `""` = alive, the service's full name = ready), server
-reflection, and `ErrorInterceptor`, the one place where exceptions become status codes
-(`pagedserve/errors.py` has the table). Servicers stay thin: they raise, the interceptor maps.
+`build_server` gives each server the same shape, an asyncio `grpc.aio` server (DESIGN §3.8)
+with explicit message size limits (never unlimited), `grpc.health.v1.Health` (service `""` =
+alive, the service's full name = ready), server reflection, and `ErrorInterceptor`, the one
+place where exceptions become status codes (`pagedserve/errors.py` has the table). Servicers
+stay thin: they raise, the interceptor maps.
 
 Transport security is one pair of types: `ServerTLS` (`--tls-cert/--tls-key`, plus
 `--tls-client-ca` to require client certificates, i.e. mTLS) and `ClientTLS` (`--tls-ca`,
@@ -12,16 +13,18 @@ Transport security is one pair of types: `ServerTLS` (`--tls-cert/--tls-key`, pl
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Callable, Iterator, Sequence
-from concurrent import futures
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from grpc_status import rpc_status
@@ -31,6 +34,7 @@ from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted,
 log = logging.getLogger(__name__)
 
 DEFAULT_MAX_MESSAGE_BYTES = 16 * 1024 * 1024
+T = TypeVar("T")
 
 
 def _status(code: int, message: str, *details: Any) -> status_pb2.Status:
@@ -64,23 +68,23 @@ def status_for(exc: BaseException) -> status_pb2.Status:
     return _status(code_pb2.INTERNAL, f"internal error: {type(exc).__name__}")
 
 
-def _abort(context: grpc.ServicerContext, method: str, exc: Exception) -> None:
+async def _abort(context: grpc.aio.ServicerContext, method: str, exc: Exception) -> None:
     status = status_for(exc)
     if status.code == code_pb2.INTERNAL:
         log.exception("%s failed", method, exc_info=exc)
-    context.abort_with_status(rpc_status.to_status(status))
+    await context.abort_with_status(rpc_status.to_status(status))
 
 
-class ErrorInterceptor(grpc.ServerInterceptor):
+class ErrorInterceptor(grpc.aio.ServerInterceptor):
     """Maps exceptions escaping a servicer method to status codes, for unary and streaming
     responses alike. An `abort()` the servicer made itself passes through untouched."""
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         method = handler_call_details.method
@@ -119,51 +123,53 @@ def _lenient(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], An
     return parse
 
 
-def _reject_undecodable(request: Any, context: grpc.ServicerContext) -> None:
+async def _reject_undecodable(request: Any, context: grpc.aio.ServicerContext) -> None:
     if isinstance(request, _Undecodable):
-        context.abort_with_status(
+        await context.abort_with_status(
             rpc_status.to_status(
                 _status(code_pb2.INVALID_ARGUMENT, f"request does not parse ({request.error})")
             )
         )
 
 
-def _wrap_unary(fn: Callable[[Any, grpc.ServicerContext], Any], method: str) -> Callable:
-    def call(request: Any, context: grpc.ServicerContext) -> Any:
-        _reject_undecodable(request, context)
+def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]], method: str) -> Callable:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        await _reject_undecodable(request, context)
         try:
-            return fn(request, context)
+            return await fn(request, context)
         except Exception as exc:
-            if context.code() is not None:  # the servicer already aborted
-                raise
-            _abort(context, method, exc)
+            if isinstance(exc, grpc.aio.AbortError) or context.code() is not None:
+                raise  # the servicer already aborted
+            await _abort(context, method, exc)
 
     return call
 
 
-def _wrap_stream(fn: Callable[[Any, grpc.ServicerContext], Iterator[Any]], method: str) -> Callable:
-    def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-        _reject_undecodable(request, context)
+def _wrap_stream(fn: Callable[[Any, Any], AsyncIterator[Any]], method: str) -> Callable:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        await _reject_undecodable(request, context)
         try:
-            yield from fn(request, context)
+            async for response in fn(request, context):
+                yield response
         except Exception as exc:
-            if context.code() is not None:
+            if isinstance(exc, grpc.aio.AbortError) or context.code() is not None:
                 raise
-            _abort(context, method, exc)
+            await _abort(context, method, exc)
 
     return call
 
 
 @dataclass(slots=True)
 class ServerHandle:
-    """A started-or-not server with its health servicer and the port it bound."""
+    """A started-or-not server with its health servicer, the port it bound and its loop."""
 
-    server: grpc.Server
-    health: health.HealthServicer
+    server: grpc.aio.Server
+    health: aio_health.HealthServicer
     port: int
     service_names: tuple[str, ...]
+    loop: asyncio.AbstractEventLoop
 
-    def set_ready(self, ready: bool) -> None:
+    async def set_ready(self, ready: bool) -> None:
         """Readiness of every service this server hosts; `""` (liveness) stays SERVING."""
         status = (
             health_pb2.HealthCheckResponse.SERVING
@@ -171,31 +177,34 @@ class ServerHandle:
             else health_pb2.HealthCheckResponse.NOT_SERVING
         )
         for name in self.service_names:
-            self.health.set(name, status)
+            await self.health.set(name, status)
+
+    def set_ready_threadsafe(self, ready: bool) -> None:
+        """`set_ready` from any thread (an engine loop that dies); does not wait for it."""
+        asyncio.run_coroutine_threadsafe(self.set_ready(ready), self.loop)
 
 
-def build_server(
-    register: Sequence[Callable[[grpc.Server], None]],
+async def build_server(
+    register: Sequence[Callable[[grpc.aio.Server], None]],
     service_names: Sequence[str],
     *,
     address: str = "127.0.0.1:0",
-    max_workers: int = 16,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-    interceptors: Sequence[grpc.ServerInterceptor] = (),
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = (),
     tls: ServerTLS | None = None,
 ) -> ServerHandle:
-    """Create (not start) a server with health, reflection and `ErrorInterceptor`.
+    """Create (not start) an asyncio server with health, reflection and `ErrorInterceptor`, on
+    the running event loop (DESIGN §3.8: no thread per stream or request).
 
-    `register` are callables like `lambda s: add_FooServicer_to_server(servicer, s)`;
-    `service_names` are their full names (`pagedserve.v1.Generation`). The services start
-    NOT_SERVING for readiness: call `set_ready(True)` once the model is loaded. With `tls` the
-    port speaks only TLS (mTLS when `tls.client_ca` is set). Raises RuntimeError if `address`
-    cannot be bound.
+    `register` are callables like `lambda s: add_FooServicer_to_server(servicer, s)` with
+    `async` servicer methods; `service_names` are their full names (`pagedserve.v1.Generation`).
+    The services start NOT_SERVING for readiness: `await set_ready(True)` once the model is
+    loaded. With `tls` the port speaks only TLS (mTLS when `tls.client_ca` is set). Raises
+    RuntimeError if `address` cannot be bound.
     """
     if max_message_bytes <= 0:
         raise ValueError(f"max_message_bytes: must be positive, got {max_message_bytes}")
-    server = grpc.server(
-        futures.ThreadPoolExecutor(max_workers=max_workers),
+    server = grpc.aio.server(
         interceptors=[ErrorInterceptor(), *interceptors],
         options=[
             ("grpc.max_receive_message_length", max_message_bytes),
@@ -204,9 +213,9 @@ def build_server(
     )
     for add in register:
         add(server)
-    health_servicer = health.HealthServicer()
+    health_servicer = aio_health.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
+    await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     names = tuple(service_names)
     reflection.enable_server_reflection(
         (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
@@ -218,12 +227,32 @@ def build_server(
             port = server.add_secure_port(address, tls.credentials())
     except RuntimeError as exc:
         raise RuntimeError(f"cannot bind {address}: {exc}") from exc
-    handle = ServerHandle(server, health_servicer, port, names)
-    handle.set_ready(False)
+    handle = ServerHandle(server, health_servicer, port, names, asyncio.get_running_loop())
+    await handle.set_ready(False)
     return handle
 
 
-def time_remaining(context: grpc.ServicerContext) -> float | None:
+class LoopThread:
+    """An asyncio event loop on its own daemon thread, for running servers inside a process
+    that is not itself asyncio (tests, benchmarks). `run(coro)` runs a coroutine there and
+    returns its result."""
+
+    def __init__(self, name: str = "aio-loop") -> None:
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
+        self._thread.start()
+
+    def run(self, coro: Awaitable[T], timeout_s: float | None = 60.0) -> T:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout_s)  # type: ignore[arg-type]
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(5)
+        if not self._thread.is_alive():
+            self.loop.close()
+
+
+def time_remaining(context: grpc.aio.ServicerContext) -> float | None:
     """Seconds left of the caller's deadline, or None when it set none.
 
     NOTE: grpcio reports "no deadline" as ~9.2e18 seconds, which overflows as a client timeout.
@@ -265,15 +294,21 @@ class ClientTLS:
 
 
 def make_channel(
-    address: str, tls: ClientTLS | None, options: Sequence[tuple[str, Any]] = ()
-) -> grpc.Channel:
-    """A channel to `address`: plaintext when `tls` is None, else TLS (mTLS with a cert)."""
-    if tls is None:
-        return grpc.insecure_channel(address, options=list(options))
+    address: str,
+    tls: ClientTLS | None,
+    options: Sequence[tuple[str, Any]] = (),
+    *,
+    aio: bool = False,
+) -> Any:
+    """A channel to `address`: plaintext when `tls` is None, else TLS (mTLS with a cert).
+    `aio`: a `grpc.aio` channel (create it on the event loop that will use it)."""
+    module: Any = grpc.aio if aio else grpc
     opts = list(options)
+    if tls is None:
+        return module.insecure_channel(address, options=opts)
     if tls.server_name:
         opts.append(("grpc.ssl_target_name_override", tls.server_name))
-    return grpc.secure_channel(address, tls.credentials(), options=opts)
+    return module.secure_channel(address, tls.credentials(), options=opts)
 
 
 def _read(path: str | None) -> bytes | None:

@@ -13,6 +13,7 @@ SIGTERM/SIGINT: health NOT_SERVING, refuse new prefills, wait for outstanding le
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
@@ -104,13 +105,20 @@ def main(args: argparse.Namespace) -> int:
     if stop.is_set():
         worker.close()
         return 0
+    return asyncio.run(serve(args, worker, warmup, stop))
+
+
+async def serve(
+    args: argparse.Namespace, worker: PrefillWorker, warmup: list[list[int]], stop: threading.Event
+) -> int:
+    """Serve `worker` on a `grpc.aio` server until `stop` is set, then drain and stop."""
     tracing = setup_tracing(
         "pagedserve-prefill", args.otlp_traces_endpoint, include_text=args.trace_include_text
     )
     servicer = PrefillServicer(worker, Identity("", "", ""), tracing)
     _register_metrics(worker)
     start_metrics_server(args.metrics_port, args.host)
-    handle = build_grpc_server(
+    handle = await build_grpc_server(
         servicer,
         address=f"{args.host}:{args.port}",
         max_message_bytes=args.max_message_bytes,
@@ -120,56 +128,55 @@ def main(args: argparse.Namespace) -> int:
     worker_id = args.worker_id or default_worker_id("prefill", handle.port)
     me = Identity(worker_id, new_incarnation(), address)
     servicer.me = me
-    cluster = _join_cluster(args, worker, me)
+    cluster = await asyncio.to_thread(_join_cluster, args, worker, me)
     worker.start()
     try:
-        _warm_up(worker, warmup, cluster)
+        await asyncio.to_thread(_warm_up, worker, warmup, cluster)
     except Exception:
         if cluster is not None:
             cluster.leave()
         worker.close()
         raise
-    handle.server.start()
-    handle.set_ready(True)
-    if worker.dead:
-        handle.set_ready(False)  # NOTE: the loop died before we turned ready
+    await handle.server.start()
+    await handle.set_ready(not worker.dead)  # NOTE: the loop may have died before we turned ready
     print(f"READY {worker_id} {address}", flush=True)
-    stop.wait()
+    await asyncio.to_thread(stop.wait)
 
     log.info("draining: %d leases outstanding", len(worker.leases))
-    handle.set_ready(False)
+    await handle.set_ready(False)
     servicer.draining = True
     deadline = time.monotonic() + args.drain_timeout
     while len(worker.leases) and time.monotonic() < deadline:
-        time.sleep(0.05)
+        await asyncio.sleep(0.05)
     worker.stop()  # NOTE: no step may publish after the index entries are cleared
     if cluster is not None:
-        cluster.leave()
-    handle.server.stop(grace=1.0).wait(2.0)
+        await asyncio.to_thread(cluster.leave)
+    await handle.server.stop(grace=1.0)
     worker.close()
     tracing.shutdown()
     return 0
 
 
-def build_grpc_server(
+async def build_grpc_server(
     servicer: PrefillServicer,
     *,
     address: str = "127.0.0.1:0",
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     tls: ServerTLS | None = None,
 ) -> ServerHandle:
-    """The worker's gRPC server (not started, NOT_SERVING until `set_ready(True)`).
+    """The worker's gRPC server (not started, NOT_SERVING until `set_ready(True)`), on the
+    running event loop.
 
     Health follows the worker: if its loop thread dies, every service turns NOT_SERVING.
     """
-    handle = build_server(
+    handle = await build_server(
         [lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s)],
         [SERVICE_NAME],
         address=address,
         max_message_bytes=max_message_bytes,
         tls=tls,
     )
-    servicer.worker.on_loop_death = lambda: handle.set_ready(False)
+    servicer.worker.on_loop_death = lambda: handle.set_ready_threadsafe(False)
     return handle
 
 

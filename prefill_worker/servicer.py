@@ -1,4 +1,8 @@
-"""`pagedserve.v1.PrefillWorker`: a thin servicer over `PrefillWorker` (DESIGN §3.2).
+"""`pagedserve.v1.PrefillWorker`: a thin asyncio servicer over `PrefillWorker` (DESIGN §3.2).
+
+Every queued prompt is in the worker's scheduler (priority order), none in a gRPC thread queue:
+a Prefill call is a coroutine awaiting the worker's future. The worker's lock is never held
+across a forward, so its calls run on the event loop.
 
 Errors are raised, not aborted: the server's interceptor maps them (pagedserve/errors.py), except
 a prompt whose step failed (`PrefillFailed`): INTERNAL with the request id in the message. A
@@ -8,9 +12,9 @@ client left is released at once, so no blocks stay pinned for nobody.
 
 from __future__ import annotations
 
+import asyncio
 import logging
-from collections.abc import Iterator
-from concurrent.futures import CancelledError
+from collections.abc import AsyncIterator
 from concurrent.futures import TimeoutError as FutureTimeout
 
 import grpc
@@ -42,7 +46,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.me = me
         self.draining = False
 
-    def Prefill(self, request, context):  # noqa: N802 - gRPC method name
+    async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
         if self.draining:
             raise Unavailable("prefill worker is draining")
         call = convert.prefill_call(request)
@@ -54,23 +58,26 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             cache_salt=call.cache_salt,
             lease_seconds=call.lease_seconds,
         )
-        context.add_callback(lambda: self._abandon(call.request_id, future))
         try:
-            result = future.result(timeout=time_remaining(context))
-        except FutureTimeout:
+            # NOTE: wait() neither raises when the worker cancels the future (an Abort) nor
+            # cancels it on a timeout; a client that leaves cancels this task instead
+            done, _ = await asyncio.wait(
+                [asyncio.wrap_future(future)], timeout=time_remaining(context)
+            )
+        except asyncio.CancelledError:
+            # NOTE: the client left: the prompt is dropped, or the lease granted meanwhile ends
+            # (nobody will pull; a client that leaves after the answer calls Abort itself)
             self.worker.abort(call.request_id)
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
-        except CancelledError:
-            context.abort(grpc.StatusCode.CANCELLED, "prefill aborted")
+            raise
+        if not done:
+            self.worker.abort(call.request_id)
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "prefill did not finish in time")
+        if future.cancelled():
+            await context.abort(grpc.StatusCode.CANCELLED, "prefill aborted")
+        try:
+            result = future.result()
         except PrefillFailed as exc:
-            context.abort(grpc.StatusCode.INTERNAL, str(exc))
-        if not context.is_active():
-            # NOTE: the client left while the first token was computed: nobody will pull.
-            # (A client that leaves after this check never gets the answer either: it calls
-            # Abort, which ends the lease by request id.)
-            if result.lease is not None:
-                self.worker.release(result.lease.handle_id)
-            context.abort(grpc.StatusCode.CANCELLED, "client went away")
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         trace = {k: v for k, v in context.invocation_metadata() if k in TRACE_KEYS}
         self._record_spans(result, context_from(trace))
         return convert.prefill_response(result, self.worker.engine, self.me, trace)
@@ -99,17 +106,14 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         )
         compute.end(end_time=result.finished_ns)
 
-    def _abandon(self, request_id: str, future) -> None:
-        """Called when the RPC ends, however it ends: a prefill nobody awaits is aborted."""
-        if not future.done():
-            self.worker.abort(request_id)
-
-    def PullKv(self, request, context) -> Iterator[prefill_pb2.KvChunk]:  # noqa: N802
+    async def PullKv(self, request, context) -> AsyncIterator[prefill_pb2.KvChunk]:  # noqa: N802
         if request.producer_incarnation != self.me.incarnation:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, "handle of another incarnation")
+            await context.abort(
+                grpc.StatusCode.FAILED_PRECONDITION, "handle of another incarnation"
+            )
         block_ids = self.worker.leased_blocks(request.handle_id)
         if block_ids is None:
-            self._abort_dead_lease(request.handle_id, context)
+            await self._abort_dead_lease(request.handle_id, context)
             return
         max_chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         chunks = iter_block_chunks(
@@ -119,39 +123,42 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             yield convert.kv_chunk(chunk)
         if self.worker.leased_blocks(request.handle_id) is None:
             # NOTE: the lease ended while we streamed: the bytes may be from a reused block
-            self._abort_dead_lease(request.handle_id, context, " during the transfer")
+            await self._abort_dead_lease(request.handle_id, context, " during the transfer")
 
-    def _abort_dead_lease(self, handle_id: str, context, when: str = "") -> None:
+    async def _abort_dead_lease(self, handle_id: str, context, when: str = "") -> None:
         """FAILED_PRECONDITION for an expired lease, NOT_FOUND for an unknown or released one."""
         if self.worker.lease_state(handle_id) is LeaseState.EXPIRED:
-            context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"lease expired{when}")
-        context.abort(grpc.StatusCode.NOT_FOUND, f"lease unknown or released{when}")
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"lease expired{when}")
+        await context.abort(grpc.StatusCode.NOT_FOUND, f"lease unknown or released{when}")
 
-    def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
+    async def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
         return common_pb2.AbortResponse(found=self.worker.abort(request.request_id))
 
-    def ReleaseKv(self, request, context):  # noqa: N802
+    async def ReleaseKv(self, request, context):  # noqa: N802
         return prefill_pb2.ReleaseKvResponse(found=self.worker.release(request.handle_id))
 
-    def RenewLease(self, request, context):  # noqa: N802
+    async def RenewLease(self, request, context):  # noqa: N802
         expires = self.worker.renew(request.handle_id, float(request.extend_seconds))
         if expires is None:
-            self._abort_dead_lease(request.handle_id, context)
+            await self._abort_dead_lease(request.handle_id, context)
         return prefill_pb2.RenewLeaseResponse(lease_expires_unix_ms=expires)
 
-    def Warmup(self, request, context):  # noqa: N802
+    async def Warmup(self, request, context):  # noqa: N802
         if self.draining:
             raise Unavailable("prefill worker is draining")
         prompts = [list(p.ids) for p in request.prompts]
         try:
-            blocks = self.worker.warmup(
-                prompts, cache_salt=request.cache_salt, timeout_s=time_remaining(context)
+            blocks = await asyncio.to_thread(
+                self.worker.warmup,
+                prompts,
+                cache_salt=request.cache_salt,
+                timeout_s=time_remaining(context),
             )
         except FutureTimeout:
-            context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "warm-up did not finish in time")
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "warm-up did not finish in time")
         return prefill_pb2.WarmupResponse(blocks_cached=blocks)
 
-    def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
+    async def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
         draining = self.draining or self.worker.dead
         load = convert.worker_load(self.worker.engine, draining)
         return load_to_proto(load, self.me.worker_id, Role.PREFILL)

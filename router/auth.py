@@ -19,7 +19,7 @@ import contextvars
 import hmac
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,7 +34,7 @@ _current_tenant: contextvars.ContextVar[str] = contextvars.ContextVar("tenant", 
 
 
 def current_tenant() -> str:
-    """The authenticated tenant of the RPC this thread serves ("" when auth is off)."""
+    """The authenticated tenant of the RPC this task serves ("" when auth is off)."""
     return _current_tenant.get()
 
 
@@ -95,18 +95,19 @@ def _bearer(metadata: Any) -> str | None:
     return None
 
 
-class AuthInterceptor(grpc.ServerInterceptor):
-    """UNAUTHENTICATED without a known key; else the method runs with its tenant set."""
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """UNAUTHENTICATED without a known key; else the method runs with its tenant set (each RPC
+    is its own asyncio task, so the context variable is the RPC's own)."""
 
     def __init__(self, keys: ApiKeys) -> None:
         self._keys = keys
 
-    def intercept_service(
+    async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], grpc.RpcMethodHandler | None],
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
         method = handler_call_details.method
         if handler is None or method.startswith(_OPEN_PREFIXES):
             return handler
@@ -130,25 +131,26 @@ class AuthInterceptor(grpc.ServerInterceptor):
             )
         return None  # NOTE: fail closed for a method shape this interceptor does not know
 
-    def _authenticate(self, context: grpc.ServicerContext) -> None:
+    async def _authenticate(self, context: grpc.aio.ServicerContext) -> None:
         """Set the tenant for this RPC, or abort UNAUTHENTICATED."""
         key = _bearer(context.invocation_metadata())
         tenant = self._keys.tenant_for(key) if key else None
         if tenant is None:
-            context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or unknown API key")
         _current_tenant.set(tenant or "")
 
-    def _unary(self, fn: Callable[[Any, grpc.ServicerContext], Any]) -> Callable:
-        def call(request: Any, context: grpc.ServicerContext) -> Any:
-            self._authenticate(context)
-            return fn(request, context)
+    def _unary(self, fn: Callable[[Any, Any], Awaitable[Any]]) -> Callable:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            await self._authenticate(context)
+            return await fn(request, context)
 
         return call
 
-    def _stream(self, fn: Callable[[Any, grpc.ServicerContext], Iterator[Any]]) -> Callable:
-        def call(request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
-            self._authenticate(context)
-            yield from fn(request, context)
+    def _stream(self, fn: Callable[[Any, Any], AsyncIterator[Any]]) -> Callable:
+        async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            await self._authenticate(context)
+            async for response in fn(request, context):
+                yield response
 
         return call
 

@@ -14,15 +14,17 @@ id, which ends that lease (or the prompt, if still queued): docs/leases.md.
 Every call carries what is left of the client's deadline (`TimeLeft`, asked at each call) and
 the trace metadata, and is registered on the request's `ActiveRequest`: a client cancel or an
 Abort cancels whichever call is in flight (the workers abort and free at once). Nothing here
-sees the servicer's context, so the calls port to grpc.aio as they are.
+sees the servicer's context. The calls are `grpc.aio` calls on the router's event loop: a
+client that leaves cancels the request's task, which cancels the call it awaits; an Abort
+cancels the call, which the awaiting task sees as `Aborted`.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
-import threading
-from collections.abc import Callable, Generator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 
 import grpc
 
@@ -46,17 +48,17 @@ class Aborted(Exception):
 class WorkerError(Exception):
     """A worker answered with a status we pass on as is."""
 
-    def __init__(self, err: grpc.RpcError) -> None:
+    def __init__(self, err: grpc.aio.AioRpcError) -> None:
         super().__init__(err)
         self.err = err
 
     @property
     def code(self) -> grpc.StatusCode:
-        return self.err.code()  # type: ignore[attr-defined]
+        return self.err.code()
 
     @property
     def details(self) -> str:
-        return self.err.details()  # type: ignore[attr-defined]
+        return self.err.details() or ""
 
 
 @dataclass(slots=True)
@@ -65,27 +67,29 @@ class ActiveRequest:
 
     `handle` is the lease the router holds: set when Prefill returns one, cleared when the
     decode worker answers (it releases the lease from then on); still set at the end, the
-    router releases it (`WorkerClients.release_unclaimed`)."""
+    router releases it (`WorkerClients.release_unclaimed`). Touched only on the event loop."""
 
-    cancel_current: Callable[[], None] | None = None
+    cancel_current: Callable[[], object] | None = None
     aborted: bool = False
     handle: tuple[Worker, str] | None = None  # (prefill worker, handle id) not yet passed on
     unanswered: tuple[Worker, str] | None = None  # (prefill worker, request id): answer lost
-    lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def set_call(self, cancel: Callable[[], None] | None) -> None:
-        with self.lock:
-            self.cancel_current = cancel
-            aborted = self.aborted
-        if aborted and cancel is not None:
+    def set_call(self, cancel: Callable[[], object] | None) -> None:
+        self.cancel_current = cancel
+        if self.aborted and cancel is not None:
             cancel()
 
     def abort(self) -> None:
-        with self.lock:
-            self.aborted = True
-            cancel = self.cancel_current
-        if cancel is not None:
-            cancel()
+        self.aborted = True
+        if self.cancel_current is not None:
+            self.cancel_current()
+
+
+def _client_left() -> bool:
+    """True when this task itself is being cancelled (the client left), as opposed to a worker
+    call we cancelled (an Abort)."""
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
 
 
 class WorkerClients:
@@ -96,10 +100,10 @@ class WorkerClients:
         self.prefill_retries = prefill_retries
         self.requests_to_workers = 0
 
-    def prefill(
+    async def prefill(
         self,
         request: common_pb2.WorkerRequest,
-        route: Callable[[list[str]], Decision],
+        route: Callable[[list[str]], Awaitable[Decision]],
         active: ActiveRequest,
         time_left: TimeLeft,
         metadata: Metadata,
@@ -109,9 +113,9 @@ class WorkerClients:
         Raises Aborted, WorkerError, or what `route` raises."""
         tried: list[str] = []
         for attempt in range(1 + self.prefill_retries):
-            decision = route(tried)
+            decision = await route(tried)
             stub = prefill_pb2_grpc.PrefillWorkerStub(decision.prefill.channel)
-            call = stub.Prefill.future(
+            call = stub.Prefill(
                 prefill_pb2.PrefillRequest(
                     request=request, decode_worker_id=decision.decode.worker_id
                 ),
@@ -122,15 +126,17 @@ class WorkerClients:
             decision.prefill.in_flight += 1
             self.requests_to_workers += 1
             try:
-                result = call.result()
+                result = await call
                 if result.HasField("kv_handle"):
                     active.handle = (decision.prefill, result.kv_handle.handle_id)
                 return result, decision
-            except grpc.FutureCancelledError:
+            except asyncio.CancelledError:
                 active.unanswered = (decision.prefill, request.request_id)
+                if _client_left():
+                    raise
                 raise Aborted from None
-            except grpc.RpcError as err:
-                if err.code() in UNANSWERED:  # type: ignore[attr-defined]
+            except grpc.aio.AioRpcError as err:
+                if err.code() in UNANSWERED:
                     active.unanswered = (decision.prefill, request.request_id)
                 self._raise_unless_retryable(err, active, attempt)
                 self.workers.mark_failed(decision.prefill)
@@ -140,14 +146,16 @@ class WorkerClients:
                 active.set_call(None)
         raise AssertionError("unreachable")
 
-    def _raise_unless_retryable(self, err: grpc.RpcError, active: ActiveRequest, attempt: int):
-        code = err.code()  # type: ignore[attr-defined]
+    def _raise_unless_retryable(
+        self, err: grpc.aio.AioRpcError, active: ActiveRequest, attempt: int
+    ) -> None:
+        code = err.code()
         if active.aborted or code is grpc.StatusCode.CANCELLED:
             raise Aborted from None
         if code not in RETRYABLE or attempt >= self.prefill_retries:
             raise WorkerError(err) from None
 
-    def decode(
+    async def decode(
         self,
         request: common_pb2.WorkerRequest,
         prefilled: prefill_pb2.PrefillResponse,
@@ -155,7 +163,7 @@ class WorkerClients:
         active: ActiveRequest,
         time_left: TimeLeft,
         metadata: Metadata,
-    ) -> Generator[decode_pb2.DecodeResponse, None, None]:
+    ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         """The decode worker's stream. Closing it before the worker's last message cancels the
         call (the worker frees at once). Raises Aborted, Unavailable (worker lost mid-stream,
         marked failed) or WorkerError."""
@@ -175,7 +183,7 @@ class WorkerClients:
         self.requests_to_workers += 1
         finished = False
         try:
-            for part in call:
+            async for part in call:
                 # NOTE: a response proves the decode worker took the request, and with it the
                 # lease (it releases it). Until then the router still releases it itself: a
                 # cancel can end the call before the worker's handler ever runs. ReleaseKv is
@@ -183,22 +191,24 @@ class WorkerClients:
                 active.handle = None
                 finished = bool(part.finish_reason)
                 yield part
-        except GeneratorExit:
-            if not finished:
-                call.cancel()  # NOTE: e.g. a stop string matched; the worker frees at once
-            raise
-        except grpc.RpcError as err:
-            if active.aborted or err.code() is grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+        except asyncio.CancelledError:
+            if _client_left() or not active.aborted:
+                raise
+            raise Aborted from None
+        except grpc.aio.AioRpcError as err:
+            if active.aborted or err.code() is grpc.StatusCode.CANCELLED:
                 raise Aborted from None
-            if err.code() is grpc.StatusCode.UNAVAILABLE:  # type: ignore[attr-defined]
+            if err.code() is grpc.StatusCode.UNAVAILABLE:
                 self.workers.mark_failed(decision.decode)
                 raise Unavailable("decode worker lost mid-stream") from None
             raise WorkerError(err) from None
         finally:
+            if not finished:
+                call.cancel()  # NOTE: e.g. a stop string matched; the worker frees at once
             decision.decode.in_flight -= 1
             active.set_call(None)
 
-    def release_unclaimed(self, active: ActiveRequest) -> None:
+    async def release_unclaimed(self, active: ActiveRequest) -> None:
         """End the lease no decode worker took: ReleaseKv by its handle, or Abort by the request
         id when the Prefill answer carrying the handle was lost (both idempotent; a failure
         leaves the lease to expire)."""
@@ -206,15 +216,15 @@ class WorkerClients:
             worker, handle_id = active.handle
             try:
                 stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
-                stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
-            except grpc.RpcError:
+                await stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
+            except grpc.aio.AioRpcError:
                 log.warning("could not release lease %s; it will expire", handle_id)
         if active.unanswered is not None:
             worker, request_id = active.unanswered
             try:
                 stub = prefill_pb2_grpc.PrefillWorkerStub(worker.channel)
-                stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=2.0)
-            except grpc.RpcError:
+                await stub.Abort(common_pb2.AbortRequest(request_id=request_id), timeout=2.0)
+            except grpc.aio.AioRpcError:
                 log.warning(
                     "%s: could not abort on %s; a lease expires", request_id, worker.worker_id
                 )

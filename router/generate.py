@@ -17,10 +17,10 @@ clients only ever see their own id.
 
 from __future__ import annotations
 
-import threading
+import asyncio
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import closing
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 
 from opentelemetry.context import Context
@@ -77,30 +77,27 @@ class Orchestrator:
         self.metrics = metrics
         self.clients = WorkerClients(workers, settings.prefill_retries)
         self.active: dict[tuple[str, str], ActiveRequest] = {}  # (tenant, request_id) -> it
-        self._lock = threading.Lock()
         self.last_decision: Decision | None = None  # for tests and debugging
 
     def admit(self, tenant: str, request_id: str) -> ActiveRequest:
         """Register `(tenant, request_id)`; a duplicate is the same tenant's own mistake.
         The caller then runs `generate`, which removes it again."""
-        with self._lock:
-            if len(self.active) >= self.settings.max_queued_requests:
-                raise ResourceExhausted("router queue is full", retry_after_s=1.0)
-            key = (tenant, request_id)
-            if key in self.active:
-                raise AlreadyExists(f"request_id: {request_id!r} is already running")
-            active = self.active[key] = ActiveRequest()
+        if len(self.active) >= self.settings.max_queued_requests:
+            raise ResourceExhausted("router queue is full", retry_after_s=1.0)
+        key = (tenant, request_id)
+        if key in self.active:
+            raise AlreadyExists(f"request_id: {request_id!r} is already running")
+        active = self.active[key] = ActiveRequest()
         return active
 
     def abort(self, tenant: str, request_id: str) -> bool:
         """Abort the tenant's own request; False when it has none of that id in flight."""
-        with self._lock:
-            active = self.active.get((tenant, request_id))
+        active = self.active.get((tenant, request_id))
         if active is not None:
             active.abort()
         return active is not None
 
-    def generate(
+    async def generate(
         self,
         req: convert.RouterRequest,
         tenant: str,
@@ -110,20 +107,25 @@ class Orchestrator:
         attributes: dict,
         time_left: TimeLeft,
         started: float,
-    ) -> Iterator[generation_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """The client's messages (one merged message unless `req.stream`). Raises WorkerError
-        (a status to pass on) or `pagedserve.errors`; at the end, whatever happened, removes
-        the request from `active`, releases a lease no worker took and records the outcome."""
+        (a status to pass on) or `pagedserve.errors`; at the end, whatever happened (the client
+        leaving cancels this task), removes the request from `active`, releases a lease no
+        worker took and records the outcome."""
         span = self.tracing.tracer.start_span(
             "router.generate", context=trace_parent, attributes=attributes
         )
         outcome = Outcome()
         try:
-            responses = self._run(req, tenant, active, span, outcome, time_left)
-            if req.stream:
-                yield from responses
-            else:
-                yield merge(list(responses))
+            async with aclosing(self._run(req, tenant, active, span, outcome, time_left)) as run:
+                if req.stream:
+                    async for out in run:
+                        yield out
+                else:
+                    yield merge([out async for out in run])
+        except asyncio.CancelledError:
+            active.aborted = True  # NOTE: the client left
+            raise
         except Aborted:
             outcome.reason = "abort"
             yield generation_pb2.GenerateResponse(
@@ -133,14 +135,25 @@ class Orchestrator:
             outcome.reason = "error"
             raise
         finally:
-            # NOTE: before the id is free again: an Abort by id must not reach a new request
-            self.clients.release_unclaimed(active)
-            with self._lock:
-                self.active.pop((tenant, req.request_id), None)
-            e2e_s = time.monotonic() - started
-            record(self.metrics, span, req, tenant, outcome, active.aborted, e2e_s)
+            # NOTE: shielded: a client that leaves must not cut the lease release short
+            await asyncio.shield(self._end(req, tenant, active, span, outcome, started))
 
-    def _run(
+    async def _end(
+        self,
+        req: convert.RouterRequest,
+        tenant: str,
+        active: ActiveRequest,
+        span: Span,
+        outcome: Outcome,
+        started: float,
+    ) -> None:
+        # NOTE: before the id is free again: an Abort by id must not reach a new request
+        await self.clients.release_unclaimed(active)
+        self.active.pop((tenant, req.request_id), None)
+        e2e_s = time.monotonic() - started
+        record(self.metrics, span, req, tenant, outcome, active.aborted, e2e_s)
+
+    async def _run(
         self,
         req: convert.RouterRequest,
         tenant: str,
@@ -148,7 +161,7 @@ class Orchestrator:
         span: Span,
         outcome: Outcome,
         time_left: TimeLeft,
-    ) -> Iterator[generation_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         hashes = hash_blocks(
             req.prompt_token_ids,
             self.settings.block_size,
@@ -158,7 +171,7 @@ class Orchestrator:
         parent = telemetry.span_context(span)
         metadata = telemetry.metadata(parent)
         request = convert.worker_request(req, worker_request_id(tenant, req.request_id))
-        prefilled, decision = self.clients.prefill(
+        prefilled, decision = await self.clients.prefill(
             request,
             lambda tried: self._route(hashes, tried, parent, active, time_left),
             active,
@@ -175,13 +188,15 @@ class Orchestrator:
             yield stream.finish(first)
             return
         yield first
-        for out in self._decode(request, prefilled, decision, stream, active, time_left, metadata):
-            outcome.generated = stream.completion_tokens
-            if out.finish_reason:
-                outcome.reason = reason_name(out.finish_reason)
-            yield out
+        decode = self._decode(request, prefilled, decision, stream, active, time_left, metadata)
+        async with aclosing(decode):
+            async for out in decode:
+                outcome.generated = stream.completion_tokens
+                if out.finish_reason:
+                    outcome.reason = reason_name(out.finish_reason)
+                yield out
 
-    def _route(
+    async def _route(
         self,
         hashes: Sequence[BlockHash],
         exclude: list[str],
@@ -190,14 +205,14 @@ class Orchestrator:
         time_left: TimeLeft,
     ) -> Decision:
         with self.tracing.tracer.start_span("router.route", context=parent) as route:
-            decision = self._choose_or_wait(hashes, exclude, active, time_left)
+            decision = await self._choose_or_wait(hashes, exclude, active, time_left)
             route.set_attributes(decision.terms)
             route.set_attribute("pagedserve.prefill_worker", decision.prefill.worker_id)
             route.set_attribute("pagedserve.decode_worker", decision.decode.worker_id)
             route.set_attribute("pagedserve.cached_blocks", decision.cached_blocks)
         return decision
 
-    def _choose_or_wait(
+    async def _choose_or_wait(
         self,
         hashes: Sequence[BlockHash],
         exclude: list[str],
@@ -212,15 +227,17 @@ class Orchestrator:
         give_up = time.monotonic() + (wait_s if left is None else min(wait_s, left))
         while True:
             try:
+                if self.policy.blocks:  # NOTE: a Redis lookup: off the event loop
+                    return await asyncio.to_thread(self.policy.choose, hashes, exclude)
                 return self.policy.choose(hashes, exclude)
             except LookupError as exc:
                 if active.aborted:
                     raise Aborted() from None
                 if time.monotonic() + ROUTE_POLL_S > give_up:
                     raise Unavailable(str(exc)) from None
-            time.sleep(ROUTE_POLL_S)
+            await asyncio.sleep(ROUTE_POLL_S)
 
-    def _decode(
+    async def _decode(
         self,
         request: common_pb2.WorkerRequest,
         prefilled: prefill_pb2.PrefillResponse,
@@ -229,14 +246,14 @@ class Orchestrator:
         active: ActiveRequest,
         time_left: TimeLeft,
         metadata: Metadata,
-    ) -> Iterator[generation_pb2.GenerateResponse]:
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         parts = self.clients.decode(request, prefilled, decision, active, time_left, metadata)
-        with closing(parts):
+        async with aclosing(parts):
             try:
-                for part in parts:
+                async for part in parts:
                     out = stream.from_decode(part)
                     if stream.finished:
-                        parts.close()  # NOTE: cancels the call unless the worker finished it
+                        await parts.aclose()  # NOTE: cancels the call unless the worker ended it
                         yield stream.finish(out)
                         return
                     if out.token_ids or out.text:

@@ -14,6 +14,7 @@ on the next successful lookup.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
@@ -54,7 +55,7 @@ class Worker:
     address: str
     role: Role
     incarnation: str = ""
-    channel: grpc.Channel | None = None
+    channel: grpc.aio.Channel | None = None
     load: WorkerLoad | None = None
     in_flight: int = 0
     failures: int = 0
@@ -75,7 +76,9 @@ class Decision:
 
 
 class WorkerSet:
-    """Membership, channels and load of every worker; refreshed by `refresh()` (a poller)."""
+    """Membership, channels and load of every worker; refreshed by `refresh()` (a poller).
+
+    The channels are `grpc.aio` channels: build the set on the event loop that serves."""
 
     def __init__(
         self,
@@ -107,7 +110,7 @@ class WorkerSet:
                 self._add(Worker(address, address, role))
 
     def _add(self, worker: Worker) -> Worker:
-        worker.channel = make_channel(worker.address, self._tls, self._options)
+        worker.channel = make_channel(worker.address, self._tls, self._options, aio=True)
         self._workers[worker.worker_id] = worker
         return worker
 
@@ -115,19 +118,19 @@ class WorkerSet:
         with self._lock:
             return [w for w in self._workers.values() if role is None or w.role is role]
 
-    def refresh(self, timeout_s: float = 0.5) -> None:
-        """Pick up registry changes, then poll every worker's load."""
-        if self._registry is not None:
-            self._sync_registry()
-        for worker in self.workers():
-            self._poll(worker, timeout_s)
+    async def refresh(self, timeout_s: float = 0.5, *, sync_registry: bool = True) -> None:
+        """Pick up registry changes, then poll every worker's load (all at once)."""
+        if sync_registry and self._registry is not None:
+            await self._sync_registry()
+        await asyncio.gather(*(self._poll(worker, timeout_s) for worker in self.workers()))
 
-    def _sync_registry(self) -> None:
+    async def _sync_registry(self) -> None:
         assert self._registry is not None
         try:
-            live = self._registry.live_workers()
+            live = await asyncio.to_thread(self._registry.live_workers)
         except RegistryUnavailable:
             return  # NOTE: keep the last membership; GetLoad polling still tracks health
+        retired: list[grpc.aio.Channel] = []
         with self._lock:
             for info in live:
                 if info.role not in (Role.PREFILL, Role.DECODE) or not self._compatible(info):
@@ -136,12 +139,14 @@ class WorkerSet:
                     info.address, info.worker_id
                 )
                 if known is not None and known.incarnation not in ("", info.incarnation):
-                    known.channel.close() if known.channel else None
+                    retired += [known.channel] if known.channel else []
                     known = None
                 if known is None:
                     self._add(Worker(info.worker_id, info.address, info.role, info.incarnation))
                 else:
                     known.incarnation = info.incarnation
+        for channel in retired:
+            await channel.close(grace=None)
 
     def _compatible(self, info: WorkerInfo) -> bool:
         """A registered worker whose block hashes would differ from the router's (another
@@ -167,7 +172,7 @@ class WorkerSet:
             self._workers[worker_id] = static
         return static
 
-    def _poll(self, worker: Worker, timeout_s: float) -> None:
+    async def _poll(self, worker: Worker, timeout_s: float) -> None:
         assert worker.channel is not None
         stub: Callable = (
             prefill_pb2_grpc.PrefillWorkerStub(worker.channel).GetLoad
@@ -175,7 +180,8 @@ class WorkerSet:
             else decode_pb2_grpc.DecodeWorkerStub(worker.channel).GetLoad
         )
         try:
-            worker.load = load_from_proto(stub(common_pb2.GetLoadRequest(), timeout=timeout_s))
+            answer = await stub(common_pb2.GetLoadRequest(), timeout=timeout_s)
+            worker.load = load_from_proto(answer)
             worker.failures = 0
             worker.stale = False
         except grpc.RpcError as err:
@@ -191,14 +197,16 @@ class WorkerSet:
     def mark_failed(self, worker: Worker) -> None:
         worker.failures += 1
 
-    def close(self) -> None:
+    async def close(self) -> None:
         for worker in self.workers():
             if worker.channel is not None:
-                worker.channel.close()
+                await worker.channel.close(grace=None)
 
 
 class RoutingPolicy:
-    """Scores candidates; never blocks for long (Redis lookups have short timeouts)."""
+    """Scores candidates; never blocks for long (Redis lookups have short timeouts), but with
+    an index it does block (network I/O): the router calls it off its event loop then
+    (`blocks`)."""
 
     def __init__(
         self,
@@ -220,6 +228,11 @@ class RoutingPolicy:
         self._skip_index_until = 0.0
         self.lookups = 0
         self.lookup_errors = 0
+
+    @property
+    def blocks(self) -> bool:
+        """True when `choose` may wait on Redis."""
+        return self.index is not None
 
     def choose(self, block_hashes: Sequence[BlockHash], exclude: Sequence[str] = ()) -> Decision:
         """The cheapest healthy pair. Raises LookupError when a role has no healthy worker."""

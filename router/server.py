@@ -4,22 +4,35 @@ Start-up: read the tokenizer and config, connect Redis if given (a failure is no
 router starts degraded and recovers), bind, poll worker loads, mark ready when at least one
 prefill and one decode worker answer, print `READY router <address>`. SIGTERM: NOT_SERVING,
 in-flight streams get `--drain-timeout` to finish, then stop.
+
+It serves on one asyncio event loop (`grpc.aio`, DESIGN §3.8): every stream is a coroutine,
+so streams cost no threads, every waiting request is in the router's own table (admission
+control sees it), and health checks never wait behind generation. Blocking work (tokenizing,
+Redis lookups) runs on the loop's default executor, a bounded pool.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import signal
 import sys
 import threading
+from dataclasses import dataclass
 
-from pagedserve.grpcutil import build_server, client_tls_from_args, server_tls_from_args
+from pagedserve.grpcutil import (
+    ServerHandle,
+    ServerTLS,
+    build_server,
+    client_tls_from_args,
+    server_tls_from_args,
+)
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, RequestMetrics, register_state
-from pagedserve.router.auth import AuthInterceptor, load_api_keys
+from pagedserve.router.auth import ApiKeys, AuthInterceptor, load_api_keys
 from pagedserve.router.cli_args import add_arguments
 from pagedserve.router.routing import RoutingPolicy, WorkerSet
 from pagedserve.router.servicer import GenerationServicer, RouterSettings
@@ -34,7 +47,8 @@ SERVICE_NAME = "pagedserve.v1.Generation"
 def build_servicer(
     args: argparse.Namespace, metrics: RequestMetrics | None = None
 ) -> tuple[GenerationServicer, WorkerSet]:
-    """The router's servicer and worker set. `metrics` None: a private registry (tests)."""
+    """The router's servicer and worker set (on the event loop that will serve them: the
+    worker channels are asyncio channels). `metrics` None: a private registry (tests)."""
     card = read_model_card(
         args.model,
         args.served_model_name,
@@ -78,17 +92,56 @@ def build_servicer(
     return servicer, workers
 
 
-def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
-    keys = load_api_keys(getattr(args, "api_key_file", None))  # NOTE: read at start, not import
-    tls = server_tls_from_args(args)
-    servicer, workers = build_servicer(args, RequestMetrics())
-    _register_state_metrics(servicer)
-    metrics_port = start_metrics_server(args.metrics_port, args.host)
-    handle = build_server(
+@dataclass(slots=True)
+class RunningRouter:
+    """A router serving on the current event loop: its servicer, worker set, server, poller."""
+
+    servicer: GenerationServicer
+    workers: WorkerSet
+    handle: ServerHandle
+    poll_interval_s: float
+    ready: bool = False
+    poller: asyncio.Task | None = None
+
+    async def refresh(self) -> None:
+        """One round of the load poller: membership and load, then readiness."""
+        await self.workers.refresh()
+        healthy = {w.role for w in self.workers.workers() if w.healthy}
+        ready = {Role.PREFILL, Role.DECODE} <= healthy
+        if ready != self.ready:
+            await self.handle.set_ready(ready)
+            self.ready = ready
+            log.info("ready: %s", ready)
+
+    async def poll_forever(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+            except Exception:  # NOTE: a bug here must not stop routing updates for good
+                log.exception("load poll failed")
+            await asyncio.sleep(self.poll_interval_s if self.ready else 0.1)
+
+    async def stop(self, grace_s: float | None) -> None:
+        """NOT_SERVING, streams get `grace_s` to finish, then everything stops."""
+        await self.handle.set_ready(False)
+        if self.poller is not None:
+            self.poller.cancel()
+        await self.handle.server.stop(grace_s)
+        await self.workers.close()
+        self.servicer.tracing.shutdown()
+
+
+async def start_router(
+    args: argparse.Namespace,
+    metrics: RequestMetrics | None = None,
+    *,
+    keys: ApiKeys | None = None,
+    tls: ServerTLS | None = None,
+) -> RunningRouter:
+    """Build the router of `args`, bind and start its server and its load poller, on the
+    running event loop; ready (health SERVING) once a prefill and a decode worker answer."""
+    servicer, workers = build_servicer(args, metrics)
+    handle = await build_server(
         [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
         [SERVICE_NAME],
         address=f"{args.host}:{args.port}",
@@ -96,24 +149,28 @@ def main(args: argparse.Namespace) -> int:
         interceptors=[AuthInterceptor(keys)] if keys is not None else [],
         tls=tls,
     )
-    handle.server.start()
-    address = args.advertise_address or f"{args.host}:{handle.port}"
+    await handle.server.start()
+    router = RunningRouter(servicer, workers, handle, args.load_poll_interval)
+    await router.refresh()
+    router.poller = asyncio.create_task(router.poll_forever(), name="load-poller")
+    return router
 
-    def poll() -> None:
-        ready = False
-        while not stop.wait(0 if not ready else args.load_poll_interval):
-            workers.refresh()
-            healthy = {w.role for w in workers.workers() if w.healthy}
-            now_ready = {Role.PREFILL, Role.DECODE} <= healthy
-            if now_ready != ready:
-                handle.set_ready(now_ready)
-                ready = now_ready
-                log.info("ready: %s", ready)
-            if not ready:
-                stop.wait(0.1)
 
-    poller = threading.Thread(target=poll, name="load-poller", daemon=True)
-    poller.start()
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    return asyncio.run(_serve(args, stop))
+
+
+async def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
+    keys = load_api_keys(getattr(args, "api_key_file", None))  # NOTE: read at start, not import
+    tls = server_tls_from_args(args)
+    router = await start_router(args, RequestMetrics(), keys=keys, tls=tls)
+    _register_state_metrics(router.servicer)
+    metrics_port = start_metrics_server(args.metrics_port, args.host)
+    address = args.advertise_address or f"{args.host}:{router.handle.port}"
     if metrics_port is not None:
         log.info("metrics on :%d/metrics", metrics_port)
     log.info(
@@ -124,12 +181,8 @@ def main(args: argparse.Namespace) -> int:
         f"API keys for {len(keys.tenants)} tenant(s)" if keys else "no API keys",
     )
     print(f"READY router {address}", flush=True)
-    stop.wait()
-    handle.set_ready(False)
-    handle.server.stop(grace=args.drain_timeout).wait(args.drain_timeout + 1)
-    poller.join(2.0)
-    workers.close()
-    servicer.tracing.shutdown()
+    await asyncio.to_thread(stop.wait)
+    await router.stop(args.drain_timeout)
     return 0
 
 

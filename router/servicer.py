@@ -8,9 +8,11 @@ other methods answer from the tokenizer, the model card and the worker set.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
 
 from prometheus_client import CollectorRegistry
 
@@ -30,6 +32,8 @@ from pagedserve.sampling_params import MAX_LOGPROBS
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 __all__ = ["GenerationServicer", "RouterSettings"]
+
+STATUS_POLL_S = 0.25  # how long GetClusterStatus waits for a worker's load
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -67,10 +71,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def last_decision(self) -> Decision | None:
         return self.orchestrator.last_decision
 
-    def Generate(self, request, context) -> Iterator[generation_pb2.GenerateResponse]:  # noqa: N802
+    async def Generate(  # noqa: N802
+        self, request, context
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         started = time.monotonic()
         try:
-            req = convert.router_request(request, self.tokenizer, self.card)
+            # NOTE: tokenizing (and rendering a chat) is CPU work: off the event loop
+            req = await asyncio.to_thread(
+                convert.router_request, request, self.tokenizer, self.card
+            )
             tenant = current_tenant()
             req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))
             active = self.orchestrator.admit(tenant, req.request_id)
@@ -80,35 +89,37 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         except ResourceExhausted:
             self.metrics.rejected.labels(reason="queue_full").inc()
             raise
-        context.add_callback(active.abort)
+        responses = self.orchestrator.generate(
+            req,
+            tenant,
+            active,
+            trace_parent=telemetry.context_from(context.invocation_metadata()),
+            attributes=request_attributes(req, self.tracing.include_text, request),
+            time_left=lambda: time_remaining(context),
+            started=started,
+        )
         try:
-            yield from self.orchestrator.generate(
-                req,
-                tenant,
-                active,
-                trace_parent=telemetry.context_from(context.invocation_metadata()),
-                attributes=request_attributes(req, self.tracing.include_text, request),
-                time_left=lambda: time_remaining(context),
-                started=started,
-            )
+            async with aclosing(responses):
+                async for response in responses:
+                    yield response
         except WorkerError as exc:
-            context.abort(exc.code, exc.details)
+            await context.abort(exc.code, exc.details)
 
     # ---- the rest -------------------------------------------------------------------------
 
-    def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
+    async def Abort(self, request, context) -> common_pb2.AbortResponse:  # noqa: N802
         # NOTE: only the caller's own tenant is looked at: another tenant's id is unknown
         found = self.orchestrator.abort(current_tenant(), request.request_id)
         return common_pb2.AbortResponse(found=found)
 
-    def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:  # noqa: N802
+    async def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:  # noqa: N802
         if len(request.text) > convert.MAX_PROMPT_CHARS:
             raise convert.InvalidArgument("text", "too long")
         add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = self.tokenizer.encode(request.text, add_special_tokens=add)
+        ids = await asyncio.to_thread(self.tokenizer.encode, request.text, add_special_tokens=add)
         return generation_pb2.TokenizeResponse(token_ids=ids)
 
-    def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:  # noqa: N802
+    async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:  # noqa: N802
         card = self.card
         return generation_pb2.ModelInfo(
             model_name=card.name,
@@ -122,8 +133,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             has_chat_template=self.tokenizer.chat.available,
         )
 
-    def GetClusterStatus(self, request, context) -> generation_pb2.ClusterStatus:  # noqa: N802
-        self.workers.refresh()
+    async def GetClusterStatus(self, request, context) -> generation_pb2.ClusterStatus:  # noqa: N802
+        # NOTE: fresh loads, but a worker slower than this keeps its last one (marked stale):
+        # the answer never waits long on a busy worker; membership is the poller's
+        await self.workers.refresh(timeout_s=STATUS_POLL_S, sync_registry=False)
         status = generation_pb2.ClusterStatus(index_degraded=self.policy.index_degraded)
         computed = cached = 0.0
         for w in self.workers.workers():

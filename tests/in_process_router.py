@@ -1,5 +1,6 @@
-"""A real router (servicer, worker set, gRPC server on an ephemeral port) inside the test process,
-so a test can reach into its servicer while clients call it over real gRPC."""
+"""A real router (servicer, worker set, asyncio gRPC server on an ephemeral port, load poller)
+inside the test process, on an event loop thread of its own, so a test can reach into its
+servicer while clients call it over real gRPC."""
 
 from __future__ import annotations
 
@@ -10,41 +11,61 @@ from dataclasses import dataclass
 
 import grpc
 
-from pagedserve.grpcutil import ServerHandle, build_server
+from pagedserve.grpcutil import LoopThread, ServerHandle
+from pagedserve.router.cli_args import add_arguments
 from pagedserve.router.routing import WorkerSet
-from pagedserve.router.server import build_servicer
+from pagedserve.router.server import RunningRouter, start_router
 from pagedserve.router.servicer import GenerationServicer
 from pagedserve.v1 import generation_pb2_grpc
 
 
 @dataclass
 class InProcessRouter:
-    servicer: GenerationServicer
-    worker_set: WorkerSet
-    handle: ServerHandle
+    running: RunningRouter
+    loop: LoopThread
     channel: grpc.Channel
+
+    @property
+    def servicer(self) -> GenerationServicer:
+        return self.running.servicer
+
+    @property
+    def worker_set(self) -> WorkerSet:
+        return self.running.workers
+
+    @property
+    def handle(self) -> ServerHandle:
+        return self.running.handle
 
     @property
     def stub(self) -> generation_pb2_grpc.GenerationStub:
         return generation_pb2_grpc.GenerationStub(self.channel)
 
+    def workers(self):
+        return self.running.workers.workers()
+
+    def refresh(self) -> None:
+        """One load-poll round now (the poller also runs every `--load-poll-interval`)."""
+        self.loop.run(self.running.refresh())
+
 
 @contextmanager
 def serve_router(args: argparse.Namespace, **server_options) -> Iterator[InProcessRouter]:
-    """Build the router of `args` (as `pagedserve router` would), poll its workers once, serve
-    it; stop everything on exit. `server_options` go to `build_server`."""
-    servicer, worker_set = build_servicer(args)
-    worker_set.refresh()
-    handle = build_server(
-        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
-        ["pagedserve.v1.Generation"],
-        **server_options,
-    )
-    handle.server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+    """Start the router of `args` as `pagedserve router` would (on 127.0.0.1, an ephemeral port
+    unless `args.port` says otherwise); stop everything on exit. `server_options`: `keys`,
+    `tls` of `start_router`, or `max_message_bytes` overriding the flag."""
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    defaults = vars(parser.parse_args(["--model", args.model, "--port", "0"]))
+    args = argparse.Namespace(**{**defaults, **vars(args), "host": "127.0.0.1"})
+    if "max_message_bytes" in server_options:
+        args.max_message_bytes = server_options.pop("max_message_bytes")
+    loop = LoopThread("router-loop")
+    running = loop.run(start_router(args, **server_options))
+    channel = grpc.insecure_channel(f"127.0.0.1:{running.handle.port}")
     try:
-        yield InProcessRouter(servicer, worker_set, handle, channel)
+        yield InProcessRouter(running, loop, channel)
     finally:
         channel.close()
-        handle.server.stop(None).wait(5)
-        worker_set.close()
+        loop.run(running.stop(None))
+        loop.close()

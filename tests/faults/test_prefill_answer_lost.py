@@ -6,17 +6,19 @@ cannot tell the answer was lost; the router, which never saw the handle, must st
     client ─► router (in process) ─► prefill server (in process: real engine, real gRPC)
                                  └─► decode server (in process; never reached here)
 
-The interleaving is forced, not timed: the prefill servicer is held right after its liveness
-check (in `_record_spans`, just before it returns the answer) until the router has finished.
+The interleaving is forced, not timed: the prefill servicer is held just before it returns the
+answer (in `_record_spans`) until the router has seen its call end unanswered.
 """
 
 from __future__ import annotations
 
 import argparse
 import threading
+from contextlib import ExitStack
 
-import grpc
 import pytest
+from aio_servers import serving
+from in_process_router import serve_router
 from oracle import make_prompts
 from workers import wait_until
 
@@ -31,9 +33,8 @@ from pagedserve.prefill_worker.server import build_grpc_server
 from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.worker import PrefillWorker
 from pagedserve.protoconv import sampling_to_proto
-from pagedserve.router.server import build_servicer
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import decode_pb2_grpc, generation_pb2, generation_pb2_grpc
+from pagedserve.v1 import decode_pb2_grpc, generation_pb2
 
 LONG = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 BOUND_S = 30.0  # waits that end long before this (a bound, not a speed check)
@@ -47,48 +48,42 @@ def cluster(tiny_llama):
         )
     )
     prefill_servicer = PrefillServicer(prefill, Identity("prefill-l", "inc-1", ""))
-    prefill_server = build_grpc_server(prefill_servicer)
-    prefill_servicer.me = Identity("prefill-l", "inc-1", f"127.0.0.1:{prefill_server.port}")
     decode = DecodeWorker(
         DecodeEngine.from_model_dir(str(tiny_llama), DecodeEngineConfig(block_size=16)),
         worker_id="decode-l",
     )
-    decode_server = build_server(
-        [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(decode), s)],
-        ["pagedserve.v1.DecodeWorker"],
-    )
-    args = argparse.Namespace(
-        model=str(tiny_llama), served_model_name=None, revision="", dtype=None, block_size=16,
-        redis_url=None, prefill=[f"127.0.0.1:{prefill_server.port}"],
-        decode=[f"127.0.0.1:{decode_server.port}"], max_queued_requests=8,
-        max_message_bytes=16 << 20,
-    )  # fmt: skip
-    router, worker_set = build_servicer(args)
-    router_server = build_server(
-        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(router, s)],
-        ["pagedserve.v1.Generation"],
-    )
+    decode_servicer = DecodeServicer(decode)
     prefill.start()
     decode.start()
-    for handle in (prefill_server, decode_server, router_server):
-        handle.server.start()
-        handle.set_ready(True)
-    worker_set.refresh()
-    channel = grpc.insecure_channel(f"127.0.0.1:{router_server.port}")
-    try:
-        yield generation_pb2_grpc.GenerationStub(channel), router, prefill_servicer
-    finally:
-        channel.close()
-        for handle in (router_server, decode_server, prefill_server):
-            handle.server.stop(None).wait(5)
-        worker_set.close()
-        decode.close()
-        prefill.close()
+    with ExitStack() as stack:
+        prefill_server = stack.enter_context(serving(build_grpc_server(prefill_servicer)))
+        prefill_servicer.me = Identity("prefill-l", "inc-1", f"127.0.0.1:{prefill_server.port}")
+        decode_server = stack.enter_context(serving(build_server(
+            [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(decode_servicer, s)],
+            ["pagedserve.v1.DecodeWorker"],
+        )))  # fmt: skip
+        args = argparse.Namespace(
+            model=str(tiny_llama), served_model_name=None, revision="", dtype=None,
+            block_size=16, redis_url=None, prefill=[f"127.0.0.1:{prefill_server.port}"],
+            decode=[f"127.0.0.1:{decode_server.port}"], max_queued_requests=8,
+            max_message_bytes=16 << 20,
+        )  # fmt: skip
+        router = stack.enter_context(serve_router(args))
+        stack.callback(prefill.close)
+        stack.callback(decode.close)
+        stack.callback(decode_servicer.close)
+        yield router.stub, router.servicer, prefill_servicer
+
+
+def unanswered(router) -> bool:
+    """The router has seen its Prefill call end without the answer."""
+    return any(a.unanswered is not None for a in list(router.orchestrator.active.values()))
 
 
 def hold_answers(servicer: PrefillServicer, monkeypatch) -> tuple[threading.Event, threading.Event]:
-    """Hold every Prefill answer after the servicer's liveness check: `answering` is set when one
-    is held, `go` lets it through."""
+    """Hold every Prefill answer right before the servicer returns it (its lease granted):
+    `answering` is set when one is held, `go` lets it through. The hold blocks the prefill
+    server's event loop, as a slow answer on the wire would: nothing there sees the cancel."""
     answering, go = threading.Event(), threading.Event()
     record_spans = servicer._record_spans  # noqa: SLF001 - the seam right before the answer
 
@@ -115,9 +110,11 @@ def test_a_prefill_answer_lost_to_a_cancel_ends_its_lease_without_expiry(cluster
         # the worker has checked its caller is there and leased the blocks; its answer is next
         assert worker.leases.stats() == LeaseStats(granted=1, released=0, expired=0, active=1)
         stream.cancel()  # the client leaves: the router cancels its Prefill call
-        assert wait_until(lambda: router.num_active == 0, timeout_s=BOUND_S)
+        assert wait_until(lambda: unanswered(router), timeout_s=BOUND_S)
     finally:
         go.set()  # the answer now goes into a call that no longer exists
+    # NOTE: the router's Abort by request id reaches the worker once its loop runs again
+    assert wait_until(lambda: router.num_active == 0, timeout_s=BOUND_S)
     assert wait_until(lambda: worker.leases.stats().active == 0, timeout_s=5), (
         "the lease outlived its request: only its expiry would end it"
     )

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
+from aio_servers import serving
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from oracle import hf_greedy, make_prompts
 
@@ -194,11 +195,10 @@ class Server:
     def __init__(self, worker: PrefillWorker) -> None:
         self.worker = worker
         self.servicer = PrefillServicer(worker, Identity("prefill-f", "inc-1", ""))
-        self.handle = build_grpc_server(self.servicer)
+        self._serving = serving(build_grpc_server(self.servicer))
+        self.handle = self._serving.__enter__()
         address = f"127.0.0.1:{self.handle.port}"
         self.servicer.me = Identity("prefill-f", "inc-1", address)
-        self.handle.server.start()
-        self.handle.set_ready(True)
         self.channel = grpc.insecure_channel(address)
         self.stub = prefill_pb2_grpc.PrefillWorkerStub(self.channel)
         self.health = health_pb2_grpc.HealthStub(self.channel)
@@ -222,7 +222,7 @@ class Server:
 
     def close(self) -> None:
         self.channel.close()
-        self.handle.server.stop(grace=None).wait(5)
+        self._serving.__exit__(None, None, None)
         self.worker.close()
 
 

@@ -56,7 +56,7 @@ def router(workers):
         max_message_bytes=16 << 20, route_wait_timeout=ROUTE_WAIT_S,
     )  # fmt: skip
     with serve_router(args) as router:
-        yield router.worker_set, proxy, router.stub
+        yield router, proxy, router.stub
         proxy.set_mode(PASS)
 
 

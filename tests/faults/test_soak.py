@@ -22,6 +22,7 @@ import time
 import grpc
 import pytest
 import torch
+from aio_servers import serving
 from oracle import hf_greedy, make_prompts
 from workers import start, wait_ready, wait_until
 
@@ -69,32 +70,31 @@ def soak_cluster(request, tiny_llama, module_redis, tmp_path_factory):
         ),
     )
     worker = DecodeWorker(engine, worker_id="decode-s")
-    handle = build_server(
-        [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(worker), s)],
-        ["pagedserve.v1.DecodeWorker"],
-        max_workers=4 * NUM_CLIENTS,
-    )
+    servicer = DecodeServicer(worker)
     worker.start()
-    handle.server.start()
-    handle.set_ready(True)
+    decode = build_server(
+        [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s)],
+        ["pagedserve.v1.DecodeWorker"],
+    )
     router = None
-    try:
-        wait_ready(prefill)
-        router = start(
-            "router",
-            [*common, "--prefill", prefill.address, "--decode", f"127.0.0.1:{handle.port}",
-             "--max-queued-requests", "256", "--drain-timeout", "1"],
-            logs / "router.log",
-        )  # fmt: skip
-        wait_ready(router)
-        wait_healthy(router.address, "pagedserve.v1.Generation", 60)
-        yield router.address, prefill, worker
-    finally:
-        for process in (router, prefill):
-            if process is not None:
-                process.stop()
-        handle.server.stop(None).wait(5)
-        worker.close()
+    with serving(decode) as handle:
+        try:
+            wait_ready(prefill)
+            router = start(
+                "router",
+                [*common, "--prefill", prefill.address, "--decode", f"127.0.0.1:{handle.port}",
+                 "--max-queued-requests", "256", "--drain-timeout", "1"],
+                logs / "router.log",
+            )  # fmt: skip
+            wait_ready(router)
+            wait_healthy(router.address, "pagedserve.v1.Generation", 60)
+            yield router.address, prefill, worker
+        finally:
+            for process in (router, prefill):
+                if process is not None:
+                    process.stop()
+    servicer.close()
+    worker.close()
 
 
 def workload(model_dir) -> tuple[list[list[int]], dict[tuple[int, ...], list[int]]]:

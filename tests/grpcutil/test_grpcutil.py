@@ -1,9 +1,12 @@
-"""`build_server` and `ErrorInterceptor` on a real gRPC server over loopback."""
+"""`build_server` and `ErrorInterceptor` on a real asyncio gRPC server over loopback."""
 
 from __future__ import annotations
 
+import asyncio
+
 import grpc
 import pytest
+from aio_servers import serving
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
@@ -19,7 +22,7 @@ SERVICE = "pagedserve.v1.Generation"
 class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
     """Raises what the request text names, to exercise each mapping through the wire."""
 
-    def Tokenize(self, request, context):
+    async def Tokenize(self, request, context):
         if request.text == "bad":
             raise InvalidArgument("text", "must not be 'bad'")
         if request.text == "busy":
@@ -31,26 +34,25 @@ class ScriptedGeneration(generation_pb2_grpc.GenerationServicer):
         if request.text == "bug":
             raise KeyError("oops")
         if request.text == "self-abort":
-            context.abort(grpc.StatusCode.PERMISSION_DENIED, "not yours")
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, "not yours")
         return generation_pb2.TokenizeResponse(token_ids=[1, 2])
 
-    def Generate(self, request, context):
+    async def Generate(self, request, context):
         yield generation_pb2.GenerateResponse(request_id="r", token_ids=[7])
         raise InvalidArgument("sampling.top_p", "must be in (0, 1], got 2")
 
 
 @pytest.fixture
 def server():
-    handle = build_server(
+    build = build_server(
         [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(ScriptedGeneration(), s)],
         [SERVICE],
         max_message_bytes=1024 * 1024,
     )
-    handle.server.start()
-    channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
-    yield handle, channel
-    channel.close()
-    handle.server.stop(grace=None).wait(5)
+    with serving(build, ready=False) as handle:
+        channel = grpc.insecure_channel(f"127.0.0.1:{handle.port}")
+        yield handle, channel
+        channel.close()
 
 
 def call_tokenize(channel, text):
@@ -119,7 +121,7 @@ def test_health_alive_then_ready(server):
 
     assert status("") == health_pb2.HealthCheckResponse.SERVING
     assert status(SERVICE) == health_pb2.HealthCheckResponse.NOT_SERVING
-    handle.set_ready(True)
+    asyncio.run_coroutine_threadsafe(handle.set_ready(True), handle.loop).result(5)
     assert status(SERVICE) == health_pb2.HealthCheckResponse.SERVING
 
 

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import ExitStack
 
 import grpc
 import pytest
@@ -19,17 +20,16 @@ import torch
 from chat_templates import CHATML, model_with_template
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from in_process_router import serve_router
 from oracle import hf_greedy
 from processes import wait_until
 from transformers import AutoTokenizer
 
 from pagedserve.client import Client
-from pagedserve.grpcutil import build_server
 from pagedserve.launcher import start_cluster
-from pagedserve.router.server import build_servicer
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve.v1 import common_pb2, generation_pb2
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=12)
 CONVERSATION = [
@@ -53,37 +53,25 @@ def cluster(tiny_llama, tmp_path_factory):
     started.stop()
 
 
-def counting_router(model_dir, redis_url):
-    """A real GenerationServicer over the cluster's workers, in this process (to count calls)."""
-    args = argparse.Namespace(
+def router_args(model_dir, redis_url) -> argparse.Namespace:
+    return argparse.Namespace(
         model=str(model_dir), served_model_name=None, revision="", dtype=None, block_size=16,
         redis_url=redis_url, prefill=[], decode=[], max_queued_requests=64,
         max_message_bytes=16 << 20,
     )  # fmt: skip
-    servicer, worker_set = build_servicer(args)
-    handle = build_server(
-        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
-        ["pagedserve.v1.Generation"],
-    )
-    handle.server.start()
-    worker_set.refresh()
-    return servicer, worker_set, handle
 
 
 @pytest.fixture(scope="module")
 def routers(cluster, tiny_llama):
-    """Counting routers for the model with a template, and for the same model without one."""
+    """Real routers in this process (to count their calls to workers), for the model with a
+    template and for the same model without one."""
     started, model_dir = cluster
-    built = [counting_router(d, started.redis_url) for d in (model_dir, tiny_llama)]
-    channels = [grpc.insecure_channel(f"127.0.0.1:{h.port}") for _, _, h in built]
-    yield [
-        (s, generation_pb2_grpc.GenerationStub(c))
-        for (s, _, _), c in zip(built, channels, strict=True)
-    ]
-    for (_, worker_set, handle), channel in zip(built, channels, strict=True):
-        channel.close()
-        handle.server.stop(None)
-        worker_set.close()
+    with ExitStack() as stack:
+        built = [
+            stack.enter_context(serve_router(router_args(d, started.redis_url)))
+            for d in (model_dir, tiny_llama)
+        ]
+        yield [(router.servicer, router.stub) for router in built]
 
 
 def tokens_of(stream) -> tuple[list[int], list]:

@@ -6,6 +6,7 @@ import argparse
 
 import grpc
 import pytest
+from aio_servers import serving
 from certs import make_certs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -19,10 +20,7 @@ def certs(tmp_path_factory):
 
 
 def serve(tls):
-    handle = build_server([], ["test.Service"], tls=tls)
-    handle.server.start()
-    handle.set_ready(True)
-    return handle
+    return serving(build_server([], ["test.Service"], tls=tls))
 
 
 def health(address: str, tls: ClientTLS | None) -> int:
@@ -39,9 +37,8 @@ def handshake_fails(address: str, tls: ClientTLS | None) -> grpc.StatusCode:
 
 @pytest.fixture(scope="module")
 def mtls_server(certs):
-    handle = serve(certs.server_tls(mtls=True))
-    yield f"127.0.0.1:{handle.port}"
-    handle.server.stop(None).wait(5)
+    with serve(certs.server_tls(mtls=True)) as handle:
+        yield f"127.0.0.1:{handle.port}"
 
 
 def test_mtls_server_answers_a_client_with_the_cluster_certificate(certs, mtls_server):
@@ -62,13 +59,10 @@ def test_tls_server_refuses_plaintext(certs, mtls_server):
 
 def test_client_refuses_a_server_its_ca_did_not_sign(certs, tmp_path):
     other = make_certs(tmp_path)  # a different CA: the server's certificate is not trusted
-    handle = serve(certs.server_tls(mtls=False))
-    try:
+    with serve(certs.server_tls(mtls=False)) as handle:
         address = f"127.0.0.1:{handle.port}"
         assert health(address, certs.client_tls("none")) == health_pb2.HealthCheckResponse.SERVING
         assert handshake_fails(address, other.client_tls("none")) is grpc.StatusCode.UNAVAILABLE
-    finally:
-        handle.server.stop(None).wait(5)
 
 
 def parse(*argv: str) -> argparse.Namespace:
