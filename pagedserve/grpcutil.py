@@ -14,6 +14,7 @@ Transport security is one pair of types: `ServerTLS` (`--tls-cert/--tls-key`, pl
 from __future__ import annotations
 
 import asyncio
+import inspect
 import logging
 import threading
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -145,7 +146,12 @@ def _wrap_unary(fn: Callable[[Any, Any], Awaitable[Any]], method: str) -> Callab
     return call
 
 
-def _wrap_stream(fn: Callable[[Any, Any], AsyncIterator[Any]], method: str) -> Callable:
+def _wrap_stream(fn: Callable[[Any, Any], Any], method: str) -> Callable:
+    if not inspect.isasyncgenfunction(fn):
+        # NOTE: a coroutine that writes with `context.write` (grpc_health's aio Watch): grpc
+        # serves the two shapes differently, so the wrapper keeps the handler's
+        return _wrap_unary(fn, method)
+
     async def call(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
         await _reject_undecodable(request, context)
         try:

@@ -134,7 +134,13 @@ class WorkerClients:
                 active.unanswered = (decision.prefill, request.request_id)
                 if _client_left():
                     raise
-                raise Aborted from None
+                if active.aborted:
+                    raise Aborted from None
+                # NOTE: cancelled by neither side (its channel closed): the worker is gone
+                if attempt >= self.prefill_retries:
+                    raise Unavailable("prefill call cancelled") from None
+                self.workers.mark_failed(decision.prefill)
+                tried.append(decision.prefill.worker_id)
             except grpc.aio.AioRpcError as err:
                 if err.code() in UNANSWERED:
                     active.unanswered = (decision.prefill, request.request_id)
@@ -192,9 +198,13 @@ class WorkerClients:
                 finished = bool(part.finish_reason)
                 yield part
         except asyncio.CancelledError:
-            if _client_left() or not active.aborted:
+            if _client_left():
                 raise
-            raise Aborted from None
+            if active.aborted:
+                raise Aborted from None
+            # NOTE: cancelled by neither side (its channel closed): as a lost worker
+            self.workers.mark_failed(decision.decode)
+            raise Unavailable("decode call cancelled mid-stream") from None
         except grpc.aio.AioRpcError as err:
             if active.aborted or err.code() is grpc.StatusCode.CANCELLED:
                 raise Aborted from None

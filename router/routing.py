@@ -37,6 +37,7 @@ from pagedserve.protoconv import load_from_proto
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
+RETIRED_CHANNEL_GRACE_S = 600.0  # how long calls on a retired worker's channel may still run
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +106,7 @@ class WorkerSet:
             ("grpc.max_reconnect_backoff_ms", 1000),
         ]
         self._workers: dict[str, Worker] = {}
+        self._closing: set[asyncio.Task] = set()  # retired channels waiting for their calls
         for role, addresses in ((Role.PREFILL, static_prefill), (Role.DECODE, static_decode)):
             for address in addresses:
                 self._add(Worker(address, address, role))
@@ -130,7 +132,6 @@ class WorkerSet:
             live = await asyncio.to_thread(self._registry.live_workers)
         except RegistryUnavailable:
             return  # NOTE: keep the last membership; GetLoad polling still tracks health
-        retired: list[grpc.aio.Channel] = []
         with self._lock:
             for info in live:
                 if info.role not in (Role.PREFILL, Role.DECODE) or not self._compatible(info):
@@ -139,14 +140,23 @@ class WorkerSet:
                     info.address, info.worker_id
                 )
                 if known is not None and known.incarnation not in ("", info.incarnation):
-                    retired += [known.channel] if known.channel else []
+                    self._retire(known)
                     known = None
                 if known is None:
                     self._add(Worker(info.worker_id, info.address, info.role, info.incarnation))
                 else:
                     known.incarnation = info.incarnation
-        for channel in retired:
-            await channel.close(grace=None)
+
+    def _retire(self, worker: Worker) -> None:
+        """A worker replaced by a new incarnation: its channel closes once the calls still on
+        it end (bounded). NOTE: not at once: at the same address the channel may already carry
+        calls to the new process, which a close would cancel."""
+        if worker.channel is not None:
+            task = asyncio.get_running_loop().create_task(
+                worker.channel.close(grace=RETIRED_CHANNEL_GRACE_S)
+            )
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def _compatible(self, info: WorkerInfo) -> bool:
         """A registered worker whose block hashes would differ from the router's (another
@@ -201,6 +211,8 @@ class WorkerSet:
         for worker in self.workers():
             if worker.channel is not None:
                 await worker.channel.close(grace=None)
+        for task in list(self._closing):
+            task.cancel()
 
 
 class RoutingPolicy:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from redis_server import RedisServer
@@ -26,15 +27,60 @@ def test_workers_of_another_fingerprint_or_block_size_are_not_routed_to(
     register(redis_server, "decode-bs32", Role.DECODE, compat_tag(b"\x01" * 16, 32))
     register(redis_server, "decode-old", Role.DECODE, "")  # said nothing: trusted
     registry = WorkerRegistry(connect(redis_server.url, timeout_s=0.5), MODEL)
-    workers = WorkerSet([], [], registry, max_message_bytes=1 << 20, compat=MINE)
-    try:
-        with caplog.at_level(logging.ERROR, logger="pagedserve.router.routing"):
-            workers.refresh(timeout_s=0.05)
-            workers.refresh(timeout_s=0.05)
-        assert {w.worker_id for w in workers.workers()} == {"prefill-same", "decode-old"}
-        assert set(workers.incompatible) == {"prefill-bf16", "decode-bs32"}
-        errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
-        assert len(errors) == 2, "logged once per worker, not on every refresh"
-        assert any("prefill-bf16" in e and "--block-size" in e for e in errors)
-    finally:
-        workers.close()
+
+    async def scenario() -> WorkerSet:
+        workers = WorkerSet([], [], registry, max_message_bytes=1 << 20, compat=MINE)
+        try:
+            await workers.refresh(timeout_s=0.05)
+            await workers.refresh(timeout_s=0.05)
+        finally:
+            await workers.close()
+        return workers
+
+    with caplog.at_level(logging.ERROR, logger="pagedserve.router.routing"):
+        workers = asyncio.run(scenario())
+    assert {w.worker_id for w in workers.workers()} == {"prefill-same", "decode-old"}
+    assert set(workers.incompatible) == {"prefill-bf16", "decode-bs32"}
+    errors = [r.getMessage() for r in caplog.records if r.levelno == logging.ERROR]
+    assert len(errors) == 2, "logged once per worker, not on every refresh"
+    assert any("prefill-bf16" in e and "--block-size" in e for e in errors)
+
+
+def test_a_new_incarnation_does_not_cut_calls_already_on_the_channel(redis_server) -> None:
+    """A worker restarted at the same address gets a new incarnation in the registry; the router
+    replaces its entry, but calls that already run on the old channel (reconnected to the new
+    process) go on: a close at once would cancel them and hang their clients."""
+    from aio_servers import serving
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from pagedserve.grpcutil import build_server
+
+    with serving(build_server([], ["test.Service"]), ready=False) as handle:
+        address = f"127.0.0.1:{handle.port}"
+        owner = WorkerRegistry(connect(redis_server.url, timeout_s=0.5), MODEL)
+        owner.register("decode-r", address, Role.DECODE, incarnation="first")
+        registry = WorkerRegistry(connect(redis_server.url, timeout_s=0.5), MODEL)
+
+        async def scenario() -> list[int]:
+            workers = WorkerSet([], [], registry, max_message_bytes=1 << 20)
+            await workers.refresh(timeout_s=1.0)
+            (old,) = workers.workers()
+            watch = health_pb2_grpc.HealthStub(old.channel).Watch(
+                health_pb2.HealthCheckRequest(service="test.Service"), timeout=30
+            )
+            seen = [(await watch.read()).status]
+            owner.register("decode-r", address, Role.DECODE, incarnation="second")
+            await workers.refresh(timeout_s=1.0)
+            (new,) = workers.workers()
+            assert new is not old and new.incarnation == "second"
+            asyncio.run_coroutine_threadsafe(handle.set_ready(True), handle.loop).result(5)
+            seen.append((await watch.read()).status)  # the old channel's call still runs
+            watch.cancel()
+            await workers.close()
+            return seen
+
+        statuses = asyncio.run(scenario())
+    assert statuses == [
+        health_pb2.HealthCheckResponse.NOT_SERVING,
+        health_pb2.HealthCheckResponse.SERVING,
+    ]
