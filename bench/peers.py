@@ -104,8 +104,11 @@ class HFContinuous:
         from transformers import ContinuousBatchingConfig, GenerationConfig
 
         # NOTE: without a bound, transformers sizes the paged cache from free host memory (on CPU
-        # without psutil it took 14 GB and was OOM-killed); 1024 blocks is the engine's budget.
-        cb_config = ContinuousBatchingConfig(num_blocks=1024, max_batch_tokens=2048)
+        # without psutil it took 14 GB and was OOM-killed); a fixed 1024 pages of 256 tokens is
+        # 15.9 GB on a 30-layer model. Enough pages for the whole workload at once, no more.
+        page = ContinuousBatchingConfig().page_size
+        pages = sum(-(-(len(r.prompt) + r.output_len) // page) for r in requests) + 8
+        cb_config = ContinuousBatchingConfig(num_blocks=pages, max_batch_tokens=2048)
         config = GenerationConfig(
             do_sample=False,
             max_new_tokens=max(r.output_len for r in requests),

@@ -1,7 +1,8 @@
 """`pagedserve bench SCENARIO`: the scenarios of BENCHMARKS.md, side by side with peers.
 
     pagedserve bench throughput|serve|kv-efficiency|prefix|shared-prefix-memory|oversubscribe|
-                     priority|disagg|roofline|all [--quick] [--reps 3] [--out docs/benchmarks]
+                     priority|disagg|roofline|concurrency|all [--quick] [--reps 3]
+                     [--out docs/benchmarks] [--model DIR]
     pagedserve bench serve --rate 2
 
 Probes (memory bandwidth, GEMM FLOP/s) run first; tiny Llama models are written to a scratch
@@ -20,7 +21,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedserve.bench import report, scenarios, scenarios_pressure
+from pagedserve.bench import report, scenarios, scenarios_concurrency, scenarios_pressure
 from pagedserve.bench.driver import Context, PeerError, ScenarioResult
 from pagedserve.bench.probes import run_probes
 
@@ -34,6 +35,7 @@ SCENARIOS: dict[str, Callable[[Context], ScenarioResult]] = {
     "priority": scenarios_pressure.priority,
     "disagg": scenarios_pressure.disagg,
     "roofline": scenarios_pressure.roofline,
+    "concurrency": scenarios_concurrency.concurrency,
 }
 VOCAB = 512
 MODEL = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": VOCAB, "dtype": "float32"}

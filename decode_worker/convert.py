@@ -53,6 +53,7 @@ class DecodeCall:
     first_token: int
     first_logprobs: TokenLogprobs | None
     handle: KvHandleInfo | None  # None: recompute the prompt here
+    stream_interval: int = 1  # the least new tokens per DecodeResponse (the last: what is left)
 
 
 @dataclass(slots=True)
@@ -88,6 +89,7 @@ def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
             logprobs_from_proto(msg.first_logprobs) if msg.HasField("first_logprobs") else None
         ),
         handle=kv_handle_info(msg.kv_handle) if msg.HasField("kv_handle") else None,
+        stream_interval=max(1, msg.request.stream_interval),
     )
 
 

@@ -45,6 +45,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             await asyncio.wrap_future(submitted)
             while not finished:
                 delta = await stream.get()
+                while len(delta.token_ids) < call.stream_interval and delta.finish_reason is None:
+                    delta.merge(await stream.get())  # NOTE: stream_interval: fewer messages
                 yield convert.decode_response(call.request_id, delta)
                 if delta.finish_reason is FinishReason.ERROR:
                     await context.abort(

@@ -68,9 +68,12 @@ class Client:
         priority: int = 0,
         cache_salt: str = "",
         timeout: float | None = None,
+        stream_interval: int = 0,
     ) -> Iterator[generation_pb2.GenerateResponse]:
-        """Stream the response messages (the iterator's `cancel()` aborts the request)."""
+        """Stream the response messages (the iterator's `cancel()` aborts the request).
+        `stream_interval`: the least tokens per message after the first (0: the router's)."""
         request = _request(params, request_id, priority, cache_salt)
+        request.stream_interval = stream_interval
         if isinstance(prompt, str):
             request.text = prompt
         else:

@@ -266,13 +266,7 @@ def _start_all(
     cluster.children[:0] = started  # NOTE: before waiting, so that a failed start stops them
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
         _await_ready(child, args.start_timeout, stop)
-    router_argv = [*cli, "router", *common, "--host", args.host, "--port", str(args.port)]
-    router_argv += redis_args
-    if getattr(args, "api_key_file", None):
-        router_argv += ["--api-key-file", args.api_key_file]
-    router_argv += ["--generation-config", getattr(args, "generation_config", "auto")]
-    for child in started:
-        router_argv += [f"--{child.name.split('-')[0]}", child.address]
+    router_argv = [*cli, "router", *common, *redis_args, *_router_flags(args, started)]
     router = _spawn("router", _with_metrics(router_argv, args), log_dir)
     cluster.children.insert(0, router)
     _await_ready(router, args.start_timeout, stop)
@@ -282,6 +276,20 @@ def _start_all(
     wait_healthy(
         router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
     )
+
+
+def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
+    """The router's own flags: where it listens, what it passes through, its workers."""
+    flags = ["--host", args.host, "--port", str(args.port)]
+    if getattr(args, "api_key_file", None):
+        flags += ["--api-key-file", args.api_key_file]
+    flags += ["--generation-config", getattr(args, "generation_config", "auto")]
+    for name in ("max_queued_requests", "stream_interval"):
+        if getattr(args, name, None) is not None:
+            flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    for child in workers:
+        flags += [f"--{child.name.split('-')[0]}", child.address]
+    return flags
 
 
 def _memory_flags(role: str, args: argparse.Namespace) -> list[str]:
@@ -462,6 +470,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--log-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--api-key-file", default=None, help="passed to the router")
+    parser.add_argument(
+        "--max-queued-requests", type=int, default=None, help="passed to the router"
+    )
+    parser.add_argument("--stream-interval", type=int, default=None, help="passed to the router")
     add_tls_arguments(parser)
 
 

@@ -32,7 +32,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_server_arguments(parser, default_port=50051)
     parser.add_argument("--prefill", action="append", default=[], help="static prefill address")
     parser.add_argument("--decode", action="append", default=[], help="static decode address")
-    parser.add_argument("--max-queued-requests", type=positive_int, default=256)
+    parser.add_argument(
+        "--max-queued-requests", type=positive_int, default=256,
+        help="requests in flight through this router (streaming or waiting); one more is "
+        "RESOURCE_EXHAUSTED at once",
+    )  # fmt: skip
+    parser.add_argument(
+        "--stream-interval", type=positive_int, default=1,
+        help="the least new tokens per streamed message after the first, for requests that "
+        "set no stream_interval (vLLM's name); 1: every decode step's tokens at once",
+    )  # fmt: skip
     parser.add_argument("--load-poll-interval", type=float, default=0.5, help="seconds")
     parser.add_argument(
         "--route-wait-timeout", type=float, default=5.0,

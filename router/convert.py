@@ -20,6 +20,7 @@ from pagedserve.v1 import common_pb2, generation_pb2
 MAX_REQUEST_ID_LEN = 128
 MAX_CACHE_SALT_LEN = 256
 MAX_PROMPT_CHARS = 1 << 20
+MAX_STREAM_INTERVAL = 1 << 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,17 +31,26 @@ class RouterRequest:
     priority: int
     cache_salt: str
     stream: bool
+    stream_interval: int = 1  # the least new tokens per streamed message after the first
 
 
 def router_request(
-    msg: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer, card: ModelCard
+    msg: generation_pb2.GenerateRequest,
+    tokenizer: RouterTokenizer,
+    card: ModelCard,
+    default_stream_interval: int = 1,
 ) -> RouterRequest:
-    """Validate and tokenize; raises InvalidArgument naming the first bad field."""
+    """Validate and tokenize; raises InvalidArgument naming the first bad field.
+    `default_stream_interval` is the router's `--stream-interval`."""
     request_id = msg.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise InvalidArgument("request_id", f"must be printable and <= {MAX_REQUEST_ID_LEN} chars")
     if len(msg.cache_salt) > MAX_CACHE_SALT_LEN:
         raise InvalidArgument("cache_salt", f"must be <= {MAX_CACHE_SALT_LEN} chars")
+    if msg.stream_interval > MAX_STREAM_INTERVAL:
+        raise InvalidArgument(
+            "stream_interval", f"must be <= {MAX_STREAM_INTERVAL}, got {msg.stream_interval}"
+        )
     prompt = _prompt_ids(msg, tokenizer, card)
     if len(prompt) >= card.max_model_len:
         raise InvalidArgument(
@@ -61,6 +71,7 @@ def router_request(
         priority=msg.priority,
         cache_salt=msg.cache_salt,
         stream=msg.stream,
+        stream_interval=msg.stream_interval or default_stream_interval,
     )
 
 
@@ -129,11 +140,19 @@ def _check_fits(text: str, field: str, tokenizer: RouterTokenizer, card: ModelCa
 
 
 def worker_request(request: RouterRequest, request_id: str) -> common_pb2.WorkerRequest:
-    """What the workers get; `request_id` is the worker-side id (`auth.worker_request_id`)."""
+    """What the workers get; `request_id` is the worker-side id (`auth.worker_request_id`).
+
+    The decode worker's messages come `stream_interval` tokens at a time; a request that is not
+    streamed and has no stop string (which the router matches as tokens arrive) needs none
+    before its end, so it gets one message."""
+    interval = request.stream_interval
+    if not request.stream and not request.params.stop:
+        interval = min(request.params.max_tokens, MAX_STREAM_INTERVAL)
     return common_pb2.WorkerRequest(
         request_id=request_id,
         prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(request.params),
         priority=request.priority,
         cache_salt=request.cache_salt,
+        stream_interval=interval,
     )

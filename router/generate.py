@@ -56,6 +56,7 @@ class RouterSettings:
     max_queued_requests: int = 256
     prefill_retries: int = 1
     route_wait_s: float = 5.0  # how long a request waits for a ready pair (within its deadline)
+    stream_interval: int = 1  # --stream-interval: a request's default
 
 
 class Orchestrator:

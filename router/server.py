@@ -85,6 +85,7 @@ def build_servicer(
         model_fingerprint=fingerprint,
         max_queued_requests=args.max_queued_requests,
         route_wait_s=getattr(args, "route_wait_timeout", 5.0),
+        stream_interval=getattr(args, "stream_interval", 1),
     )
     servicer = GenerationServicer(
         tokenizer, card, workers, policy, settings, tracing=tracing, metrics=metrics

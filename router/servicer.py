@@ -78,7 +78,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         try:
             # NOTE: tokenizing (and rendering a chat) is CPU work: off the event loop
             req = await asyncio.to_thread(
-                convert.router_request, request, self.tokenizer, self.card
+                convert.router_request,
+                request,
+                self.tokenizer,
+                self.card,
+                self.settings.stream_interval,
             )
             tenant = current_tenant()
             req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))

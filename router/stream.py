@@ -69,12 +69,20 @@ class ClientStream:
         finish_reason: int = common_pb2.FINISH_REASON_UNSPECIFIED,
         stop_token_id: int | None = None,
     ) -> generation_pb2.GenerateResponse:
-        """One worker delta in; the client's delta out (finish fields set when it ends)."""
+        """One worker delta in; the client's delta out (finish fields set when it ends).
+
+        A stop string ends the output at the token that completed it: tokens the worker made
+        after it (in the same delta) are neither sent nor counted."""
+        seen = len(self.detok.token_ids)
+        text = self.detok.add(token_ids)
+        if self.detok.matched_stop is not None:
+            kept = len(self.detok.token_ids) - seen
+            token_ids, logprobs = token_ids[:kept], logprobs[:kept]
         self.completion_tokens += len(token_ids)
         out = generation_pb2.GenerateResponse(
             request_id=self.req.request_id,
             token_ids=token_ids,
-            text=self.detok.add(token_ids),
+            text=text,
             logprobs=[lp for lp in logprobs if lp.ByteSize()],
             usage=self.usage(),
         )

@@ -24,3 +24,23 @@ def test_shared_prefix_scenario_writes_valid_reports_and_passes_the_gate(tmp_pat
     assert copies["values"] == [1.0]  # 10 requests share one copy of the 500-token prefix
     assert "| S5 shared-prefix-memory |" in (out / "results.md").read_text()
     assert data["probes"]["memory"]["copy_GBps"] > 0
+
+
+def test_concurrency_scenario_completes_every_stream_and_reports_each_process(tmp_path):
+    out = tmp_path / "report"
+    rc = suite.main(
+        ["concurrency", "--quick", "--reps", "1", "--out", str(out),
+         "--work", str(tmp_path / "work")]
+    )  # fmt: skip
+
+    assert rc == 0
+    (scenario,) = json.loads((out / "results.json").read_text())["scenarios"]
+    assert scenario["valid"]
+    for level in ("streams=10", "streams=100"):
+        run = scenario["runs"][level]
+        assert run["completed"] == run["streams"] and run["failed"] == 0
+        assert run["health_s"]["samples"] > 0 and run["health_s"]["failures"] == 0
+        assert set(run["processes"]) == {"router", "prefill-0", "decode-0"}
+        for stats in run["processes"].values():
+            assert stats["peak"]["threads"] >= stats["start"]["threads"] > 0
+            assert stats["peak"]["rss_mib"] > 0

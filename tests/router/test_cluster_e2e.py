@@ -120,6 +120,44 @@ def test_stop_string_ends_the_stream_with_matched_stop(cluster):
         wait_until(lambda: set(blocks_in_use(client).values()) == {0})
 
 
+@pytest.mark.parametrize("interval", [1, 4])
+def test_stop_string_ends_the_tokens_too(cluster, interval):
+    """Tokens the decode worker made after the stop string's token are neither sent nor counted
+    (with a stream_interval they arrive in the same message)."""
+    started, model_dir = cluster
+    prompt = make_prompts((20,), seed=33)[0]
+    want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+    tokenizer = RouterTokenizer.from_model_dir(model_dir)
+    stop = tokenizer.decode(want[:24])[5:8]
+    upto = next(n for n in range(1, 25) if stop in tokenizer.decode(want[:n]))
+    params = SamplingParams(temperature=0.0, max_tokens=24, stop=(stop,))
+    with Client(started.router_address) as client:
+        parts, tokens = collect(
+            client.generate(prompt, params, stream_interval=interval, timeout=60)
+        )
+    assert tokens == want[:upto]
+    assert parts[-1].usage.completion_tokens == upto
+
+
+def test_stream_interval_coalesces_messages_and_changes_no_token(cluster):
+    started, model_dir = cluster
+    prompt = make_prompts((20,), seed=34)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+    with Client(started.router_address) as client:
+        every, every_tokens = collect(client.generate(prompt, params, timeout=60))
+        coalesced, tokens = collect(client.generate(prompt, params, stream_interval=8, timeout=60))
+        with pytest.raises(grpc.RpcError) as info:
+            list(client.generate(prompt, params, stream_interval=(1 << 16) + 1, timeout=60))
+    assert tokens == every_tokens == want[:30]
+    sizes = [len(p.token_ids) for p in coalesced]
+    assert sizes[0] == 1  # the first token comes alone, at once (prefill)
+    assert all(n >= 8 for n in sizes[1:-1]) and sum(sizes) == 30, sizes
+    assert len(coalesced) < len(every)
+    assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "stream_interval" in info.value.details()
+
+
 def test_cancel_mid_stream_and_short_deadline_free_every_block(cluster):
     started, _ = cluster
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)

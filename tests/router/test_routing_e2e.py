@@ -100,6 +100,10 @@ BAD = {
     ),  # noqa: E501
     "request_id": lambda r: (r.token_ids.ids.append(5), setattr(r, "request_id", "x" * 500)),
     "cache_salt": lambda r: (r.token_ids.ids.append(5), setattr(r, "cache_salt", "s" * 1000)),
+    "stream_interval": lambda r: (
+        r.token_ids.ids.append(5),
+        setattr(r, "stream_interval", (1 << 16) + 1),
+    ),  # noqa: E501
 }
 BAD.pop("sampling.top_k")  # uint32 on the wire: nothing to violate
 

@@ -1,0 +1,38 @@
+"""S1's ratios: a peer whose run failed requests or whose tokens failed the gate gets none."""
+
+from __future__ import annotations
+
+from pagedserve.bench.driver import ScenarioResult
+from pagedserve.bench.scenarios import _s1_ratios
+
+
+def run(tok_s: float, errors: int = 0) -> dict:
+    return {"useful_tok_s": tok_s, "num_errors": errors}
+
+
+def metrics(res: ScenarioResult) -> set[str]:
+    return {r.metric for r in res.ratios}
+
+
+def test_every_ratio_when_every_peer_ran_clean():
+    res = ScenarioResult("S1", gate={"passed": True})
+    res.runs["hf-cb-gate"] = {"passed": True, "mismatches": []}
+    _s1_ratios(res, {"engine": [run(100)], "cluster": [run(90)], "hf-cb": [run(50)]})
+    assert metrics(res) == {"useful tok/s: engine / hf-cb", "useful tok/s: cluster / engine"}
+    assert res.valid and not res.notes
+
+
+def test_a_peer_that_failed_its_gate_or_requests_gets_no_ratio():
+    res = ScenarioResult("S1", gate={"passed": True})
+    res.runs["hf-cb-gate"] = {"passed": False, "mismatches": [{"request_id": "r0"}]}
+    outs = {
+        "engine": [run(100), run(100)],
+        "cluster": [run(90), run(80, errors=3)],
+        "hf-cb": [run(1e-12), run(1e-12)],  # made no tokens: the ratio would be absurd
+        "hf-static": [run(20), run(20)],
+    }
+    _s1_ratios(res, outs)
+    assert metrics(res) == {"useful tok/s: engine / hf-static"}
+    assert not res.valid  # our own cluster failed requests: the run is invalid
+    assert any("cluster: no ratio" in n and "[0, 3]" in n for n in res.notes)
+    assert any("hf-cb: no ratio" in n for n in res.notes)
