@@ -49,6 +49,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "restarting) before UNAVAILABLE; never past the request's deadline",
     )  # fmt: skip
     parser.add_argument(
+        "--stall-timeout", type=float, default=10.0,
+        help="seconds without a message from a stream's decode worker, while that worker also "
+        "fails its load polls, before the stream moves to another pair (a live worker that "
+        "queues the request is waited for)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-migrations", type=int, default=2,
+        help="times one stream may move to another (prefill, decode) pair when its decode "
+        "worker is lost; then UNAVAILABLE",
+    )  # fmt: skip
+    parser.add_argument(
         "--index-timeout", type=float, default=0.04,
         help="seconds a prefix-index lookup may take before routing by load alone",
     )  # fmt: skip

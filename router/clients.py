@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
@@ -43,6 +44,11 @@ Metadata = Sequence[tuple[str, str]]
 
 class Aborted(Exception):
     """The client aborted (Abort RPC or cancel) while a worker call was in flight."""
+
+
+class WorkerLost(Unavailable):
+    """The decode worker of a running stream is gone (connection failed) or stalled: the
+    stream may move to another pair."""
 
 
 class WorkerError(Exception):
@@ -95,9 +101,12 @@ def _client_left() -> bool:
 class WorkerClients:
     """Worker RPCs of every request; counts the calls it makes and the workers' in-flight."""
 
-    def __init__(self, workers: WorkerSet, prefill_retries: int) -> None:
+    def __init__(
+        self, workers: WorkerSet, prefill_retries: int, stall_timeout_s: float = 10.0
+    ) -> None:
         self.workers = workers
         self.prefill_retries = prefill_retries
+        self.stall_timeout_s = stall_timeout_s
         self.requests_to_workers = 0
 
     async def prefill(
@@ -171,8 +180,9 @@ class WorkerClients:
         metadata: Metadata,
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         """The decode worker's stream. Closing it before the worker's last message cancels the
-        call (the worker frees at once). Raises Aborted, Unavailable (worker lost mid-stream,
-        marked failed) or WorkerError."""
+        call (the worker frees at once). Raises Aborted, WorkerLost (the worker's connection
+        failed, or it sent nothing for `stall_timeout_s` while failing its load polls: marked
+        failed) or WorkerError."""
         stub = decode_pb2_grpc.DecodeWorkerStub(decision.decode.channel)
         call = stub.Decode(
             decode_pb2.DecodeRequest(
@@ -189,14 +199,16 @@ class WorkerClients:
         self.requests_to_workers += 1
         finished = False
         try:
-            async for part in call:
-                # NOTE: a response proves the decode worker took the request, and with it the
-                # lease (it releases it). Until then the router still releases it itself: a
-                # cancel can end the call before the worker's handler ever runs. ReleaseKv is
-                # idempotent, and a worker whose lease goes mid-pull recomputes (fails closed).
-                active.handle = None
-                finished = bool(part.finish_reason)
-                yield part
+            async with aclosing(self._watched(call, decision.decode)) as parts:
+                async for part in parts:
+                    # NOTE: a response proves the decode worker took the request, and with it
+                    # the lease (it releases it). Until then the router still releases it
+                    # itself: a cancel can end the call before the worker's handler ever runs.
+                    # ReleaseKv is idempotent, and a worker whose lease goes mid-pull
+                    # recomputes (fails closed).
+                    active.handle = None
+                    finished = bool(part.finish_reason)
+                    yield part
         except asyncio.CancelledError:
             if _client_left():
                 raise
@@ -204,19 +216,42 @@ class WorkerClients:
                 raise Aborted from None
             # NOTE: cancelled by neither side (its channel closed): as a lost worker
             self.workers.mark_failed(decision.decode)
-            raise Unavailable("decode call cancelled mid-stream") from None
+            raise WorkerLost("decode call cancelled mid-stream") from None
         except grpc.aio.AioRpcError as err:
             if active.aborted or err.code() is grpc.StatusCode.CANCELLED:
                 raise Aborted from None
             if err.code() is grpc.StatusCode.UNAVAILABLE:
                 self.workers.mark_failed(decision.decode)
-                raise Unavailable("decode worker lost mid-stream") from None
+                raise WorkerLost("decode worker lost mid-stream") from None
             raise WorkerError(err) from None
         finally:
             if not finished:
                 call.cancel()  # NOTE: e.g. a stop string matched; the worker frees at once
             decision.decode.in_flight -= 1
             active.set_call(None)
+
+    async def _watched(
+        self, call: grpc.aio.UnaryStreamCall, worker: Worker
+    ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
+        """The call's messages; WorkerLost when none came for `stall_timeout_s` and the worker
+        does not answer its load polls either (a worker that answers may just queue the
+        request: slow is not dead)."""
+        read: asyncio.Future = asyncio.ensure_future(call.read())
+        try:
+            while True:
+                done, _ = await asyncio.wait({read}, timeout=self.stall_timeout_s)
+                if not done:
+                    if worker.stale or not worker.healthy:
+                        self.workers.mark_failed(worker)
+                        raise WorkerLost("decode worker stalled")
+                    continue
+                part = read.result()
+                if part is grpc.aio.EOF:
+                    return
+                yield part
+                read = asyncio.ensure_future(call.read())
+        finally:
+            read.cancel()
 
     async def release_unclaimed(self, active: ActiveRequest) -> None:
         """End the lease no decode worker took: ReleaseKv by its handle, or Abort by the request
@@ -229,6 +264,7 @@ class WorkerClients:
                 await stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle_id), timeout=2.0)
             except grpc.aio.AioRpcError:
                 log.warning("could not release lease %s; it will expire", handle_id)
+            active.handle = None
         if active.unanswered is not None:
             worker, request_id = active.unanswered
             try:
@@ -238,3 +274,4 @@ class WorkerClients:
                 log.warning(
                     "%s: could not abort on %s; a lease expires", request_id, worker.worker_id
                 )
+            active.unanswered = None

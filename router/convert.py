@@ -7,6 +7,7 @@ into INVALID_ARGUMENT with a `BadRequest.FieldViolation`.
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
 from dataclasses import dataclass
 
@@ -137,6 +138,26 @@ def _check_fits(text: str, field: str, tokenizer: RouterTokenizer, card: ModelCa
             f"at least {at_least} prompt tokens leave no room under max_model_len "
             f"{card.max_model_len}",
         )
+
+
+def continuation(request: RouterRequest, generated: list[int]) -> RouterRequest:
+    """The request that goes on from `generated` (tokens the client already has) on another
+    pair of workers: they become part of the prompt, and the budget shrinks by as many.
+
+    NOTE: greedy output is that of the undisturbed run. A seeded request draws from a generator
+    seeded from (seed, tokens generated): deterministic, but not the undisturbed draws; presence
+    and frequency penalties (over output tokens) no longer see the moved tokens.
+    """
+    p, n = request.params, len(generated)
+    params = dataclasses.replace(
+        p,
+        max_tokens=p.max_tokens - n,
+        min_tokens=max(0, p.min_tokens - n),
+        seed=None if p.seed is None else (p.seed + n) % (1 << 63),
+    )
+    return dataclasses.replace(
+        request, prompt_token_ids=[*request.prompt_token_ids, *generated], params=params
+    )
 
 
 def worker_request(request: RouterRequest, request_id: str) -> common_pb2.WorkerRequest:

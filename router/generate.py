@@ -5,9 +5,12 @@
                                                                           Decode ◄────┘
     release the lease no worker took, record the outcome ◄─ stop / cancel / error / finish
 
-A prefill that fails before any token retries once on another worker; a decode worker lost
-mid-stream ends the stream with UNAVAILABLE. Worker calls live in `clients.py`, the client's
-messages in `stream.py`, the record of the end in `outcome.py`.
+A prefill that fails before any token retries once on another worker. A decode worker lost
+mid-stream (connection failed, or no message for `--stall-timeout` while it also fails its load
+polls) does not end the stream: the router re-prefills the prompt plus the tokens already sent
+on a live pair and continues the same client stream (`router.migrate` span event), at most
+`--max-migrations` times; greedy output equals an undisturbed run. Worker calls live in
+`clients.py`, the client's messages in `stream.py`, the record of the end in `outcome.py`.
 
 Request ids are scoped by tenant (router/auth.py): the in-flight table is keyed by
 `(tenant, request_id)`, so two tenants may run the same id, and neither Abort nor an "already
@@ -18,6 +21,7 @@ clients only ever see their own id.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
@@ -39,6 +43,7 @@ from pagedserve.router.clients import (
     TimeLeft,
     WorkerClients,
     WorkerError,
+    WorkerLost,
 )
 from pagedserve.router.outcome import Outcome, reason_name, record
 from pagedserve.router.routing import Decision, RoutingPolicy, WorkerSet
@@ -46,6 +51,7 @@ from pagedserve.router.stream import ClientStream, merge
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.v1 import common_pb2, generation_pb2, prefill_pb2
 
+log = logging.getLogger(__name__)
 ROUTE_POLL_S = 0.05  # how often a request waiting for a ready pair looks again
 
 
@@ -57,6 +63,9 @@ class RouterSettings:
     prefill_retries: int = 1
     route_wait_s: float = 5.0  # how long a request waits for a ready pair (within its deadline)
     stream_interval: int = 1  # --stream-interval: a request's default
+    stall_timeout_s: float = 10.0  # no message and no load poll answered: the worker is lost
+    move_wait_s: float = 30.0  # how long a retry or a moved stream waits for a ready pair
+    max_migrations: int = 2  # moves of one stream to another pair when its decode worker is lost
 
 
 class Orchestrator:
@@ -76,7 +85,7 @@ class Orchestrator:
         self.settings = settings
         self.tracing = tracing
         self.metrics = metrics
-        self.clients = WorkerClients(workers, settings.prefill_retries)
+        self.clients = WorkerClients(workers, settings.prefill_retries, settings.stall_timeout_s)
         self.active: dict[tuple[str, str], ActiveRequest] = {}  # (tenant, request_id) -> it
         self.last_decision: Decision | None = None  # for tests and debugging
 
@@ -163,39 +172,82 @@ class Orchestrator:
         outcome: Outcome,
         time_left: TimeLeft,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-        hashes = hash_blocks(
-            req.prompt_token_ids,
-            self.settings.block_size,
-            model_fingerprint=self.settings.model_fingerprint,
-            cache_salt=req.cache_salt,
-        )
+        """Prefill, first token, decode; a decode worker lost mid-stream (or stalled) moves the
+        rest of the stream to another pair (`_migrate`), at most `max_migrations` times."""
         parent = telemetry.span_context(span)
         metadata = telemetry.metadata(parent)
-        request = convert.worker_request(req, worker_request_id(tenant, req.request_id))
-        prefilled, decision = await self.clients.prefill(
-            request,
-            lambda tried: self._route(hashes, tried, parent, active, time_left),
-            active,
-            time_left,
-            metadata,
+        stream: ClientStream | None = None
+        current = req
+        for attempt in range(1 + self.settings.max_migrations):
+            # NOTE: a suffix per move: the old worker may hold the id until our cancel lands
+            worker_id = worker_request_id(tenant, req.request_id) + (
+                f"~{attempt}" if attempt else ""
+            )
+            request = convert.worker_request(current, worker_id)
+            hashes = hash_blocks(
+                current.prompt_token_ids,
+                self.settings.block_size,
+                model_fingerprint=self.settings.model_fingerprint,
+                cache_salt=current.cache_salt,
+            )
+            prefilled, decision = await self.clients.prefill(
+                request,
+                lambda tried, h=hashes, moved=attempt > 0: self._route(
+                    h, tried, parent, active, time_left, retry=moved or bool(tried)
+                ),
+                active,
+                time_left,
+                metadata,
+            )
+            self.last_decision = decision
+            if stream is None:
+                outcome.ttft_s = time.monotonic() - outcome.started
+                stream = ClientStream(req, self.tokenizer, prefilled.cached_tokens)
+            first = stream.from_prefill(prefilled)
+            outcome.generated = stream.completion_tokens
+            if stream.finished:
+                outcome.reason = reason_name(first.finish_reason)
+                yield stream.finish(first)
+                return
+            yield first
+            decode = self._decode(request, prefilled, decision, stream, active, time_left, metadata)
+            try:
+                async with aclosing(decode):
+                    async for out in decode:
+                        outcome.generated = stream.completion_tokens
+                        if out.finish_reason:
+                            outcome.reason = reason_name(out.finish_reason)
+                        yield out
+                return
+            except WorkerLost as lost:
+                if attempt >= self.settings.max_migrations:
+                    raise Unavailable(f"{lost}; no moves left") from None
+                current = await self._migrate(req, stream, active, span, decision, str(lost))
+
+    async def _migrate(
+        self,
+        req: convert.RouterRequest,
+        stream: ClientStream,
+        active: ActiveRequest,
+        span: Span,
+        decision: Decision,
+        reason: str,
+    ) -> convert.RouterRequest:
+        """The request that continues `stream` elsewhere; ends what the lost pair held."""
+        span.add_event(
+            "router.migrate",
+            {
+                "pagedserve.decode_worker": decision.decode.worker_id,
+                "pagedserve.reason": reason,
+                "pagedserve.tokens_sent": len(stream.token_ids),
+            },
         )
-        self.last_decision = decision
-        outcome.ttft_s = time.monotonic() - outcome.started
-        outcome.generated = 1
-        stream = ClientStream(req, self.tokenizer, prefilled.cached_tokens)
-        first = stream.from_prefill(prefilled)
-        if stream.finished:
-            outcome.reason = reason_name(first.finish_reason)
-            yield stream.finish(first)
-            return
-        yield first
-        decode = self._decode(request, prefilled, decision, stream, active, time_left, metadata)
-        async with aclosing(decode):
-            async for out in decode:
-                outcome.generated = stream.completion_tokens
-                if out.finish_reason:
-                    outcome.reason = reason_name(out.finish_reason)
-                yield out
+        log.warning(
+            "%s: %s on %s after %d tokens; moving the stream",
+            req.request_id, reason, decision.decode.worker_id, len(stream.token_ids),
+        )  # fmt: skip
+        await self.clients.release_unclaimed(active)  # NOTE: a lease no decode worker took
+        return convert.continuation(req, list(stream.token_ids))
 
     async def _route(
         self,
@@ -204,9 +256,15 @@ class Orchestrator:
         parent: Context,
         active: ActiveRequest,
         time_left: TimeLeft,
+        *,
+        retry: bool = False,
     ) -> Decision:
+        """The pair for a request; a retry or a moved stream (`retry`) waits longer for one
+        (`move_wait_s`: a supervisor restarting the only worker of a role), a new request
+        `route_wait_s`."""
+        wait_s = self.settings.move_wait_s if retry else self.settings.route_wait_s
         with self.tracing.tracer.start_span("router.route", context=parent) as route:
-            decision = await self._choose_or_wait(hashes, exclude, active, time_left)
+            decision = await self._choose_or_wait(hashes, exclude, active, time_left, wait_s)
             route.set_attributes(decision.terms)
             route.set_attribute("pagedserve.prefill_worker", decision.prefill.worker_id)
             route.set_attribute("pagedserve.decode_worker", decision.decode.worker_id)
@@ -219,11 +277,11 @@ class Orchestrator:
         exclude: list[str],
         active: ActiveRequest,
         time_left: TimeLeft,
+        wait_s: float,
     ) -> Decision:
         """The cheapest ready pair. With none (a worker restarting, every worker busy failing
-        over), wait for one, polling every ROUTE_POLL_S, at most `route_wait_s` and never past
-        the request's deadline; then Unavailable. Aborted if the client leaves meanwhile."""
-        wait_s = self.settings.route_wait_s
+        over), wait for one, polling every ROUTE_POLL_S, at most `wait_s` and never past the
+        request's deadline; then Unavailable. Aborted if the client leaves meanwhile."""
         left = time_left()
         give_up = time.monotonic() + (wait_s if left is None else min(wait_s, left))
         while True:
@@ -262,4 +320,4 @@ class Orchestrator:
             except Aborted:
                 yield stream.abort()
                 return
-        raise Unavailable("decode stream ended without a finish reason")
+        raise WorkerLost("decode stream ended without a finish reason")

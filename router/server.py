@@ -86,6 +86,8 @@ def build_servicer(
         max_queued_requests=args.max_queued_requests,
         route_wait_s=getattr(args, "route_wait_timeout", 5.0),
         stream_interval=getattr(args, "stream_interval", 1),
+        stall_timeout_s=getattr(args, "stall_timeout", 10.0),
+        max_migrations=getattr(args, "max_migrations", 2),
     )
     servicer = GenerationServicer(
         tokenizer, card, workers, policy, settings, tracing=tracing, metrics=metrics

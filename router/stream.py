@@ -39,6 +39,11 @@ class ClientStream:
             stop=self.req.params.stop,
         )  # fmt: skip
 
+    @property
+    def token_ids(self) -> list[int]:
+        """Every token the client has been sent (the first one included)."""
+        return self.detok.token_ids
+
     def usage(self) -> common_pb2.Usage:
         return common_pb2.Usage(
             prompt_tokens=len(self.req.prompt_token_ids),

@@ -29,6 +29,7 @@ from pagedserve.v1 import common_pb2, generation_pb2
 SHORT = SamplingParams(temperature=0.0, max_tokens=4)
 LONG = SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 DONE = (common_pb2.FINISH_REASON_LENGTH, common_pb2.FINISH_REASON_STOP)
+STALL_S = 2.0  # the cluster router's --stall-timeout
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def cluster(make_tiny, tmp_path_factory):
     args = argparse.Namespace(
         model=str(make_tiny("llama")), host="127.0.0.1", port=0, prefill=1, decode=2,
         redis_url=None, block_size=16, dtype=None, kv_cache_memory="16MiB",
-        start_timeout=120.0, log_dir=None,
+        start_timeout=120.0, log_dir=None, stall_timeout=STALL_S,
     )  # fmt: skip
     started = start_cluster(args, tmp_path_factory.mktemp("logs"))
     assert started.redis_url is not None, "redis-server is needed (`make redis`)"
@@ -159,55 +160,128 @@ def test_flapping_redis_fails_no_request(router, redis_proxy):
     print(f"{len(finishes)} requests under flapping Redis, all finished")
 
 
-def test_sigkill_decode_worker_ends_its_streams_unavailable_and_new_requests_avoid_it(cluster):
-    started, model = cluster
-    victim = next(c for c in started.children if c.name == "decode-0")
-    prompts = make_prompts((24,) * 8, seed=94)
-    # NOTE: the router is ready once ONE decode worker answers; wait until it has seen both,
-    # or every stream may go to decode-0 (a race seen under load)
+def wait_all_alive(started) -> None:
+    """The router is ready once ONE decode worker answers; wait until it has seen both, or
+    every stream may go to one of them (a race seen under load)."""
     deadline = time.monotonic() + 30
     with Client(started.router_address) as client:
         while not all(w.alive for w in client.status().workers):
             assert time.monotonic() < deadline, "the router never saw every worker alive"
             time.sleep(0.2)
-    outcomes: dict[int, object] = {}
-    first_seen = threading.Barrier(9, timeout=60)
 
-    def run(i: int) -> None:
-        with Client(started.router_address) as client:
-            stream = client.generate(prompts[i], LONG, timeout=90)
+
+def undisturbed(started, prompts, params) -> list[list[int]]:
+    with Client(started.router_address) as client:
+        return [
+            [t for part in client.generate(p, params, timeout=120) for t in part.token_ids]
+            for p in prompts
+        ]
+
+
+class Streams:
+    """`len(prompts)` streams in threads, with no deadline (as the fault tests want); `wait_first`
+    returns once each has its first message; `finished_at` records when each ended."""
+
+    def __init__(self, address: str, prompts, params) -> None:
+        self.tokens: dict[int, list[int]] = {}
+        self.outcomes: dict[int, object] = {}
+        self.finished_at: dict[int, float] = {}
+        self._first = threading.Barrier(len(prompts) + 1, timeout=60)
+        self._threads = [
+            threading.Thread(target=self._run, args=(address, i, p, params), daemon=True)
+            for i, p in enumerate(prompts)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def _run(self, address: str, i: int, prompt, params) -> None:
+        with Client(address) as client:
+            stream = client.generate(prompt, params)
             try:
                 parts = [next(stream)]
-                first_seen.wait()
+                self._first.wait()
                 parts += list(stream)
-                outcomes[i] = parts[-1].finish_reason
+                self.outcomes[i] = parts[-1].finish_reason
+                self.tokens[i] = [t for p in parts for t in p.token_ids]
             except grpc.RpcError as err:
-                outcomes[i] = err.code()
+                self.outcomes[i] = err.code()
+            self.finished_at[i] = time.monotonic()
 
-    threads = [threading.Thread(target=run, args=(i,), daemon=True) for i in range(8)]
-    for t in threads:
-        t.start()
-    first_seen.wait()
+    def wait_first(self) -> None:
+        self._first.wait()
+
+    def join(self, timeout_s: float) -> None:
+        for t in self._threads:
+            t.join(timeout_s)
+
+
+def on_worker(started, worker_id: str) -> int:
     with Client(started.router_address) as client:
-        loads = {w.worker_id: w.load for w in client.status().workers}
-    on_victim = loads["decode-0"].num_requests_running + loads["decode-0"].num_requests_waiting
+        load = {w.worker_id: w.load for w in client.status().workers}[worker_id]
+    return load.num_requests_running + load.num_requests_waiting
+
+
+def busiest_decode(started) -> tuple[object, int]:
+    """The decode worker child holding the most streams now, and how many it holds."""
+    held = {name: on_worker(started, name) for name in ("decode-0", "decode-1")}
+    name = max(held, key=lambda n: held[n])
+    return next(c for c in started.children if c.name == name), held[name]
+
+
+def test_sigstop_decode_worker_streams_move_after_the_stall_timeout(cluster):
+    """A stopped (not dead) decode worker: its streams, whose clients set no deadline, move to
+    the other decode worker once it has sent nothing for --stall-timeout and failed its load
+    polls; every one finishes, equal to an undisturbed run, while the worker is still stopped."""
+    started, _ = cluster
+    wait_all_alive(started)
+    params = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    prompts = make_prompts((24,) * 8, seed=96)
+    want = undisturbed(started, prompts, params)
+    streams = Streams(started.router_address, prompts, params)
+    streams.wait_first()
+    victim, held = busiest_decode(started)
+    victim.proc.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    try:
+        streams.join(STALL_S + 30)
+        resumed_at = time.monotonic()
+    finally:
+        victim.proc.send_signal(signal.SIGCONT)
+    assert held >= 1, "no stream on the stopped worker: the test would prove nothing"
+    assert streams.outcomes == {i: common_pb2.FINISH_REASON_LENGTH for i in range(8)}
+    assert [streams.tokens[i] for i in range(8)] == want
+    # every stream ended while the worker was still stopped: none waited for it
+    assert all(stopped_at < t < resumed_at for t in streams.finished_at.values())
+    # the stopped worker, resumed, frees what the moved streams held (the router cancelled them)
+    wait_all_alive(started)
+    deadline = time.monotonic() + 30
+    while on_worker(started, victim.name):
+        assert time.monotonic() < deadline, "the resumed worker still holds moved streams"
+        time.sleep(0.2)
+
+
+def test_sigkill_decode_worker_its_streams_move_and_new_requests_avoid_it(cluster):
+    started, model = cluster
+    prompts = make_prompts((24,) * 8, seed=94)
+    wait_all_alive(started)
+    want = undisturbed(started, prompts, LONG)
+    streams = Streams(started.router_address, prompts, LONG)
+    streams.wait_first()
+    victim, held = busiest_decode(started)
+    survivor = "decode-1" if victim.name == "decode-0" else "decode-0"
     victim.proc.send_signal(signal.SIGKILL)
-    for t in threads:
-        t.join(90)
-    lost = [i for i, o in outcomes.items() if o is grpc.StatusCode.UNAVAILABLE]
-    finished = [i for i, o in outcomes.items() if o == common_pb2.FINISH_REASON_LENGTH]
-    assert len(outcomes) == 8 and len(lost) + len(finished) == 8, outcomes
-    # NOTE: >=: a stream whose first token came from prefill may not have reached decode-0 yet
-    # when the load was read; every stream decode-0 held is lost, none of decode-1's
-    assert on_victim >= 1 and len(lost) >= on_victim and finished, (on_victim, outcomes)
+    streams.join(90)
+    assert held >= 1, "no stream on the killed worker: the test would prove nothing"
+    assert streams.outcomes == {i: common_pb2.FINISH_REASON_LENGTH for i in range(8)}
+    assert [streams.tokens[i] for i in range(8)] == want
     # Redis side: the dead worker's record outlives it (its TTL, 9 s), yet after one load poll
     # the router sends it nothing: a request routed there would end UNAVAILABLE
     registry = WorkerRegistry(connect(started.redis_url), pathlib.Path(model).name)
-    assert "decode-0" in {w.worker_id for w in registry.live_workers(Role.DECODE)}
+    assert victim.name in {w.worker_id for w in registry.live_workers(Role.DECODE)}
     with Client(started.router_address) as client:
         time.sleep(0.6)  # one load poll (--load-poll-interval 0.5 s)
         alive = {w.worker_id: w.alive for w in client.status().workers}
-        assert alive["decode-0"] is False and alive["decode-1"] is True
+        assert alive[victim.name] is False and alive[survivor] is True
         after: dict[int, object] = {}
 
         def run_after(i: int, prompt: list[int]) -> None:
@@ -223,11 +297,11 @@ def test_sigkill_decode_worker_ends_its_streams_unavailable_and_new_requests_avo
         for t in later:
             t.join(60)
         assert sorted(after) == list(range(8)) and all(f in DONE for f in after.values()), after
-        record_alive = "decode-0" in {w.worker_id for w in registry.live_workers(Role.DECODE)}
+        record_alive = victim.name in {w.worker_id for w in registry.live_workers(Role.DECODE)}
         alive = {w.worker_id: w.alive for w in client.status().workers}
-        assert alive["decode-0"] is False  # a record still in Redis does not revive it
+        assert alive[victim.name] is False  # a record still in Redis does not revive it
     deadline = time.monotonic() + 15  # NOTE: nothing beats for the dead worker: its record ends
-    while "decode-0" in {w.worker_id for w in registry.live_workers(Role.DECODE)}:
+    while victim.name in {w.worker_id for w in registry.live_workers(Role.DECODE)}:
         assert time.monotonic() < deadline, "the dead worker's Redis record never expired"
         time.sleep(0.5)
     print(f"record still in Redis while 8 requests avoided it: {record_alive}")
