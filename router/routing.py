@@ -61,6 +61,7 @@ class Worker:
     in_flight: int = 0
     failures: int = 0
     stale: bool = False  # the last GetLoad timed out: `load` is the one before (slow, not dead)
+    static: bool = False  # listed by --prefill/--decode: kept even when its record expires
     assigned: int = 0  # requests routed here so far: breaks ties between equal costs
 
     @property
@@ -109,7 +110,7 @@ class WorkerSet:
         self._closing: set[asyncio.Task] = set()  # retired channels waiting for their calls
         for role, addresses in ((Role.PREFILL, static_prefill), (Role.DECODE, static_decode)):
             for address in addresses:
-                self._add(Worker(address, address, role))
+                self._add(Worker(address, address, role, static=True))
 
     def _add(self, worker: Worker) -> Worker:
         worker.channel = make_channel(worker.address, self._tls, self._options, aio=True)
@@ -146,6 +147,18 @@ class WorkerSet:
                     self._add(Worker(info.worker_id, info.address, info.role, info.incarnation))
                 else:
                     known.incarnation = info.incarnation
+            self._drop_expired({info.worker_id for info in live})
+
+    def _drop_expired(self, live: set[str]) -> None:
+        """Forget registry-found workers whose record is gone (deregistered, or its TTL ran out
+        without a heartbeat) and that do not answer their polls either: a dead worker leaves
+        routing and the status. NOTE: one that answers stays (Redis restarted and lost the
+        record; the next heartbeat writes it again). Lock held."""
+        for worker_id, worker in list(self._workers.items()):
+            if not worker.static and worker_id not in live and not worker.healthy:
+                log.info("worker %s left the registry; forgetting it", worker_id)
+                del self._workers[worker_id]
+                self._retire(worker)
 
     def _retire(self, worker: Worker) -> None:
         """A worker replaced by a new incarnation: its channel closes once the calls still on

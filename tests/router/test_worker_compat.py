@@ -84,3 +84,27 @@ def test_a_new_incarnation_does_not_cut_calls_already_on_the_channel(redis_serve
         health_pb2.HealthCheckResponse.NOT_SERVING,
         health_pb2.HealthCheckResponse.SERVING,
     ]
+
+
+def test_a_worker_whose_record_is_gone_leaves_the_set_but_a_static_one_stays(redis_server):
+    owner = WorkerRegistry(connect(redis_server.url, timeout_s=0.5), MODEL)
+    owner.register("decode-gone", "127.0.0.1:9", Role.DECODE)
+    static = WorkerRegistry(connect(redis_server.url, timeout_s=0.5), MODEL)
+    static.register("decode-static", "127.0.0.1:10", Role.DECODE)
+    registry = WorkerRegistry(connect(redis_server.url, timeout_s=0.5), MODEL)
+
+    async def scenario() -> tuple[set[str], set[str]]:
+        workers = WorkerSet([], ["127.0.0.1:10"], registry, max_message_bytes=1 << 20)
+        try:
+            await workers.refresh(timeout_s=0.05)
+            before = {w.worker_id for w in workers.workers()}
+            owner.deregister()
+            static.deregister()
+            await workers.refresh(timeout_s=0.05)
+            return before, {w.worker_id for w in workers.workers()}
+        finally:
+            await workers.close()
+
+    before, after = asyncio.run(scenario())
+    assert before == {"decode-gone", "decode-static"}
+    assert after == {"decode-static"}  # listed by --decode: it may come back at its address
