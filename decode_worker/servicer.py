@@ -24,7 +24,7 @@ from pagedserve.model.sequence import FinishReason
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import context_from
 from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
-from pagedserve.worker_load import Role
+from pagedserve.worker_load import Role, test_load_delay_s
 
 RPC_THREADS = 4  # the executor for calls that wait on the engine's lock
 
@@ -33,6 +33,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
         self.executor = ThreadPoolExecutor(RPC_THREADS, thread_name_prefix="decode-rpc")
+        self.load_delay_s = test_load_delay_s()
 
     async def Decode(self, request, context) -> AsyncIterator[decode_pb2.DecodeResponse]:  # noqa: N802
         call = convert.decode_call(request)
@@ -70,6 +71,8 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         return common_pb2.AbortResponse(found=found)
 
     async def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
+        if self.load_delay_s:
+            await asyncio.sleep(self.load_delay_s)
         load = await self._off_loop(self.worker.load)
         return load_to_proto(load, self.worker.worker_id, Role.DECODE)
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import os
 import shutil
 import signal
@@ -40,9 +39,26 @@ _PR_SET_PDEATHSIG = 1
 GIB = 1 << 30
 
 
-def _die_with_parent() -> None:  # runs in the child before exec
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+# NOTE: a shim the child runs before it becomes the real program: it asks for SIGTERM when its
+# parent dies (PR_SET_PDEATHSIG, kept across exec), leaves if the parent is already gone, then
+# execs. Not a `preexec_fn`: that makes subprocess fork() instead of vfork(), and a fork() of a
+# process running gRPC's event engine can abort the child before exec ("epoll_wait error: Bad
+# file descriptor"; grpc/grpc#43055), which a test process or a bench driver is.
+_ORPHAN_GUARD = (
+    "import ctypes, os, signal, sys\n"
+    "try:\n"
+    f"    ctypes.CDLL('libc.so.6', use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
+    "except (OSError, AttributeError):\n"
+    "    pass\n"
+    "if os.getppid() != int(sys.argv[1]):\n"
+    "    sys.exit(1)\n"
+    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+)
+
+
+def _guarded(argv: list[str]) -> list[str]:
+    """`argv`, started through the orphan guard: it dies with this process."""
+    return [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *argv]
 
 
 def free_port() -> int:
@@ -119,12 +135,7 @@ def _popen(argv: list[str], log_path: Path, env: dict[str, str] | None, mode: st
     stopped with it."""
     with open(log_path, mode) as log:
         return subprocess.Popen(
-            argv,
-            stdout=subprocess.PIPE,
-            stderr=log,
-            text=True,
-            env=env,
-            preexec_fn=_die_with_parent,  # noqa: PLW1509 - no threads run user code yet
+            _guarded(argv), stdout=subprocess.PIPE, stderr=log, text=True, env=env
         )
 
 

@@ -9,7 +9,16 @@ from __future__ import annotations
 
 import enum
 import json
+import os
 from dataclasses import asdict, dataclass, fields
+
+TEST_LOAD_DELAY_ENV = "PAGEDSERVE_TEST_LOAD_DELAY_S"
+
+
+def test_load_delay_s() -> float:
+    """Seconds a worker holds back each `GetLoad` answer: 0 unless the fault tests set
+    $PAGEDSERVE_TEST_LOAD_DELAY_S (a busy worker, made on purpose: slow is not dead)."""
+    return float(os.environ.get(TEST_LOAD_DELAY_ENV, "0") or 0)
 
 
 class Role(enum.Enum):

@@ -28,7 +28,7 @@ from pagedserve.prefill_worker.worker import PrefillFailed, PrefillWorker
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import Tracing, context_from, setup_tracing
 from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
-from pagedserve.worker_load import Role
+from pagedserve.worker_load import Role, test_load_delay_s
 
 log = logging.getLogger(__name__)
 
@@ -45,6 +45,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.worker = worker
         self.me = me
         self.draining = False
+        self.load_delay_s = test_load_delay_s()
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
         if self.draining:
@@ -159,6 +160,8 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         return prefill_pb2.WarmupResponse(blocks_cached=blocks)
 
     async def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
+        if self.load_delay_s:
+            await asyncio.sleep(self.load_delay_s)
         draining = self.draining or self.worker.dead
         load = convert.worker_load(self.worker.engine, draining)
         return load_to_proto(load, self.me.worker_id, Role.PREFILL)

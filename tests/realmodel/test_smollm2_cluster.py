@@ -12,6 +12,7 @@ import argparse
 import threading
 from collections.abc import Iterator
 
+import grpc
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -151,3 +152,47 @@ def test_bf16_first_tokens_equal_transformers_or_differ_at_a_near_tie(
     print(
         f"bf16: {len(margins)} of {len(prompts)} prompts differ; (prompt, step, margin): {margins}"
     )
+
+
+def test_48_requests_at_once_on_busy_workers_all_finish(smollm2_dir, tmp_path, monkeypatch):
+    """The S1 shape (48 random prompts of 32-256 tokens, all at once) on the real model, with
+    every worker answering its load polls later than the router's poll timeout (a busy host):
+    slow is not dead, so no request fails, and each equals its undisturbed output."""
+    from pagedserve.bench.workloads import make_workload
+    from pagedserve.worker_load import TEST_LOAD_DELAY_ENV
+
+    requests = make_workload("random", 48, 49_152, seed=480)
+    params = [SamplingParams(temperature=0.0, max_tokens=min(r.output_len, 24), ignore_eos=True)
+              for r in requests]  # fmt: skip
+    monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "0.8")  # NOTE: the poll timeout is 0.5 s
+    args = argparse.Namespace(
+        model=str(smollm2_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
+        block_size=16, dtype="float32", kv_cache_memory="96MiB", start_timeout=180.0,
+        log_dir=None,
+    )  # fmt: skip
+    cluster = start_cluster(args, tmp_path)
+    results: dict[int, list[int] | str] = {}
+    try:
+
+        def run(i: int) -> None:
+            with Client(cluster.router_address) as client:
+                try:
+                    parts = client.generate(requests[i].prompt, params[i], timeout=600)
+                    results[i] = tokens_of(parts)
+                except grpc.RpcError as err:
+                    results[i] = f"{err.code().name}: {err.details()}"
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(660)
+        with Client(cluster.router_address) as client:
+            alone = [tokens_of(client.generate(requests[i].prompt, params[i], timeout=300))
+                     for i in (0, 17, 47)]  # fmt: skip
+    finally:
+        cluster.stop()
+    failed = {i: r for i, r in results.items() if isinstance(r, str)}
+    assert len(results) == 48 and not failed, failed
+    assert all(len(results[i]) == params[i].max_tokens for i in range(48))
+    assert [results[i] for i in (0, 17, 47)] == alone

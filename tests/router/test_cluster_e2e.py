@@ -196,21 +196,41 @@ def test_health_and_reflection_on_every_server(cluster):
             assert services[child.name] in names, child.name
 
 
-def test_pagedserve_up_stops_every_child_on_sigterm(make_tiny, tmp_path):
+def start_up(model_dir, log_dir) -> tuple[subprocess.Popen, list[int]]:
+    """`pagedserve up` until READY, and its children (redis, prefill, decode, router)."""
     up = subprocess.Popen(
-        [sys.executable, "-m", "pagedserve.cli", "up", "--model", str(make_tiny("llama")),
-         "--port", "0", "--kv-cache-memory", "4MiB", "--log-dir", str(tmp_path)],
+        [sys.executable, "-m", "pagedserve.cli", "up", "--model", str(model_dir),
+         "--port", "0", "--kv-cache-memory", "4MiB", "--log-dir", str(log_dir)],
         stdout=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    lines = []
+    while not lines or not lines[-1].startswith("READY router"):
+        line = up.stdout.readline()
+        if not line:
+            up.kill()
+            pytest.fail(f"pagedserve up exited early: {lines}")
+        lines.append(line)
+    children = children_of(up.pid)
+    assert len(children) == 4, lines
+    return up, children
+
+
+def test_a_killed_pagedserve_up_takes_its_children_with_it(make_tiny, tmp_path):
+    """SIGKILL gives `up` no chance to stop anything: each child asked the kernel for SIGTERM
+    when its parent dies (PR_SET_PDEATHSIG, through the orphan guard), and drains and exits."""
+    up, children = start_up(make_tiny("llama"), tmp_path)
+    up.kill()
+    up.wait(10)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") and alive(pid) for pid in children):
+        assert time.monotonic() < deadline, "a child outlived a killed pagedserve up"
+        time.sleep(0.1)
+
+
+def test_pagedserve_up_stops_every_child_on_sigterm(make_tiny, tmp_path):
+    up, children = start_up(make_tiny("llama"), tmp_path)
     try:
-        lines = []
-        while not lines or not lines[-1].startswith("READY router"):
-            line = up.stdout.readline()
-            assert line, f"pagedserve up exited early: {lines}"
-            lines.append(line)
-        children = children_of(up.pid)
-        assert len(children) == 4, lines  # redis, prefill, decode, router
         up.send_signal(signal.SIGTERM)
         assert up.wait(timeout=30) == 0
     finally:
