@@ -37,6 +37,7 @@ from pagedserve.protoconv import load_from_proto
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
+MAX_POLL_TIMEOUT_S = 4.0  # the longest a load poll waits for a busy worker
 RETIRED_CHANNEL_GRACE_S = 600.0  # how long calls on a retired worker's channel may still run
 
 
@@ -62,6 +63,7 @@ class Worker:
     failures: int = 0
     stale: bool = False  # the last GetLoad timed out: `load` is the one before (slow, not dead)
     static: bool = False  # listed by --prefill/--decode: kept even when its record expires
+    poll_timeout_s: float = 0.0  # grows while its polls time out (a busy worker is still seen)
     assigned: int = 0  # requests routed here so far: breaks ties between equal costs
 
     @property
@@ -121,11 +123,21 @@ class WorkerSet:
         with self._lock:
             return [w for w in self._workers.values() if role is None or w.role is role]
 
-    async def refresh(self, timeout_s: float = 0.5, *, sync_registry: bool = True) -> None:
-        """Pick up registry changes, then poll every worker's load (all at once)."""
+    async def refresh(
+        self, timeout_s: float = 0.5, *, sync_registry: bool = True, patient: bool = True
+    ) -> None:
+        """Pick up registry changes, then poll every worker's load (all at once). `patient`:
+        a worker whose last poll timed out gets twice as long this time (up to
+        `MAX_POLL_TIMEOUT_S`), so a worker too busy to answer within `timeout_s` is still seen;
+        otherwise every poll gets `timeout_s` (GetClusterStatus: never waits long)."""
         if sync_registry and self._registry is not None:
             await self._sync_registry()
-        await asyncio.gather(*(self._poll(worker, timeout_s) for worker in self.workers()))
+        await asyncio.gather(
+            *(
+                self._poll(w, max(timeout_s, w.poll_timeout_s) if patient else timeout_s, patient)
+                for w in self.workers()
+            )
+        )
 
     async def _sync_registry(self) -> None:
         assert self._registry is not None
@@ -195,7 +207,7 @@ class WorkerSet:
             self._workers[worker_id] = static
         return static
 
-    async def _poll(self, worker: Worker, timeout_s: float) -> None:
+    async def _poll(self, worker: Worker, timeout_s: float, patient: bool) -> None:
         assert worker.channel is not None
         stub: Callable = (
             prefill_pb2_grpc.PrefillWorkerStub(worker.channel).GetLoad
@@ -214,6 +226,8 @@ class WorkerSet:
             # draining worker (NOT_SERVING) says so in its load
             if err.code() is grpc.StatusCode.DEADLINE_EXCEEDED:
                 worker.stale = True
+                if patient:
+                    worker.poll_timeout_s = min(MAX_POLL_TIMEOUT_S, 2 * timeout_s)
             else:
                 worker.failures += 1
 

@@ -140,7 +140,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def GetClusterStatus(self, request, context) -> generation_pb2.ClusterStatus:  # noqa: N802
         # NOTE: fresh loads, but a worker slower than this keeps its last one (marked stale):
         # the answer never waits long on a busy worker; membership is the poller's
-        await self.workers.refresh(timeout_s=STATUS_POLL_S, sync_registry=False)
+        await self.workers.refresh(timeout_s=STATUS_POLL_S, sync_registry=False, patient=False)
         status = generation_pb2.ClusterStatus(index_degraded=self.policy.index_degraded)
         computed = cached = 0.0
         for w in self.workers.workers():

@@ -74,12 +74,14 @@ def decode_worker(worker_set):
 def test_slow_load_polls_keep_the_worker_routable_with_its_last_load(router):
     worker_set, proxy, stub = router
     want = generate(stub)
-    proxy.set_mode(delay(800))  # every GetLoad (0.5 s timeout) now times out
-    for _ in range(5):  # more than the 3 in a row that used to take it out
-        worker_set.refresh()
+    proxy.set_mode(delay(800))  # every GetLoad now answers after the 0.5 s poll timeout
+    worker_set.refresh()
     worker = decode_worker(worker_set)
     assert worker.stale and worker.healthy and worker.load is not None
     assert generate(stub) == want  # slow, and still served
+    # the next polls wait longer for it (up to 4 s): a worker this busy is still seen
+    assert wait_for(lambda: refreshed(worker_set) and not decode_worker(worker_set).stale, 10.0)
+    assert decode_worker(worker_set).poll_timeout_s >= 1.0
     proxy.set_mode(PASS)  # NOTE: bytes already delayed still arrive late: poll until fresh
     assert wait_for(lambda: refreshed(worker_set) and not decode_worker(worker_set).stale, 5.0)
 
