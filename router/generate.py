@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncGenerator, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -190,14 +190,12 @@ class Orchestrator:
                 model_fingerprint=self.settings.model_fingerprint,
                 cache_salt=current.cache_salt,
             )
+
+            def route(tried: list[str], h=hashes, moved=attempt > 0) -> Awaitable[Decision]:
+                return self._route(h, tried, parent, active, time_left, retry=moved or bool(tried))
+
             prefilled, decision = await self.clients.prefill(
-                request,
-                lambda tried, h=hashes, moved=attempt > 0: self._route(
-                    h, tried, parent, active, time_left, retry=moved or bool(tried)
-                ),
-                active,
-                time_left,
-                metadata,
+                request, route, active, time_left, metadata
             )
             self.last_decision = decision
             if stream is None:
