@@ -187,7 +187,9 @@ def test_lease_expired_while_queued_for_import_is_recomputed_to_the_same_tokens(
             )
             firsts.append(prefilled.first_token)
             streams.append(decode_stub.Decode(decode_request, timeout=60))
-        assert decode_load(decode).num_requests_waiting == 2  # both importing or queued for it
+        # NOTE: both importing or queued for it (each Decode call submits on the server's
+        # executor: the second may land a moment after this poll's first look)
+        assert wait_until(lambda: decode_load(decode).num_requests_waiting == 2, timeout_s=1.0)
         results = [list(s) for s in streams]
     finally:
         proxy.set_mode(PASS)

@@ -158,8 +158,11 @@ def test_200_streams_bounded_threads_live_health_priority_and_admission(cluster)
     for name in cluster:
         assert got["peak"][name] - got["idle"][name] <= THREAD_GROWTH, (name, got)
     # the high-priority request jumped the prefill queue it found (bar the batch in flight)
-    assert len(got["queued"]) >= 20, "no queue to jump: the check below would prove nothing"
-    assert len(got["ahead_of_high"]) <= 4, (len(got["ahead_of_high"]), len(got["queued"]))
+    # (first-come-first-served would put all of them ahead; the few that pass it were in the
+    # prefill batch, or scheduled while the high one travelled through the router)
+    queued, ahead = len(got["queued"]), len(got["ahead_of_high"])
+    assert queued >= 20, "no queue to jump: the check below would prove nothing"
+    assert ahead <= max(8, queued // 4), (ahead, queued)
     # beyond --max-queued-requests: refused, not queued behind the running streams
     assert got["over"].code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert got["streams_left"] > 0
