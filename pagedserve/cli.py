@@ -328,9 +328,11 @@ def _run_micro_bench(args: argparse.Namespace) -> int:
     return int(importlib.import_module(f"pagedserve.bench.{args.module}").main(args.rest))
 
 
+# NOTE: the names of `pagedserve.bench.suite.SCENARIOS`, spelled out so that parsing the command
+# line imports no torch (tests/cli/test_cli.py checks that the two agree)
 _SCENARIOS = (
     "throughput", "serve", "kv-efficiency", "prefix", "shared-prefix-memory", "oversubscribe",
-    "priority", "disagg", "roofline",
+    "priority", "disagg", "roofline", "concurrency",
 )  # fmt: skip
 
 

@@ -62,3 +62,10 @@ def test_bad_tls_flags_of_the_client_commands_are_clear_errors(tmp_path):
     )
     assert missing.returncode == 2
     assert str(tmp_path / "ca") in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_the_cli_knows_every_benchmark_scenario():
+    from pagedserve import cli
+    from pagedserve.bench import suite
+
+    assert set(cli._SCENARIOS) == set(suite.SCENARIOS)  # noqa: SLF001
