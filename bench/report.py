@@ -35,7 +35,29 @@ def markdown(results: list[ScenarioResult], header: dict) -> str:
     for res in results:
         for note in res.notes:
             lines.append(f"- {res.name}: {note}")
+    for res in results:
+        if res.name.startswith("S11"):
+            lines += ["", *_concurrency_table(res)]
     return "\n".join(lines) + "\n"
+
+
+def _concurrency_table(res: ScenarioResult) -> list[str]:
+    """S11 has no peer ratio: per level, what held and what each process cost."""
+    levels = [run for key, run in res.runs.items() if key.startswith("streams=")]
+    names = list(levels[0]["processes"]) if levels else []
+    head = "| streams | completed | failed | TTFT p99 s | health p99 ms | " + " | ".join(
+        f"{n} threads (start-peak) | {n} RSS MiB (start-peak)" for n in names
+    )
+    lines = [f"{res.name}:", "", head + " |", "|" + "---|" * (5 + 2 * len(names))]
+    for run in levels:
+        cells = [str(run["streams"]), str(run["completed"]), str(run["failed"]),
+                 _fmt(run["ttft"]["p99"]), _fmt(1e3 * (run["health_s"]["p99"] or 0))]  # fmt: skip
+        for name in names:
+            p = run["processes"][name]
+            cells.append(f"{p['start']['threads']}-{p['peak']['threads']}")
+            cells.append(f"{p['start']['rss_mib']:.0f}-{p['peak']['rss_mib']:.0f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
 
 
 def write(results: list[ScenarioResult], header: dict, out: Path) -> list[Path]:
