@@ -1,5 +1,6 @@
-"""`pagedserve bench shared-prefix-memory` end to end on a tiny model: reports exist, parse, and
-the correctness gate passed. No timing asserts (BENCHMARKS.md: speed is measured, not tested)."""
+"""`pagedserve bench` end to end on a tiny model (shared-prefix-memory, concurrency): reports exist,
+parse, and the correctness gate passed. No timing asserts (BENCHMARKS.md: speed is measured, not
+tested)."""
 
 from __future__ import annotations
 
@@ -8,15 +9,19 @@ import json
 from pagedserve.bench import suite
 
 
-def test_shared_prefix_scenario_writes_valid_reports_and_passes_the_gate(tmp_path):
+def run_quick(tmp_path, scenario: str) -> dict:
+    """`pagedserve bench SCENARIO --quick --reps 1`; its exit status must be 0; results.json."""
     out = tmp_path / "report"
     rc = suite.main(
-        ["shared-prefix-memory", "--quick", "--reps", "1", "--out", str(out),
-         "--work", str(tmp_path / "work")]
-    )  # fmt: skip
-
+        [scenario, "--quick", "--reps", "1", "--out", str(out), "--work", str(tmp_path / "work")]
+    )
     assert rc == 0
-    data = json.loads((out / "results.json").read_text())
+    return json.loads((out / "results.json").read_text())
+
+
+def test_shared_prefix_scenario_writes_valid_reports_and_passes_the_gate(tmp_path):
+    data = run_quick(tmp_path, "shared-prefix-memory")
+    out = tmp_path / "report"
     (scenario,) = data["scenarios"]
     assert scenario["valid"] and scenario["gate"]["passed"]
     assert len(scenario["gate"]["checked"]) == 3
@@ -27,14 +32,7 @@ def test_shared_prefix_scenario_writes_valid_reports_and_passes_the_gate(tmp_pat
 
 
 def test_concurrency_scenario_completes_every_stream_and_reports_each_process(tmp_path):
-    out = tmp_path / "report"
-    rc = suite.main(
-        ["concurrency", "--quick", "--reps", "1", "--out", str(out),
-         "--work", str(tmp_path / "work")]
-    )  # fmt: skip
-
-    assert rc == 0
-    (scenario,) = json.loads((out / "results.json").read_text())["scenarios"]
+    (scenario,) = run_quick(tmp_path, "concurrency")["scenarios"]
     assert scenario["valid"]
     for level in ("streams=10", "streams=100"):
         run = scenario["runs"][level]

@@ -76,6 +76,15 @@ def hf_greedy(model, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
     return out.sequences[0, len(prompt) :].tolist(), torch.cat(out.logits).float()
 
 
+def all_at_once(run, n: int, timeout_s: float) -> None:
+    """`run(i)` for i in range(n), each on its own thread, all started before any is joined."""
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+
+
 def serve_concurrently(model_dir, dtype: str, tmp_path) -> dict[int, list]:
     """Start a cluster, send every conversation at once as a chat request (`messages`), return
     each stream's messages; stop it."""
@@ -91,11 +100,7 @@ def serve_concurrently(model_dir, dtype: str, tmp_path) -> dict[int, list]:
             with Client(cluster.router_address) as client:
                 results[i] = list(client.chat(CONVERSATIONS[i], GREEDY, timeout=300))
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(CONVERSATIONS))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(330)
+        all_at_once(run, len(CONVERSATIONS), timeout_s=330)
         with Client(cluster.router_address) as client:
             status = client.status()
     finally:
@@ -182,11 +187,7 @@ def test_48_requests_at_once_on_busy_workers_all_finish(smollm2_dir, tmp_path, m
                 except grpc.RpcError as err:
                     results[i] = f"{err.code().name}: {err.details()}"
 
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(requests))]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(660)
+        all_at_once(run, len(requests), timeout_s=660)
         with Client(cluster.router_address) as client:
             alone = [tokens_of(client.generate(requests[i].prompt, params[i], timeout=300))
                      for i in (0, 17, 47)]  # fmt: skip
