@@ -180,7 +180,7 @@ def format_status(status: generation_pb2.ClusterStatus) -> str:
         f"prefix cache hit rate {status.prefix_cache_hit_rate:.2f}"
         + ("   (index degraded: routing by load only)" if status.index_degraded else ""),
         f"{'worker':<24} {'role':<8} {'alive':<6} {'run':>4} {'wait':>5} {'kv used':>8} "
-        f"{'free':>6} {'cached':>7}",
+        f"{'free':>6} {'cached':>7} {'restarts':>8}",
     ]
     for w in status.workers:
         role = common_pb2.WorkerRole.Name(w.role).removeprefix("WORKER_ROLE_").lower()
@@ -188,6 +188,7 @@ def format_status(status: generation_pb2.ClusterStatus) -> str:
         lines.append(
             f"{w.worker_id:<24} {role:<8} {str(w.alive).lower():<6} "
             f"{load.num_requests_running:>4} {load.num_requests_waiting:>5} "
-            f"{load.kv_cache_usage:>8.1%} {load.kv_blocks_free:>6} {load.kv_blocks_cached:>7}"
+            f"{load.kv_cache_usage:>8.1%} {load.kv_blocks_free:>6} {load.kv_blocks_cached:>7} "
+            f"{w.restarts:>8}"
         )
     return "\n".join(lines)

@@ -64,6 +64,7 @@ class Worker:
     stale: bool = False  # the last GetLoad timed out: `load` is the one before (slow, not dead)
     static: bool = False  # listed by --prefill/--decode: kept even when its record expires
     poll_timeout_s: float = 0.0  # grows while its polls time out (a busy worker is still seen)
+    restarts: int = 0  # new incarnations of this worker id seen in the registry
     assigned: int = 0  # requests routed here so far: breaks ties between equal costs
 
     @property
@@ -154,7 +155,9 @@ class WorkerSet:
                 )
                 if known is not None and known.incarnation not in ("", info.incarnation):
                     self._retire(known)
-                    known = None
+                    self._add(Worker(info.worker_id, info.address, info.role, info.incarnation,
+                                     static=known.static, restarts=known.restarts + 1))  # fmt: skip
+                    continue
                 if known is None:
                     self._add(Worker(info.worker_id, info.address, info.role, info.incarnation))
                 else:

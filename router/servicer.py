@@ -151,6 +151,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 address=w.address,
                 incarnation=w.incarnation,
                 alive=w.healthy,
+                restarts=w.restarts,
                 load=load_to_proto(w.load, w.worker_id, w.role) if w.load is not None else None,
             )
             if w.load is not None and role is not None:

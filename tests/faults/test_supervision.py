@@ -89,6 +89,11 @@ def greedy(router: str) -> list[list[int]]:
         ]
 
 
+def restarts(router: str, worker_id: str) -> int:
+    with Client(router) as client:
+        return next(w.restarts for w in client.status().workers if w.worker_id == worker_id)
+
+
 def worker_alive(router: str, worker_id: str) -> bool:
     with Client(router) as client:
         return any(w.worker_id == worker_id and w.alive for w in client.status().workers)
@@ -129,8 +134,10 @@ def test_a_killed_worker_is_restarted_and_used_again(cluster, name):
     seconds = kill_and_wait_back(up, log_dir, name)
     print(f"{name}: back {seconds:.1f} s after SIGKILL")
     assert f"{name} exited (killed by SIGKILL)" in up_stderr(log_dir)
-    # the router finds it again at the same address (its only worker of that role)
+    # the router finds it again at the same address (its only worker of that role), and
+    # `pagedserve status` counts the restart (a new incarnation in the registry)
     assert wait_until(lambda: worker_alive(router, name), 10.0)
+    assert wait_until(lambda: restarts(router, name) >= 1, 10.0)
     assert greedy(router) == undisturbed
     # a killed prefill worker's KV segment is removed by `up`, not leaked; a killed decode
     # worker's mapping of the prefill worker's live pool is left alone

@@ -72,7 +72,7 @@ def test_a_new_incarnation_does_not_cut_calls_already_on_the_channel(redis_serve
             owner.register("decode-r", address, Role.DECODE, incarnation="second")
             await workers.refresh(timeout_s=1.0)
             (new,) = workers.workers()
-            assert new is not old and new.incarnation == "second"
+            assert new is not old and new.incarnation == "second" and new.restarts == 1
             asyncio.run_coroutine_threadsafe(handle.set_ready(True), handle.loop).result(5)
             seen.append((await watch.read()).status)  # the old channel's call still runs
             watch.cancel()

@@ -112,20 +112,22 @@ class GetClusterStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "incarnation", "alive", "load")
+    __slots__ = ("worker_id", "role", "address", "incarnation", "alive", "load", "restarts")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     INCARNATION_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     LOAD_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: _common_pb2.WorkerRole
     address: str
     incarnation: str
     alive: bool
     load: _common_pb2.LoadReport
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., alive: _Optional[bool] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ...) -> None: ...
+    restarts: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[_common_pb2.WorkerRole, str]] = ..., address: _Optional[str] = ..., incarnation: _Optional[str] = ..., alive: _Optional[bool] = ..., load: _Optional[_Union[_common_pb2.LoadReport, _Mapping]] = ..., restarts: _Optional[int] = ...) -> None: ...
 
 class ClusterStatus(_message.Message):
     __slots__ = ("workers", "prefix_cache_hit_rate", "index_degraded")
