@@ -27,6 +27,7 @@ from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pagedserve.worker_load import Role, test_load_delay_s
 
 RPC_THREADS = 4  # the executor for calls that wait on the engine's lock
+LOAD_MAX_WAIT_S = 0.01  # GetLoad: longer behind a step, and the load as of the last step
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
@@ -73,7 +74,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
         if self.load_delay_s:
             await asyncio.sleep(self.load_delay_s)
-        load = await self._off_loop(self.worker.load)
+        load = await self._off_loop(self.worker.load, LOAD_MAX_WAIT_S)
         return load_to_proto(load, self.worker.worker_id, Role.DECODE)
 
     async def _off_loop(self, fn, *args):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -154,6 +155,7 @@ class DecodeWorker:
         self._wake = threading.Condition(self.lock)
         self._tracked: dict[str, _Tracked] = {}
         self._outbox: list[tuple[AnyStream, Delta]] = []  # deltas to publish (lock held)
+        self._last_load: WorkerLoad | None = None  # as of the end of the last step
         self._imports = ThreadPoolExecutor(import_threads, thread_name_prefix="kv-import")
         self._thread: threading.Thread | None = None
         self._stop = False
@@ -367,6 +369,7 @@ class DecodeWorker:
                 if tracked is not None and item.seq.num_output_tokens > tracked.num_sent:
                     self._outbox.append((tracked.stream, self._delta(tracked)))
             self._flush()
+            self._last_load = self._load_locked()
             return not out.plan.is_empty
 
     def _trace_plan(self, plan) -> None:
@@ -452,25 +455,39 @@ class DecodeWorker:
         with self.lock:
             return len(self._tracked)
 
-    def load(self) -> WorkerLoad:
-        with self.lock:
-            pool, scheduler = self.engine.pool, self.engine.scheduler
-            importing = sum(t.importing for t in self._tracked.values())
-            stats = self.importer.stats
-            looked_up = stats.blocks_looked_up
-            hits = stats.blocks_reused + stats.blocks_shared_in_flight
-            return WorkerLoad(
-                num_requests_running=len(scheduler.running),
-                num_requests_waiting=len(scheduler.waiting) + importing,
-                num_requests_swapped=len(scheduler.swapped),
-                kv_blocks_total=pool.num_blocks,
-                kv_blocks_free=pool.num_free,
-                kv_blocks_cached=pool.num_cached,
-                kv_cache_usage=pool.usage,
-                prefix_cache_hit_rate=hits / looked_up if looked_up else 0.0,
-                draining=self.draining or self.dead,
-                reported_at_unix_ms=int(time.time() * 1000),
-            )
+    def load(self, max_wait_s: float | None = None) -> WorkerLoad:
+        """The load now. With `max_wait_s`, a caller that would wait longer for the lock (a
+        step holds it) gets the load as of the end of the last step instead: a load poll never
+        waits behind a step (slow is not dead, and GetClusterStatus stays quick)."""
+        last = self._last_load
+        if max_wait_s is None or last is None:
+            self.lock.acquire()
+        elif not self.lock.acquire(timeout=max_wait_s):
+            return dataclasses.replace(last, draining=self.draining or self.dead)
+        try:
+            self._last_load = self._load_locked()
+            return self._last_load
+        finally:
+            self.lock.release()
+
+    def _load_locked(self) -> WorkerLoad:
+        pool, scheduler = self.engine.pool, self.engine.scheduler
+        importing = sum(t.importing for t in self._tracked.values())
+        stats = self.importer.stats
+        looked_up = stats.blocks_looked_up
+        hits = stats.blocks_reused + stats.blocks_shared_in_flight
+        return WorkerLoad(
+            num_requests_running=len(scheduler.running),
+            num_requests_waiting=len(scheduler.waiting) + importing,
+            num_requests_swapped=len(scheduler.swapped),
+            kv_blocks_total=pool.num_blocks,
+            kv_blocks_free=pool.num_free,
+            kv_blocks_cached=pool.num_cached,
+            kv_cache_usage=pool.usage,
+            prefix_cache_hit_rate=hits / looked_up if looked_up else 0.0,
+            draining=self.draining or self.dead,
+            reported_at_unix_ms=int(time.time() * 1000),
+        )
 
     def close(self) -> None:
         """Stop the loop and the import threads; requests still in flight are dropped."""
