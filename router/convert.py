@@ -59,6 +59,8 @@ def router_request(
             f"{len(prompt)} prompt tokens leave no room under max_model_len {card.max_model_len}",
         )
     params = sampling_from_proto(msg.sampling, card.sampling_defaults)
+    if msg.max_tokens_to_fit and not msg.sampling.HasField("max_tokens"):
+        params = dataclasses.replace(params, max_tokens=card.max_model_len - len(prompt))
     try:
         params.validate(
             vocab_size=card.vocab_size, max_model_len=card.max_model_len, prompt_len=len(prompt)

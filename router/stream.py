@@ -88,7 +88,7 @@ class ClientStream:
             request_id=self.req.request_id,
             token_ids=token_ids,
             text=text,
-            logprobs=[lp for lp in logprobs if lp.ByteSize()],
+            logprobs=[self._named(lp) for lp in logprobs if lp.ByteSize()],
             usage=self.usage(),
         )
         if self.detok.matched_stop is not None:
@@ -101,6 +101,12 @@ class ClientStream:
             if stop_token_id is not None:
                 out.stop_token_id = stop_token_id
         return out
+
+    def _named(self, logprobs: common_pb2.Logprobs) -> common_pb2.Logprobs:
+        """`logprobs` with each token's text (`TokenLogprob.token`) filled in."""
+        for entry in (logprobs.sampled, *logprobs.top):
+            entry.token = self.tokenizer.decode([entry.token_id], skip_special_tokens=False)
+        return logprobs
 
     def finish(
         self, out: generation_pb2.GenerateResponse, reason: int | None = None

@@ -17,6 +17,7 @@ from in_process_router import serve_router
 from oracle import make_prompts
 
 from pagedserve.launcher import start_cluster
+from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.v1 import common_pb2, generation_pb2
 
 
@@ -177,3 +178,32 @@ def test_status_lists_every_worker(router):
     status = stub.GetClusterStatus(generation_pb2.GetClusterStatusRequest(), timeout=10)
     roles = sorted(common_pb2.WorkerRole.Name(w.role) for w in status.workers)
     assert roles == ["WORKER_ROLE_DECODE", "WORKER_ROLE_PREFILL", "WORKER_ROLE_PREFILL"]
+
+
+def test_max_tokens_to_fit_gives_the_rest_of_the_context(router):
+    _, stub = router
+    prompt = make_prompts((2045,), seed=61)[0]  # max_model_len 2048: room for 3 tokens
+    with pytest.raises(grpc.RpcError) as info:
+        generate(stub, prompt, ignore_eos=True)  # max_tokens 4 does not fit
+    assert field_of(info.value) == "sampling.max_tokens"
+    request = generation_pb2.GenerateRequest(stream=True, max_tokens_to_fit=True)
+    request.token_ids.ids.extend(prompt)
+    request.sampling.temperature, request.sampling.ignore_eos = 0.0, True
+    last = list(stub.Generate(request, timeout=60))[-1]
+    assert last.usage.completion_tokens == 3
+    assert last.finish_reason == common_pb2.FINISH_REASON_LENGTH
+    request.sampling.max_tokens = 2  # a set max_tokens wins
+    assert list(stub.Generate(request, timeout=60))[-1].usage.completion_tokens == 2
+
+
+def test_logprobs_name_their_tokens(router, workers):
+    _, stub = router
+    tokenizer = RouterTokenizer.from_model_dir(workers[1])
+    out = generate(stub, [5, 6, 7], logprobs=2, max_tokens=6)
+    entries = [lp for part in out for lp in part.logprobs]
+    assert len(entries) == 6
+    for lp in entries:
+        for entry in (lp.sampled, *lp.top):
+            assert entry.token == tokenizer.decode([entry.token_id], skip_special_tokens=False)
+        assert len(lp.top) == 2
+    assert any(lp.sampled.token for lp in entries)
