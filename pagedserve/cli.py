@@ -266,10 +266,23 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
 
     up_arguments(p)
     p.set_defaults(func=_run_up)
+    p = sub.add_parser(
+        "gateway", help="run the OpenAI-compatible HTTP API in front of a router"
+    )
+    from pagedserve.gateway.server import add_arguments as gateway_arguments
+
+    gateway_arguments(p)
+    p.set_defaults(func=_run_gateway)
     p = sub.add_parser("status", help="print the cluster view of a running router")
     p.add_argument("--router", default="127.0.0.1:50051")
     _add_client_arguments(p)
     p.set_defaults(func=_run_status)
+
+
+def _run_gateway(args: argparse.Namespace) -> int:
+    from pagedserve.gateway.server import main as gateway_main
+
+    return gateway_main(args)
 
 
 def _run_router(args: argparse.Namespace) -> int:

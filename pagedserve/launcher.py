@@ -92,13 +92,15 @@ class Cluster:
     children: list[Child] = field(default_factory=list)
     redis_url: str | None = None
     router_address: str = ""
+    http_url: str = ""  # the gateway's, when `--http-port` started one
 
     def stop(self, timeout_s: float = 15.0) -> None:
-        """Router first (it drains), then workers, then Redis; kill what lingers."""
+        """Gateway and router first (they drain), then workers, then Redis; kill what
+        lingers."""
         for child in self.children:
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
-            if child.name == "router":
+            if child.name in ("gateway", "router"):
                 _wait(child.proc, timeout_s)
         deadline = time.monotonic() + timeout_s
         for child in self.children:
@@ -287,6 +289,29 @@ def _start_all(
     wait_healthy(
         router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
     )
+    if getattr(args, "http_port", None) is not None:
+        _start_gateway(args, log_dir, cluster, stop)
+
+
+def _start_gateway(
+    args: argparse.Namespace, log_dir: Path, cluster: Cluster, stop: threading.Event | None
+) -> None:
+    """The OpenAI-compatible HTTP gateway in front of the router (HTTPS with the cluster's
+    certificate when it has one)."""
+    argv = [sys.executable, "-m", "pagedserve.cli", "gateway", "--router", cluster.router_address,
+            "--host", args.host, "--port", str(args.http_port)]  # fmt: skip
+    if getattr(args, "otlp_traces_endpoint", None):
+        argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    if getattr(args, "tls_cert", None):
+        argv += ["--https-cert", args.tls_cert, "--https-key", args.tls_key]
+    for name in ("tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name"):
+        if getattr(args, name, None):
+            argv += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    gateway = _spawn("gateway", argv, log_dir)
+    cluster.children.insert(0, gateway)
+    _await_ready(gateway, args.start_timeout, stop)
+    cluster.http_url = gateway.address
+    gateway.argv[gateway.argv.index("--port") + 1] = gateway.address.rsplit(":", 1)[1]
 
 
 def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
@@ -486,6 +511,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--stream-interval", type=int, default=None, help="passed to the router")
     parser.add_argument("--stall-timeout", type=float, default=None, help="passed to the router")
+    parser.add_argument(
+        "--http-port", type=int, default=None,
+        help="also run the OpenAI-compatible HTTP gateway on this port (0: a free one)",
+    )  # fmt: skip
     add_tls_arguments(parser)
 
 
@@ -506,6 +535,8 @@ def main(args: argparse.Namespace) -> int:
             metrics = f"  metrics :{child.metrics_port}" if child.metrics_port else ""
             print(f"  {child.name:<10} {child.address}{metrics}", flush=True)
         print(f"  logs       {log_dir}", flush=True)
+        if cluster.http_url:
+            print(f"  OpenAI API {cluster.http_url}/v1", flush=True)
         print(f"READY router {cluster.router_address}", flush=True)
         supervisor = Supervisor(cluster, policy)
         while not stop.wait(0.1):

@@ -1,0 +1,92 @@
+"""`pagedserve gateway`: uvicorn (one process, one asyncio loop) serving the gateway's app.
+
+Prints `READY gateway http://HOST:PORT` once it accepts connections (what `pagedserve up` and the
+tests wait for). SIGTERM / SIGINT stop it gracefully: no new connections, in-flight requests
+get `--drain-timeout` seconds to finish.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import socket
+import sys
+
+import uvicorn
+
+from pagedserve.config import add_client_tls_arguments, bytes_arg, parse_bytes
+from pagedserve.gateway.app import GatewaySettings, create_app
+from pagedserve.grpcutil import client_tls_from_args
+from pagedserve.telemetry import setup_tracing
+
+log = logging.getLogger(__name__)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--router", required=True, help="host:port of the router's gRPC API")
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0 in pods)")
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 picks a free one)")
+    parser.add_argument(
+        "--request-timeout", type=float, default=None,
+        help="seconds a completion may take before it is cancelled (default: no limit)",
+    )  # fmt: skip
+    parser.add_argument("--max-message-bytes", type=bytes_arg, default=parse_bytes("64MiB"))
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
+    parser.add_argument(
+        "--otlp-traces-endpoint", default=None,
+        help="OTLP/gRPC collector, e.g. http://jaeger:4317 (default: OTEL_* variables, else off)",
+    )  # fmt: skip
+    group = parser.add_argument_group("TLS")
+    group.add_argument("--https-cert", default=None, help="serve HTTPS with this certificate")
+    group.add_argument("--https-key", default=None, help="its private key")
+    add_client_tls_arguments(group)  # NOTE: to the router
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if bool(args.https_cert) != bool(args.https_key):
+        print("--https-cert and --https-key: give both or neither", file=sys.stderr)
+        return 2
+    tracing = setup_tracing("pagedserve-gateway", args.otlp_traces_endpoint)
+    settings = GatewaySettings(
+        router=args.router,
+        tls=client_tls_from_args(args),
+        tracing=tracing,
+        max_message_bytes=args.max_message_bytes,
+        request_timeout_s=args.request_timeout,
+    )
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((args.host, args.port))
+    config = uvicorn.Config(
+        create_app(settings),
+        loop="asyncio",
+        http="h11",
+        lifespan="on",
+        log_level="warning",
+        access_log=False,
+        timeout_graceful_shutdown=int(args.drain_timeout),
+        ssl_certfile=args.https_cert,
+        ssl_keyfile=args.https_key,
+    )
+    server = uvicorn.Server(config)
+    scheme = "https" if args.https_cert else "http"
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    url = f"{scheme}://{host}:{sock.getsockname()[1]}"
+    try:
+        asyncio.run(_serve(server, sock, url))
+    finally:
+        tracing.shutdown()
+    return 0
+
+
+async def _serve(server: uvicorn.Server, sock: socket.socket, url: str) -> None:
+    serving = asyncio.create_task(server.serve(sockets=[sock]))
+    while not server.started and not serving.done():
+        await asyncio.sleep(0.02)
+    if server.started:
+        log.info("gateway serving at %s", url)
+        print(f"READY gateway {url}", flush=True)
+    await serving
