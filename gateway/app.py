@@ -137,7 +137,22 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.router = router
     app.state.metrics = metrics
     _add_error_handlers(app)
+    _add_info_routes(app, router, metrics)
     endpoints = Endpoints(router, metrics, tracing, settings)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await endpoints.serve(request, body, "completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await endpoints.serve(request, body, "chat")
+
+    return app
+
+
+def _add_info_routes(app: FastAPI, router: RouterConnection, metrics: GatewayMetrics) -> None:
+    """Health, metrics and the model list."""
 
     @app.get("/health")
     async def health() -> Response:
@@ -167,16 +182,6 @@ def create_app(settings: GatewaySettings) -> FastAPI:
         if model != info.model_name:
             raise _unknown_model(model)
         return JSONResponse(_model_card(info))
-
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await endpoints.serve(request, body, "completions")
-
-    @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        return await endpoints.serve(request, body, "chat")
-
-    return app
 
 
 def _model_card(info: generation_pb2.ModelInfo) -> dict[str, Any]:
@@ -240,9 +245,7 @@ class Endpoints:
             done.finish(200)
         return response
 
-    async def _answer(
-        self, request: Request, body: Body, endpoint: str, done: Outcome
-    ) -> Response:
+    async def _answer(self, request: Request, body: Body, endpoint: str, done: Outcome) -> Response:
         span, started = done.span, done.started
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         span.set_attribute("pagedserve.request_id", request_id)

@@ -1,0 +1,487 @@
+"""The OpenAI-compatible gateway against a real cluster: `pagedserve up --http-port` as the
+launcher starts it (redis-server, router with API keys, prefill and decode workers, gateway, all
+processes), driven by the official `openai` package (sync and async clients) and plain HTTP.
+
+The reference is the gRPC API of the same router (pagedserve.client): greedy answers through
+the gateway are the same tokens, the same text and the same usage.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+from chat_templates import CHATML, model_with_template
+from otlp_receiver import OtlpReceiver
+from processes import wait_until
+
+from pagedserve.client import Client
+from pagedserve.launcher import free_port, start_cluster
+from pagedserve.router.tokenizer import RouterTokenizer
+from pagedserve.sampling_params import SamplingParams
+
+KEY = "gateway-test-key-0123456789"
+CONVERSATION = [
+    {"role": "system", "content": "You are brief."},
+    {"role": "user", "content": "Name a colour."},
+]
+NUM_STREAMS = 200
+THREAD_BOUND = 40  # uvicorn + one asyncio loop + grpc's own threads: never one per request
+
+
+@pytest.fixture(scope="module")
+def receiver():
+    receiver = OtlpReceiver().start()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_llama, tmp_path_factory, receiver):
+    root = tmp_path_factory.mktemp("gateway")
+    model_dir = model_with_template(tiny_llama, root / "model", CHATML)
+    keys = root / "keys.txt"
+    keys.write_text(f"tenant-a:{KEY}\n")
+    args = argparse.Namespace(
+        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
+        block_size=16, dtype=None, kv_cache_memory="32MiB", start_timeout=120.0, log_dir=None,
+        http_port=0, api_key_file=str(keys), otlp_traces_endpoint=receiver.endpoint,
+    )  # fmt: skip
+    started = start_cluster(args, root)
+    yield started, model_dir
+    started.stop()
+
+
+@pytest.fixture(scope="module")
+def url(cluster) -> str:
+    return cluster[0].http_url
+
+
+@pytest.fixture(scope="module")
+def model_name(cluster) -> str:
+    return cluster[1].name
+
+
+@pytest.fixture(scope="module")
+def client(url):
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def grpc_client(cluster):
+    with Client(cluster[0].router_address, api_key=KEY) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer(cluster):
+    return RouterTokenizer.from_model_dir(cluster[1])
+
+
+def grpc_chat(grpc_client, messages, **params):
+    parts = list(grpc_client.chat(messages, SamplingParams(**params), timeout=60))
+    return [t for p in parts for t in p.token_ids], "".join(p.text for p in parts), parts[-1]
+
+
+def grpc_generate(grpc_client, prompt, **params):
+    parts = list(grpc_client.generate(prompt, SamplingParams(**params), timeout=60))
+    return [t for p in parts for t in p.token_ids], "".join(p.text for p in parts), parts[-1]
+
+
+def http(url, path, body=None, headers=None, method=None):
+    """(status, headers, parsed JSON or text) of one plain HTTP request."""
+    data = body if isinstance(body, bytes) or body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url + path, data=data, method=method)
+    request.add_header("Content-Type", "application/json")
+    for key, value in (headers or {}).items():
+        request.add_header(key, value)
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            status, header, raw = response.status, response.headers, response.read()
+    except urllib.error.HTTPError as err:
+        status, header, raw = err.code, err.headers, err.read()
+    try:
+        return status, header, json.loads(raw)
+    except ValueError:
+        return status, header, raw.decode()
+
+
+def test_models_list_and_retrieve(client, model_name):
+    models = client.models.list()
+    assert [m.id for m in models.data] == [model_name]
+    assert client.models.retrieve(model_name).id == model_name
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_chat_greedy_is_the_grpc_api_answer(client, grpc_client, model_name, tokenizer, stream):
+    ids, text, last = grpc_chat(grpc_client, CONVERSATION, temperature=0.0, max_tokens=12,
+                                logprobs=0)  # fmt: skip
+    kwargs = dict(model=model_name, messages=CONVERSATION, temperature=0, max_tokens=12,
+                  logprobs=True)  # fmt: skip
+    if stream:
+        chunks = list(
+            client.chat.completions.create(
+                **kwargs, stream=True, stream_options={"include_usage": True}
+            )
+        )
+        assert chunks[0].choices[0].delta.role == "assistant"
+        got = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+        tokens = [t.token for c in chunks if c.choices and c.choices[0].logprobs
+                  for t in c.choices[0].logprobs.content]  # fmt: skip
+        finish = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+        assert all(c.usage is None for c in chunks[:-1])
+        assert chunks[-1].choices == []
+        usage = chunks[-1].usage
+    else:
+        answer = client.chat.completions.create(**kwargs)
+        assert answer.object == "chat.completion" and answer.id.startswith("chatcmpl-")
+        assert answer.choices[0].message.role == "assistant"
+        got = answer.choices[0].message.content
+        tokens = [t.token for t in answer.choices[0].logprobs.content]
+        finish = answer.choices[0].finish_reason
+        usage = answer.usage
+    assert got == text
+    assert tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert finish == ("length" if last.finish_reason == 2 else "stop")
+    assert usage.prompt_tokens == last.usage.prompt_tokens
+    assert usage.completion_tokens == len(ids) == last.usage.completion_tokens
+    assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
+
+
+def test_completions_async_client_equal_the_grpc_api(url, grpc_client, model_name):
+    prompts = ["the quick brown fox", [5, 17, 33, 41, 9]]
+    expected = [grpc_generate(grpc_client, p, temperature=0.0, max_tokens=10) for p in prompts]
+    batch = [prompts[0], "over the lazy dog"]  # NOTE: a list of prompts: one choice each
+    expected_batch = [expected[0], grpc_generate(grpc_client, batch[1], temperature=0.0,
+                                                 max_tokens=10)]  # fmt: skip
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as c:
+            whole = await c.completions.create(
+                model=model_name, prompt=batch, temperature=0, max_tokens=10
+            )
+            streams = []
+            for prompt in prompts:
+                stream = await c.completions.create(
+                    model=model_name, prompt=prompt, temperature=0, max_tokens=10, stream=True
+                )
+                streams.append("".join([chunk.choices[0].text async for chunk in stream]))
+            return whole, streams
+
+    whole, streamed = asyncio.run(run())
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert [c.text for c in whole.choices] == [text for _, text, _ in expected_batch]
+    assert streamed == [text for _, text, _ in expected]
+    assert whole.usage.completion_tokens == sum(len(ids) for ids, _, _ in expected_batch)
+    assert whole.usage.prompt_tokens == sum(last.usage.prompt_tokens for *_, last in expected_batch)
+
+
+def test_seeded_sampling_and_vllm_parameters_reach_the_engine(client, grpc_client, model_name):
+    params = dict(temperature=0.9, top_p=0.9, seed=7, max_tokens=6, presence_penalty=0.5,
+                  frequency_penalty=0.3)  # fmt: skip
+    extra = dict(top_k=8, min_p=0.01, repetition_penalty=1.2, ignore_eos=True, min_tokens=6)
+    ids, text, _ = grpc_chat(grpc_client, CONVERSATION, **params, **extra)
+    answer = client.chat.completions.create(
+        model=model_name, messages=CONVERSATION, **params, extra_body=extra, user="someone"
+    )
+    assert answer.choices[0].message.content == text
+    assert answer.usage.completion_tokens == len(ids) == 6
+    assert answer.choices[0].finish_reason == "length"
+
+
+def test_stop_strings_end_the_text(client, grpc_client, model_name):
+    _, text, _ = grpc_chat(grpc_client, CONVERSATION, temperature=0.0, max_tokens=16)
+    stop = text[len(text) // 2 : len(text) // 2 + 2]
+    assert stop.strip(), f"greedy text too short to cut: {text!r}"
+    for stops in (stop, [stop, "never-appears"]):
+        answer = client.chat.completions.create(
+            model=model_name, messages=CONVERSATION, temperature=0, max_tokens=16, stop=stops
+        )
+        assert answer.choices[0].message.content == text[: text.index(stop)]
+        assert answer.choices[0].finish_reason == "stop"
+        assert answer.model_extra is not None
+        assert answer.choices[0].model_extra["stop_reason"] == stop
+
+
+def test_logprobs_on_completions(client, grpc_client, model_name, tokenizer):
+    ids, _, _ = grpc_generate(grpc_client, "a b c", temperature=0.0, max_tokens=5)
+    answer = client.completions.create(
+        model=model_name, prompt="a b c", temperature=0, max_tokens=5, logprobs=3
+    )
+    logprobs = answer.choices[0].logprobs
+    assert logprobs.tokens == [tokenizer.decode([t], skip_special_tokens=False) for t in ids]
+    assert len(logprobs.token_logprobs) == 5 and all(lp <= 0 for lp in logprobs.token_logprobs)
+    assert all(len(top) == 3 or len(set(top)) < 3 for top in logprobs.top_logprobs)
+    assert logprobs.text_offset[0] == 0
+
+
+def test_repeated_prompt_reports_cached_tokens(client, model_name):
+    long = [{"role": "user", "content": " ".join(["word"] * 80)}]
+    first = client.chat.completions.create(model=model_name, messages=long, max_tokens=2)
+    again = client.chat.completions.create(model=model_name, messages=long, max_tokens=2)
+    before = first.usage.prompt_tokens_details.cached_tokens  # the template's shared opening
+    cached = again.usage.prompt_tokens_details.cached_tokens
+    assert before < again.usage.prompt_tokens - 16 <= cached < again.usage.prompt_tokens
+
+
+BAD = {  # body changes -> the OpenAI parameter the 400 must name
+    "temperature": {"temperature": -1},
+    "top_p": {"top_p": 1.5},
+    "max_tokens": {"max_tokens": 1 << 20},
+    "max_completion_tokens": {"max_completion_tokens": 0},
+    "n": {"n": 2},
+    "logit_bias": {"logit_bias": {"5": 1.0}},
+    "top_logprobs": {"top_logprobs": 2},
+    "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    "response_format": {"response_format": {"type": "json_object"}},
+    "seed": {"seed": -3},
+    "messages": {"messages": []},
+    "presence_penalty": {"presence_penalty": 9},
+    "stop": {"stop": ["x"] * 40},
+    "min_tokens": {"min_tokens": 99, "max_tokens": 3},
+}
+
+
+@pytest.mark.parametrize("param", sorted(BAD))
+def test_bad_chat_parameters_are_400_naming_them(url, model_name, param):
+    body = {"model": model_name, "messages": CONVERSATION, **BAD[param]}
+    status, _, answer = http(url, "/v1/chat/completions", body, {"Authorization": f"Bearer {KEY}"})
+    assert status == 400, answer
+    assert answer["error"]["type"] == "invalid_request_error"
+    assert answer["error"]["param"] == param, answer
+    assert answer["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/v1/completions", {"prompt": ""}, "prompt"),
+        ("/v1/completions", {"prompt": [1 << 40]}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
+        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {}, "prompt"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content"),
+        ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+    ],
+)  # fmt: skip
+def test_bad_requests_are_400_naming_the_parameter(url, model_name, path, body, param):
+    status, _, answer = http(url, path, {"model": model_name, **body},
+                             {"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    assert status == 400, answer
+    assert answer["error"]["param"] == param, answer
+
+
+def test_malformed_json_is_400(url):
+    status, _, answer = http(url, "/v1/chat/completions", b"{not json",
+                             {"Authorization": f"Bearer {KEY}"})  # fmt: skip
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"
+
+
+def test_keys_are_the_routers_to_check(url, model_name):
+    wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong-key-0123456789", max_retries=0)
+    with wrong, pytest.raises(openai.AuthenticationError) as info:
+        wrong.chat.completions.create(model=model_name, messages=CONVERSATION, max_tokens=2)
+    assert info.value.body["type"] == "authentication_error"
+    assert info.value.body["code"] == "invalid_api_key"
+    body = {"model": model_name, "messages": CONVERSATION, "max_tokens": 2}
+    for headers in ({}, {"Authorization": "Bearer "}, {"Authorization": f"Basic {KEY}"}):
+        status, _, answer = http(url, "/v1/chat/completions", body, headers)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key", headers
+    assert http(url, "/v1/models", method="GET")[0] == 401
+
+
+def test_unknown_model_and_route_are_404(client, url):
+    with pytest.raises(openai.NotFoundError) as info:
+        client.chat.completions.create(model="gpt-5", messages=CONVERSATION)
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    status, _, answer = http(url, "/v1/embeddings", {"model": "x", "input": "y"})
+    assert status == 404 and "error" in answer
+
+
+def test_health_livez_and_metrics(url):
+    assert http(url, "/health", method="GET")[0] == 200
+    assert http(url, "/livez", method="GET")[0] == 200
+    status, headers, text = http(url, "/metrics", method="GET")
+    assert status == 200 and headers["Content-Type"].startswith("text/plain")
+    assert 'pagedserve_gateway_requests_total{endpoint="chat",status="200"}' in text
+    assert 'pagedserve_gateway_requests_total{endpoint="chat",status="400"}' in text
+
+
+def wait_idle(grpc_client, timeout_s: float) -> bool:
+    """Whether, within `timeout_s`, no worker runs a request or holds a used block."""
+
+    def idle() -> bool:
+        status = grpc_client.status(timeout=5)
+        return all(
+            w.load.num_requests_running == 0 and w.load.num_requests_waiting == 0
+            and w.load.kv_blocks_free + w.load.kv_blocks_cached == w.load.kv_blocks_total
+            for w in status.workers
+        )  # fmt: skip
+
+    return wait_until(idle, timeout_s, interval_s=0.05)
+
+
+def test_a_client_that_disconnects_mid_stream_frees_every_block(url, model_name, grpc_client):
+    assert wait_idle(grpc_client, 30)
+    with openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0) as c:
+        stream = c.chat.completions.create(
+            model=model_name, messages=CONVERSATION, max_tokens=1500, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        for count, _ in enumerate(stream):
+            if count == 5:
+                break
+        busy = grpc_client.status(timeout=5)
+        assert any(w.load.num_requests_running for w in busy.workers), "the request runs"
+        stream.close()
+        closed = time.monotonic()
+    assert wait_idle(grpc_client, 1.0), "blocks still held a second after the disconnect"
+    print(f"freed {time.monotonic() - closed:.3f} s after the disconnect")
+
+
+def gateway_pid(cluster) -> int:
+    return next(c.proc.pid for c in cluster[0].children if c.name == "gateway")
+
+
+def threads(pid: int) -> int:
+    """Threads of `pid`. NOTE: the launcher starts children through an orphan guard that
+    execs, so the child's pid is the gateway's own."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("Threads:"):
+            return int(line.split()[1])
+    raise RuntimeError("no Threads line")
+
+
+def test_200_concurrent_streaming_chats_with_bounded_threads(cluster, url, model_name):
+    pid = gateway_pid(cluster)
+    peak = [threads(pid)]
+
+    async def run():
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0,
+                                      timeout=120) as c:  # fmt: skip
+
+            async def one(i: int) -> int:
+                stream = await c.chat.completions.create(
+                    model=model_name, stream=True, max_tokens=8, temperature=0,
+                    messages=[{"role": "user", "content": f"request {i}"}],
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                count = 0
+                async for chunk in stream:
+                    count += bool(chunk.choices and chunk.choices[0].delta.content)
+                    peak.append(threads(pid))
+                return count
+
+            return await asyncio.gather(*(one(i) for i in range(NUM_STREAMS)))
+
+    counts = asyncio.run(run())
+    assert len(counts) == NUM_STREAMS and all(n >= 1 for n in counts)
+    print(f"gateway threads: start {peak[0]}, peak {max(peak)}")
+    assert max(peak) <= THREAD_BOUND
+
+
+def test_one_trace_per_request_from_the_gateway_down(client, model_name, receiver):
+    traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    client.chat.completions.create(
+        model=model_name, messages=CONVERSATION, max_tokens=3,
+        extra_headers={"traceparent": traceparent},
+    )  # fmt: skip
+    trace_id = "0af7651916cd43dd8448eb211c80319c"
+
+    def services():
+        return {s.service for s in receiver.spans if s.trace_id == trace_id}
+
+    assert wait_until(lambda: {"pagedserve-gateway", "pagedserve-router"} <= services(), 15)
+    spans = [s for s in receiver.spans if s.trace_id == trace_id]
+    gateway = next(s for s in spans if s.service == "pagedserve-gateway")
+    assert gateway.parent_span_id == "b7ad6b7169203331"
+    assert any(s.parent_span_id == gateway.span_id for s in spans if s.service != gateway.service)
+
+
+def start_gateway(router: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    log = open(tmp_path / "gateway.log", "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "gateway", "--router", router, "--port", "0"],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )  # fmt: skip
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line.startswith("READY gateway"), (tmp_path / "gateway.log").read_text()
+    return proc, line.split()[2]
+
+
+def start_router(cluster, extra: list[str], tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    started, model_dir = cluster
+    workers = []
+    for child in started.children:
+        if child.name.startswith(("prefill", "decode")):
+            workers += [f"--{child.name.split('-')[0]}", child.address]
+    log = open(tmp_path / "router.log", "w")  # noqa: SIM115 (closed with the process)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pagedserve.cli", "router", "--model", str(model_dir),
+         "--port", "0", *workers, *extra],
+        stdout=subprocess.PIPE, stderr=log, text=True,
+    )  # fmt: skip
+    line = proc.stdout.readline() if proc.stdout else ""
+    assert line.startswith("READY"), (tmp_path / "router.log").read_text()
+    return proc, line.split()[2]
+
+
+def stop(*procs: subprocess.Popen) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(5)
+
+
+def test_an_overloaded_router_is_429_with_retry_after(cluster, model_name, tmp_path):
+    router, address = start_router(cluster, ["--max-queued-requests", "1"], tmp_path)
+    gateway, url = start_gateway(address, tmp_path)
+    try:
+        assert wait_until(lambda: http(url, "/health", method="GET")[0] == 200, 30)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+            holder = c.chat.completions.create(
+                model=model_name, messages=CONVERSATION, max_tokens=1500, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            next(iter(holder))  # admitted: the router's one place is taken
+            status, headers, answer = http(
+                url, "/v1/chat/completions", {"model": model_name, "messages": CONVERSATION}
+            )
+            holder.close()
+        assert status == 429, answer
+        assert headers["Retry-After"] == "1"
+        assert answer["error"]["type"] == "rate_limit_error"
+        assert answer["error"]["code"] == "rate_limit_exceeded"
+    finally:
+        stop(gateway, router)
+
+
+def test_a_router_that_is_down_is_503(model_name, tmp_path):
+    gateway, url = start_gateway(f"127.0.0.1:{free_port()}", tmp_path)
+    try:
+        status, _, answer = http(url, "/health", method="GET")
+        assert status == 503 and answer["error"]["type"] == "service_unavailable"
+        assert http(url, "/livez", method="GET")[0] == 200
+        status, _, answer = http(url, "/v1/chat/completions",
+                                 {"model": model_name, "messages": CONVERSATION})  # fmt: skip
+        assert status == 503, answer
+        assert answer["error"]["type"] == "service_unavailable"
+    finally:
+        stop(gateway)

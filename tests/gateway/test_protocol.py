@@ -1,0 +1,223 @@
+"""The gateway's translation layer without processes: OpenAI bodies -> GenerateRequests, router
+responses -> OpenAI JSON, router statuses -> OpenAI errors."""
+
+from __future__ import annotations
+
+import json
+
+import grpc
+import pytest
+from google.protobuf import duration_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from pydantic import ValidationError
+
+from pagedserve.gateway import responses as out
+from pagedserve.gateway.errors import GatewayError, from_rpc_error
+from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.v1 import common_pb2, generation_pb2
+
+
+def chat(**body) -> ChatCompletionRequest:
+    return ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "hi"}]} | body
+    )
+
+
+def test_chat_maps_every_sampling_parameter():
+    request = chat(
+        temperature=0.5, top_p=0.9, seed=3, stop="END", presence_penalty=0.1,
+        frequency_penalty=0.2, max_completion_tokens=7, max_tokens=99, logprobs=True,
+        top_logprobs=4, top_k=-1, min_p=0.05, repetition_penalty=1.1, ignore_eos=True,
+        min_tokens=2, stop_token_ids=[9], skip_special_tokens=False, priority=-5,
+        cache_salt="tenant", stream=True, user="u", unknown_field=1,
+    ).generate_requests("chatcmpl-1")[0]  # fmt: skip
+    s = request.sampling
+    assert (s.temperature, s.seed, s.max_tokens, s.logprobs, s.top_k) == (0.5, 3, 7, 4, 0)
+    assert list(s.stop) == ["END"] and list(s.stop_token_ids) == [9]
+    assert s.ignore_eos and s.min_tokens == 2 and not s.skip_special_tokens
+    assert abs(s.top_p - 0.9) < 1e-6 and abs(s.min_p - 0.05) < 1e-6
+    assert abs(s.repetition_penalty - 1.1) < 1e-6 and abs(s.frequency_penalty - 0.2) < 1e-6
+    assert (request.priority, request.cache_salt, request.stream) == (-5, "tenant", True)
+    assert request.request_id == "chatcmpl-1" and request.max_tokens_to_fit
+
+
+def test_chat_leaves_unset_parameters_to_the_router():
+    request = chat().generate_requests("id")[0]
+    for name in ("temperature", "top_p", "top_k", "seed", "max_tokens", "logprobs"):
+        assert not request.sampling.HasField(name), name
+    assert request.max_tokens_to_fit  # OpenAI chat: the rest of the context
+    assert chat(logprobs=True).generate_requests("id")[0].sampling.logprobs == 0
+
+
+def test_chat_messages_roles_and_text_parts():
+    request = chat(
+        messages=[
+            {"role": "developer", "content": "be brief"},
+            {"role": "user", "content": [{"type": "text", "text": "a"},
+                                         {"type": "text", "text": "b"}]},
+            {"role": "assistant", "content": None},
+        ],
+        add_generation_prompt=False, continue_final_message=True,
+    ).generate_requests("id")[0]  # fmt: skip
+    turns = [(m.role, m.content) for m in request.messages.messages]
+    assert turns == [("system", "be brief"), ("user", "a\nb"), ("assistant", "")]
+    assert request.HasField("add_generation_prompt") and not request.add_generation_prompt
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"n": 3}, "n"),
+        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tool_choice": "required"}, "tool_choice"),
+        ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"top_logprobs": 2}, "top_logprobs"),
+        ({"continue_final_message": True}, "continue_final_message"),
+        ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
+         "messages[0].content"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]},
+         "messages[0].tool_calls"),
+    ],
+)  # fmt: skip
+def test_what_the_engine_cannot_do_is_400_naming_it(body, param):
+    with pytest.raises(GatewayError) as info:
+        chat(**body).generate_requests("id")
+    assert (info.value.status, info.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("body", [{"seed": -1}, {"max_tokens": 0}, {"min_tokens": -2},
+                                  {"top_k": -2}, {"stop_token_ids": [-1]}])  # fmt: skip
+def test_what_protos_cannot_carry_fails_validation(body):
+    with pytest.raises(ValidationError) as info:
+        chat(**body)
+    assert info.value.errors()[0]["loc"][0] == next(iter(body))
+
+
+def test_completion_prompts_become_one_request_each():
+    body = {"model": "m", "logprobs": 2, "add_special_tokens": False}
+    single = CompletionRequest.model_validate(body | {"prompt": "hi"}).generate_requests("c")
+    assert [(r.text, r.add_special_tokens, r.sampling.logprobs) for r in single] == [
+        ("hi", False, 2)
+    ]
+    ids = CompletionRequest.model_validate(body | {"prompt": [1, 2]}).generate_requests("c")
+    assert [list(r.token_ids.ids) for r in ids] == [[1, 2]]
+    many = CompletionRequest.model_validate(body | {"prompt": [[1], [2, 3]]})
+    requests = many.generate_requests("c")
+    assert [r.request_id for r in requests] == ["c", "c-1"]
+    assert not requests[0].max_tokens_to_fit  # completions: OpenAI's default of 16
+    with pytest.raises(GatewayError):
+        CompletionRequest.model_validate(body | {"prompt": ["x"] * 65}).generate_requests("c")
+    with pytest.raises(GatewayError):
+        CompletionRequest.model_validate(body | {"prompt": []}).generate_requests("c")
+
+
+def test_router_fields_become_openai_parameters():
+    completion = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
+    assert completion.param_of("token_ids") == completion.param_of("text") == "prompt"
+    assert completion.param_of("sampling.logprobs") == "logprobs"
+    assert chat().param_of("sampling.logprobs") == "top_logprobs"
+    assert chat().param_of("sampling.top_p") == "top_p"
+    assert chat().param_of("messages.content") == "messages"
+    assert chat(max_completion_tokens=3).param_of("sampling.max_tokens") == "max_completion_tokens"
+    assert chat(max_tokens=3).param_of("sampling.max_tokens") == "max_tokens"
+    assert chat().param_of("request_id") is None
+
+
+def rpc_error(code: grpc.StatusCode, message: str, *details) -> grpc.aio.AioRpcError:
+    status = status_pb2.Status(code=code.value[0], message=message)
+    for detail in details:
+        status.details.add().Pack(detail)
+    trailers = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers, message)
+
+
+def test_invalid_argument_is_400_naming_the_parameter():
+    bad = error_details_pb2.BadRequest()
+    bad.field_violations.add(field="sampling.top_p", description="must be in (0, 1]")
+    error = from_rpc_error(rpc_error(grpc.StatusCode.INVALID_ARGUMENT, "bad", bad), chat().param_of)
+    assert (error.status, error.param, error.type) == (400, "top_p", "invalid_request_error")
+    assert error.message == "top_p: must be in (0, 1]"
+    assert error.body() == {"error": {"message": error.message, "type": "invalid_request_error",
+                                      "param": "top_p", "code": None}}  # fmt: skip
+
+
+def test_resource_exhausted_is_429_with_retry_after():
+    delay = duration_pb2.Duration(seconds=2, nanos=500_000_000)
+    info = error_details_pb2.RetryInfo(retry_delay=delay)
+    full = rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "full", info)
+    error = from_rpc_error(full, chat().param_of)
+    assert (error.status, error.code, error.headers()) == (429, "rate_limit_exceeded",
+                                                           {"Retry-After": "3"})  # fmt: skip
+    bare = from_rpc_error(rpc_error(grpc.StatusCode.RESOURCE_EXHAUSTED, "full"), chat().param_of)
+    assert bare.headers() == {"Retry-After": "1"}
+
+
+@pytest.mark.parametrize(
+    ("code", "status"),
+    [(grpc.StatusCode.UNAUTHENTICATED, 401), (grpc.StatusCode.PERMISSION_DENIED, 403),
+     (grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.DEADLINE_EXCEEDED, 504),
+     (grpc.StatusCode.ALREADY_EXISTS, 409), (grpc.StatusCode.INTERNAL, 500)],
+)  # fmt: skip
+def test_status_codes_map_to_http(code, status):
+    assert from_rpc_error(rpc_error(code, "x"), chat().param_of).status == status
+
+
+def test_a_detail_that_disagrees_with_the_code_is_ignored():
+    status = status_pb2.Status(code=code_pb2.INTERNAL, message="x")
+    trailers = grpc.aio.Metadata(("grpc-status-details-bin", status.SerializeToString()))
+    err = grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, grpc.aio.Metadata(), trailers, "x")
+    error = from_rpc_error(err, chat().param_of)
+    assert (error.status, error.param) == (400, None)
+
+
+def part(text: str, ids: list[int], finish: int = 0, **usage) -> generation_pb2.GenerateResponse:
+    message = generation_pb2.GenerateResponse(
+        request_id="r", token_ids=ids, text=text, finish_reason=finish,
+        usage=common_pb2.Usage(**usage),
+    )  # fmt: skip
+    for token in ids:
+        lp = message.logprobs.add()
+        lp.sampled.CopyFrom(common_pb2.TokenLogprob(token_id=token, logprob=float("-inf"),
+                                                    token=f"t{token}é"))  # fmt: skip
+        lp.top.add(token_id=token, logprob=-0.5, token=f"t{token}é")
+    return message
+
+
+def test_usage_sums_choices_and_reports_cached_tokens():
+    parts = [part("", [], prompt_tokens=5, completion_tokens=2, cached_prompt_tokens=4),
+             part("", [], prompt_tokens=3, completion_tokens=1)]  # fmt: skip
+    assert out.usage(parts) == {
+        "prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11,
+        "prompt_tokens_details": {"cached_tokens": 4},
+    }  # fmt: skip
+
+
+def test_logprobs_shapes_and_no_infinity_in_json():
+    message = part("ab", [1, 2])
+    chat_lp = out.chat_logprobs(message.logprobs)
+    first = chat_lp["content"][0]
+    assert first["token"] == "t1é" and first["bytes"] == list("t1é".encode())
+    assert first["logprob"] == out.MIN_LOGPROB
+    assert first["top_logprobs"] == [{"token": "t1é", "logprob": -0.5, "bytes": first["bytes"]}]
+    json.dumps(chat_lp, allow_nan=False)
+    legacy = out.CompletionLogprobs()
+    assert legacy.add(message.logprobs)["text_offset"] == [0, 3]
+    assert legacy.add(part("c", [3]).logprobs)["text_offset"] == [6]  # across chunks
+
+
+def test_chat_chunks_open_with_the_role_and_end_with_the_reason():
+    env = out.Envelope("chatcmpl-x", 1, "m", logprobs=False)
+    choice = out.Choice(0)
+    opening = out.chat_chunk(env, choice, None, first=True)
+    assert opening["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    last = part("end", [4], common_pb2.FINISH_REASON_STOP)
+    last.stop_string = "STOP"
+    choice.add(last)
+    chunk = out.chat_chunk(env, choice, last)
+    assert chunk["object"] == "chat.completion.chunk"
+    assert chunk["choices"][0] | {} == {
+        "index": 0, "delta": {"content": "end"}, "logprobs": None, "finish_reason": "stop",
+        "stop_reason": "STOP",
+    }  # fmt: skip
+    assert out.sse(chunk).startswith(b"data: {") and out.sse("[DONE]") == b"data: [DONE]\n\n"
