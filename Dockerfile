@@ -63,6 +63,6 @@ ENV PATH=/opt/pagedserve/bin:$PATH \
 WORKDIR /tmp
 USER 10001:10001
 # router, prefill, decode (the chart sets --port; these are the CLI defaults)
-EXPOSE 50051 50061 50071
+EXPOSE 50051 50061 50071 8000
 ENTRYPOINT ["pagedserve"]
 CMD ["--help"]

@@ -1,7 +1,7 @@
 """`pagedserve bench SCENARIO`: the scenarios of BENCHMARKS.md, side by side with peers.
 
     pagedserve bench throughput|serve|kv-efficiency|prefix|shared-prefix-memory|oversubscribe|
-                     priority|disagg|roofline|concurrency|all [--quick] [--reps 3]
+                     priority|disagg|roofline|concurrency|gateway|all [--quick] [--reps 3]
                      [--out docs/benchmarks] [--model DIR]
     pagedserve bench serve --rate 2
 
@@ -21,7 +21,13 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pagedserve.bench import report, scenarios, scenarios_concurrency, scenarios_pressure
+from pagedserve.bench import (
+    report,
+    scenarios,
+    scenarios_concurrency,
+    scenarios_gateway,
+    scenarios_pressure,
+)
 from pagedserve.bench.driver import Context, PeerError, ScenarioResult
 from pagedserve.bench.probes import run_probes
 
@@ -36,6 +42,7 @@ SCENARIOS: dict[str, Callable[[Context], ScenarioResult]] = {
     "disagg": scenarios_pressure.disagg,
     "roofline": scenarios_pressure.roofline,
     "concurrency": scenarios_concurrency.concurrency,
+    "gateway": scenarios_gateway.gateway,
 }
 VOCAB = 512
 MODEL = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": VOCAB, "dtype": "float32"}

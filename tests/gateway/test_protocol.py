@@ -221,3 +221,29 @@ def test_chat_chunks_open_with_the_role_and_end_with_the_reason():
         "stop_reason": "STOP",
     }  # fmt: skip
     assert out.sse(chunk).startswith(b"data: {") and out.sse("[DONE]") == b"data: [DONE]\n\n"
+
+
+def test_the_gateway_socket_turns_nagle_off_for_every_connection():
+    """SSE chunks are small writes: with Nagle on, each waits for the client's delayed ACK."""
+    import asyncio
+    import socket
+
+    from pagedserve.gateway.server import listening_socket
+
+    async def accepted_nodelay() -> int:
+        sock = listening_socket("127.0.0.1", 0)
+        seen: asyncio.Future = asyncio.get_running_loop().create_future()
+
+        async def on_connect(reader, writer):
+            raw = writer.get_extra_info("socket")
+            seen.set_result(raw.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            writer.close()
+
+        server = await asyncio.start_server(on_connect, sock=sock)
+        async with server:
+            _, writer = await asyncio.open_connection(*sock.getsockname()[:2])
+            value = await asyncio.wait_for(seen, 10)
+            writer.close()
+        return value
+
+    assert asyncio.run(accepted_nodelay()) != 0

@@ -35,6 +35,11 @@ ROLES = {
     "prefill": ("pagedserve.v1.PrefillWorker", 50061),
     "decode": ("pagedserve.v1.DecodeWorker", 50071),
 }
+# The gateway: an HTTP client of the router's public API (no model, no Redis, no torch).
+GATEWAY = f"{RELEASE}-pagedserve-gateway"
+GATEWAY_PORT = 8000
+ROUTER_ADDRESS = f"{RELEASE}-pagedserve-router:50051"
+INGRESS_HOST = "api.example.com"
 OTLP = "http://jaeger-collector.observability:4317"
 EXTERNAL_REDIS = "redis://redis.example.internal:6379/0"
 METRICS = ("metrics.enabled=true", "metrics.serviceMonitor.enabled=true")
@@ -63,7 +68,7 @@ MATRIX: dict[str, list[str]] = {
         "decode.updateStrategy.rollingUpdate.maxSurge=0",
         "decode.updateStrategy.rollingUpdate.maxUnavailable=1",
     ),
-    "hpa": _set(*(f"{role}.autoscaling.enabled=true" for role in ROLES)),
+    "hpa": _set(*(f"{role}.autoscaling.enabled=true" for role in (*ROLES, "gateway"))),
     "servicemonitor-without-api": _set(*METRICS),
     "servicemonitor-with-api": _set(*METRICS) + ["--api-versions", "monitoring.coreos.com/v1"],
     "tracing": _set(
@@ -77,6 +82,21 @@ MATRIX: dict[str, list[str]] = {
         "prefill.warmupPrompts[0]=You are a helpful assistant.",
     ),
     "model-hostpath": _set("model.source=hostPath", "model.subPath=llama-3-8b"),
+    "gateway-off": _set("gateway.enabled=false"),
+    "gateway-ingress-restricted": _set(
+        "gateway.ingress.enabled=true",
+        "gateway.ingress.className=nginx",
+        r"gateway.ingress.annotations.nginx\.ingress\.kubernetes\.io/proxy-buffering=off",
+        f"gateway.ingress.hosts[0].host={INGRESS_HOST}",
+        "gateway.ingress.hosts[0].paths[0].path=/",
+        "gateway.ingress.hosts[0].paths[0].pathType=Prefix",
+        "gateway.ingress.tls[0].secretName=api-tls",
+        f"gateway.ingress.tls[0].hosts[0]={INGRESS_HOST}",
+        "gateway.requestTimeoutSeconds=600",
+        "networkPolicy.routerFrom[0].namespaceSelector.matchLabels.team=apps",
+        *METRICS,
+        "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
+    ),
 }
 
 
@@ -146,7 +166,10 @@ def pod_specs(docs: list[Doc]) -> list[tuple[str, Doc]]:
 
 
 @pytest.mark.parametrize("major", ["helm4", "helm3"])
-@pytest.mark.parametrize("case", ["defaults", "gpu", "servicemonitor-without-api", "tracing"])
+@pytest.mark.parametrize(
+    "case",
+    ["defaults", "gpu", "servicemonitor-without-api", "tracing", "gateway-ingress-restricted"],
+)
 def test_chart_lints_strict(tools: Tools, major: str, case: str) -> None:
     helm = getattr(tools, major)
     result = subprocess.run(
@@ -165,17 +188,20 @@ def test_helm3_renders_what_helm4_renders(tools: Tools, renders: dict[str, list[
 # --- render matrix ---------------------------------------------------------------------------
 
 
-def test_defaults_render_three_roles_and_a_bundled_redis(renders: dict[str, list[Doc]]) -> None:
+def test_defaults_render_three_roles_a_gateway_and_a_bundled_redis(
+    renders: dict[str, list[Doc]],
+) -> None:
     assert kind_counts(renders["defaults"]) == {
-        "Deployment": 3,
-        "Service": 4,
+        "Deployment": 4,
+        "Service": 5,
         "StatefulSet": 1,
-        "PodDisruptionBudget": 3,
-        "NetworkPolicy": 4,
+        "PodDisruptionBudget": 4,
+        "NetworkPolicy": 5,
         "ServiceAccount": 1,
     }
     docs = renders["defaults"]
     assert deployment(docs, "router")["spec"]["replicas"] == 2
+    assert deployment(docs, "gateway")["spec"]["replicas"] == 2
     for role in ("prefill", "decode"):
         assert deployment(docs, role)["spec"]["replicas"] == 1
     (redis,) = of_kind(docs, "StatefulSet")
@@ -208,8 +234,8 @@ def test_role_services_speak_grpc_and_workers_are_headless(renders: dict[str, li
 def test_external_redis_drops_the_bundled_one(renders: dict[str, list[Doc]]) -> None:
     docs = renders["external-redis"]
     assert of_kind(docs, "StatefulSet") == []
-    assert len(of_kind(docs, "Service")) == 3
-    assert len(of_kind(docs, "NetworkPolicy")) == 3
+    assert len(of_kind(docs, "Service")) == 4
+    assert len(of_kind(docs, "NetworkPolicy")) == 4
     for role in ROLES:
         assert flag(container(docs, role)["args"], "--redis-url") == EXTERNAL_REDIS
 
@@ -252,8 +278,8 @@ def test_hpa_scales_every_role_and_owns_replicas(renders: dict[str, list[Doc]]) 
     hpas = {
         h["spec"]["scaleTargetRef"]["name"]: h for h in of_kind(docs, "HorizontalPodAutoscaler")
     }
-    assert sorted(hpas) == sorted(f"{RELEASE}-pagedserve-{role}" for role in ROLES)
-    for role in ROLES:
+    assert sorted(hpas) == sorted(f"{RELEASE}-pagedserve-{role}" for role in (*ROLES, "gateway"))
+    for role in (*ROLES, "gateway"):
         assert "replicas" not in deployment(docs, role)["spec"]
         hpa = hpas[f"{RELEASE}-pagedserve-{role}"]["spec"]
         assert hpa["scaleTargetRef"]["kind"] == "Deployment"
@@ -265,7 +291,13 @@ def test_service_monitor_only_when_the_api_exists(renders: dict[str, list[Doc]])
     assert of_kind(renders["servicemonitor-without-api"], "ServiceMonitor") == []
     (monitor,) = of_kind(renders["servicemonitor-with-api"], "ServiceMonitor")
     assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
-    assert [e["port"] for e in monitor["spec"]["endpoints"]] == ["metrics"]
+    # NOTE: the gateway serves /metrics on its HTTP port; only its Service has a port named http.
+    assert [(e["port"], e["path"]) for e in monitor["spec"]["endpoints"]] == [
+        ("metrics", "/metrics"),
+        ("http", "/metrics"),
+    ]
+    (components,) = monitor["spec"]["selector"]["matchExpressions"]
+    assert components["values"] == [*ROLES, "gateway"]
     for name in ("servicemonitor-without-api", "servicemonitor-with-api"):
         docs = renders[name]
         for role in ROLES:
@@ -273,8 +305,11 @@ def test_service_monitor_only_when_the_api_exists(renders: dict[str, list[Doc]])
             assert flag(box["args"], "--metrics-port") == "9090"
             assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in box["ports"]
         for service in of_kind(docs, "Service"):
-            if not service["metadata"]["name"].endswith("redis"):
+            if not service["metadata"]["name"].endswith(("redis", "gateway")):
                 assert "metrics" in [p["name"] for p in service["spec"]["ports"]]
+        gateway = container(docs, "gateway")
+        assert "--metrics-port" not in gateway["args"]  # /metrics is on its HTTP port
+        assert [p["name"] for p in gateway["ports"]] == ["http"]
 
 
 def test_metrics_and_tracing_flags_are_off_by_default(renders: dict[str, list[Doc]]) -> None:
@@ -332,6 +367,8 @@ def test_notes_tell_how_to_call_the_router_and_where_traces_go(tools: Tools) -> 
     assert f"port-forward svc/{RELEASE}-pagedserve-router 50051:50051" in notes
     assert "pagedserve.v1.Generation/Generate" in notes
     assert f"exports OTLP to {OTLP}" in notes
+    assert f"port-forward svc/{GATEWAY} 8000:{GATEWAY_PORT}" in notes
+    assert "curl -s http://127.0.0.1:8000/v1/chat/completions" in notes
 
 
 # --- probes, drain, pods ---------------------------------------------------------------------
@@ -351,7 +388,7 @@ def test_probes_hit_the_grpc_health_service(renders: dict[str, list[Doc]], case:
 
 
 def test_termination_grace_outlasts_prestop_and_drain(renders: dict[str, list[Doc]]) -> None:
-    for role in ROLES:
+    for role in (*ROLES, "gateway"):
         pod = deployment(renders["defaults"], role)["spec"]["template"]["spec"]
         box = pod["containers"][0]
         sleep = box["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -415,7 +452,7 @@ def test_every_pod_is_hardened(renders: dict[str, list[Doc]], case: str) -> None
 
 
 def test_roles_spread_across_nodes(renders: dict[str, list[Doc]]) -> None:
-    for role in ROLES:
+    for role in (*ROLES, "gateway"):
         pod = deployment(renders["defaults"], role)["spec"]["template"]["spec"]
         (spread,) = pod["topologySpreadConstraints"]
         assert spread["topologyKey"] == "kubernetes.io/hostname"
@@ -444,6 +481,172 @@ def test_scheduling_values_reach_the_pod(tools: Tools) -> None:
     assert "nodeSelector" not in deployment(docs, "prefill")["spec"]["template"]["spec"]
 
 
+# --- the gateway (OpenAI-compatible HTTP API) -------------------------------------------------
+
+
+def selects(peer: Doc, labels: dict[str, str]) -> bool:
+    """A same-namespace podSelector peer that matches pods with these labels."""
+    wanted = peer.get("podSelector", {}).get("matchLabels")
+    return (
+        "namespaceSelector" not in peer and wanted is not None and wanted.items() <= labels.items()
+    )
+
+
+def network_policy(docs: list[Doc], role: str) -> Doc:
+    (found,) = [d for d in of_kind(docs, "NetworkPolicy") if d["metadata"]["name"].endswith(role)]
+    return found
+
+
+def gateway_pods(docs: list[Doc]) -> dict[str, str]:
+    return deployment(docs, "gateway")["spec"]["template"]["metadata"]["labels"]
+
+
+def test_gateway_renders_by_default_as_a_client_of_the_router(
+    renders: dict[str, list[Doc]],
+) -> None:
+    docs = renders["defaults"]
+    box = container(docs, "gateway")
+    args = box["args"]
+    assert args[0] == "gateway"
+    assert flag(args, "--router") == ROUTER_ADDRESS
+    assert (flag(args, "--host"), flag(args, "--port")) == ("0.0.0.0", str(GATEWAY_PORT))
+    assert flag(args, "--drain-timeout") == "30"
+    assert "--request-timeout" not in args  # null: no limit
+    assert {"name": "http", "containerPort": GATEWAY_PORT, "protocol": "TCP"} in box["ports"]
+    # torch-free and stateless: no model, no Redis, no /dev/shm, no GPU, no torch threads
+    for absent in ("--model", "--redis-url", "--device", "--otlp-traces-endpoint"):
+        assert absent not in args
+    pod = deployment(docs, "gateway")["spec"]["template"]["spec"]
+    assert [v["name"] for v in pod["volumes"]] == ["tmp"]
+    assert [m["mountPath"] for m in box["volumeMounts"]] == ["/tmp"]
+    assert "OMP_NUM_THREADS" not in {e["name"] for e in box.get("env", [])}
+    assert "nvidia.com/gpu" not in box["resources"]["limits"]
+    assert box["resources"]["requests"] == {"cpu": "250m", "memory": "256Mi"}
+    assert pod["terminationGracePeriodSeconds"] == 5 + 30 + 15
+
+
+def test_gateway_probes_are_http_on_health_and_livez(renders: dict[str, list[Doc]]) -> None:
+    box = container(renders["defaults"], "gateway")
+    assert box["readinessProbe"]["httpGet"] == {"path": "/health", "port": "http"}
+    assert box["livenessProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    assert box["startupProbe"]["httpGet"] == {"path": "/livez", "port": "http"}
+    for probe in ("readinessProbe", "livenessProbe", "startupProbe"):
+        assert "grpc" not in box[probe]
+
+
+def test_gateway_service_speaks_http(renders: dict[str, list[Doc]]) -> None:
+    (service,) = [
+        s for s in of_kind(renders["defaults"], "Service") if s["metadata"]["name"] == GATEWAY
+    ]
+    assert service["spec"]["type"] == "ClusterIP"
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "gateway"
+    assert service["spec"]["ports"] == [
+        {"name": "http", "port": GATEWAY_PORT, "targetPort": "http", "protocol": "TCP",
+         "appProtocol": "http"},
+    ]  # fmt: skip
+    (budget,) = [p for p in of_kind(renders["defaults"], "PodDisruptionBudget")
+                 if p["metadata"]["name"] == GATEWAY]  # fmt: skip
+    assert budget["spec"]["maxUnavailable"] == 1
+    assert of_kind(renders["defaults"], "Ingress") == []
+
+
+@pytest.mark.parametrize("case", [c for c in MATRIX if c != "gateway-off"])
+def test_gateway_args_parse_with_the_cli(renders: dict[str, list[Doc]], case: str) -> None:
+    args = build_parser().parse_args(container(renders[case], "gateway")["args"])
+    assert args.command == "gateway"
+    assert args.func.__name__ == "_run_gateway"
+    assert (args.router, args.host, args.port) == (ROUTER_ADDRESS, "0.0.0.0", GATEWAY_PORT)
+    assert args.otlp_traces_endpoint == (OTLP if case == "tracing" else None)
+    assert args.request_timeout == (600.0 if case == "gateway-ingress-restricted" else None)
+    assert args.tls_ca is None  # the chart's router serves plaintext gRPC
+
+
+def test_gateway_disabled_renders_none_of_it(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["gateway-off"]
+    for doc in docs:
+        assert doc["metadata"]["labels"]["app.kubernetes.io/component"] != "gateway", doc["kind"]
+    assert kind_counts(docs) == {
+        "Deployment": 3,
+        "Service": 4,
+        "StatefulSet": 1,
+        "PodDisruptionBudget": 3,
+        "NetworkPolicy": 4,
+        "ServiceAccount": 1,
+    }
+    assert "from" not in network_policy(docs, "router")["spec"]["ingress"][0]
+
+
+def test_gateway_ingress_points_at_the_gateway_service(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["gateway-ingress-restricted"]
+    (ingress,) = of_kind(docs, "Ingress")
+    assert ingress["apiVersion"] == "networking.k8s.io/v1"
+    assert ingress["metadata"]["name"] == GATEWAY
+    annotations = ingress["metadata"]["annotations"]
+    assert annotations == {"nginx.ingress.kubernetes.io/proxy-buffering": "off"}
+    spec = ingress["spec"]
+    assert spec["ingressClassName"] == "nginx"
+    assert spec["tls"] == [{"secretName": "api-tls", "hosts": [INGRESS_HOST]}]
+    (rule,) = spec["rules"]
+    assert rule["host"] == INGRESS_HOST
+    (path,) = rule["http"]["paths"]
+    assert (path["path"], path["pathType"]) == ("/", "Prefix")
+    (service,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == GATEWAY]
+    (port,) = service["spec"]["ports"]
+    assert path["backend"]["service"] == {"name": GATEWAY, "port": {"number": port["port"]}}
+
+
+def test_network_policy_lets_gateway_pods_reach_the_router(renders: dict[str, list[Doc]]) -> None:
+    # defaults: routerFrom is empty, so both accept everyone (gateway pods included)
+    docs = renders["defaults"]
+    for role, port in (("router", 50051), ("gateway", GATEWAY_PORT)):
+        (rule,) = network_policy(docs, role)["spec"]["ingress"]
+        assert rule == {"ports": [{"port": port, "protocol": "TCP"}]}, role
+    # routerFrom set: the router also admits the gateway's pods on its gRPC port
+    docs = renders["gateway-ingress-restricted"]
+    apps = {"namespaceSelector": {"matchLabels": {"team": "apps"}}}
+    monitoring = {"namespaceSelector": {"matchLabels": {"team": "monitoring"}}}
+    router_rules = network_policy(docs, "router")["spec"]["ingress"]
+    (grpc,) = [r for r in router_rules if r["ports"] == [{"port": 50051, "protocol": "TCP"}]]
+    assert apps in grpc["from"]
+    assert any(selects(peer, gateway_pods(docs)) for peer in grpc["from"])
+    # the gateway admits routerFrom, the ingress controller and the scrapers on its HTTP port
+    policy = network_policy(docs, "gateway")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= gateway_pods(docs).items()
+    (http,) = policy["ingress"]
+    assert http["ports"] == [{"port": GATEWAY_PORT, "protocol": "TCP"}]
+    ingress_nginx = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}
+    }
+    assert http["from"] == [apps, ingress_nginx, monitoring]
+
+
+def test_gateway_scheduling_values_reach_its_pod(tools: Tools) -> None:
+    docs = render(
+        tools.helm4,
+        _set(
+            "gateway.nodeSelector.pool=cpu",
+            "gateway.priorityClassName=frontend",
+            "gateway.podAnnotations.team=api",
+            "gateway.extraArgs[0]=--tls-ca=/etc/ca/ca.crt",
+            "gateway.extraEnv[0].name=OTEL_SERVICE_NAME",
+            "gateway.extraEnv[0].value=api",
+            "gateway.service.type=LoadBalancer",
+            "gateway.service.port=80",
+        ),
+    )
+    template = deployment(docs, "gateway")["spec"]["template"]
+    assert template["spec"]["nodeSelector"] == {"pool": "cpu"}
+    assert template["spec"]["priorityClassName"] == "frontend"
+    assert template["metadata"]["annotations"] == {"team": "api"}
+    box = template["spec"]["containers"][0]
+    assert box["args"][-1] == "--tls-ca=/etc/ca/ca.crt"
+    assert box["env"] == [{"name": "OTEL_SERVICE_NAME", "value": "api"}]
+    (service,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == GATEWAY]
+    assert service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["ports"][0]["port"] == 80
+    assert service["spec"]["ports"][0]["targetPort"] == "http"
+
+
 # --- values.schema.json ----------------------------------------------------------------------
 
 
@@ -460,6 +663,11 @@ def test_scheduling_values_reach_the_pod(tools: Tools) -> None:
         (["redis.enabled=false"], "redis"),
         (["tracing.enabled=true"], "otlpEndpoint"),
         (["image.digest=latest"], "digest"),
+        (["gateway.replicas=-1"], "replicas"),
+        (["gateway.service.type=ExternalName"], "type"),
+        (["gateway.ingress.hosts[0].paths[0].pathType=Regex"], "pathType"),
+        (["gateway.requestTimeoutSeconds=0"], "requestTimeoutSeconds"),
+        (["gateway.metricsPort=9090"], "metricsPort"),
     ],
 )
 @pytest.mark.parametrize("major", ["helm4", "helm3"])
