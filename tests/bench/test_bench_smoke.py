@@ -42,3 +42,14 @@ def test_concurrency_scenario_completes_every_stream_and_reports_each_process(tm
         for stats in run["processes"].values():
             assert stats["peak"]["threads"] >= stats["start"]["threads"] > 0
             assert stats["peak"]["rss_mib"] > 0
+
+
+def test_gateway_scenario_compares_http_with_grpc_on_the_same_requests(tmp_path):
+    (scenario,) = run_quick(tmp_path, "gateway")["scenarios"]
+    assert scenario["valid"] and not scenario["notes"]  # every HTTP text = the gRPC text
+    assert {r["metric"] for r in scenario["ratios"]} == {
+        "gateway / gRPC useful tok/s (16 at once)", "gateway / gRPC TTFT p50 (one at a time)"
+    }  # fmt: skip
+    for ratio in scenario["ratios"]:
+        assert len(ratio["values"]) == 1 and ratio["values"][0] > 0
+    assert set(scenario["runs"]) == {"rep=0", "rep=0 one at a time"}
