@@ -12,22 +12,22 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter(
-            "pagedserve_gateway_requests",
+            "pagedserve:gateway_requests",
             "Completion requests answered, by endpoint and HTTP status (499: the client left)",
             ["endpoint", "status"], registry=self.registry,
         )  # fmt: skip
         self.duration = Histogram(
-            "pagedserve_gateway_request_duration_seconds",
+            "pagedserve:gateway_request_duration_seconds",
             "From the request's arrival to its last byte, by endpoint",
             ["endpoint"], buckets=_SECONDS, registry=self.registry,
         )  # fmt: skip
         self.first_token = Histogram(
-            "pagedserve_gateway_time_to_first_token_seconds",
+            "pagedserve:gateway_time_to_first_token_seconds",
             "From the request's arrival to the router's first message (whole answer when not "
             "streamed), by endpoint",
             ["endpoint"], buckets=_SECONDS, registry=self.registry,
         )  # fmt: skip
         self.in_flight = Gauge(
-            "pagedserve_gateway_requests_in_flight",
+            "pagedserve:gateway_requests_in_flight",
             "Completion requests being answered", registry=self.registry,
         )  # fmt: skip

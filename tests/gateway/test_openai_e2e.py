@@ -316,8 +316,8 @@ def test_health_livez_and_metrics(url):
     assert http(url, "/livez", method="GET")[0] == 200
     status, headers, text = http(url, "/metrics", method="GET")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    assert 'pagedserve_gateway_requests_total{endpoint="chat",status="200"}' in text
-    assert 'pagedserve_gateway_requests_total{endpoint="chat",status="400"}' in text
+    assert 'pagedserve:gateway_requests_total{endpoint="chat",status="200"}' in text
+    assert 'pagedserve:gateway_requests_total{endpoint="chat",status="400"}' in text
 
 
 def wait_idle(grpc_client, timeout_s: float) -> bool:
