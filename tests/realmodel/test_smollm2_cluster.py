@@ -11,8 +11,10 @@ from __future__ import annotations
 import argparse
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
+import openai
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -85,12 +87,16 @@ def all_at_once(run, n: int, timeout_s: float) -> None:
         t.join(timeout_s)
 
 
-def serve_concurrently(model_dir, dtype: str, tmp_path) -> dict[int, list]:
+def serve_concurrently(
+    model_dir, dtype: str, tmp_path, http: dict | None = None
+) -> dict[int, list]:
     """Start a cluster, send every conversation at once as a chat request (`messages`), return
-    each stream's messages; stop it."""
+    each stream's messages; stop it. With `http`, also ask `HTTP_QUESTIONS` through the
+    OpenAI-compatible gateway (the `openai` client), streamed and not, into `http`."""
     args = argparse.Namespace(
         model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
         block_size=16, dtype=dtype, kv_cache_memory="48MiB", start_timeout=180.0, log_dir=None,
+        http_port=0 if http is not None else None,
     )  # fmt: skip
     cluster = start_cluster(args, tmp_path)
     results: dict[int, list] = {}
@@ -101,6 +107,8 @@ def serve_concurrently(model_dir, dtype: str, tmp_path) -> dict[int, list]:
                 results[i] = list(client.chat(CONVERSATIONS[i], GREEDY, timeout=300))
 
         all_at_once(run, len(CONVERSATIONS), timeout_s=330)
+        if http is not None:
+            http.update(ask_openai(cluster.http_url, Path(model_dir).name))
         with Client(cluster.router_address) as client:
             status = client.status()
     finally:
@@ -111,18 +119,45 @@ def serve_concurrently(model_dir, dtype: str, tmp_path) -> dict[int, list]:
     return results
 
 
+HTTP_QUESTIONS = (0, 7, 12)
+
+
+def ask_openai(url: str, model: str) -> dict[tuple[int, bool], tuple[str, int]]:
+    """(text, completion tokens) of each of HTTP_QUESTIONS, not streamed and streamed."""
+    answers = {}
+    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as c:
+        for i in HTTP_QUESTIONS:
+            kwargs = dict(model=model, messages=CONVERSATIONS[i], temperature=0,
+                          max_tokens=NEW_TOKENS)  # fmt: skip
+            whole = c.chat.completions.create(**kwargs)
+            answers[i, False] = (whole.choices[0].message.content, whole.usage.completion_tokens)
+            chunks = list(
+                c.chat.completions.create(
+                    **kwargs, stream=True, stream_options={"include_usage": True}
+                )
+            )
+            text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+            answers[i, True] = (text, chunks[-1].usage.completion_tokens)
+    return answers
+
+
 def tokens_of(parts) -> list[int]:
     return [t for p in parts for t in p.token_ids]
 
 
 def test_fp32_concurrent_chat_requests_equal_transformers(smollm2_dir, prompts, tmp_path):
-    results = serve_concurrently(smollm2_dir, "float32", tmp_path)
+    http: dict = {}
+    results = serve_concurrently(smollm2_dir, "float32", tmp_path, http=http)
     model = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     cached = 0
     for i, prompt in enumerate(prompts):
         want, _ = hf_greedy(model, prompt)
         parts = results[i]
         assert tokens_of(parts) == want, f"prompt {i}: {QUESTIONS[i]!r}"
+        if i in HTTP_QUESTIONS:  # NOTE: the OpenAI API's answer is transformers' too
+            text = tokenizer.decode(want, skip_special_tokens=True)
+            assert http[i, False] == http[i, True] == (text, len(want)), QUESTIONS[i]
         last = parts[-1]
         # NOTE: the router's rendering of the messages is transformers' prompt, token for token
         assert last.usage.prompt_tokens == len(prompt)
