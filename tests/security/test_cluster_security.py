@@ -4,10 +4,15 @@ by `start_cluster` (the code of `pagedserve up`) and driven over the real gRPC A
 from __future__ import annotations
 
 import argparse
+import http.client
 import itertools
+import json
 import os
+import ssl
 import subprocess
 import sys
+import urllib.error
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -39,6 +44,7 @@ def cluster(make_tiny, tmp_path_factory):
         tls_cert=str(certs.server.cert), tls_key=str(certs.server.key),
         tls_client_ca=str(certs.ca), tls_ca=str(certs.ca),
         tls_client_cert=str(certs.client.cert), tls_client_key=str(certs.client.key),
+        http_port=0,
     )  # fmt: skip
     started = start_cluster(args, tmp_path_factory.mktemp("cluster-logs"))
     channel = make_channel(started.router_address, certs.client_tls("client"))
@@ -81,7 +87,8 @@ def test_missing_or_wrong_api_key_is_unauthenticated(cluster):
 def test_workers_refuse_clients_without_the_cluster_certificate(cluster):
     started, certs, _ = cluster
     workers = [c for c in started.children if c.name.startswith(("prefill", "decode"))]
-    for child in [*workers, started.children[0]]:
+    router = next(c for c in started.children if c.name == "router")
+    for child in [*workers, router]:
         service = "" if child.name != "router" else "pagedserve.v1.Generation"
         probe = health_pb2.HealthCheckRequest(service=service)
         for tls in (certs.client_tls("none"), certs.client_tls("rogue"), None):
@@ -239,3 +246,38 @@ def test_cli_without_the_key_or_the_certificate_fails_in_one_line(cluster):
         assert "Traceback" not in out.stderr, name
         assert not any(key in out.stdout + out.stderr for key in KEYS.values()), name
         assert "not-a-key" not in out.stderr, name
+
+
+def https(url: str, ca, body: dict, key: str | None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST")
+    request.add_header("Content-Type", "application/json")
+    if key is not None:
+        request.add_header("Authorization", f"Bearer {key}")
+    context = ssl.create_default_context(cafile=str(ca))
+    try:
+        with urllib.request.urlopen(request, timeout=60, context=context) as response:
+            return response.status, json.load(response)
+    except urllib.error.HTTPError as err:
+        return err.code, json.load(err)
+
+
+def test_the_gateway_serves_https_and_reaches_the_router_over_mtls(cluster):
+    """`up --http-port` with the cluster certificate: HTTPS outside, mTLS to the router, the
+    router's keys decide, and plaintext HTTP gets no answer."""
+    started, certs, _ = cluster
+    assert started.http_url.startswith("https://")
+    url = f"{started.http_url}/v1/completions"
+    body = {"model": "model", "prompt": [5, 6, 7], "max_tokens": 3, "temperature": 0}
+    models = urllib.request.Request(f"{started.http_url}/v1/models")
+    models.add_header("Authorization", f"Bearer {KEYS['alice']}")
+    context = ssl.create_default_context(cafile=str(certs.ca))
+    with urllib.request.urlopen(models, timeout=30, context=context) as response:
+        body["model"] = json.load(response)["data"][0]["id"]
+    status, answer = https(url, certs.ca, body, KEYS["alice"])
+    assert status == 200 and answer["usage"]["completion_tokens"] == 3, answer
+    for key in ("not-a-key-0123456789abcdef", None):
+        status, answer = https(url, certs.ca, body, key)
+        assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    plain = url.replace("https://", "http://")
+    with pytest.raises((urllib.error.URLError, ConnectionError, http.client.HTTPException)):
+        urllib.request.urlopen(urllib.request.Request(plain, data=b"{}"), timeout=10)
