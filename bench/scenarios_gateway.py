@@ -189,7 +189,7 @@ def gateway(ctx: Context) -> Result:
 
 def _both(cluster, model: str, requests: list[BenchRequest], rep: int, *, at_once: bool) -> dict:
     """The requests through gRPC and through the gateway, in alternating order per rep."""
-    runs = {}
+    runs: dict[str, dict] = {}
     for api in ("grpc", "http") if rep % 2 == 0 else ("http", "grpc"):
         salt = f"{api}-{rep}-{at_once}"  # NOTE: no prefix-cache hits across the runs
         if api == "grpc":

@@ -16,6 +16,8 @@ TORCH_FREE = (
     "pagedserve.decode_worker.plan",
     "pagedserve.decode_worker.preemption",
     "pagedserve.prefill_worker.scheduler",
+    "pagedserve.gateway.server",  # the gateway: a client of the public API, torch-free
+    "pagedserve.gateway.app",
 )
 
 
