@@ -15,7 +15,7 @@ import sys
 
 import uvicorn
 
-from pagedserve.config import add_client_tls_arguments, bytes_arg, parse_bytes
+from pagedserve.config import add_client_tls_arguments, add_serving_arguments
 from pagedserve.gateway.app import GatewaySettings, create_app
 from pagedserve.grpcutil import client_tls_from_args
 from pagedserve.telemetry import setup_tracing
@@ -31,12 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--request-timeout", type=float, default=None,
         help="seconds a completion may take before it is cancelled (default: no limit)",
     )  # fmt: skip
-    parser.add_argument("--max-message-bytes", type=bytes_arg, default=parse_bytes("64MiB"))
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
-    parser.add_argument(
-        "--otlp-traces-endpoint", default=None,
-        help="OTLP/gRPC collector, e.g. http://jaeger:4317 (default: OTEL_* variables, else off)",
-    )  # fmt: skip
+    add_serving_arguments(parser)
     group = parser.add_argument_group("TLS")
     group.add_argument("--https-cert", default=None, help="serve HTTPS with this certificate")
     group.add_argument("--https-key", default=None, help="its private key")

@@ -69,18 +69,23 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     parser.add_argument("--advertise-address", default=None, help="host:port others dial")
     parser.add_argument("--worker-id", default=None)
     parser.add_argument("--redis-url", default=None, help="redis://host:port/0 (optional)")
-    parser.add_argument("--max-message-bytes", type=bytes_arg, default=parse_bytes("64MiB"))
-    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
-    parser.add_argument(
-        "--otlp-traces-endpoint", default=None,
-        help="OTLP/gRPC collector, e.g. http://jaeger:4317 (default: OTEL_* variables, else off)",
-    )  # fmt: skip
+    add_serving_arguments(parser)
     parser.add_argument(
         "--trace-include-text", action="store_true", help="put prompt/output text in spans"
     )
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")
 
     add_tls_arguments(parser)
+
+
+def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
+    """What every server takes, the HTTP gateway included: message size, drain, traces."""
+    parser.add_argument("--max-message-bytes", type=bytes_arg, default=parse_bytes("64MiB"))
+    parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
+    parser.add_argument(
+        "--otlp-traces-endpoint", default=None,
+        help="OTLP/gRPC collector, e.g. http://jaeger:4317 (default: OTEL_* variables, else off)",
+    )  # fmt: skip
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:
