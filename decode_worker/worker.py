@@ -182,7 +182,7 @@ class DecodeWorker:
             "decode.run",
             context=parent,
             attributes={
-                "gen_ai.request.id": call.request_id,
+                "pagedserve.request_id": call.request_id,
                 "gen_ai.request.max_tokens": call.params.max_tokens,
                 "pagedserve.worker_id": self.worker_id,
             },
@@ -421,8 +421,8 @@ class DecodeWorker:
         self._outbox.append((tracked.stream, delta))
         if tracked.queue_span is not None:
             tracked.queue_span.end()
-        tracked.span.set_attribute("gen_ai.usage.completion_tokens", seq.num_output_tokens)
-        tracked.span.set_attribute("gen_ai.usage.prompt_tokens", seq.num_prompt_tokens)
+        tracked.span.set_attribute("gen_ai.usage.output_tokens", seq.num_output_tokens)
+        tracked.span.set_attribute("gen_ai.usage.input_tokens", seq.num_prompt_tokens)
         tracked.span.set_attribute("pagedserve.num_preemptions", tracked.num_preemptions)
         tracked.span.set_attribute("pagedserve.recomputed_prompt", tracked.recomputed)
         reason = seq.finish_reason.value if seq.finish_reason else "unknown"

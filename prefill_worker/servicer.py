@@ -89,7 +89,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             return
         seq = result.seq
         attributes = {
-            "gen_ai.request.id": seq.request_id,
+            "pagedserve.request_id": seq.request_id,
             "pagedserve.worker_id": self.me.worker_id,
         }
         tracer = self.tracing.tracer

@@ -263,7 +263,7 @@ class Orchestrator:
         wait_s = self.settings.move_wait_s if retry else self.settings.route_wait_s
         with self.tracing.tracer.start_span("router.route", context=parent) as route:
             decision = await self._choose_or_wait(hashes, exclude, active, time_left, wait_s)
-            route.set_attributes(decision.terms)
+            route.set_attributes({f"pagedserve.route.{k}": v for k, v in decision.terms.items()})
             route.set_attribute("pagedserve.prefill_worker", decision.prefill.worker_id)
             route.set_attribute("pagedserve.decode_worker", decision.decode.worker_id)
             route.set_attribute("pagedserve.cached_blocks", decision.cached_blocks)

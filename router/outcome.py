@@ -10,8 +10,9 @@ import logging
 import time
 from dataclasses import dataclass, field
 
-from opentelemetry.trace import Span
+from opentelemetry.trace import Span, Status, StatusCode, Tracer
 
+from pagedserve.errors import InvalidArgument
 from pagedserve.metrics import RequestMetrics
 from pagedserve.router.convert import RouterRequest
 from pagedserve.v1 import common_pb2, generation_pb2
@@ -37,18 +38,56 @@ def reason_name(finish_reason: int) -> str:
 
 
 def request_attributes(
-    req: RouterRequest, include_text: bool, request: generation_pb2.GenerateRequest
+    req: RouterRequest, include_text: bool, request: generation_pb2.GenerateRequest, model: str
 ) -> dict:
-    """The `router.generate` span's attributes at the start (the prompt text only if asked)."""
-    attributes = {
-        "gen_ai.request.id": req.request_id,
-        "gen_ai.request.max_tokens": req.params.max_tokens,
-        "gen_ai.request.temperature": req.params.temperature,
+    """The `router.generate` span's attributes at the start: the OpenTelemetry GenAI semantic
+    conventions where they apply, `pagedserve.*` for the rest (the prompt text only if asked)."""
+    params = req.params
+    attributes: dict = {
+        "gen_ai.operation.name": operation_name(request),
+        "gen_ai.provider.name": "pagedserve",
+        "gen_ai.request.model": model,
+        "gen_ai.request.max_tokens": params.max_tokens,
+        "gen_ai.request.temperature": params.temperature,
+        "gen_ai.request.top_p": params.top_p,
+        "gen_ai.request.top_k": params.top_k,
+        "gen_ai.request.presence_penalty": params.presence_penalty,
+        "gen_ai.request.frequency_penalty": params.frequency_penalty,
+        "gen_ai.response.id": req.request_id,
+        "pagedserve.request_id": req.request_id,
         "pagedserve.priority": req.priority,
+        "pagedserve.stream": req.stream,
     }
+    if params.seed is not None:
+        attributes["gen_ai.request.seed"] = params.seed
+    if params.stop:
+        attributes["gen_ai.request.stop_sequences"] = list(params.stop)
     if include_text and request.WhichOneof("prompt") == "text":
-        attributes["gen_ai.prompt"] = request.text
+        attributes["pagedserve.prompt.text"] = request.text
     return attributes
+
+
+def operation_name(request: generation_pb2.GenerateRequest) -> str:
+    """GenAI's `gen_ai.operation.name`: `chat` for a conversation, else `text_completion`."""
+    return "chat" if request.WhichOneof("prompt") == "messages" else "text_completion"
+
+
+def rejected(tracer: Tracer, request: generation_pb2.GenerateRequest, parent, model: str,
+             error: Exception) -> None:  # fmt: skip
+    """A `router.generate` span for a request refused before it ran (status ERROR; the field
+    and the reason), so that a rejected request is in the trace too."""
+    attributes: dict = {
+        "gen_ai.operation.name": operation_name(request),
+        "gen_ai.provider.name": "pagedserve",
+        "gen_ai.request.model": model,
+        "error.type": type(error).__name__,
+        "pagedserve.request_id": request.request_id,
+    }
+    if isinstance(error, InvalidArgument):
+        attributes["pagedserve.error.field"] = error.field
+    span = tracer.start_span("router.generate", context=parent, attributes=attributes)
+    span.set_status(Status(StatusCode.ERROR, str(error)))
+    span.end()
 
 
 def record(
@@ -71,12 +110,12 @@ def record(
         ttft_s=outcome.ttft_s,
         e2e_s=e2e_s,
     )
-    span.set_attribute("gen_ai.usage.prompt_tokens", len(req.prompt_token_ids))
-    span.set_attribute("gen_ai.usage.completion_tokens", outcome.generated)
+    span.set_attribute("gen_ai.usage.input_tokens", len(req.prompt_token_ids))
+    span.set_attribute("gen_ai.usage.output_tokens", outcome.generated)
     span.set_attribute("gen_ai.response.finish_reasons", [reason])
     if outcome.ttft_s is not None:
-        span.set_attribute("gen_ai.latency.time_to_first_token", outcome.ttft_s)
-    span.set_attribute("gen_ai.latency.e2e", e2e_s)
+        span.set_attribute("pagedserve.latency.time_to_first_token_s", outcome.ttft_s)
+    span.set_attribute("pagedserve.latency.e2e_s", e2e_s)
     trace_id = span.get_span_context().trace_id
     span.end()
     log.info(

@@ -77,7 +77,7 @@ class Decision:
     prefill: Worker
     decode: Worker
     cached_blocks: int
-    terms: dict[str, float] = field(default_factory=dict)  # span attributes
+    terms: dict[str, float | bool] = field(default_factory=dict)  # span attributes
 
 
 class WorkerSet:
@@ -302,11 +302,11 @@ class RoutingPolicy:
         prefill.assigned += 1
         decode.assigned += 1
         cached = overlap.get(prefill.worker_id, 0)
-        terms = {
+        terms: dict[str, float | bool] = {
             "uncached_prefill_blocks": float(len(block_hashes) - cached),
             "prefill_cost": prefill_cost(prefill),
             "decode_cost": decode_cost(decode),
-            "index_degraded": float(self.index_degraded),
+            "index_degraded": self.index_degraded,
         }
         return Decision(prefill, decode, cached, terms)
 

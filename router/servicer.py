@@ -17,7 +17,7 @@ from contextlib import aclosing
 from prometheus_client import CollectorRegistry
 
 from pagedserve import telemetry
-from pagedserve.errors import InvalidArgument, ResourceExhausted
+from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from pagedserve.grpcutil import time_remaining
 from pagedserve.metrics import RequestMetrics
 from pagedserve.protoconv import load_to_proto
@@ -25,7 +25,7 @@ from pagedserve.router import convert
 from pagedserve.router.auth import current_tenant, tenant_salt
 from pagedserve.router.clients import WorkerError
 from pagedserve.router.generate import Orchestrator, RouterSettings
-from pagedserve.router.outcome import request_attributes
+from pagedserve.router.outcome import rejected, request_attributes
 from pagedserve.router.routing import Decision, RoutingPolicy, WorkerSet
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
 from pagedserve.sampling_params import MAX_LOGPROBS
@@ -87,18 +87,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             tenant = current_tenant()
             req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))
             active = self.orchestrator.admit(tenant, req.request_id)
-        except InvalidArgument:
-            self.metrics.rejected.labels(reason="invalid_argument").inc()
-            raise
-        except ResourceExhausted:
-            self.metrics.rejected.labels(reason="queue_full").inc()
+        except (InvalidArgument, ResourceExhausted, AlreadyExists) as exc:
+            reason = {InvalidArgument: "invalid_argument", ResourceExhausted: "queue_full"}
+            if type(exc) in reason:
+                self.metrics.rejected.labels(reason=reason[type(exc)]).inc()
+            parent = telemetry.context_from(context.invocation_metadata())
+            rejected(self.tracing.tracer, request, parent, self.card.name, exc)
             raise
         responses = self.orchestrator.generate(
             req,
             tenant,
             active,
             trace_parent=telemetry.context_from(context.invocation_metadata()),
-            attributes=request_attributes(req, self.tracing.include_text, request),
+            attributes=request_attributes(req, self.tracing.include_text, request, self.card.name),
             time_left=lambda: time_remaining(context),
             started=started,
         )

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
+from opentelemetry.proto.trace.v1 import trace_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +22,7 @@ class ReceivedSpan:
     parent_span_id: str
     attributes: dict
     events: tuple[str, ...]
+    status_code: str = "UNSET"  # UNSET, OK or ERROR
 
 
 class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
@@ -58,6 +60,9 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
                             parent_span_id=span.parent_span_id.hex(),
                             attributes={a.key: _value(a.value) for a in span.attributes},
                             events=tuple(e.name for e in span.events),
+                            status_code=trace_pb2.Status.StatusCode.Name(
+                                span.status.code
+                            ).removeprefix("STATUS_CODE_"),
                         )
                     )
         with self._lock:
@@ -78,4 +83,6 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
 
 def _value(value):
     kind = value.WhichOneof("value")
+    if kind == "array_value":
+        return tuple(_value(v) for v in value.array_value.values)
     return getattr(value, kind) if kind else None

@@ -7,6 +7,7 @@ import argparse
 import threading
 import urllib.request
 
+import grpc
 import pytest
 from oracle import make_prompts
 from otlp_receiver import OtlpReceiver
@@ -96,7 +97,17 @@ def test_one_trace_per_request_with_parent_links_transfer_and_preemption(traced)
         for name in ("kv.transfer", "decode.queue"):
             assert mine[name].parent_span_id == mine["decode.run"].span_id, name
         assert mine["kv.transfer"].attributes["pagedserve.kv.transport"] in ("shm", "grpc")
-        assert mine["router.route"].attributes["uncached_prefill_blocks"] >= 0
+        route = mine["router.route"].attributes
+        assert route["pagedserve.route.uncached_prefill_blocks"] >= 0
+        assert route["pagedserve.route.index_degraded"] is False  # a boolean, not 0.0
+        generate = root.attributes
+        assert generate["gen_ai.operation.name"] == "text_completion"
+        assert generate["gen_ai.request.model"] and generate["gen_ai.provider.name"]
+        assert generate["gen_ai.request.max_tokens"] == 90
+        assert generate["gen_ai.usage.input_tokens"] == 200
+        assert generate["gen_ai.usage.output_tokens"] == 90
+        assert generate["gen_ai.response.finish_reasons"] == ("length",)
+        assert generate["pagedserve.stream"] is True
         preempted |= "preempt" in mine["decode.run"].events
     assert preempted, "the small decode pool should have forced a preemption"
 
@@ -176,3 +187,29 @@ def _request(prompt):
     request = generation_pb2.GenerateRequest(stream=True, sampling=sampling_to_proto(LONG))
     request.token_ids.ids.extend(prompt)
     return request
+
+
+def test_a_rejected_request_is_a_span_with_the_field(traced):
+    cluster, receiver = traced
+    trace_id, parent = "00000000000000000000000000abcdef", "00000000000000aa"
+    request = _request([5, 6, 7])
+    request.sampling.top_p = 1.5
+    metadata = [("traceparent", f"00-{trace_id}-{parent}-01")]
+    with Client(cluster.router_address) as client, pytest.raises(grpc.RpcError) as info:
+        list(client.stub.Generate(request, timeout=30, metadata=metadata))
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    spans = receiver.wait_for(lambda spans: any(s.trace_id == trace_id for s in spans), 20)
+    (span,) = [s for s in spans if s.trace_id == trace_id]
+    assert span.name == "router.generate" and span.parent_span_id == parent
+    assert span.status_code == "ERROR"
+    assert span.attributes["pagedserve.error.field"] == "sampling.top_p"
+    assert span.attributes["error.type"] == "InvalidArgument"
+
+
+def test_every_worker_reports_when_its_load_was_taken(traced):
+    cluster, _ = traced
+    with Client(cluster.router_address) as client:
+        status = client.status()
+    assert len(status.workers) == 2
+    for worker in status.workers:
+        assert worker.load.reported_at_unix_ms > 1_700_000_000_000, worker.worker_id
