@@ -15,6 +15,7 @@ any) parents the gateway's span, whose context travels to the router (one trace 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -66,7 +67,12 @@ class RouterConnection:
 
     async def open(self) -> None:
         size = self.settings.max_message_bytes
-        options = [("grpc.max_receive_message_length", size)]
+        options = [
+            ("grpc.max_receive_message_length", size),
+            # NOTE: with `--router dns:///<headless service>:50051`, calls spread over every
+            # router the name resolves to (a plain address is one backend either way)
+            ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
+        ]
         self.channel = make_channel(self.settings.router, self.settings.tls, options, aio=True)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self._health = health_pb2_grpc.HealthStub(self.channel)

@@ -412,6 +412,7 @@ def test_one_trace_per_request_from_the_gateway_down(client, model_name, receive
 
 
 def start_gateway(router: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = open(tmp_path / "gateway.log", "w")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cli", "gateway", "--router", router, "--port", "0"],
@@ -428,6 +429,7 @@ def start_router(cluster, extra: list[str], tmp_path: Path) -> tuple[subprocess.
     for child in started.children:
         if child.name.startswith(("prefill", "decode")):
             workers += [f"--{child.name.split('-')[0]}", child.address]
+    tmp_path.mkdir(parents=True, exist_ok=True)
     log = open(tmp_path / "router.log", "w")  # noqa: SIM115 (closed with the process)
     proc = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cli", "router", "--model", str(model_dir),
@@ -485,3 +487,26 @@ def test_a_router_that_is_down_is_503(model_name, tmp_path):
         assert answer["error"]["type"] == "service_unavailable"
     finally:
         stop(gateway)
+
+
+def test_a_gateway_spreads_requests_over_every_router(cluster, model_name, tmp_path):
+    """`--router` naming several routers (a headless Service in Kubernetes): round-robin."""
+    ports = [free_port(), free_port()]
+    routers = [
+        start_router(cluster, ["--metrics-port", str(port)], tmp_path / str(i))
+        for i, port in enumerate(ports)
+    ]
+    target = "ipv4:" + ",".join(address for _, address in routers)
+    gateway, url = start_gateway(target, tmp_path)
+    try:
+        assert wait_until(lambda: http(url, "/health", method="GET")[0] == 200, 30)
+        with openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0) as c:
+            for _ in range(6):
+                c.completions.create(model=model_name, prompt=[5, 6, 7], max_tokens=2)
+        for port in ports:
+            status, _, text = http(f"http://127.0.0.1:{port}", "/metrics", method="GET")
+            served = [line for line in text.splitlines()
+                      if line.startswith("pagedserve:request_success_total{")]  # fmt: skip
+            assert sum(float(line.rsplit(" ", 1)[1]) for line in served) >= 2, port
+    finally:
+        stop(gateway, *(proc for proc, _ in routers))
