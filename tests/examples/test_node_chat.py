@@ -1,21 +1,17 @@
-"""examples/node/chat.js against a real cluster (redis-server, router, prefill and decode
-workers as `pagedserve up` starts them): the same answer as the Python client, and a bad request
-reported with its field. Skipped only where `node` or `npm` is not installed."""
+"""examples/node against a real cluster (tests/examples/conftest.py): chat.js prints the answer
+the Python client gets, a bad request with its BadRequest field, an overload with its RetryInfo,
+and speaks TLS with an API key; cancel.js stops a stream both ways and the server ends the
+request. Skipped only where
+`node` or `npm` is not installed."""
 
 from __future__ import annotations
 
-import argparse
+import os
 import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
-from chat_templates import CHATML, model_with_template
-
-from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "node"
 pytestmark = pytest.mark.skipif(
@@ -27,52 +23,68 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module")
 def node_example() -> Path:
     """examples/node with its dependencies installed (npm ci, from package-lock.json)."""
-    if not (EXAMPLE / "node_modules" / "@grpc" / "grpc-js").is_dir():
+    dependencies = ("@grpc/grpc-js", "@grpc/proto-loader", "protobufjs")
+    if not all((EXAMPLE / "node_modules" / name).is_dir() for name in dependencies):
         subprocess.run(
             ["npm", "ci", "--no-audit", "--no-fund"], cwd=EXAMPLE, check=True, timeout=600
         )
     return EXAMPLE
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory):
-    model_dir = model_with_template(tiny_llama, tmp_path_factory.mktemp("node") / "m", CHATML)
-    args = argparse.Namespace(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
-    )  # fmt: skip
-    started = start_cluster(args, tmp_path_factory.mktemp("node-logs"))
-    yield started
-    started.stop()
+def run_node(
+    example: Path, script: str, *args: str, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess:
+    return subprocess.run(["node", script, *args], cwd=example, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
 
 
-def run_node(example: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        ["node", "chat.js", *args], cwd=example, capture_output=True, text=True, timeout=120
-    )
-
-
-def test_node_chat_streams_the_answer_the_python_client_gets(node_example, cluster):
-    out = run_node(node_example, cluster.router_address, "Name a colour.",
+def test_node_chat_streams_the_answer_the_python_client_gets(node_example, cluster, python_answer):
+    out = run_node(node_example, "chat.js", cluster.router_address, "Name a colour.",
                    "--system", "You are brief.", "--max-tokens", "8")  # fmt: skip
     assert out.returncode == 0, out.stderr
     messages = [
         {"role": "system", "content": "You are brief."},
         {"role": "user", "content": "Name a colour."},
     ]
-    with Client(cluster.router_address) as client:
-        parts = list(client.chat(messages, SamplingParams(0.0, max_tokens=8), timeout=60))
-    text = "".join(p.text for p in parts)
-    usage = parts[-1].usage
-    reason = common_pb2.FinishReason.Name(parts[-1].finish_reason).removeprefix("FINISH_REASON_")
-    assert out.stdout == (
-        f"{text}\n[{reason.lower()}: {usage.prompt_tokens} prompt tokens, "
-        f"{usage.completion_tokens} generated]\n"
+    assert out.stdout == python_answer(messages, 8)
+
+
+def test_node_chat_prints_the_bad_field_and_why(node_example, cluster):
+    out = run_node(node_example, "chat.js", cluster.router_address, "hi", "--max-tokens", "100000")
+    assert out.returncode == 1
+    assert out.stderr.startswith("INVALID_ARGUMENT: ")
+    assert "\n  field sampling.max_tokens: " in out.stderr
+    assert "exceeds the model's context length" in out.stderr.split("  field ", 1)[1]
+
+
+def test_node_chat_prints_when_to_retry(node_example, overloaded_router):
+    out = run_node(node_example, "chat.js", overloaded_router.address, "hi")
+    assert out.returncode == 1
+    delay = overloaded_router.retry_after_s
+    assert out.stderr == f"RESOURCE_EXHAUSTED: router queue is full\n  retry after {delay} s\n"
+
+
+def test_node_chat_speaks_tls_and_sends_the_api_key(node_example, secure_overloaded_router):
+    router = secure_overloaded_router
+    env = {**os.environ, "PAGEDSERVE_TLS_CA": str(router.tls_ca)}
+    without_key = run_node(node_example, "chat.js", router.address, "hi", env=env)
+    assert without_key.stderr == "UNAUTHENTICATED: missing or unknown API key\n"
+    env["PAGEDSERVE_API_KEY"] = router.api_key
+    out = run_node(node_example, "chat.js", router.address, "hi", env=env)
+    assert out.stderr.startswith("RESOURCE_EXHAUSTED: ")  # NOTE: past the TLS handshake and the key
+
+
+def test_node_cancel_ends_the_request_on_the_server(node_example, cluster):
+    out = run_node(node_example, "cancel.js", cluster.router_address, "--after", "3")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "\n[cancelled by the client after 3 responses]\n" in out.stdout
+    assert out.stdout.endswith(
+        "[server: the request ended; decode workers idle, KV cache usage 0]\n"
     )
 
 
-def test_node_chat_reports_a_bad_field(node_example, cluster):
-    out = run_node(node_example, cluster.router_address, "hi", "--max-tokens", "100000")
-    assert out.returncode == 1
-    assert out.stderr.startswith("INVALID_ARGUMENT: ")
-    assert "(field sampling.max_tokens)" in out.stderr
+def test_node_abort_ends_the_stream_with_finish_reason_abort(node_example, cluster):
+    out = run_node(node_example, "cancel.js", cluster.router_address, "--after", "2", "--abort")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "found=true]" in out.stdout
+    assert "[abort: the server ended the stream after " in out.stdout

@@ -1,0 +1,103 @@
+"""What the client examples run against: one real cluster for all of them (redis-server, router,
+prefill and decode workers as `pagedserve up` starts them, a tiny model with a chat template),
+the Python client's answer to compare with, and an overloaded router for RetryInfo (plaintext, and
+behind TLS and API keys)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from aio_servers import serving
+from chat_templates import CHATML, model_with_template
+from security.certs import make_certs
+
+from pagedserve.client import Client
+from pagedserve.errors import ResourceExhausted
+from pagedserve.grpcutil import ServerTLS, build_server
+from pagedserve.launcher import start_cluster
+from pagedserve.router.auth import ApiKeys, AuthInterceptor
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, generation_pb2_grpc
+
+RETRY_AFTER_S = 1.5
+
+
+@pytest.fixture(scope="package")
+def cluster(tiny_llama, tmp_path_factory):
+    model_dir = model_with_template(tiny_llama, tmp_path_factory.mktemp("examples") / "m", CHATML)
+    args = argparse.Namespace(
+        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
+        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
+    )  # fmt: skip
+    started = start_cluster(args, tmp_path_factory.mktemp("examples-logs"))
+    yield started
+    started.stop()
+
+
+@pytest.fixture(scope="package")
+def python_answer(cluster):
+    """`python_answer(messages, max_tokens) -> str`: what every chat example prints for a greedy
+    chat request, made from the Python client's answer: the text, then one line
+    `[finish_reason: P prompt tokens, C generated]`."""
+    return lambda messages, max_tokens: _answer(cluster.router_address, messages, max_tokens)
+
+
+def _answer(address: str, messages: list[dict[str, str]], max_tokens: int) -> str:
+    with Client(address) as client:
+        parts = list(client.chat(messages, SamplingParams(0.0, max_tokens=max_tokens), timeout=60))
+    text = "".join(p.text for p in parts)
+    usage = parts[-1].usage
+    reason = common_pb2.FinishReason.Name(parts[-1].finish_reason).removeprefix("FINISH_REASON_")
+    return (
+        f"{text}\n[{reason.lower()}: {usage.prompt_tokens} prompt tokens, "
+        f"{usage.completion_tokens} generated]\n"
+    )
+
+
+class Overloaded(generation_pb2_grpc.GenerationServicer):
+    """Every Generate is refused as a full router queue refuses it (router/generate.py)."""
+
+    async def Generate(self, request, context):  # noqa: N802
+        raise ResourceExhausted("router queue is full", retry_after_s=RETRY_AFTER_S)
+        yield  # NOTE: an async generator, as the real servicer's streaming method is
+
+
+@dataclass(frozen=True)
+class OverloadedRouter:
+    address: str
+    retry_after_s: float
+    tls_ca: Path | None = None  # PEM of the CA that signed the server's certificate
+    api_key: str | None = None  # the one key the server accepts
+
+
+def _serve_overloaded(tls: ServerTLS | None = None, keys: ApiKeys | None = None):
+    build = build_server(
+        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(Overloaded(), s)],
+        ["pagedserve.v1.Generation"],
+        interceptors=[AuthInterceptor(keys)] if keys else [],
+        tls=tls,
+    )
+    return serving(build)
+
+
+@pytest.fixture(scope="package")
+def overloaded_router():
+    """A server built by `build_server` (its ErrorInterceptor writes the trailers) whose Generate
+    always fails with RESOURCE_EXHAUSTED + RetryInfo(retry_after_s)."""
+    with _serve_overloaded() as handle:
+        yield OverloadedRouter(f"127.0.0.1:{handle.port}", RETRY_AFTER_S)
+
+
+@pytest.fixture(scope="package")
+def secure_overloaded_router(tmp_path_factory):
+    """`overloaded_router` behind TLS (a test CA's certificate for 127.0.0.1) and the router's
+    own API key check (`AuthInterceptor`): UNAUTHENTICATED without `api_key`."""
+    certs = make_certs(tmp_path_factory.mktemp("examples-certs"))
+    api_key = "example-key-0123456789abcdef"
+    keys = ApiKeys.parse(f"tenant-a:{api_key}", "test")
+    with _serve_overloaded(certs.server_tls(mtls=False), keys) as handle:
+        # NOTE: by name: Node.js warns when a TLS server name is an IP address (RFC 6066)
+        yield OverloadedRouter(f"localhost:{handle.port}", RETRY_AFTER_S, certs.ca, api_key)
