@@ -27,7 +27,7 @@ from google.protobuf import duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_health.v1 import _async as aio_health
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 from grpc_status import rpc_status
 
 from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
@@ -190,6 +190,25 @@ class ServerHandle:
         asyncio.run_coroutine_threadsafe(self.set_ready(ready), self.loop)
 
 
+REFLECTION_V1 = "grpc.reflection.v1.ServerReflection"
+
+
+def _add_reflection(server: grpc.aio.Server, listed: Sequence[str]) -> None:
+    """Server reflection v1alpha (grpcio-reflection's servicer) and v1: the same servicer under
+    v1's name. NOTE: grpcio-reflection ships only v1alpha; v1 is v1alpha renamed, the same
+    messages field for field, so the bytes on the wire are the same (grpcurl asks v1 first)."""
+    servicer = reflection.aio.ReflectionServicer(listed)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    handler = grpc.stream_stream_rpc_method_handler(
+        servicer.ServerReflectionInfo,
+        request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+        response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+    )
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(REFLECTION_V1, {"ServerReflectionInfo": handler}),)
+    )
+
+
 async def build_server(
     register: Sequence[Callable[[grpc.aio.Server], None]],
     service_names: Sequence[str],
@@ -223,9 +242,7 @@ async def build_server(
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     await health_servicer.set("", health_pb2.HealthCheckResponse.SERVING)
     names = tuple(service_names)
-    reflection.enable_server_reflection(
-        (*names, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    _add_reflection(server, (*names, health.SERVICE_NAME, reflection.SERVICE_NAME))
     try:
         if tls is None:
             port = server.add_insecure_port(address)

@@ -9,7 +9,7 @@ import pytest
 from aio_servers import serving
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 
 from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
@@ -125,14 +125,23 @@ def test_health_alive_then_ready(server):
     assert status(SERVICE) == health_pb2.HealthCheckResponse.SERVING
 
 
-def test_reflection_lists_the_service(server):
+@pytest.mark.parametrize("version", ["v1alpha", "v1"])
+def test_reflection_lists_the_service_in_v1alpha_and_v1(server, version):
     _, channel = server
-    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
-    responses = stub.ServerReflectionInfo(
-        iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=5
+    # NOTE: v1's messages are v1alpha's field for field: v1alpha's classes speak v1 too
+    info = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
     )
-    names = {s.name for s in next(responses).list_services_response.service}
+    requests = [
+        reflection_pb2.ServerReflectionRequest(list_services=""),
+        reflection_pb2.ServerReflectionRequest(file_containing_symbol=SERVICE),
+    ]
+    listing, files = list(info(iter(requests), timeout=5))
+    names = {s.name for s in listing.list_services_response.service}
     assert {SERVICE, "grpc.health.v1.Health"} <= names
+    assert files.file_descriptor_response.file_descriptor_proto  # the service's .proto
 
 
 def test_message_size_limit_is_enforced(server):
