@@ -51,7 +51,8 @@ ROLES = {
 # The gateway: an HTTP client of the router's public API (no model, no Redis, no torch).
 GATEWAY = f"{RELEASE}-pagedserve-gateway"
 GATEWAY_PORT = 8000
-ROUTER_ADDRESS = f"{RELEASE}-pagedserve-router:50051"
+# the gateways' target: every router pod (headless Service), round-robin, on the container port
+ROUTER_ADDRESS = f"dns:///{RELEASE}-pagedserve-router-headless.{NAMESPACE}.svc:50051"
 INGRESS_HOST = "api.example.com"
 OTLP = "http://jaeger-collector.observability:4317"
 EXTERNAL_REDIS = "redis://redis.example.internal:6379/0"
@@ -290,7 +291,7 @@ def test_defaults_render_three_roles_a_gateway_and_a_bundled_redis(
 ) -> None:
     assert kind_counts(renders["defaults"]) == {
         "Deployment": 4,
-        "Service": 5,
+        "Service": 6,  # the router's headless one for the gateways
         "StatefulSet": 1,
         "PodDisruptionBudget": 4,
         "NetworkPolicy": 5,
@@ -331,7 +332,7 @@ def test_role_services_speak_grpc_and_workers_are_headless(renders: dict[str, li
 def test_external_redis_drops_the_bundled_one(renders: dict[str, list[Doc]]) -> None:
     docs = renders["external-redis"]
     assert of_kind(docs, "StatefulSet") == []
-    assert len(of_kind(docs, "Service")) == 4
+    assert len(of_kind(docs, "Service")) == 5  # router, its headless one, prefill, decode, gateway
     assert len(of_kind(docs, "NetworkPolicy")) == 4
     for role in ROLES:
         assert flag(container(docs, role)["args"], "--redis-url") == EXTERNAL_REDIS
@@ -402,7 +403,9 @@ def test_service_monitor_only_when_the_api_exists(renders: dict[str, list[Doc]])
             assert flag(box["args"], "--metrics-port") == "9090"
             assert {"name": "metrics", "containerPort": 9090, "protocol": "TCP"} in box["ports"]
         for service in of_kind(docs, "Service"):
-            if not service["metadata"]["name"].endswith(("redis", "gateway")):
+            # NOTE: the router's headless Service (the gateways' target) has no metrics port, so
+            # the ServiceMonitor, which selects it too, scrapes each router once
+            if not service["metadata"]["name"].endswith(("redis", "gateway", "-headless")):
                 assert "metrics" in [p["name"] for p in service["spec"]["ports"]]
         gateway = container(docs, "gateway")
         assert "--metrics-port" not in gateway["args"]  # /metrics is on its HTTP port
@@ -619,7 +622,12 @@ def test_gateway_renders_by_default_as_a_client_of_the_router(
     box = container(docs, "gateway")
     args = box["args"]
     assert args[0] == "gateway"
+    # NOTE: every router pod through the headless Service, round-robin, on the container port
+    headless = f"{RELEASE}-pagedserve-router-headless"
     assert flag(args, "--router") == ROUTER_ADDRESS
+    service = next(d for d in docs if d["kind"] == "Service" and d["metadata"]["name"] == headless)
+    assert service["spec"]["clusterIP"] == "None"
+    assert service["spec"]["selector"]["app.kubernetes.io/component"] == "router"
     assert (flag(args, "--host"), flag(args, "--port")) == ("0.0.0.0", str(GATEWAY_PORT))
     assert flag(args, "--drain-timeout") == "30"
     assert "--request-timeout" not in args  # null: no limit

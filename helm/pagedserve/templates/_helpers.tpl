@@ -22,6 +22,11 @@
 {{- printf "%s-%s" (include "pagedserve.fullname" .root | trunc 50 | trimSuffix "-") .component }}
 {{- end }}
 
+{{/* The router's headless Service (the gateways' round-robin target). */}}
+{{- define "pagedserve.routerHeadlessName" -}}
+{{- printf "%s-headless" (include "pagedserve.componentName" (dict "root" . "component" "router")) }}
+{{- end }}
+
 {{- define "pagedserve.serviceAccountName" -}}
 {{- if .Values.serviceAccount.create }}
 {{- default (include "pagedserve.fullname" .) .Values.serviceAccount.name }}
