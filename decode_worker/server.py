@@ -29,7 +29,7 @@ from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
 from pagedserve.model.config import load_model_config
-from pagedserve.model.runner import kv_cache_spec
+from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc
 
@@ -43,8 +43,12 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         raise ValueError(f"swap-space: must be >= 0 GiB, got {args.swap_space}")
     if args.import_threads < 1:
         raise ValueError(f"import-threads: must be >= 1, got {args.import_threads}")
-    spec = kv_cache_spec(load_model_config(args.model, args.dtype), args.block_size)
-    num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(args.kv_cache_memory)
+    model_config = load_model_config(args.model, args.dtype)
+    spec = kv_cache_spec(model_config, args.block_size)
+    memory = kv_cache_bytes(
+        model_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction
+    )
+    num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(memory)
     if num_blocks < 1:
         raise ValueError("kv-cache-memory: too small for one block")
     return DecodeEngineConfig(

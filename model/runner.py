@@ -8,7 +8,9 @@ its sampler's generators (one draw per seeded, sampled row).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence as Seq
+from pathlib import Path
 
 import torch
 
@@ -30,6 +32,52 @@ def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
         block_size=block_size,
         dtype=config.dtype,
     )
+
+
+def weight_bytes(config: ModelConfig) -> int:
+    """Bytes of a Llama-family model's weights in its dtype (embeddings, every layer's
+    attention, MLP and norms, the final norm and, unless tied, the LM head)."""
+    h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
+    q = config.num_heads * config.head_dim
+    attention = h * q + 2 * h * kv + q * h
+    attention += (q + 2 * kv) * config.qkv_bias + h * config.o_bias
+    mlp = 3 * h * config.intermediate_size + (2 * config.intermediate_size + h) * config.mlp_bias
+    layer = attention + mlp + 2 * h
+    head = 0 if config.tie_word_embeddings else config.vocab_size * h
+    params = config.vocab_size * h + config.num_layers * layer + h + head
+    return params * config.dtype.itemsize
+
+
+def device_memory_bytes(device: str) -> int:
+    """What a worker on `device` may use: a CUDA device's total memory; on CPU the host's RAM,
+    or the container's memory limit (cgroup v2 `memory.max`) when that is smaller."""
+    if device.startswith("cuda"):
+        return int(torch.cuda.get_device_properties(torch.device(device)).total_memory)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+    except OSError:
+        return ram
+    return min(ram, int(limit)) if limit.isdigit() else ram
+
+
+def kv_cache_bytes(config: ModelConfig, device: str, memory: int, fraction: float | None) -> int:
+    """The KV budget: `memory` bytes, or with `fraction` that share of the device's memory
+    minus the weights. ValueError naming the flag when nothing is left for the cache.
+
+    NOTE: activations are not profiled (vLLM runs a dummy forward to measure them): a fraction
+    below 1 leaves them their room.
+    """
+    if fraction is None:
+        return memory
+    weights = weight_bytes(config)
+    budget = int(fraction * device_memory_bytes(device)) - weights
+    if budget <= 0:
+        raise ValueError(
+            f"kv-cache-memory-fraction: {fraction:g} of the device's memory leaves nothing for "
+            f"the KV cache after {weights / 2**30:.2f} GiB of weights"
+        )
+    return budget
 
 
 class ModelRunner:

@@ -33,6 +33,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {value}")
+    return value
+
+
 def default_worker_id(role: str, port: int) -> str:
     return f"{role}-{socket.gethostname()}-{port}"
 
@@ -56,6 +63,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--kv-cache-memory", type=bytes_arg, default=parse_bytes("256MiB"),
         help="bytes of KV cache (e.g. 2GiB); ignored with --num-gpu-blocks-override",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-cache-memory-fraction", type=fraction, default=None,
+        help="size the KV cache as this fraction of the device's memory (the container's "
+        "memory limit or RAM on CPU) minus the model's weights, e.g. 0.9 on a GPU (vLLM's "
+        "--gpu-memory-utilization); replaces --kv-cache-memory",
     )  # fmt: skip
     parser.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
     parser.add_argument(

@@ -41,7 +41,7 @@ from pagedserve.kvstore.worker_registry import (
 from pagedserve.metrics import CounterSource, Gauge, PrefixCacheCounts, register_state
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
-from pagedserve.model.runner import kv_cache_spec
+from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, worker_load
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
@@ -76,7 +76,10 @@ class _Cluster:
 def build_engine(args: argparse.Namespace) -> PrefillEngine:
     model_config = load_model_config(args.model, args.dtype)
     spec = kv_cache_spec(model_config, args.block_size)
-    num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(args.kv_cache_memory)
+    memory = kv_cache_bytes(
+        model_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction
+    )
+    num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(memory)
     if num_blocks < 1:
         raise ValueError("kv-cache-memory: too small for one block")
     config = PrefillEngineConfig(

@@ -1122,7 +1122,9 @@ def test_gpu_preset_runs_cuda_workers_on_a_cuda_image(
         box = container(docs, role)
         assert box["image"].endswith(f":{preset['image']['tag']}")
         assert flag(box["args"], "--device") == "cuda"
-        assert flag(box["args"], "--kv-cache-memory") == preset[role]["kvCacheMemory"]
+        fraction = flag(box["args"], "--kv-cache-memory-fraction")
+        assert fraction == str(preset[role]["kvCacheMemoryFraction"]) == "0.9"
+        assert "--kv-cache-memory" not in box["args"]  # the fraction replaces the size
         assert box["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert flag(container(docs, "decode")["args"], "--swap-space") == "16"
     # the default tag is the CPU build: --device cuda on it is refused, --device cpu is the default

@@ -136,7 +136,12 @@ app.kubernetes.io/part-of: pagedserve
 {{- fail "gpu.enabled runs the workers with --device cuda, which needs a CUDA build of the image: set image.tag (e.g. 0.1.0-cu128, see values-gpu.yaml) or image.digest" }}
 {{- end }}
 {{- $args := list "--device" (ternary "cuda" "cpu" $v.gpu.enabled) -}}
-{{- $args = concat $args (list "--max-num-batched-tokens" (toString (int .values.maxNumBatchedTokens)) "--max-num-seqs" (toString (int .values.maxNumSeqs)) "--kv-cache-memory" .values.kvCacheMemory) -}}
+{{- $args = concat $args (list "--max-num-batched-tokens" (toString (int .values.maxNumBatchedTokens)) "--max-num-seqs" (toString (int .values.maxNumSeqs))) -}}
+{{- if kindIs "invalid" .values.kvCacheMemoryFraction }}
+{{- $args = concat $args (list "--kv-cache-memory" .values.kvCacheMemory) -}}
+{{- else }}
+{{- $args = concat $args (list "--kv-cache-memory-fraction" (toString .values.kvCacheMemoryFraction)) -}}
+{{- end }}
 {{- with $v.model.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int .))) }}{{ end -}}
 {{- with .values.numGpuBlocksOverride }}{{ $args = concat $args (list "--num-gpu-blocks-override" (toString (int .))) }}{{ end -}}
 {{- $args = append $args (ternary "--enable-prefix-caching" "--no-enable-prefix-caching" .values.enablePrefixCaching) -}}

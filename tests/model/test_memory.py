@@ -1,0 +1,65 @@
+"""Sizing the KV cache from the device's memory (`--kv-cache-memory-fraction`): the weights'
+size computed from the config is the loaded model's, exactly, and the budget is the rest."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import pytest
+
+from pagedserve.config import add_model_arguments
+from pagedserve.model import runner
+from pagedserve.model.config import load_model_config
+from pagedserve.model.loader import load_model
+
+
+@pytest.mark.parametrize(
+    ("arch", "kwargs"),
+    [("llama", {}), ("qwen2", {}), ("mistral", {}), ("llama", {"tie_word_embeddings": True})],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_weight_bytes_are_the_loaded_models(make_tiny, arch, kwargs, dtype):
+    config = load_model_config(make_tiny(arch, **kwargs), dtype)
+    model = load_model(config)
+    loaded = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert runner.weight_bytes(config) == loaded
+
+
+def test_the_fraction_is_what_the_device_has_left_after_the_weights(tiny_llama, monkeypatch):
+    config = load_model_config(tiny_llama, "float32")
+    monkeypatch.setattr(runner, "device_memory_bytes", lambda device: 10 << 30)
+    weights = runner.weight_bytes(config)
+    assert runner.kv_cache_bytes(config, "cpu", 123, None) == 123  # no fraction: the bytes
+    assert runner.kv_cache_bytes(config, "cpu", 123, 0.5) == (5 << 30) - weights
+    with pytest.raises(ValueError, match="kv-cache-memory-fraction"):
+        runner.kv_cache_bytes(config, "cpu", 123, weights / (10 << 30) / 2)
+
+
+def test_cpu_memory_is_the_smaller_of_ram_and_the_container_limit():
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert 0 < runner.device_memory_bytes("cpu") <= physical
+
+
+@pytest.mark.parametrize("bad", ["0", "1.5", "-0.1"])
+def test_the_fraction_flag_is_in_zero_one(bad):
+    parser = argparse.ArgumentParser()
+    add_model_arguments(parser)
+    args = parser.parse_args(["--model", "m", "--kv-cache-memory-fraction", "0.9"])
+    assert args.kv_cache_memory_fraction == 0.9
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--model", "m", "--kv-cache-memory-fraction", bad])
+
+
+def test_a_decode_worker_sizes_its_pool_from_the_fraction(tiny_llama, monkeypatch):
+    from pagedserve.decode_worker.cli_args import add_arguments
+    from pagedserve.decode_worker.server import engine_config
+
+    monkeypatch.setattr(runner, "device_memory_bytes", lambda device: 1 << 30)
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--model", str(tiny_llama), "--kv-cache-memory-fraction", "0.25"])
+    config = load_model_config(tiny_llama, None)
+    spec = runner.kv_cache_spec(config, args.block_size)
+    budget = (1 << 28) - runner.weight_bytes(config)
+    assert engine_config(args).num_blocks == spec.num_blocks_for(budget)
