@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -350,6 +351,28 @@ def test_a_client_that_disconnects_mid_stream_frees_every_block(url, model_name,
         closed = time.monotonic()
     assert wait_idle(grpc_client, 1.0), "blocks still held a second after the disconnect"
     print(f"freed {time.monotonic() - closed:.3f} s after the disconnect")
+
+
+def test_a_client_that_leaves_a_non_streamed_request_frees_every_block(url, model_name,
+                                                                      grpc_client):  # fmt: skip
+    """No stream to break: the gateway watches the connection while it waits for the answer."""
+    assert wait_idle(grpc_client, 30)
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    body = json.dumps({"model": model_name, "messages": CONVERSATION, "max_tokens": 1500,
+                       "ignore_eos": True}).encode()  # fmt: skip
+    with socket.create_connection((host, int(port)), timeout=10) as conn:
+        conn.sendall(
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+            + f"Authorization: Bearer {KEY}\r\nContent-Type: application/json\r\n".encode()
+            + f"Content-Length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+
+        def running() -> bool:
+            return any(w.load.num_requests_running for w in grpc_client.status(timeout=5).workers)
+
+        assert wait_until(running, 30), "the request runs"
+    assert wait_idle(grpc_client, 1.0), "blocks still held a second after the client left"
 
 
 def gateway_pid(cluster) -> int:
