@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from example_chat import CHAT_ARGS, CHAT_MAX_TOKENS, CHAT_MESSAGES
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "node"
 pytestmark = pytest.mark.skipif(
@@ -39,14 +40,9 @@ def run_node(
 
 
 def test_node_chat_streams_the_answer_the_python_client_gets(node_example, cluster, python_answer):
-    out = run_node(node_example, "chat.js", cluster.router_address, "Name a colour.",
-                   "--system", "You are brief.", "--max-tokens", "8")  # fmt: skip
+    out = run_node(node_example, "chat.js", cluster.router_address, *CHAT_ARGS)
     assert out.returncode == 0, out.stderr
-    messages = [
-        {"role": "system", "content": "You are brief."},
-        {"role": "user", "content": "Name a colour."},
-    ]
-    assert out.stdout == python_answer(messages, 8)
+    assert out.stdout == python_answer(CHAT_MESSAGES, CHAT_MAX_TOKENS)
 
 
 def test_node_chat_prints_the_bad_field_and_why(node_example, cluster):

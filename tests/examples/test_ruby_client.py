@@ -10,6 +10,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from example_chat import CHAT_ARGS, CHAT_MAX_TOKENS, CHAT_MESSAGES
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ruby"
 
@@ -49,14 +50,9 @@ def run_ruby(example: Path, *args: str) -> subprocess.CompletedProcess:
 
 
 def test_ruby_chat_streams_the_answer_the_python_client_gets(ruby_example, cluster, python_answer):
-    out = run_ruby(ruby_example, cluster.router_address, "Name a colour.",
-                   "--system", "You are brief.", "--max-tokens", "8")  # fmt: skip
+    out = run_ruby(ruby_example, cluster.router_address, *CHAT_ARGS)
     assert out.returncode == 0, out.stderr
-    messages = [
-        {"role": "system", "content": "You are brief."},
-        {"role": "user", "content": "Name a colour."},
-    ]
-    assert out.stdout == python_answer(messages, 8)
+    assert out.stdout == python_answer(CHAT_MESSAGES, CHAT_MAX_TOKENS)
 
 
 def test_ruby_chat_prints_the_bad_field_and_why(ruby_example, cluster):
