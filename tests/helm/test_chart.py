@@ -135,7 +135,15 @@ MATRIX: dict[str, list[str]] = {
         "decode.updateStrategy.rollingUpdate.maxSurge=0",
         "decode.updateStrategy.rollingUpdate.maxUnavailable=1",
     ),
-    "hpa": _set(*(f"{role}.autoscaling.enabled=true" for role in (*ROLES, "gateway"))),
+    "hpa": _set(
+        *(f"{role}.autoscaling.enabled=true" for role in (*ROLES, "gateway")),
+        "metrics.enabled=true",
+    ),
+    "hpa-cpu-only": _set(
+        *(f"{role}.autoscaling.enabled=true" for role in ROLES),
+        "prefill.autoscaling.queueDepth.enabled=false",
+        "decode.autoscaling.queueDepth.enabled=false",
+    ),
     "servicemonitor-without-api": _set(*METRICS),
     "servicemonitor-with-api": _set(*METRICS) + ["--api-versions", "monitoring.coreos.com/v1"],
     "tracing": _set(
@@ -1142,7 +1150,7 @@ def hpa_metrics(docs: list[Doc], role: str) -> list[Doc]:
     return hpa["spec"]["metrics"]
 
 
-def test_queue_depth_hpa_is_opt_in(renders: dict[str, list[Doc]]) -> None:
+def test_workers_scale_on_queue_depth_by_default(renders: dict[str, list[Doc]]) -> None:
     docs = renders["production"]
     queue = {
         "type": "Pods",
@@ -1157,9 +1165,13 @@ def test_queue_depth_hpa_is_opt_in(renders: dict[str, list[Doc]]) -> None:
     assert hpa_metrics(docs, "decode") == [queue]  # targetCPUUtilizationPercentage: null
     for role in ("router", "gateway"):
         assert [m["type"] for m in hpa_metrics(docs, role)] == ["Resource"]
-    # autoscaling alone needs no prometheus-adapter: CPU only
+    # autoscaling on: the workers scale on CPU and their queue, router and gateway on CPU
     for role in (*ROLES, "gateway"):
-        assert [m["type"] for m in hpa_metrics(renders["hpa"], role)] == ["Resource"]
+        kinds = [m["type"] for m in hpa_metrics(renders["hpa"], role)]
+        assert kinds == (["Resource", "Pods"] if role in ("prefill", "decode") else ["Resource"])
+    # queueDepth.enabled=false: CPU only, no prometheus-adapter needed (nor metrics.enabled)
+    for role in ROLES:
+        assert [m["type"] for m in hpa_metrics(renders["hpa-cpu-only"], role)] == ["Resource"]
 
 
 def test_http_route_attaches_the_gateway_service(
@@ -1288,9 +1300,8 @@ def test_notes_show_tls_and_key_flags(tools: Tools) -> None:
     ("values", "needle"),
     [
         (["gpu.enabled=true"], "CUDA build"),
-        (["prefill.autoscaling.enabled=true", "prefill.autoscaling.queueDepth.enabled=true"],
-         "metrics.enabled"),
-        (["decode.autoscaling.enabled=true",
+        (["prefill.autoscaling.enabled=true"], "metrics.enabled"),  # queue depth by default
+        (["decode.autoscaling.enabled=true", "decode.autoscaling.queueDepth.enabled=false",
           "decode.autoscaling.targetCPUUtilizationPercentage=null"], "no metric"),
         (["dashboards.enabled=true"], "metrics.enabled"),
         (["gateway.https.enabled=true"], "tls.enabled"),
