@@ -1104,6 +1104,12 @@ def test_download_fills_the_cache_the_servers_mount_read_only(
             assert mounted_file(pod, init, env["HF_TOKEN_PATH"] or "") == (
                 "secret", "hf-token", "token")  # fmt: skip
             assert flag(init["args"], "--revision") == "main"
+            includes = [a for i, a in enumerate(init["args"]) if init["args"][i - 1] == "--include"]
+            if role == "router":  # the tokenizer, configs and chat template, never the weights
+                assert "*.json" in includes and "tokenizer*" in includes
+                assert not any("safetensors" in i or i == "*" for i in includes), includes
+            else:  # the values' patterns (the production case's include the weights)
+                assert "*.safetensors" in includes, includes
         else:
             args = build_parser().parse_args(init["args"])
             assert (args.command, args.source, args.dtype) == (

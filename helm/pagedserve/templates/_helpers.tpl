@@ -242,7 +242,7 @@ spec:
       {{- end }}
       {{- if eq $root.Values.model.source "download" }}
       initContainers:
-        {{- include "pagedserve.modelDownloadContainer" $root | nindent 8 }}
+        {{- include "pagedserve.modelDownloadContainer" (dict "root" $root "tokenizerOnly" (eq .component "router")) | nindent 8 }}
       {{- end }}
       containers:
         - name: {{ .component }}

@@ -58,18 +58,23 @@
 
 {{/*
 The init container that fills the cache volume (mounted at /cache): `hf download` or
-`pagedserve fetch-model`. Both skip what is already there, so only the first pod pays.
+`pagedserve fetch-model`. Both skip what is already there, so only the first pod pays. Call with
+(dict "root" $ "tokenizerOnly" <bool>): a router's `hf download` fetches only the tokenizer,
+configs and chat template.
 */}}
 {{- define "pagedserve.modelDownloadContainer" -}}
-{{- $d := .Values.model.download -}}
-{{- $out := printf "/cache/%s" (include "pagedserve.modelDownloadDir" .) -}}
+{{- $root := .root -}}
+{{- $d := $root.Values.model.download -}}
+{{- $out := printf "/cache/%s" (include "pagedserve.modelDownloadDir" $root) -}}
 {{- $hf := eq $d.method "huggingface" -}}
 - name: model-download
-  image: {{ include "pagedserve.image" . }}
-  imagePullPolicy: {{ .Values.image.pullPolicy }}
+  image: {{ include "pagedserve.image" $root }}
+  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
   {{- if $hf }}
   {{- $args := list "download" $d.repo "--revision" $d.hfRevision "--local-dir" $out }}
-  {{- range $d.include }}{{ $args = concat $args (list "--include" .) }}{{ end }}
+  {{- /* NOTE: a router needs the tokenizer, config and chat template, never the weights */}}
+  {{- $patterns := ternary (list "*.json" "*.jinja" "*.txt" "*.model" "tokenizer*") $d.include .tokenizerOnly }}
+  {{- range $patterns }}{{ $args = concat $args (list "--include" .) }}{{ end }}
   command: ["hf"]
   args:
     {{- range $args }}
@@ -107,7 +112,7 @@ The init container that fills the cache volume (mounted at /cache): `hf download
   resources:
     {{- toYaml $d.resources | nindent 4 }}
   securityContext:
-    {{- toYaml .Values.securityContext | nindent 4 }}
+    {{- toYaml $root.Values.securityContext | nindent 4 }}
   volumeMounts:
     - name: tmp
       mountPath: /tmp
