@@ -37,6 +37,7 @@ COPY kvstore ./kvstore
 COPY model ./model
 COPY kernels ./kernels
 COPY bench ./bench
+COPY gateway ./gateway
 RUN pip install . && python -c "import pagedserve.cli; pagedserve.cli.build_parser()"
 
 FROM ${BASE_IMAGE}
