@@ -150,7 +150,7 @@ class ClusterPeer:
         self.log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
         launch = argparse.Namespace(
             model=args.model, host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-            block_size=args.block_size, dtype=args.dtype, kv_cache_memory=args.kv_cache_memory,
+            block_size=args.block_size, dtype=args.dtype, kv_cache_memory=_kv_bytes(args),
             otlp_traces_endpoint=None, metrics=False, start_timeout=180.0, log_dir=None,
         )  # fmt: skip
         self.cluster = start_cluster(launch, self.log_dir)
@@ -166,6 +166,20 @@ class ClusterPeer:
 
     def close(self) -> None:
         self.cluster.stop()
+
+
+def _kv_bytes(args: argparse.Namespace) -> str:
+    """The cluster's KV bytes per worker: `--kv-cache-memory`, else as many blocks as the
+    engine peer has (`--num-blocks`). NOTE: a fixed byte size starved the real model: 256 MiB
+    holds 355 of SmolLM2's 30-layer blocks, a third of the engine's 1,024, and S1's decode
+    worker swapped half its batch out."""
+    if args.kv_cache_memory:
+        return args.kv_cache_memory
+    from pagedserve.model.config import load_model_config
+    from pagedserve.model.runner import kv_cache_spec
+
+    config = load_model_config(args.model, args.dtype)
+    return str(args.num_blocks * kv_cache_spec(config, args.block_size).bytes_per_block)
 
 
 PEERS = {"hf-static": HFStatic, "hf-cb": HFContinuous, "cluster": ClusterPeer}
@@ -197,7 +211,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     p.add_argument("--policy", default="priority", choices=["fcfs", "priority"])
     p.add_argument("--kv-policy", default="paged", choices=["paged", "reserve-max"])
-    p.add_argument("--kv-cache-memory", default="256MiB", help="cluster: per worker")
+    p.add_argument(
+        "--kv-cache-memory", default=None,
+        help="cluster: KV bytes per worker (default: the engine's --num-blocks at this model's "
+        "block size, so both run with the same KV budget)",
+    )  # fmt: skip
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="hf-static sweep")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     return p.parse_args(argv)
