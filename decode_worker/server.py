@@ -24,11 +24,17 @@ from pagedserve.decode_worker.kv_import import ProducerClients
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
-from pagedserve.grpcutil import build_server, client_tls_from_args, server_tls_from_args
+from pagedserve.grpcutil import (
+    EngineLoop,
+    build_server,
+    client_tls_from_args,
+    server_tls_from_args,
+)
 from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
 from pagedserve.model.config import load_model_config
+from pagedserve.model.core_share import one_torch_thread, open_core_share
 from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc
@@ -83,10 +89,16 @@ def main(args: argparse.Namespace) -> int:
     if stop.is_set():  # NOTE: stopped while loading: nothing is bound or registered yet
         engine.close()
         return 0
-    return asyncio.run(serve(args, engine, stop))
+    loop = EngineLoop("decode-loop", on_main_thread=True)
+    return loop.serve_on_side_thread(lambda: serve(args, engine, stop, loop), one_torch_thread)
 
 
-async def serve(args: argparse.Namespace, engine: DecodeEngine, stop: threading.Event) -> int:
+async def serve(
+    args: argparse.Namespace,
+    engine: DecodeEngine,
+    stop: threading.Event,
+    engine_loop: EngineLoop | None = None,
+) -> int:
     """Serve `engine` on a `grpc.aio` server until `stop` is set, then drain and stop."""
     tracing = setup_tracing(
         "pagedserve-decode", args.otlp_traces_endpoint, include_text=args.trace_include_text
@@ -110,6 +122,9 @@ async def serve(args: argparse.Namespace, engine: DecodeEngine, stop: threading.
     address = args.advertise_address or f"{args.host}:{handle.port}"
     worker.worker_id = args.worker_id or default_worker_id("decode", handle.port)
     member = await asyncio.to_thread(_join_cluster, args, worker, address)
+    worker.core_share = open_core_share(args.core_share)
+    if engine_loop is not None:
+        worker.engine_loop = engine_loop
     worker.on_loop_death = lambda: handle.set_ready_threadsafe(False)
     worker.start()
     await handle.server.start()

@@ -20,6 +20,7 @@ import grpc
 
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.worker import AsyncRequestStream, DecodeWorker
+from pagedserve.model.core_share import one_torch_thread
 from pagedserve.model.sequence import FinishReason
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import context_from
@@ -33,7 +34,9 @@ LOAD_MAX_WAIT_S = 0.01  # GetLoad: longer behind a step, and the load as of the 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, worker: DecodeWorker) -> None:
         self.worker = worker
-        self.executor = ThreadPoolExecutor(RPC_THREADS, thread_name_prefix="decode-rpc")
+        self.executor = ThreadPoolExecutor(
+            RPC_THREADS, thread_name_prefix="decode-rpc", initializer=one_torch_thread
+        )
         self.load_delay_s = test_load_delay_s()
 
     async def Decode(self, request, context) -> AsyncIterator[decode_pb2.DecodeResponse]:  # noqa: N802

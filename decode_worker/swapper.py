@@ -39,6 +39,7 @@ import torch
 from pagedserve.decode_worker.plan import SwapCopies, SwapDirection
 from pagedserve.kernels import dispatch
 from pagedserve.kvstore.block_pool import BlockId
+from pagedserve.model.core_share import one_torch_thread
 
 Pairs = Seq[tuple[int, int]]
 CopyFn = Callable[[torch.Tensor, torch.Tensor, Pairs], None]
@@ -102,7 +103,11 @@ class Swapper:
         self._pending: list[_Job] = []
         self._cuda = device_cache.device.type == "cuda"
         self._stream = torch.cuda.Stream(device_cache.device) if self._cuda else None
-        self._executor = None if self._cuda else ThreadPoolExecutor(1, "pagedserve-swapper")
+        self._executor = (
+            None
+            if self._cuda
+            else ThreadPoolExecutor(1, "pagedserve-swapper", initializer=one_torch_thread)
+        )
 
     @property
     def num_pending(self) -> int:

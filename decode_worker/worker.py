@@ -44,7 +44,9 @@ from pagedserve.decode_worker.kv_import import (
     TransferReport,
 )
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.grpcutil import EngineLoop
 from pagedserve.model.batch import ScheduledSequence
+from pagedserve.model.core_share import CoreShare, one_torch_thread
 from pagedserve.model.sequence import FinishReason, RequestId, Sequence
 from pagedserve.telemetry import Tracing, setup_tracing
 from pagedserve.worker_load import WorkerLoad
@@ -156,11 +158,14 @@ class DecodeWorker:
         self._tracked: dict[str, _Tracked] = {}
         self._outbox: list[tuple[AnyStream, Delta]] = []  # deltas to publish (lock held)
         self._last_load: WorkerLoad | None = None  # as of the end of the last step
-        self._imports = ThreadPoolExecutor(import_threads, thread_name_prefix="kv-import")
-        self._thread: threading.Thread | None = None
+        self._imports = ThreadPoolExecutor(
+            import_threads, thread_name_prefix="kv-import", initializer=one_torch_thread
+        )
+        self.engine_loop = EngineLoop("decode-loop")  # NOTE: a server runs it on the main thread
         self._stop = False
         self.dead = False  # the loop thread died: this worker can serve nothing more
         self.on_loop_death: Callable[[], None] | None = None
+        self.core_share: CoreShare | None = None  # the host's cores, lent between workers
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -283,17 +288,20 @@ class DecodeWorker:
     # -- loop ----------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="decode-loop", daemon=True)
-        self._thread.start()
+        self.engine_loop.start(self._run)
 
     def _run(self) -> None:
         try:
             while True:
                 with self._wake:
+                    if not self.engine.has_unfinished and self.core_share is not None:
+                        self.core_share.idle()
                     while not self._stop and not self.engine.has_unfinished:
                         self._wake.wait(0.5)
                     if self._stop:
                         return
+                    if self.core_share is not None:
+                        self.core_share.busy()
                     try:
                         if not self.step():
                             # NOTE: nothing fits while KV imports hold blocks; one wakes us
@@ -495,7 +503,6 @@ class DecodeWorker:
         with self._wake:
             self._stop = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(10)
+        self.engine_loop.join(10)
         self.importer.close()
         self.engine.close()

@@ -74,6 +74,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
+    parser.add_argument(
+        "--core-share", default=None, metavar="PATH:SLOT",
+        help="share this host's cores with the other workers of one `pagedserve up` through "
+        "the file PATH (this worker's slot SLOT): a worker takes cores / busy workers threads "
+        "before each step (set by `pagedserve up`; docs/architecture.md)",
+    )  # fmt: skip
 
 
 def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> None:

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.config import add_tls_arguments, parse_bytes
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
+from pagedserve.model import core_share
 
 _PR_SET_PDEATHSIG = 1
 GIB = 1 << 30
@@ -266,12 +267,14 @@ def _start_all(
     workers = [(f"prefill-{i}", "prefill") for i in range(args.prefill)]
     workers += [(f"decode-{i}", "decode") for i in range(args.decode)]
     started = []
-    env = _worker_env(getattr(args, "worker_threads", None), len(workers))
-    for name, role in workers:
+    env, share = _worker_env(getattr(args, "worker_threads", None), len(workers), log_dir)
+    for slot, (name, role) in enumerate(workers):
         # NOTE: a port of our choosing, not 0: a restarted worker comes back at the same
         # address, so the router's static list and its open channel find it again
         port = str(free_port())
         argv = [*cli, role, *common, "--port", port, "--worker-id", name, *redis_args]
+        if share is not None:
+            argv += ["--core-share", f"{share}:{slot}"]
         print(f"  {name:<10} memory: {memory_plan(role, args)}", flush=True)
         started.append(
             _spawn(name, _with_metrics(argv + _memory_flags(role, args), args), log_dir, env)
@@ -350,18 +353,28 @@ def _mib(num_bytes: int) -> str:
     return f"{num_bytes / (1 << 20):.1f} MiB"
 
 
-def _worker_env(threads: int | None, num_workers: int) -> dict[str, str] | None:
-    """Environment of the model workers: their torch threads split the host's cores.
+def _worker_env(
+    threads: int | None, num_workers: int, log_dir: Path | None = None
+) -> tuple[dict[str, str] | None, Path | None]:
+    """Environment of the model workers, and the core-share file they lend cores through.
 
     NOTE: every worker on one host with torch's default (a thread per core) oversubscribes the
     cores, and OpenMP threads that wait for each other then slow every step several times over.
-    An explicit `--worker-threads` wins, then an `OMP_NUM_THREADS` already set, then the split.
+    An explicit `--worker-threads` wins (fixed), then an `OMP_NUM_THREADS` already set (fixed,
+    inherited); otherwise the workers share the host's cores: each takes cores / busy workers
+    threads before a step (model/core_share.py), so a decode worker gets every core while the
+    prefill worker has nothing to do. Without a `log_dir` for the file, they split the cores.
     """
     if threads is None and "OMP_NUM_THREADS" in os.environ:
-        return None
+        return None, None
+    cores = os.cpu_count() or 1
+    if threads is None and num_workers > 1 and log_dir is not None:
+        share = log_dir / "core-share"
+        core_share.create(share, num_workers)
+        return {**os.environ, "OMP_NUM_THREADS": str(cores)}, share
     if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // max(num_workers, 1))
-    return {**os.environ, "OMP_NUM_THREADS": str(threads)}
+        threads = max(1, cores // max(num_workers, 1))
+    return {**os.environ, "OMP_NUM_THREADS": str(threads)}, None
 
 
 _TLS_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "tls_ca", "tls_client_cert",
@@ -487,8 +500,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument(
         "--worker-threads", type=int, default=None,
-        help="torch threads per model worker (default: $OMP_NUM_THREADS, else the host's cores "
-        "divided among the workers)",
+        help="fixed torch threads per model worker (default: $OMP_NUM_THREADS, else the "
+        "workers share the host's cores: cores / busy workers each, before every step)",
     )  # fmt: skip
     parser.add_argument("--otlp-traces-endpoint", default=None, help="passed to every service")
     parser.add_argument("--metrics", action="store_true", help="give every service a metrics port")

@@ -25,6 +25,7 @@ from pagedserve.cluster import ClusterMember, join, model_key
 from pagedserve.config import default_worker_id
 from pagedserve.grpcutil import (
     DEFAULT_MAX_MESSAGE_BYTES,
+    EngineLoop,
     ServerHandle,
     ServerTLS,
     build_server,
@@ -40,6 +41,7 @@ from pagedserve.kvstore.worker_registry import (
 )
 from pagedserve.metrics import CounterSource, Gauge, PrefixCacheCounts, register_state
 from pagedserve.model.config import load_model_config
+from pagedserve.model.core_share import one_torch_thread, open_core_share
 from pagedserve.model.loader import load_model
 from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
 from pagedserve.prefill_worker.cli_args import add_arguments
@@ -105,10 +107,14 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("heartbeat-interval: must be in (0, --worker-ttl)")
     warmup = load_warmup_prompts(args.warmup_prompts, args.model) if args.warmup_prompts else []
     worker = PrefillWorker(build_engine(args))
+    worker.core_share = open_core_share(args.core_share, borrow=False)
     if stop.is_set():
         worker.close()
         return 0
-    return asyncio.run(serve(args, worker, warmup, stop))
+    worker.engine_loop = EngineLoop("prefill-loop", on_main_thread=True)
+    return worker.engine_loop.serve_on_side_thread(
+        lambda: serve(args, worker, warmup, stop), one_torch_thread
+    )
 
 
 async def serve(

@@ -32,9 +32,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.grpcutil import EngineLoop
 from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.model.batch import RunnerOutput, StepPlan
+from pagedserve.model.core_share import CoreShare
 from pagedserve.model.sampler import GeneratorStates
 from pagedserve.model.sequence import Sequence
 from pagedserve.prefill_worker.engine import PrefillEngine
@@ -88,9 +90,10 @@ class PrefillWorker:
         self._wake = threading.Condition(self.lock)
         self._pending: dict[str, _Pending] = {}
         self._stop = False
-        self._thread: threading.Thread | None = None
+        self.engine_loop = EngineLoop("prefill-loop")  # NOTE: a server runs it on the main thread
         self.dead = False  # the loop thread died: this worker can prefill nothing more
         self.on_loop_death: Callable[[], None] | None = None
+        self.core_share: CoreShare | None = None  # the host's cores, lent between workers
         self.on_events: Callable[[list[BlockEvent]], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
@@ -211,16 +214,14 @@ class PrefillWorker:
 
     def start(self) -> None:
         self.reaper.start()
-        self._thread = threading.Thread(target=self._run, name="prefill-loop", daemon=True)
-        self._thread.start()
+        self.engine_loop.start(self._run)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the loop and the lease reaper; prompts in flight stay unanswered."""
         with self._wake:
             self._stop = True
             self._wake.notify()
-        if self._thread is not None:
-            self._thread.join(timeout_s)
+        self.engine_loop.join(timeout_s)
         self.reaper.stop()
 
     def close(self) -> None:
@@ -232,10 +233,14 @@ class PrefillWorker:
         try:
             while True:
                 with self._wake:
+                    if not self.engine.has_unfinished and self.core_share is not None:
+                        self.core_share.idle()
                     while not self._stop and not self.engine.has_unfinished:
                         self._wake.wait(0.5)
                     if self._stop:
                         return
+                    if self.core_share is not None:
+                        self.core_share.busy()
                 try:
                     self.step()
                 except Exception:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import grpc
 import pytest
@@ -13,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
 
 from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
-from pagedserve.grpcutil import build_server
+from pagedserve.grpcutil import EngineLoop, build_server
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
 SERVICE = "pagedserve.v1.Generation"
@@ -148,3 +149,45 @@ def test_message_size_limit_is_enforced(server):
     _, channel = server
     err = call_tokenize(channel, "x" * (2 * 1024 * 1024))
     assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def test_engine_loop_runs_on_the_main_thread_beside_the_server_thread():
+    """A worker's server runs on a side thread, its engine loop on the main one; the side
+    thread and its default executor get `side_thread_init` first."""
+    ran: dict[str, str] = {}
+    inits: list[str] = []
+    stop = threading.Event()
+    engine_loop = EngineLoop("test-loop", on_main_thread=True)
+
+    def loop() -> None:
+        ran["loop"] = threading.current_thread().name
+        stop.wait(10)
+
+    async def serve() -> int:
+        ran["server"] = threading.current_thread().name
+        engine_loop.start(loop)
+        await asyncio.to_thread(lambda: None)  # the default executor, initialised
+        stop.set()
+        assert engine_loop.join(10), "the loop returned on the main thread"
+        return 7
+
+    def init() -> None:
+        inits.append(threading.current_thread().name)
+
+    assert engine_loop.serve_on_side_thread(serve, init) == 7
+    assert ran == {"loop": "MainThread", "server": "test-loop-grpc"}
+    assert inits[0] == "test-loop-grpc" and inits[1].startswith("test-loop-aio")
+
+
+def test_engine_loop_on_its_own_thread_and_a_failing_server():
+    engine_loop = EngineLoop("own")
+    seen: list[str] = []
+    engine_loop.start(lambda: seen.append(threading.current_thread().name))
+    assert engine_loop.join(5) and seen == ["own"]
+    assert EngineLoop("never").join(0), "nothing started: nothing to wait for"
+
+    async def broken() -> int:
+        raise RuntimeError("bind failed")
+
+    with pytest.raises(RuntimeError, match="bind failed"):
+        EngineLoop("main", on_main_thread=True).serve_on_side_thread(broken)
