@@ -22,7 +22,13 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-import torch
+if __name__ == "__main__" and sys.argv[1:2] == ["engine"]:
+    # NOTE: our engine as `pagedserve prefill|decode` run it: before torch is imported
+    from pagedserve.model.host_memory import reuse_freed_memory
+
+    reuse_freed_memory()
+
+import torch  # noqa: E402
 
 from pagedserve.bench.metrics import RequestResult, summarize
 from pagedserve.bench.workloads import BenchRequest, load_requests

@@ -362,6 +362,9 @@ def _add_prefill(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_prefill(args: argparse.Namespace) -> int:
+    from pagedserve.model.host_memory import reuse_freed_memory
+
+    reuse_freed_memory()  # NOTE: before torch is imported, or it does not pay
     from pagedserve.prefill_worker.server import main as serve
 
     return serve(args)
@@ -376,6 +379,9 @@ def _add_decode(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_decode(args: argparse.Namespace) -> int:
+    from pagedserve.model.host_memory import reuse_freed_memory
+
+    reuse_freed_memory()  # NOTE: before torch is imported, or it does not pay
     from pagedserve.decode_worker.server import main as serve
 
     return serve(args)
