@@ -295,7 +295,7 @@ class EngineLoop:
         self.on_main_thread = on_main_thread
         self._handoff: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._done = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._started = False
 
     def start(self, loop: Callable[[], None]) -> None:
         """Run `loop` (it returns when its worker stops) on the chosen thread."""
@@ -306,17 +306,15 @@ class EngineLoop:
             finally:
                 self._done.set()
 
+        self._started = True
         if self.on_main_thread:
             self._handoff.put(run)
         else:
-            self._thread = threading.Thread(target=run, name=self.name, daemon=True)
-            self._thread.start()
+            threading.Thread(target=run, name=self.name, daemon=True).start()
 
     def join(self, timeout_s: float | None = None) -> bool:
         """Wait for a started loop to return; True when it has (or none was started)."""
-        if self._thread is None and not self.on_main_thread:
-            return True
-        return self._done.wait(timeout_s)
+        return not self._started or self._done.wait(timeout_s)
 
     def serve_on_side_thread(
         self,

@@ -185,6 +185,7 @@ def test_engine_loop_on_its_own_thread_and_a_failing_server():
     engine_loop.start(lambda: seen.append(threading.current_thread().name))
     assert engine_loop.join(5) and seen == ["own"]
     assert EngineLoop("never").join(0), "nothing started: nothing to wait for"
+    assert EngineLoop("never", on_main_thread=True).join(0), "nor on the main thread"
 
     async def broken() -> int:
         raise RuntimeError("bind failed")
