@@ -279,9 +279,10 @@ class Endpoints:
             raise
         if not body.stream:
             self.metrics.first_token.labels(endpoint).observe(time.monotonic() - started)
-            choices = [_choice(i, p) for i, p in enumerate(parts)]
+            choices = choices_of(parts, body.samples)
+            used = out.usage(p[-1] for p in parts if p)
             build = out.chat_completion if endpoint == "chat" else out.completion
-            return JSONResponse(build(env, choices))
+            return JSONResponse(build(env, choices, used))
         self.metrics.first_token.labels(endpoint).observe(time.monotonic() - started)
         stream = Stream(env, endpoint, body, calls, firsts)
         return EventStream(stream, done)
@@ -342,11 +343,22 @@ class EventStream(StreamingResponse):
         outcome.finish(200)
 
 
-def _choice(index: int, parts: list[generation_pb2.GenerateResponse]) -> out.Choice:
-    choice = out.Choice(index)
-    for part in parts:
-        choice.add(part)
-    return choice
+def choices_of(
+    answers: list[list[generation_pb2.GenerateResponse]], samples: int
+) -> list[out.Choice]:
+    """Every prompt's answer (one message per sample) as choices `p * samples + i`."""
+    choices = [out.Choice(i) for i in range(len(answers) * samples)]
+    for call, parts in enumerate(answers):
+        for part in parts:
+            choices[choice_index(call, part, samples)].add(part)
+    return choices
+
+
+def choice_index(call: int, part: generation_pb2.GenerateResponse, samples: int) -> int:
+    """The choice of sample `part.index` of prompt `call`, as vLLM numbers them."""
+    if part.index >= samples:
+        raise RuntimeError(f"the router sent sample {part.index} of a request with n = {samples}")
+    return call * samples + part.index
 
 
 async def _read(
@@ -379,7 +391,8 @@ async def _all_messages(
 
 
 class Stream:
-    """One streamed request's SSE chunks, its choices' gRPC streams merged in arrival order."""
+    """One streamed request's SSE chunks: its prompts' gRPC streams merged in arrival order,
+    each message a chunk of the choice of its prompt and sample (`choice_index`)."""
 
     def __init__(
         self,
@@ -395,33 +408,41 @@ class Stream:
         self.body = body
         self.calls = calls
         self.firsts = firsts
-        self.choices = [out.Choice(i) for i in range(len(calls))]
+        self.samples = body.samples
+        self.choices = [out.Choice(i) for i in range(len(calls) * self.samples)]
+        self.lasts: list[generation_pb2.GenerateResponse | None] = [None] * len(calls)
         self._tasks: list[asyncio.Task] = []
 
     async def chunks(self) -> AsyncIterator[bytes]:
         if self.chat:
             for choice in self.choices:
                 yield out.sse(self._with_usage(out.chat_chunk(self.env, choice, None, first=True)))
-        async for index, part in self._parts():
-            choice = self.choices[index]
+        async for call, part in self._parts():
+            self.lasts[call] = part
+            choice = self.choices[choice_index(call, part, self.samples)]
             choice.add(part)
             if part.text or part.logprobs or part.finish_reason:
                 build = out.chat_chunk if self.chat else out.completion_chunk
                 yield out.sse(self._with_usage(build(self.env, choice, part), choice))
         if self.body.include_usage:
-            yield out.sse(out.usage_chunk(self.env, self.kind, self.choices))
+            yield out.sse(out.usage_chunk(self.env, self.kind, self._usage()))
         yield out.sse("[DONE]")
 
     def _with_usage(self, chunk: dict[str, Any], choice: out.Choice | None = None) -> dict:
         """OpenAI: `usage: null` on every chunk with include_usage; vLLM's
         continuous_usage_stats: the running usage instead."""
         if self.body.continuous_usage:
-            chunk["usage"] = out.usage(c.last for c in self.choices if c.last)
+            chunk["usage"] = self._usage()
         elif self.body.include_usage:
             chunk["usage"] = None
         return chunk
 
+    def _usage(self) -> dict[str, Any]:
+        """Every prompt's latest usage (each counts all of its samples), summed."""
+        return out.usage(last for last in self.lasts if last)
+
     async def _parts(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
+        """(prompt, message) of every call, in arrival order."""
         for index, first in enumerate(self.firsts):
             if first is not None:
                 yield index, first

@@ -4,10 +4,18 @@ Parameters follow the OpenAI API reference; vLLM's extra sampling parameters are
 pagedserve has them (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `skip_special_tokens`, `priority`, `cache_salt`, `add_special_tokens`,
 `add_generation_prompt`, `continue_final_message`). Unknown fields are ignored, as OpenAI's and
-vLLM's servers do; a parameter pagedserve cannot honour (`n` > 1, `logit_bias`, tools, JSON mode,
-`echo`, `suffix`, image content) is a 400 naming it, never silently dropped. Range checks are the
+vLLM's servers do; a parameter pagedserve cannot honour (`logit_bias`, tools, JSON mode, `echo`,
+`suffix`, image content) is a 400 naming it, never silently dropped. Range checks are the
 router's (one place, the same for gRPC clients); the gateway checks only what the protos cannot
-carry (negative integers) and what is OpenAI's own (model, content parts).
+carry (negative integers) and what is OpenAI's own (model, content parts, `best_of` > n with
+`stream`).
+
+Samples: `n` (both endpoints) and `best_of` (completions) travel as `sampling.n` /
+`sampling.best_of` of one `GenerateRequest` per prompt; the router generates them (`--max-n`
+bounds them: 400 naming `n` or `best_of`). Prompt p's sample i is choice `p * n + i`, as in
+vLLM. `best_of` > n answers only once every sample has ended, so it cannot be streamed: with
+`stream: true` it is a 400 naming `best_of` (OpenAI: "results cannot be streamed"; vLLM 0.x
+silently answered without streaming instead, and vLLM V1 rejects `best_of` altogether).
 """
 
 from __future__ import annotations
@@ -43,7 +51,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    n: int | None = 1
+    n: UInt32 | None = None  # NOTE: None is 1; 0 reaches the router, which names `n`
     user: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -61,8 +69,6 @@ class _Sampling(BaseModel):
 
     def check_supported(self) -> None:
         """400 for what pagedserve cannot do yet (rather than answering something else)."""
-        if self.n is not None and self.n != 1:
-            raise invalid("n", "only n = 1 is supported (one choice per prompt)")
         if self.logit_bias:
             raise invalid("logit_bias", "logit_bias is not supported")
 
@@ -79,6 +85,8 @@ class _Sampling(BaseModel):
             out.top_k = max(self.top_k, 0)  # NOTE: vLLM's -1 is our 0: no top-k
         if self.max_tokens is not None:
             out.max_tokens = self.max_tokens
+        if self.n is not None:
+            out.n = self.n
         out.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
         out.stop_token_ids.extend(self.stop_token_ids or [])
         return out
@@ -91,6 +99,12 @@ class _Sampling(BaseModel):
             cache_salt=self.cache_salt or "",
             stream=self.stream,
         )
+
+    @property
+    def samples(self) -> int:
+        """Choices per prompt (`n`): the router's messages of prompt p, sample i are choice
+        `p * samples + i`."""
+        return 1 if self.n is None else self.n
 
     @property
     def include_usage(self) -> bool:
@@ -108,7 +122,7 @@ class CompletionRequest(_Sampling):
     logprobs: Annotated[int, Field(ge=0, lt=1 << 32)] | None = None
     echo: bool = False
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: UInt32 | None = None
     add_special_tokens: bool = True
 
     def prompts(self) -> list[str | list[int]]:
@@ -130,8 +144,11 @@ class CompletionRequest(_Sampling):
             raise invalid("echo", "echo is not supported")
         if self.suffix:
             raise invalid("suffix", "suffix is not supported")
-        if self.best_of not in (None, 1):
-            raise invalid("best_of", "only best_of = 1 is supported")
+        if self.stream and self.best_of is not None and self.best_of > self.samples >= 1:
+            raise invalid(
+                "best_of", f"best_of ({self.best_of}) > n ({self.samples}) cannot be streamed: "
+                "the best samples are known only when every sample has ended",
+            )  # fmt: skip
 
     def generate_requests(self, request_id: str) -> list[generation_pb2.GenerateRequest]:
         self.check_supported()
@@ -140,6 +157,8 @@ class CompletionRequest(_Sampling):
             request = self.base_request(request_id if index == 0 else f"{request_id}-{index}")
             if self.logprobs is not None:
                 request.sampling.logprobs = self.logprobs
+            if self.best_of is not None:
+                request.sampling.best_of = self.best_of
             if isinstance(prompt, str):
                 request.text = prompt
                 request.add_special_tokens = self.add_special_tokens

@@ -29,7 +29,8 @@ def stop_reason(part: generation_pb2.GenerateResponse) -> str | int | None:
 
 
 def usage(parts: Iterable[generation_pb2.GenerateResponse]) -> dict[str, Any]:
-    """OpenAI usage summed over the choices' latest (cumulative) usages."""
+    """OpenAI usage summed over the latest (cumulative) usage of each `GenerateRequest`: pass
+    one message per request (a request's usage already counts every one of its samples)."""
     prompt = completion = cached = 0
     for part in parts:
         prompt += part.usage.prompt_tokens
@@ -121,7 +122,7 @@ class Envelope:
         }  # fmt: skip
 
 
-def completion(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
+def completion(env: Envelope, choices: list[Choice], used: dict[str, Any]) -> dict[str, Any]:
     out = env.head("text_completion")
     out["choices"] = [
         {
@@ -133,11 +134,11 @@ def completion(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
         }
         for c in choices
     ]
-    out["usage"] = usage(c.last for c in choices if c.last)
+    out["usage"] = used
     return out
 
 
-def chat_completion(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
+def chat_completion(env: Envelope, choices: list[Choice], used: dict[str, Any]) -> dict[str, Any]:
     out = env.head("chat.completion")
     out["choices"] = [
         {
@@ -149,7 +150,7 @@ def chat_completion(env: Envelope, choices: list[Choice]) -> dict[str, Any]:
         }
         for c in choices
     ]
-    out["usage"] = usage(c.last for c in choices if c.last)
+    out["usage"] = used
     return out
 
 
@@ -195,11 +196,11 @@ def chat_chunk(
     return out
 
 
-def usage_chunk(env: Envelope, kind: str, choices: list[Choice]) -> dict[str, Any]:
+def usage_chunk(env: Envelope, kind: str, used: dict[str, Any]) -> dict[str, Any]:
     """The last chunk of `stream_options.include_usage`: no choices, the request's usage."""
     out = env.head(kind)
     out["choices"] = []
-    out["usage"] = usage(c.last for c in choices if c.last)
+    out["usage"] = used
     return out
 
 

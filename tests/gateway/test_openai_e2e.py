@@ -237,12 +237,103 @@ def test_repeated_prompt_reports_cached_tokens(client, model_name):
     assert before < again.usage.prompt_tokens - 16 <= cached < again.usage.prompt_tokens
 
 
+def test_n_greedy_completions_are_n_copies_of_the_single_answer(client, model_name):
+    kwargs = dict(model=model_name, temperature=0, max_tokens=6, logprobs=2,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    single = client.completions.create(prompt="a b c", **kwargs)
+    three = client.completions.create(prompt="a b c", n=3, **kwargs)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    for choice in three.choices:  # each sample's own logprobs, in its own choice
+        assert choice.text == single.choices[0].text
+        assert choice.logprobs.tokens == single.choices[0].logprobs.tokens
+        # NOTE: a batch of 3 rows need not round like a batch of 1
+        assert choice.logprobs.token_logprobs == pytest.approx(
+            single.choices[0].logprobs.token_logprobs, abs=1e-4
+        )
+        assert choice.finish_reason == "length"
+    assert three.usage.prompt_tokens == single.usage.prompt_tokens  # one prompt, prefilled once
+    assert three.usage.completion_tokens == 3 * single.usage.completion_tokens == 18
+    other = client.completions.create(prompt="x y", **kwargs)
+    both = client.completions.create(prompt=["a b c", "x y"], n=2, **kwargs)
+    texts = [single.choices[0].text] * 2 + [other.choices[0].text] * 2
+    assert [(c.index, c.text) for c in both.choices] == list(enumerate(texts))
+    assert both.usage.completion_tokens == 4 * 6
+
+
+def test_chat_samples_with_a_seed_are_reproducible(client, model_name):
+    kwargs = dict(model=model_name, messages=CONVERSATION, temperature=1.0, seed=11,
+                  max_tokens=8, extra_body={"ignore_eos": True})  # fmt: skip
+    first = client.chat.completions.create(n=2, **kwargs)
+    again = client.chat.completions.create(n=2, **kwargs)
+    texts = [c.message.content for c in first.choices]
+    assert [c.index for c in first.choices] == [0, 1]
+    assert [c.message.content for c in again.choices] == texts
+    assert texts[0] != texts[1], "each sample draws from its own seed"
+    single = client.chat.completions.create(**kwargs)
+    assert single.choices[0].message.content == texts[0]  # sample 0 draws from `seed` itself
+    assert first.usage.completion_tokens == 16
+
+
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+def test_streamed_samples_are_chunks_of_their_choice(client, model_name, endpoint):
+    kwargs = dict(model=model_name, temperature=1.0, seed=5, max_tokens=6, n=2,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    if endpoint == "chat":
+        create, kwargs = (
+            client.chat.completions.create,
+            kwargs | {"messages": CONVERSATION, "logprobs": True},
+        )
+    else:
+        create, kwargs = client.completions.create, kwargs | {"prompt": "a b c", "logprobs": 0}
+    whole = create(**kwargs)
+    chunks = list(create(**kwargs, stream=True, stream_options={"include_usage": True}))
+    texts, tokens, finishes = ["", ""], [[], []], [[], []]
+    for chunk in chunks[:-1]:
+        (choice,) = chunk.choices
+        if endpoint == "chat":
+            texts[choice.index] += choice.delta.content or ""
+            tokens[choice.index] += [t.token for t in choice.logprobs.content or ()
+                                     ] if choice.logprobs else []  # fmt: skip
+        else:
+            texts[choice.index] += choice.text
+            tokens[choice.index] += choice.logprobs.tokens if choice.logprobs else []
+        if choice.finish_reason:
+            finishes[choice.index].append(choice.finish_reason)
+    assert finishes == [["length"], ["length"]]
+    if endpoint == "chat":
+        assert [c.choices[0].delta.role for c in chunks[:2]] == ["assistant", "assistant"]
+        assert {c.choices[0].index for c in chunks[:2]} == {0, 1}
+        assert texts == [c.message.content for c in whole.choices]
+        assert tokens == [[t.token for t in c.logprobs.content] for c in whole.choices]
+    else:
+        assert texts == [c.text for c in whole.choices]
+        assert tokens == [c.logprobs.tokens for c in whole.choices]
+    assert len(tokens[0]) == len(tokens[1]) == 6
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(client, model_name):
+    kwargs = dict(model=model_name, prompt="a b c", temperature=1.0, seed=1, max_tokens=5,
+                  logprobs=0, extra_body={"ignore_eos": True})  # fmt: skip
+    samples = client.completions.create(n=3, **kwargs).choices  # best_of's samples, unranked
+    ranked = sorted(samples, key=lambda c: -sum(c.logprobs.token_logprobs))
+    assert ranked[0].index != 0, "seed 1 makes a later sample the likeliest"
+    best = client.completions.create(best_of=3, **kwargs)
+    assert [(c.index, c.text) for c in best.choices] == [(0, ranked[0].text)]
+    assert best.choices[0].logprobs.token_logprobs == pytest.approx(
+        ranked[0].logprobs.token_logprobs, abs=1e-4
+    )
+    assert best.usage.completion_tokens == 15  # every generated sample, as OpenAI bills
+    two = client.completions.create(n=2, best_of=3, **kwargs)
+    assert [(c.index, c.text) for c in two.choices] == [(0, ranked[0].text), (1, ranked[1].text)]
+
+
 BAD = {  # body changes -> the OpenAI parameter the 400 must name
     "temperature": {"temperature": -1},
     "top_p": {"top_p": 1.5},
     "max_tokens": {"max_tokens": 1 << 20},
     "max_completion_tokens": {"max_completion_tokens": 0},
-    "n": {"n": 2},
+    "n": {"n": 0},
     "logit_bias": {"logit_bias": {"5": 1.0}},
     "top_logprobs": {"top_logprobs": 2},
     "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -273,6 +364,12 @@ def test_bad_chat_parameters_are_400_naming_them(url, model_name, param):
         ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
         ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
         ("/v1/completions", {}, "prompt"),
+        ("/v1/completions", {"prompt": "x", "n": -1}, "n"),
+        ("/v1/completions", {"prompt": "x", "n": 17}, "n"),  # the router's --max-n: 16
+        ("/v1/completions", {"prompt": "x", "n": 2, "best_of": 1}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "best_of": 17}, "best_of"),
+        ("/v1/completions", {"prompt": "x", "best_of": 2, "stream": True}, "best_of"),
+        ("/v1/chat/completions", {"messages": CONVERSATION, "n": 17}, "n"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
             {"type": "image_url", "image_url": {"url": "http://x"}}]}]}, "messages[0].content"),
         ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
@@ -424,14 +521,18 @@ def test_one_trace_per_request_from_the_gateway_down(client, model_name, receive
     )  # fmt: skip
     trace_id = "0af7651916cd43dd8448eb211c80319c"
 
-    def services():
-        return {s.service for s in receiver.spans if s.trace_id == trace_id}
+    def gateway_and_its_child() -> bool:
+        """NOTE: each service exports its spans when they end, in batches: the router's
+        `router.route` may arrive before its parent `router.generate`, so wait for the child."""
+        spans = [s for s in receiver.spans if s.trace_id == trace_id]
+        gateway = [s.span_id for s in spans if s.service == "pagedserve-gateway"]
+        return any(s.parent_span_id in gateway for s in spans if s.service == "pagedserve-router")
 
-    assert wait_until(lambda: {"pagedserve-gateway", "pagedserve-router"} <= services(), 15)
+    done = wait_until(gateway_and_its_child, 15)
     spans = [s for s in receiver.spans if s.trace_id == trace_id]
+    assert done, [(s.service, s.name, s.span_id, s.parent_span_id) for s in spans]
     gateway = next(s for s in spans if s.service == "pagedserve-gateway")
     assert gateway.parent_span_id == "b7ad6b7169203331"
-    assert any(s.parent_span_id == gateway.span_id for s in spans if s.service != gateway.service)
 
 
 def start_gateway(router: str, tmp_path: Path) -> tuple[subprocess.Popen, str]:

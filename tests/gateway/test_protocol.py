@@ -12,6 +12,7 @@ from google.rpc import code_pb2, error_details_pb2, status_pb2
 from pydantic import ValidationError
 
 from pagedserve.gateway import responses as out
+from pagedserve.gateway.app import choice_index, choices_of
 from pagedserve.gateway.errors import GatewayError, from_rpc_error
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.v1 import common_pb2, generation_pb2
@@ -67,7 +68,6 @@ def test_chat_messages_roles_and_text_parts():
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"n": 3}, "n"),
         ({"logit_bias": {"1": 2}}, "logit_bias"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
@@ -112,6 +112,40 @@ def test_completion_prompts_become_one_request_each():
         CompletionRequest.model_validate(body | {"prompt": []}).generate_requests("c")
 
 
+def completion(**body) -> CompletionRequest:
+    return CompletionRequest.model_validate({"model": "m", "prompt": "hi"} | body)
+
+
+def test_n_and_best_of_travel_in_one_request_per_prompt():
+    request = completion(n=2, best_of=5).generate_requests("c")[0]
+    assert (request.sampling.n, request.sampling.best_of) == (2, 5)
+    many = completion(prompt=["a", "b"], n=3).generate_requests("c")
+    assert [(r.text, r.sampling.n, r.sampling.HasField("best_of")) for r in many] == [
+        ("a", 3, False), ("b", 3, False)
+    ]  # fmt: skip
+    assert chat(n=4).generate_requests("id")[0].sampling.n == 4
+    unset = completion().generate_requests("c")[0].sampling
+    assert not unset.HasField("n") and not unset.HasField("best_of")
+    assert (completion().samples, completion(n=None).samples, chat(n=3).samples) == (1, 1, 3)
+
+
+def test_best_of_above_n_cannot_be_streamed():
+    with pytest.raises(GatewayError) as info:
+        completion(n=2, best_of=3, stream=True).generate_requests("c")
+    assert (info.value.status, info.value.param) == (400, "best_of")
+    assert "stream" in info.value.message
+    for body in ({"n": 2, "best_of": 2}, {"best_of": 1}, {"n": 3}):  # nothing to rank: streams
+        assert completion(stream=True, **body).generate_requests("c")[0].stream
+    assert not completion(best_of=3).generate_requests("c")[0].stream
+
+
+@pytest.mark.parametrize("body", [{"n": -1}, {"best_of": -2}, {"n": 1 << 32}])
+def test_sample_counts_the_protos_cannot_carry_fail_validation(body):
+    with pytest.raises(ValidationError) as info:
+        completion(**body)
+    assert info.value.errors()[0]["loc"][0] == next(iter(body))
+
+
 def test_router_fields_become_openai_parameters():
     completion = CompletionRequest.model_validate({"model": "m", "prompt": "x"})
     assert completion.param_of("token_ids") == completion.param_of("text") == "prompt"
@@ -122,6 +156,8 @@ def test_router_fields_become_openai_parameters():
     assert chat(max_completion_tokens=3).param_of("sampling.max_tokens") == "max_completion_tokens"
     assert chat(max_tokens=3).param_of("sampling.max_tokens") == "max_tokens"
     assert chat().param_of("request_id") is None
+    assert chat().param_of("sampling.n") == completion.param_of("sampling.n") == "n"
+    assert completion.param_of("sampling.best_of") == "best_of"
 
 
 def rpc_error(code: grpc.StatusCode, message: str, *details) -> grpc.aio.AioRpcError:
@@ -191,6 +227,31 @@ def test_usage_sums_choices_and_reports_cached_tokens():
         "prompt_tokens": 8, "completion_tokens": 3, "total_tokens": 11,
         "prompt_tokens_details": {"cached_tokens": 4},
     }  # fmt: skip
+
+
+def test_choices_number_prompts_times_samples_and_usage_counts_each_request_once():
+    """vLLM's numbering: prompt p's sample i is choice p * n + i; each request's latest usage
+    already counts all of its samples, so it is added once per request, never per choice."""
+    answers = [
+        [part("a0", [1], 1, prompt_tokens=4, completion_tokens=3),
+         part("a1", [2, 3], 2, prompt_tokens=4, completion_tokens=3)],
+        [part("b0", [4], 1, prompt_tokens=2, completion_tokens=2),
+         part("b1", [5], 1, prompt_tokens=2, completion_tokens=2)],
+    ]  # fmt: skip
+    for answer in answers:
+        answer[1].index = 1
+    choices = choices_of(answers, samples=2)
+    env = out.Envelope("cmpl-x", 1, "m", logprobs=True)
+    body = out.completion(env, choices, out.usage(a[-1] for a in answers))
+    got = [(c["index"], c["text"], c["logprobs"]["tokens"], c["finish_reason"])
+           for c in body["choices"]]  # fmt: skip
+    assert got == [(0, "a0", ["t1é"], "stop"), (1, "a1", ["t2é", "t3é"], "length"),
+                   (2, "b0", ["t4é"], "stop"), (3, "b1", ["t5é"], "stop")]  # fmt: skip
+    assert body["usage"]["prompt_tokens"] == 6 and body["usage"]["completion_tokens"] == 5
+    stray = part("x", [1])
+    stray.index = 2
+    with pytest.raises(RuntimeError):
+        choice_index(0, stray, samples=2)
 
 
 def test_logprobs_shapes_and_no_infinity_in_json():
