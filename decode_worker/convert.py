@@ -54,6 +54,18 @@ class DecodeCall:
     first_logprobs: TokenLogprobs | None
     handle: KvHandleInfo | None  # None: recompute the prompt here
     stream_interval: int = 1  # the least new tokens per DecodeResponse (the last: what is left)
+    # Several samples: every sample's first token by index (the first is `first_token`)
+    samples: tuple[tuple[int, TokenLogprobs | None], ...] = ()
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences this worker runs for the request (a beam search: its beams)."""
+        return self.params.num_samples
+
+    @property
+    def num_outputs(self) -> int:
+        """Sequences it streams back: every sample, or a beam search's n best beams."""
+        return self.params.n if self.params.use_beam_search else self.params.num_samples
 
 
 @dataclass(slots=True)
@@ -68,9 +80,12 @@ class Delta:
     finish_reason: FinishReason | None = None
     matched_stop_token_id: int | None = None
     error: str | None = None  # set with FinishReason.ERROR: the status message
+    index: int = 0  # the sample it is about
 
     def merge(self, later: Delta) -> None:
-        """Fold a later delta of the same request into this one."""
+        """Fold a later delta of the same request and sample into this one."""
+        if later.index != self.index:
+            raise ValueError(f"merge: sample {later.index} into sample {self.index}")
         self.token_ids += later.token_ids
         self.logprobs += later.logprobs
         self.num_generated = later.num_generated
@@ -90,6 +105,13 @@ def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
         ),
         handle=kv_handle_info(msg.kv_handle) if msg.HasField("kv_handle") else None,
         stream_interval=max(1, msg.request.stream_interval),
+        samples=tuple(
+            (
+                sample.token_id,
+                logprobs_from_proto(sample.logprobs) if sample.HasField("logprobs") else None,
+            )
+            for sample in msg.samples
+        ),
     )
 
 
@@ -132,6 +154,7 @@ def decode_response(request_id: str, delta: Delta) -> decode_pb2.DecodeResponse:
         finish_reason=finish_reason_to_proto(delta.finish_reason),
         num_preemptions=delta.num_preemptions,
         recomputed_prompt=delta.recomputed_prompt,
+        index=delta.index,
     )
     if any(lp is not None for lp in delta.logprobs):
         response.logprobs.extend(

@@ -31,7 +31,7 @@ from pagedserve.decode_worker.plan import (
     SchedulingPolicy,
 )
 from pagedserve.decode_worker.preemption import PreemptionCostModel
-from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
+from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig, worst_case_blocks
 from pagedserve.decode_worker.swapper import CopyFn, Swapper
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.hashing import model_fingerprint
@@ -246,13 +246,31 @@ class DecodeEngine:
         KV (see `Scheduler.add_prefilled`); the engine owns and frees its blocks from here."""
         self.scheduler.add_prefilled(seq)
 
-    def would_fit(self, num_prompt_tokens: int, max_tokens: int) -> bool:
+    def add_samples(
+        self, parent: Sequence, samples: list[Sequence], *, prefilled: bool
+    ) -> list[Sequence]:
+        """Queue a multi-sample request forked by the caller (see `Scheduler.add_samples`);
+        returns the members already finished."""
+        return self.scheduler.add_samples(parent, samples, prefilled=prefilled)
+
+    def add_beam_request(
+        self, parent: Sequence, candidates: list[tuple[int, float]], *, prefilled: bool
+    ) -> list[Sequence]:
+        """Queue a beam search from its first candidates (see `Scheduler.add_beam_request`);
+        returns the beams already finished."""
+        return self.scheduler.add_beam_request(parent, candidates, prefilled=prefilled)
+
+    def would_fit(self, num_prompt_tokens: int, max_tokens: int, num_samples: int = 1) -> bool:
         """Whether a request of this size can ever fit this worker's device pool alone."""
         worst = min(num_prompt_tokens + max_tokens, self.max_model_len)
-        return -(-worst // self.pool.block_size) <= self.pool.num_blocks
+        blocks = worst_case_blocks(num_prompt_tokens, worst, self.pool.block_size, num_samples)
+        return blocks <= self.pool.num_blocks
 
     def abort(self, request_id: str) -> bool:
-        """Free the request's device and host blocks now; False if unknown or finished."""
+        """Free the request's device and host blocks now (every sample's); False if unknown
+        or finished."""
+        for seq in self.scheduler.members_of(request_id):
+            self.runner.sampler.remove(seq.request_id)
         self.runner.sampler.remove(request_id)
         return self.scheduler.abort(request_id)
 

@@ -13,6 +13,7 @@ A swapped-out sequence, block by block (block_size 4, 10 computed tokens)::
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
@@ -118,29 +119,67 @@ def swap_out(
     freed device blocks may be reallocated at once, so the copies must finish before anything
     writes them (see `Swapper`). Returns None, changing nothing, when the swap space is short.
     """
-    positions = exclusive_positions(table)
-    host_ids = host_pool.allocate(len(positions))
+    result = swap_out_group([table], [block_hashes], host_pool)
+    if result is None:
+        return None
+    (record,), pairs = result
+    return record, pairs
+
+
+def group_exclusive_blocks(tables: Seq[BlockTable]) -> list[BlockId]:
+    """Blocks of `tables` no one else references (the tables hold every reference), in order
+    of first appearance: what swapping the tables out together moves, each block once."""
+    counts = Counter(b for table in tables for b in table.block_ids)
+    pool = tables[0].pool
+    return [b for b in counts if pool.ref_count(b) == counts[b]]
+
+
+def swap_out_group(
+    tables: Seq[BlockTable], block_hashes: Seq[Seq[BlockHash]], host_pool: BlockPool
+) -> tuple[list[SwappedBlocks], list[tuple[BlockId, BlockId]]] | None:
+    """`swap_out` of several tables together (the samples of one request)::
+
+        sample 0: [ p0 p1 | a2 ]      p0, p1: the prompt's blocks, shared by the samples only
+        sample 1: [ p0 p1 | b2 ]      -> copied to the host ONCE: h0, h1 (ref 2 each), h2, h3
+        records:  [ h0 h1 h2 ], [ h0 h1 h3 ]
+
+    A block only these tables reference is copied to one host block, which every record that
+    held it references (one host-pool reference each); a block someone else also holds stays
+    on the device, referenced. Returns the records (one per table) and the copies; None,
+    changing nothing, when the swap space is short.
+    """
+    moved = group_exclusive_blocks(tables)
+    host_ids = host_pool.allocate(len(moved))
     if host_ids is None:
         return None
-    num_full = min(len(block_hashes), table.num_tokens // table.block_size)
-    record = SwappedBlocks(
-        device=list[BlockId | None](table.block_ids),
-        host=[None] * len(table.block_ids),
-        hashes=[block_hashes[i] if i < num_full else None for i in range(len(table.block_ids))],
-        num_tokens=table.num_tokens,
-    )
-    pairs: list[tuple[BlockId, BlockId]] = []
-    for position, host_id in zip(positions, host_ids, strict=True):
-        device_id = table.block_ids[position]
-        pairs.append((device_id, host_id))
-        record.device[position] = None
-        record.host[position] = host_id
-    # NOTE: tail first, like BlockTable.free: cached tails are evicted before cached heads.
-    table.pool.free(reversed([d for d, _ in pairs]))
-    table.block_ids = []
-    table.num_tokens = 0
-    table.num_cached_blocks = 0
-    return record, pairs
+    host_of = dict(zip(moved, host_ids, strict=True))
+    records = []
+    for table, hashes in zip(tables, block_hashes, strict=True):
+        num_full = min(len(hashes), table.num_tokens // table.block_size)
+        record = SwappedBlocks(
+            device=list[BlockId | None](table.block_ids),
+            host=[None] * len(table.block_ids),
+            hashes=[hashes[i] if i < num_full else None for i in range(len(table.block_ids))],
+            num_tokens=table.num_tokens,
+        )
+        for position, device_id in enumerate(table.block_ids):
+            host_id = host_of.get(device_id)
+            if host_id is not None:
+                record.device[position] = None
+                record.host[position] = host_id
+        records.append(record)
+    # NOTE: a host block held by several records gets one more reference per extra record
+    extra = [h for r in records for h in r.host if h is not None]
+    for host_id in host_ids:
+        extra.remove(host_id)
+    host_pool.acquire(extra)
+    for table in tables:
+        # NOTE: tail first, like BlockTable.free: cached tails are evicted before cached heads.
+        table.pool.free(reversed([b for b in table.block_ids if b in host_of]))
+        table.block_ids = []
+        table.num_tokens = 0
+        table.num_cached_blocks = 0
+    return records, list(host_of.items())
 
 
 def swap_in_cost(record: SwappedBlocks, pool: BlockPool) -> int:
@@ -149,12 +188,21 @@ def swap_in_cost(record: SwappedBlocks, pool: BlockPool) -> int:
     A host block whose hash is still cached on the device is re-acquired, not copied; a CACHED
     one still leaves the allocatable set, so it counts too.
     """
+    return swap_in_group_cost([record], pool)
+
+
+def swap_in_group_cost(records: Seq[SwappedBlocks], pool: BlockPool) -> int:
+    """`swap_in_cost` of `swap_in_group(records, ...)`: a host block shared by several records
+    costs one device block."""
     cost = 0
-    for position, host_id in enumerate(record.host):
-        if host_id is None:
-            continue
-        hit = _device_hit(record, position, pool)
-        cost += hit is None or pool.ref_count(hit) == 0
+    seen: set[BlockId] = set()
+    for record in records:
+        for position, host_id in enumerate(record.host):
+            if host_id is None or host_id in seen:
+                continue
+            seen.add(host_id)
+            hit = _device_hit(record, position, pool)
+            cost += hit is None or pool.ref_count(hit) == 0
     return cost
 
 
@@ -167,37 +215,57 @@ def swap_in(
     them (one FIFO queue). Returns None, changing nothing, when the device pool is short. The
     table's blocks are offered to the prefix cache again by the next `cache_full_blocks`.
     """
-    pool = table.pool
-    if table.block_ids or table.num_tokens:
-        raise RuntimeError(f"swap_in: table already holds {table.num_tokens} tokens")
-    if not pool.can_allocate(swap_in_cost(record, pool)):
+    return swap_in_group([record], [table], host_pool)
+
+
+def swap_in_group(
+    records: Seq[SwappedBlocks], tables: Seq[BlockTable], host_pool: BlockPool
+) -> tuple[list[tuple[BlockId, BlockId]], int] | None:
+    """`swap_in` of several records together (the samples `swap_out_group` moved): a host
+    block they share is copied into ONE device block, which every table references."""
+    pool = tables[0].pool
+    for table in tables:
+        if table.block_ids or table.num_tokens:
+            raise RuntimeError(f"swap_in: table already holds {table.num_tokens} tokens")
+    if not pool.can_allocate(swap_in_group_cost(records, pool)):
         return None
-    hits = {
-        position: hit
-        for position, host_id in enumerate(record.host)
-        if host_id is not None and (hit := _device_hit(record, position, pool)) is not None
-    }
-    pool.acquire(hits.values())
-    misses = [p for p, h in enumerate(record.host) if h is not None and p not in hits]
+    # NOTE: hits are taken before anything is allocated: an allocation may evict a CACHED
+    # block that a later position would have hit (and then cost more than counted)
+    hit_of = _hits(records, pool)
+    uses = [h for record in records for h in record.host if h is not None]
+    pool.acquire([hit_of[h] for h in uses if h in hit_of])
+    misses = list(dict.fromkeys(h for h in uses if h not in hit_of))
     fresh = pool.allocate(len(misses))
     if fresh is None:
-        raise RuntimeError("swap_in: pool ran short after swap_in_cost said it would not")
+        raise RuntimeError("swap_in: pool ran short after its cost said it would not")
     copied = dict(zip(misses, fresh, strict=True))
-    block_ids: list[BlockId] = []
-    pairs: list[tuple[BlockId, BlockId]] = []
-    for position, (device_id, host_id) in enumerate(zip(record.device, record.host, strict=True)):
-        if device_id is not None:
-            block_ids.append(device_id)
-        elif position in hits:
-            block_ids.append(hits[position])
-        else:
-            block_ids.append(copied[position])
-            pairs.append((_some(host_id), copied[position]))
-    host_pool.free([h for h in record.host if h is not None])
-    table.block_ids = block_ids
-    table.num_tokens = record.num_tokens
-    table.num_cached_blocks = 0
-    return pairs, len(hits)
+    # NOTE: a fresh block comes with one reference; each further table takes one more
+    extra = [copied[h] for h in uses if h in copied]
+    for device_id in fresh:
+        extra.remove(device_id)
+    pool.acquire(extra)
+    placed = hit_of | copied  # host block -> its device block
+    for record, table in zip(records, tables, strict=True):
+        table.block_ids = [
+            d if d is not None else placed[_some(h)]
+            for d, h in zip(record.device, record.host, strict=True)
+        ]
+        host_pool.free([h for h in record.host if h is not None])
+        table.num_tokens = record.num_tokens
+        table.num_cached_blocks = 0
+    return list(copied.items()), len(hit_of)
+
+
+def _hits(records: Seq[SwappedBlocks], pool: BlockPool) -> dict[BlockId, BlockId]:
+    """Host block -> the device block that still holds its hash (no copy needed)."""
+    hit_of: dict[BlockId, BlockId] = {}
+    for record in records:
+        for position, host_id in enumerate(record.host):
+            if host_id is not None and host_id not in hit_of:
+                hit = _device_hit(record, position, pool)
+                if hit is not None:
+                    hit_of[host_id] = hit
+    return hit_of
 
 
 def release(record: SwappedBlocks, pool: BlockPool, host_pool: BlockPool) -> None:

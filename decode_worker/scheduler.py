@@ -47,17 +47,26 @@ from pagedserve.decode_worker.preemption import (
     PreemptionCostModel,
     SwappedBlocks,
     exclusive_positions,
+    group_exclusive_blocks,
     release,
-    swap_in,
-    swap_in_cost,
-    swap_out,
+    swap_in_group,
+    swap_in_group_cost,
+    swap_out_group,
     trim_table,
 )
 from pagedserve.kvstore.block_pool import BlockId, BlockPool
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.batch import RunnerOutput, ScheduledSequence
+from pagedserve.model.batch import RunnerOutput, SampledToken, ScheduledSequence
+from pagedserve.model.beam_search import BeamSearch, hypothesis_finish_is_stop, new_beam_search
 from pagedserve.model.progress import admit, advance
-from pagedserve.model.sequence import FinishReason, RequestId, Sequence, SequenceStatus
+from pagedserve.model.sequence import (
+    FinishReason,
+    RequestId,
+    SampleGroup,
+    Sequence,
+    SequenceStatus,
+    fork_samples,
+)
 
 Rank = tuple[int, int]
 Pairs = list[tuple[BlockId, BlockId]]
@@ -165,6 +174,15 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._entries or self._failed)
 
+    def members_of(self, request_id: str) -> list[Sequence]:
+        """The queued sequences of request `request_id`: its own, and its other samples'."""
+        return [
+            entry.seq
+            for rid, entry in self._entries.items()
+            if rid == request_id
+            or (entry.seq.group is not None and entry.seq.group.request_id == request_id)
+        ]
+
     def num_preemptions_of(self, request_id: str) -> int:
         entry = self._entries.get(RequestId(request_id))
         return entry.num_preemptions if entry else 0
@@ -217,7 +235,13 @@ class Scheduler:
         Returns False (changing nothing) for an unknown or already finished request, so
         blocks are freed exactly once however often abort is called.
         """
-        entry = self._entries.pop(RequestId(request_id), None)
+        # NOTE: the request's id ends every sample (each holds its own references), also
+        # when sample 0 already finished
+        found = [self._abort_one(seq.request_id) for seq in self.members_of(request_id)]
+        return any(found)
+
+    def _abort_one(self, request_id: RequestId) -> bool:
+        entry = self._entries.pop(request_id, None)
         if entry is None:
             return False
         if entry in self.running:
@@ -255,8 +279,12 @@ class Scheduler:
         sampled token, checks the stop conditions and frees finished sequences' blocks.
         """
         finished: list[Sequence] = []
+        beams: dict[RequestId, list[tuple[ScheduledSequence, SampledToken]]] = {}
         for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
             seq = item.seq
+            if sampled is not None and seq.params.use_beam_search:
+                beams.setdefault(_request_of(seq), []).append((item, sampled))
+                continue
             done = advance(
                 self.kv,
                 item,
@@ -264,12 +292,193 @@ class Scheduler:
                 eos_token_ids=self.config.eos_token_ids,
                 max_model_len=self.config.max_model_len,
             )
+            if sampled is not None and seq.forks_pending:
+                # NOTE: before the parent's blocks can be freed: the samples share them
+                forks = [(token.token_id, token.logprobs) for token in sampled.forks]
+                rank = self._entries[seq.request_id].rank
+                finished += self._add_samples(rank, fork_samples(seq, forks))
             if done:
                 entry = self._entries.pop(seq.request_id)
                 self.running.remove(entry)
                 self.kv.free(seq.block_table)
                 finished.append(seq)
+        for rows in beams.values():
+            finished += self._beam_step(rows)
         return finished
+
+    # -- beam search ---------------------------------------------------------------------------
+
+    def add_beam_request(
+        self, parent: Sequence, candidates: list[tuple[int, float]], *, prefilled: bool
+    ) -> list[Sequence]:
+        """Queue a beam-search request whose prompt's last logits the prefill worker already
+        turned into `candidates` (token, logprob): the first beam step runs here, then the
+        beams are forked from `parent` (its table holds the prompt's KV when `prefilled`).
+        Returns the beams already finished (a search that ended at its first token)."""
+        search = new_beam_search(
+            parent.params, self.config.eos_token_ids, self._beam_tokens(parent)
+        )
+        step = search.step([candidates], [[]])
+        parent.append_token(step.tokens[0], None)
+        samples = fork_samples(parent, [(token, None) for token in step.tokens[1:]])
+        _some_group(parent).beam = search
+        (self.add_prefilled if prefilled else self.add)(parent)
+        entry = self._entries.get(parent.request_id)
+        if entry is None:  # NOTE: it can never fit: its beams fail with it
+            for seq in samples:
+                self.kv.free(seq.block_table)
+                seq.finish(FinishReason.ERROR)
+            return samples
+        finished = self._add_samples(entry.rank, samples)
+        if step.done:
+            finished += self._finish_beams(_some_group(parent))
+        return finished
+
+    def _beam_tokens(self, seq: Sequence) -> int:
+        return min(seq.params.max_tokens, self.config.max_model_len - seq.num_prompt_tokens)
+
+    def _beam_step(self, rows: list[tuple[ScheduledSequence, SampledToken]]) -> list[Sequence]:
+        """One beam-search step of a request whose beams (`rows`) completed a forward."""
+        first = rows[0][0].seq
+        if first.group is None:  # NOTE: the prompt's last row: the first step forks the beams
+            item, sampled = rows[0]
+            self._advance_computed(item, item.num_new_tokens)
+            search = new_beam_search(
+                first.params, self.config.eos_token_ids, self._beam_tokens(first)
+            )
+            step = search.step([sampled.candidates], [[]])
+            first.append_token(step.tokens[0], None)
+            rank = self._entries[first.request_id].rank
+            samples = fork_samples(first, [(token, None) for token in step.tokens[1:]])
+            _some_group(first).beam = search
+            finished = self._add_samples(rank, samples)
+            return finished + (self._finish_beams(_some_group(first)) if step.done else [])
+        group = _some_group(first)
+        search = _some_beam(group)
+        if len(rows) != len(group.members):
+            # NOTE: not every beam ran (a budget, a seat, a recompute): the step waits for
+            # them; the last token's KV is computed again with theirs
+            for item, _ in rows:
+                self._advance_computed(item, item.num_new_tokens - 1)
+            return []
+        rows = sorted(rows, key=lambda row: row[0].seq.sample_index)
+        for item, _ in rows:
+            self._advance_computed(item, item.num_new_tokens)
+        members = [item.seq for item, _ in rows]
+        step = search.step(
+            [sampled.candidates for _, sampled in rows], [m.output_token_ids for m in members]
+        )
+        self._reassign_beams(members, step.parents, step.tokens)
+        return self._finish_beams(group) if step.done else []
+
+    def _advance_computed(self, item: ScheduledSequence, num_tokens: int) -> None:
+        seq = item.seq
+        seq.num_computed_tokens += num_tokens
+        self.kv.cache_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
+
+    def _reassign_beams(
+        self, members: list[Sequence], parents: list[int], tokens: list[int]
+    ) -> None:
+        """Beam j continues beam `parents[j]` with `tokens[j]`: its table becomes a fork of
+        the parent's (sharing every block; the partial last block is copied on the next
+        write), and blocks only dropped beams held are freed."""
+        tables = [members[p].block_table.fork() for p in parents]
+        olds = [(m.token_ids, m.block_hashes, m.num_computed_tokens) for m in members]
+        for member in members:
+            self.kv.free(member.block_table)
+        for member, table, parent, token in zip(members, tables, parents, tokens, strict=True):
+            token_ids, hashes, computed = olds[parent]
+            member.block_table = table
+            member.token_ids = [*token_ids, token]
+            member.output_logprobs = [None] * member.num_output_tokens
+            member.block_hashes = list(hashes)
+            member.update_block_hashes()
+            member.num_computed_tokens = computed
+
+    def _finish_beams(self, group: SampleGroup) -> list[Sequence]:
+        """End a search: beam i < n gets the i-th best finished hypothesis; every beam's
+        blocks are freed. Returns every beam."""
+        search = _some_beam(group)
+        best = search.best(group.members[0].params.n)
+        for member in group.members:
+            entry = self._entries.pop(member.request_id, None)
+            if entry is not None and entry in self.running:
+                self.running.remove(entry)
+                self.kv.free(member.block_table)
+            elif entry is not None:
+                self._drop_queued(entry)
+            index = member.sample_index
+            if index < len(best):
+                hypothesis = best[index]
+                member.token_ids = [*member.prompt_token_ids, *hypothesis.token_ids]
+                member.output_logprobs = [None] * len(hypothesis.token_ids)
+                stop = hypothesis_finish_is_stop(hypothesis, search.stop_ids)
+                member.finish(FinishReason.STOP if stop else FinishReason.LENGTH)
+            else:
+                member.finish(FinishReason.STOP)
+        return list(group.members)
+
+    def _drop_queued(self, entry: _Entry) -> None:
+        """Take a waiting or swapped entry out of its queue, freeing what it holds."""
+        if entry in self.swapped:
+            self.swapped.remove(entry)
+            self._release_swapped(entry)
+        elif entry in self.waiting:
+            self.waiting.remove(entry)
+            heapq.heapify(self.waiting)
+
+    def add_samples(
+        self, parent: Sequence, samples: list[Sequence], *, prefilled: bool
+    ) -> list[Sequence]:
+        """Queue a multi-sample request the caller forked (`fork_samples`): `parent` (sample 0)
+        like `add_prefilled` (`prefilled`, its table holds the prompt's KV) or `add`, and its
+        `samples` beside it, sharing the prompt's blocks. Returns the members already finished
+        (by their first token, or failed with the parent), their blocks freed.
+        """
+        finished: list[Sequence] = []
+        if parent.check_stop(self.config.eos_token_ids, self.config.max_model_len):
+            self.kv.free(parent.block_table)  # NOTE: the samples hold their own references
+            finished.append(parent)
+            rank = self._rank(parent)
+        else:
+            (self.add_prefilled if prefilled else self.add)(parent)
+            entry = self._entries.get(parent.request_id)
+            if entry is None:  # NOTE: it can never fit: its samples fail with it
+                for seq in samples:
+                    self.kv.free(seq.block_table)
+                    seq.finish(FinishReason.ERROR)
+                return samples
+            rank = entry.rank
+        return finished + self._add_samples(rank, samples)
+
+    def _add_samples(self, rank: Rank, samples: list[Sequence]) -> list[Sequence]:
+        """Queue forked samples: running (sharing the prompt's blocks) while seats last, else
+        waiting with an empty table (they recompute, hitting the prefix cache). Returns those
+        their first token already finished."""
+        finished: list[Sequence] = []
+        for seq in samples:
+            if seq.request_id in self._entries:
+                raise ValueError(f"request_id: {seq.request_id!r} is already queued")
+            beam = seq.params.use_beam_search  # NOTE: the search decides when beams end
+            if not beam and seq.check_stop(self.config.eos_token_ids, self.config.max_model_len):
+                self.kv.free(seq.block_table)
+                finished.append(seq)
+                continue
+            entry = _Entry(seq, rank)
+            self._entries[seq.request_id] = entry
+            if seq.block_table.block_ids and len(self.running) < self.config.max_num_seqs:
+                seq.status = SequenceStatus.RUNNING
+                self.running.append(entry)
+            else:
+                self.kv.free(seq.block_table)
+                seq.num_computed_tokens = 0
+                seq.status = SequenceStatus.WAITING
+                heapq.heappush(self.waiting, entry)
+        return finished
+
+    def _rank(self, seq: Sequence) -> Rank:
+        priority = seq.priority if self.config.policy is SchedulingPolicy.PRIORITY else 0
+        return (priority, next(self._arrivals))
 
     # -- phase 1: swap in ----------------------------------------------------------------------
 
@@ -284,31 +493,45 @@ class Scheduler:
                 return
 
     def _try_swap_in(self, entry: _Entry, step: _Step) -> bool:
-        record = _some_record(entry)
-        slots = self._slots_for(entry.seq, record.num_tokens + 1)
-        growth = -(-slots // self.pool.block_size) - len(record.device)
+        """Swap in `entry` and every other swapped sample of its request, or none of them."""
+        group = [entry, *self._swapped_mates(entry)]
+        records = [_some_record(member) for member in group]
+        cost = swap_in_group_cost(records, self.pool)
         # NOTE: leave room for the running sequences' next tokens, or phase 2 would preempt
-        # the sequence just swapped in (it is often the worst-ranked one).
-        need = swap_in_cost(record, self.pool) + growth + self._running_growth()
-        seat = len(self.running) < self.config.max_num_seqs
+        # the sequence just swapped in (it is often the worst-ranked one); samples sharing a
+        # partial last block each copy it on their next token.
+        need = cost + self._running_growth() + len(group) - 1
+        for member, record in zip(group, records, strict=True):
+            slots = self._slots_for(member.seq, record.num_tokens + 1)
+            need += -(-slots // self.pool.block_size) - len(record.device)
+        seat = len(self.running) + len(group) <= self.config.max_num_seqs
         if not (seat and need <= self.pool.num_allocatable) and not self._displace_for(
-            entry, step, need, 1
+            entry, step, need, 1, len(group)
         ):
             return False
-        result = swap_in(record, entry.seq.block_table, _some_pool(self.host_pool))
+        tables = [member.seq.block_table for member in group]
+        result = swap_in_group(records, tables, _some_pool(self.host_pool))
         if result is None:
             return False
         pairs, hits = result
-        self.swapped.remove(entry)
-        entry.swapped = None
-        entry.seq.status = SequenceStatus.RUNNING
-        self.running.append(entry)
+        for member in group:
+            self.swapped.remove(member)
+            member.swapped = None
+            member.seq.status = SequenceStatus.RUNNING
+            self.running.append(member)
+            step.plan.swapped_in.append(member.seq)
         step.plan.add_swaps(SwapDirection.IN, pairs)
-        step.plan.swapped_in.append(entry.seq)
         self.stats.num_swap_in_blocks += len(pairs)
         self.stats.num_swap_in_bytes += len(pairs) * self.config.bytes_per_block
         self.stats.num_swap_in_cache_hits += hits
         return True
+
+    def _swapped_mates(self, entry: _Entry) -> list[_Entry]:
+        group = entry.seq.group
+        if group is None:
+            return []
+        mates = [self._entries.get(seq.request_id) for seq in group.members]
+        return [m for m in mates if m is not None and m is not entry and m in self.swapped]
 
     def _running_growth(self) -> int:
         """Blocks the running sequences need for one more token each (a reserve)."""
@@ -343,7 +566,7 @@ class Scheduler:
                 return
             victim = next(self._victims_for_running(entry))
             self._preempt(victim, step)
-            if victim is entry:
+            if victim is entry or entry not in self.running:
                 return
 
     def _tokens_that_fit(self, seq: Sequence, want: int) -> int:
@@ -426,10 +649,13 @@ class Scheduler:
 
     # -- displacing running sequences (phases 1 and 3) -----------------------------------------
 
-    def _displace_for(self, entry: _Entry, step: _Step, need_blocks: int, need_tokens: int) -> bool:
-        """Preempt running sequences `entry` may displace until it has a seat, `need_blocks`
-        allocatable blocks and `need_tokens` of budget; preempt nobody if that is impossible."""
-        seats = self.config.max_num_seqs - len(self.running)
+    def _displace_for(
+        self, entry: _Entry, step: _Step, need_blocks: int, need_tokens: int, need_seats: int = 1
+    ) -> bool:
+        """Preempt running sequences `entry` may displace until it has `need_seats` seats,
+        `need_blocks` allocatable blocks and `need_tokens` of budget; preempt nobody if that
+        is impossible."""
+        seats = self.config.max_num_seqs - len(self.running) - (need_seats - 1)
         blocks, budget = self.pool.num_allocatable, step.budget
         victims: list[_Entry] = []
         for candidate in sorted(self.running, reverse=True):
@@ -446,7 +672,8 @@ class Scheduler:
         if not (seats >= 1 and blocks >= need_blocks and budget >= need_tokens):
             return False
         for victim in victims:
-            self._preempt(victim, step)
+            if victim in self.running:  # NOTE: not already preempted with a sample of its group
+                self._preempt(victim, step)
         return True
 
     def _outranks(self, entry: _Entry, running: _Entry) -> bool:
@@ -457,27 +684,49 @@ class Scheduler:
     # -- preemption ----------------------------------------------------------------------------
 
     def _preempt(self, entry: _Entry, step: _Step) -> None:
-        """Take `entry` out of the running set by swap or recompute (see `_choose_mode`)."""
-        had_copies = bool(step.remove(entry))
-        seq = entry.seq
-        trim_table(seq.block_table, seq.num_computed_tokens)
-        self.running.remove(entry)
-        entry.num_preemptions += 1
-        mode = self._choose_mode(seq, force_recompute=had_copies)
-        if mode is PreemptionMode.SWAP:
-            result = swap_out(seq.block_table, seq.block_hashes, _some_pool(self.host_pool))
+        """Take `entry` out of the running set by swap or recompute (see `_choose_mode`), and
+        with it every other running sample of its request: a group is preempted as one unit,
+        all swapped (each block only the group holds copied once) or all recomputed."""
+        members = [entry, *self._running_mates(entry)]
+        had_copies = False
+        for member in members:
+            had_copies |= bool(step.remove(member))
+            trim_table(member.seq.block_table, member.seq.num_computed_tokens)
+            self.running.remove(member)
+            member.num_preemptions += 1
+        seqs = [member.seq for member in members]
+        if self._choose_mode(seqs, force_recompute=had_copies) is PreemptionMode.SWAP:
+            result = swap_out_group(
+                [seq.block_table for seq in seqs],
+                [seq.block_hashes for seq in seqs],
+                _some_pool(self.host_pool),
+            )
             if result is not None:
-                record, pairs = result
-                self._enter_swapped(entry, record, pairs, step)
+                records, pairs = result
+                for k, (member, record) in enumerate(zip(members, records, strict=True)):
+                    self._enter_swapped(member, record, pairs if k == 0 else [], step)
                 return
-        num_blocks = len(seq.block_table.block_ids)
-        self.kv.free(seq.block_table)
-        self._requeue_for_recompute(entry)
-        self.stats.num_preemptions_recompute += 1
-        step.plan.preempted.append(Preemption(seq, PreemptionMode.RECOMPUTE, num_blocks))
+        for member in members:
+            seq = member.seq
+            num_blocks = len(seq.block_table.block_ids)
+            self.kv.free(seq.block_table)
+            self._requeue_for_recompute(member)
+            self.stats.num_preemptions_recompute += 1
+            step.plan.preempted.append(Preemption(seq, PreemptionMode.RECOMPUTE, num_blocks))
 
-    def _choose_mode(self, seq: Sequence, *, force_recompute: bool) -> PreemptionMode:
-        """SWAP or RECOMPUTE for one victim whose table holds only computed tokens.
+    def _running_mates(self, entry: _Entry) -> list[_Entry]:
+        """The other running samples of `entry`'s request, worst-ranked first."""
+        group = entry.seq.group
+        if group is None:
+            return []
+        mates = [self._entries.get(seq.request_id) for seq in group.members]
+        return [
+            m for m in reversed(mates) if m is not None and m is not entry and m in self.running
+        ]
+
+    def _choose_mode(self, seqs: list[Sequence], *, force_recompute: bool) -> PreemptionMode:
+        """SWAP or RECOMPUTE for the victims (one sequence, or the samples of one request)
+        whose tables hold only computed tokens.
 
         NOTE: a victim with a copy-on-write pending in this plan is recomputed: its copy is
         dropped from the plan, so its new last block holds nothing worth swapping.
@@ -485,19 +734,21 @@ class Scheduler:
         mode = self.config.preemption_mode
         if force_recompute or mode is PreemptionMode.RECOMPUTE or self.host_pool is None:
             return PreemptionMode.RECOMPUTE
-        if seq.num_computed_tokens == 0:
+        if any(seq.num_computed_tokens == 0 for seq in seqs):
             return PreemptionMode.RECOMPUTE
-        table = seq.block_table
-        exclusive = exclusive_positions(table)
-        if not self.host_pool.can_allocate(len(exclusive)):
+        moved = group_exclusive_blocks([seq.block_table for seq in seqs])
+        if not self.host_pool.can_allocate(len(moved)):
             return PreemptionMode.RECOMPUTE
         if mode is PreemptionMode.SWAP:
             return PreemptionMode.SWAP
-        shared_head = exclusive[0] if exclusive else len(table.block_ids)
-        tokens = seq.num_computed_tokens - shared_head * self.pool.block_size
-        swap_cheaper = self.cost_model.prefers_swap(
-            len(exclusive), self.config.bytes_per_block, tokens
-        )
+        if len(seqs) == 1:
+            table = seqs[0].block_table
+            exclusive = exclusive_positions(table)
+            shared_head = exclusive[0] if exclusive else len(table.block_ids)
+            tokens = seqs[0].num_computed_tokens - shared_head * self.pool.block_size
+        else:  # NOTE: about what recomputing the blocks only the group holds costs
+            tokens = len(moved) * self.pool.block_size
+        swap_cheaper = self.cost_model.prefers_swap(len(moved), self.config.bytes_per_block, tokens)
         return PreemptionMode.SWAP if swap_cheaper else PreemptionMode.RECOMPUTE
 
     def _enter_swapped(
@@ -548,7 +799,15 @@ class Scheduler:
             raise RuntimeError("integrity: a waiting or swapped sequence holds a block table")
         if self.host_pool is not None:
             self.host_pool.check_integrity()
-            on_host = sum(_some_record(e).num_host_blocks for e in self.swapped)
+            # NOTE: a host block the samples of one request share is one block, one
+            # reference per record
+            host = [h for e in self.swapped for h in _some_record(e).host if h is not None]
+            if len(host) != self.host_pool.num_refs:
+                raise RuntimeError(
+                    f"integrity: records hold {len(host)} host refs, swap space counts "
+                    f"{self.host_pool.num_refs}"
+                )
+            on_host = len(set(host))
             if on_host != self.host_pool.num_used:
                 raise RuntimeError(
                     f"integrity: records hold {on_host} host blocks, swap space uses "
@@ -557,14 +816,38 @@ class Scheduler:
 
     def _does_not_fit(self, seq: Sequence) -> str | None:
         worst = min(seq.num_prompt_tokens + seq.params.max_tokens, self.config.max_model_len)
-        blocks = -(-worst // self.pool.block_size)
+        samples = seq.params.num_samples if seq.sample_index == 0 else 1
+        blocks = worst_case_blocks(seq.num_prompt_tokens, worst, self.pool.block_size, samples)
         if blocks <= self.pool.num_blocks:
             return None
         return (
-            f"request needs up to {worst} tokens ({blocks} KV blocks of "
+            f"request needs up to {worst} tokens per sample ({blocks} KV blocks of "
             f"{self.pool.block_size}) but this decode worker's KV cache holds only "
             f"{self.pool.num_blocks} blocks; lower max_tokens or use a larger worker"
         )
+
+
+def worst_case_blocks(prompt_tokens: int, worst_tokens: int, block_size: int, samples: int) -> int:
+    """Blocks a request of `samples` samples holds at most: the prompt's full blocks once
+    (shared), each sample's own blocks past them (its copy of a partial last block included)."""
+    shared = prompt_tokens // block_size
+    return shared + samples * (-(-worst_tokens // block_size) - shared)
+
+
+def _request_of(seq: Sequence) -> RequestId:
+    return seq.group.request_id if seq.group is not None else seq.request_id
+
+
+def _some_group(seq: Sequence) -> SampleGroup:
+    if seq.group is None:
+        raise RuntimeError(f"{seq.request_id}: not forked into samples")
+    return seq.group
+
+
+def _some_beam(group: SampleGroup) -> BeamSearch:
+    if group.beam is None:
+        raise RuntimeError(f"{group.request_id}: not a beam search")
+    return group.beam
 
 
 def _some_record(entry: _Entry) -> SwappedBlocks:

@@ -46,18 +46,22 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         parent = context_from(context.invocation_metadata())
         submitted = self.executor.submit(self.worker.submit, call, parent, stream)
         finished = False
+        # NOTE: several samples interleave on one stream: their messages are not coalesced
+        interval = call.stream_interval if call.num_outputs == 1 else 1
         try:
             await asyncio.wrap_future(submitted)
+            ended = 0
             while not finished:
                 delta = await stream.get()
-                while len(delta.token_ids) < call.stream_interval and delta.finish_reason is None:
+                while len(delta.token_ids) < interval and delta.finish_reason is None:
                     delta.merge(await stream.get())  # NOTE: stream_interval: fewer messages
                 yield convert.decode_response(call.request_id, delta)
                 if delta.finish_reason is FinishReason.ERROR:
                     await context.abort(
                         grpc.StatusCode.RESOURCE_EXHAUSTED, delta.error or "decode failed"
                     )
-                finished = delta.finish_reason is not None
+                ended += delta.finish_reason is not None
+                finished = ended == call.num_outputs
         finally:
             if not finished:
                 # NOTE: the client left (or the deadline passed): once submit has returned

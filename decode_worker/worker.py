@@ -47,7 +47,7 @@ from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
 from pagedserve.model.batch import ScheduledSequence
 from pagedserve.model.core_share import CoreShare, one_torch_thread
-from pagedserve.model.sequence import FinishReason, RequestId, Sequence
+from pagedserve.model.sequence import FinishReason, Sequence, fork_samples
 from pagedserve.telemetry import Tracing, setup_tracing
 from pagedserve.worker_load import WorkerLoad
 
@@ -60,21 +60,29 @@ class RequestStream:
 
     def __init__(self) -> None:
         self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
+        self._held: Delta | None = None  # read ahead: another sample's
 
     def put(self, delta: Delta) -> None:
         self._queue.put(delta)
 
     def get(self, timeout_s: float) -> Delta | None:
-        """The next delta merged with any others already queued; None after `timeout_s`."""
-        try:
-            delta = self._queue.get(timeout=timeout_s)
-        except queue.Empty:
-            return None
+        """The next delta merged with any others of its sample already queued; None after
+        `timeout_s`."""
+        delta, self._held = self._held, None
+        if delta is None:
+            try:
+                delta = self._queue.get(timeout=timeout_s)
+            except queue.Empty:
+                return None
         while delta.finish_reason is None:
             try:
-                delta.merge(self._queue.get_nowait())
+                later = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if later.index != delta.index:
+                self._held = later
+                break
+            delta.merge(later)
         return delta
 
 
@@ -86,16 +94,23 @@ class AsyncRequestStream:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self._queue: asyncio.Queue[Delta] = asyncio.Queue()
+        self._held: Delta | None = None  # read ahead: another sample's
 
     def put(self, delta: Delta) -> None:
         """On the loop's thread only (`publish` gets it there)."""
         self._queue.put_nowait(delta)
 
     async def get(self) -> Delta:
-        """The next delta merged with any others already queued."""
-        delta = await self._queue.get()
+        """The next delta merged with any others of its sample already queued."""
+        delta, self._held = self._held, None
+        if delta is None:
+            delta = await self._queue.get()
         while delta.finish_reason is None and not self._queue.empty():
-            delta.merge(self._queue.get_nowait())
+            later = self._queue.get_nowait()
+            if later.index != delta.index:
+                self._held = later
+                break
+            delta.merge(later)
         return delta
 
 
@@ -117,6 +132,11 @@ def publish(items: list[tuple[AnyStream, Delta]]) -> None:
             loop.call_soon_threadsafe(_put_all, batch)
 
 
+def _request_of(seq: Sequence) -> str:
+    """The request a sequence belongs to: its group's, or its own id."""
+    return seq.group.request_id if seq.group is not None else seq.request_id
+
+
 def _put_all(batch: list[tuple[AnyStream, Delta]]) -> None:
     for stream, delta in batch:
         stream.put(delta)
@@ -132,8 +152,15 @@ class _Tracked:
     cancel: ImportCancel = field(default_factory=ImportCancel)  # stops the import's pull
     recomputed: bool = False
     aborted: bool = False
-    num_sent: int = 1  # output tokens already reported; the first token is the caller's
+    num_samples: int = 1
+    num_sent: dict[int, int] = field(default_factory=dict)  # by sample: output tokens reported
+    ended: set[int] = field(default_factory=set)  # samples whose last delta was sent
     num_preemptions: int = 0
+
+    @property
+    def members(self) -> list[Sequence]:
+        """Every sample's sequence, by index (sample 0 alone until the fork)."""
+        return self.seq.group.members if self.seq.group is not None else [self.seq]
 
 
 class DecodeWorker:
@@ -192,13 +219,18 @@ class DecodeWorker:
                 "pagedserve.worker_id": self.worker_id,
             },
         )
-        tracked = _Tracked(seq, stream, span)
+        tracked = _Tracked(seq, stream, span, num_samples=call.num_outputs)
+        if call.params.use_beam_search:  # NOTE: the beams' tokens are all sent at the end
+            tracked.num_sent = dict.fromkeys(range(call.num_outputs), 0)
         with self.lock:
             if call.request_id in self._tracked:
                 raise InvalidArgument("request.request_id", f"{call.request_id!r} is in flight")
             self._tracked[call.request_id] = tracked
-            if seq.check_stop(self.engine.model_config.eos_token_ids, self.engine.max_model_len):
-                self._finish(tracked)  # NOTE: the first token already ended it
+            single = call.num_samples == 1
+            if single and seq.check_stop(
+                self.engine.model_config.eos_token_ids, self.engine.max_model_len
+            ):
+                self._finish(tracked, seq)  # NOTE: the first token already ended it
                 self._flush()
                 return stream
         self._imports.submit(self._import, tracked, call)
@@ -217,17 +249,40 @@ class DecodeWorker:
         except InvalidArgument as exc:
             prefix = "request" if exc.field == "prompt_token_ids" else "request.sampling"
             raise exc.with_prefix(prefix) from None
-        if call.first_token >= engine.model_config.vocab_size:
-            raise InvalidArgument(
-                "first_token", f"{call.first_token} is not < {engine.model_config.vocab_size}"
-            )
-        if not engine.would_fit(seq.num_prompt_tokens, call.params.max_tokens):
+        vocab = engine.model_config.vocab_size
+        if call.first_token >= vocab:
+            raise InvalidArgument("first_token", f"{call.first_token} is not < {vocab}")
+        self._check_samples(call, vocab)
+        if not engine.would_fit(seq.num_prompt_tokens, call.params.max_tokens, call.num_samples):
             raise ResourceExhausted(
                 f"request needs more than this decode worker's {engine.pool.num_blocks} KV "
                 f"blocks of {engine.pool.block_size}; lower max_tokens or use a larger worker"
             )
-        seq.append_token(call.first_token, call.first_logprobs)
+        if not call.params.use_beam_search:  # NOTE: the first beam step chooses the tokens
+            seq.append_token(call.first_token, call.first_logprobs)
         return seq
+
+    @staticmethod
+    def _check_samples(call: DecodeCall, vocab: int) -> None:
+        """`samples`: every sample's first token, or a beam search's first candidates."""
+        params, samples = call.params, call.samples
+        if any(token >= vocab for token, _ in samples):
+            raise InvalidArgument("samples", f"a token is not < {vocab}")
+        if params.use_beam_search:
+            if len(samples) < min(params.beam_size, vocab) or any(lp is None for _, lp in samples):
+                raise InvalidArgument(
+                    "samples", f"a beam search of {params.beam_size} beams needs at least as "
+                    "many candidates (token, logprob)"
+                )  # fmt: skip
+            return
+        if call.num_samples > 1 and len(samples) != call.num_samples:
+            raise InvalidArgument(
+                "samples", f"{call.num_samples} samples asked, {len(samples)} first tokens given"
+            )
+        if call.num_samples == 1 and samples:
+            raise InvalidArgument("samples", "given for a request with one sample")
+        if samples and samples[0][0] != call.first_token:
+            raise InvalidArgument("samples", "samples[0] must repeat first_token")
 
     def _import(self, tracked: _Tracked, call: DecodeCall) -> None:
         report = TransferReport()
@@ -261,10 +316,27 @@ class DecodeWorker:
             tracked.queue_span = self.tracing.tracer.start_span(
                 "decode.queue", context=set_span_in_context(tracked.span)
             )
-            if reason is None:
+            if reason is not None:
+                self.engine.kv.free(tracked.seq.block_table)  # NOTE: a no-op unless partial
+                tracked.seq.num_computed_tokens = 0
+            if call.params.use_beam_search:
+                candidates = [(t, lp.logprob) for t, lp in call.samples if lp is not None]
+                done = self.engine.add_beam_request(
+                    tracked.seq, candidates, prefilled=reason is None
+                )
+                for seq in done:
+                    self._finish(tracked, seq)
+                self._flush()
+            elif call.num_samples > 1:
+                # NOTE: fork after the import: every sample shares the prompt's blocks
+                samples = fork_samples(tracked.seq, list(call.samples[1:]))
+                done = self.engine.add_samples(tracked.seq, samples, prefilled=reason is None)
+                for seq in done:
+                    self._finish(tracked, seq)
+                self._flush()
+            elif reason is None:
                 self.engine.add_prefilled(tracked.seq)
             else:
-                tracked.seq.num_computed_tokens = 0
                 self.engine.add_sequence(tracked.seq)
             self._wake.notify()
 
@@ -280,10 +352,22 @@ class DecodeWorker:
                 tracked.cancel.cancel()  # NOTE: the import frees its blocks, then the lease
             else:
                 self.engine.abort(request_id)
-            tracked.seq.finish(FinishReason.ABORT)
-            self._finish(tracked)
+            self._end_all(tracked, FinishReason.ABORT)
             self._flush()
             return True
+
+    def _end_all(self, tracked: _Tracked, reason: FinishReason, error: str | None = None) -> None:
+        """Finish every sample of `tracked` not yet ended with `reason` (lock held)."""
+        for index in range(tracked.num_samples):
+            if index in tracked.ended:
+                continue
+            members = tracked.members
+            seq = members[index] if index < len(members) else tracked.seq
+            if not seq.is_finished or seq.finish_reason is not reason:
+                seq.finish(reason)
+            if error is not None:
+                self.engine.errors[seq.request_id] = error
+            self._finish(tracked, seq, index)
 
     # -- loop ----------------------------------------------------------------------------------
 
@@ -329,9 +413,9 @@ class DecodeWorker:
             self.engine.abort(seq.request_id)
             seq.finish(FinishReason.ERROR)
             self.engine.errors[seq.request_id] = f"{seq.request_id}: decode step failed"
-            tracked = self._tracked.get(seq.request_id)
+            tracked = self._tracked.get(_request_of(seq))
             if tracked is not None:
-                self._finish(tracked)
+                self._finish(tracked, seq)
         self._flush()
 
     def _runs_alone(self, seq: Sequence) -> bool:
@@ -369,13 +453,18 @@ class DecodeWorker:
             out = self.engine.step()
             self._trace_plan(out.plan)
             for seq in out.finished:
-                tracked = self._tracked.get(seq.request_id)
+                tracked = self._tracked.get(_request_of(seq))
                 if tracked is not None:
-                    self._finish(tracked)
+                    self._finish(tracked, seq)
             for item in out.plan.scheduled:
-                tracked = self._tracked.get(item.seq.request_id)
-                if tracked is not None and item.seq.num_output_tokens > tracked.num_sent:
-                    self._outbox.append((tracked.stream, self._delta(tracked)))
+                seq = item.seq
+                tracked = self._tracked.get(_request_of(seq))
+                if tracked is None or seq.sample_index in tracked.ended:
+                    continue
+                if seq.params.use_beam_search:
+                    continue  # NOTE: beams change until the search ends: sent at the end
+                if seq.num_output_tokens > tracked.num_sent.get(seq.sample_index, 1):
+                    self._outbox.append((tracked.stream, self._delta(tracked, seq)))
             self._flush()
             self._last_load = self._load_locked()
             return not out.plan.is_empty
@@ -383,7 +472,7 @@ class DecodeWorker:
     def _trace_plan(self, plan) -> None:
         """Span events for what the step did to each request (preempt, swap, recompute)."""
         for item in plan.scheduled:
-            tracked = self._tracked.get(item.seq.request_id)
+            tracked = self._tracked.get(_request_of(item.seq))
             if tracked is not None and tracked.queue_span is not None:
                 tracked.queue_span.end()
                 tracked.queue_span = None
@@ -392,16 +481,17 @@ class DecodeWorker:
         events += [("swap-in", seq, {}) for seq in plan.swapped_in]
         events += [("recompute", seq, {"reason": "preempted"}) for seq in plan.recomputed]
         for name, seq, attributes in events:
-            tracked = self._tracked.get(seq.request_id)
+            tracked = self._tracked.get(_request_of(seq))
             if tracked is not None:
                 tracked.span.add_event(name, attributes)
                 if name == "preempt" and attributes["mode"] == "swap":
                     tracked.span.add_event("swap-out", {"blocks": attributes["blocks"]})
 
-    def _delta(self, tracked: _Tracked) -> Delta:
-        seq = tracked.seq
-        new = slice(tracked.num_sent, seq.num_output_tokens)
-        tracked.num_sent = seq.num_output_tokens
+    def _delta(self, tracked: _Tracked, seq: Sequence, index: int | None = None) -> Delta:
+        """What `seq` (sample `index`, default its own) made since its last delta."""
+        index = seq.sample_index if index is None else index
+        new = slice(tracked.num_sent.get(index, 1), seq.num_output_tokens)
+        tracked.num_sent[index] = seq.num_output_tokens
         tracked.num_preemptions = max(
             tracked.num_preemptions, self.engine.scheduler.num_preemptions_of(seq.request_id)
         )
@@ -411,12 +501,17 @@ class DecodeWorker:
             num_generated=seq.num_output_tokens,
             num_preemptions=tracked.num_preemptions,
             recomputed_prompt=tracked.recomputed,
+            index=index,
         )
 
-    def _finish(self, tracked: _Tracked) -> None:
-        """Send the last delta and forget the request (lock held)."""
-        seq = tracked.seq
-        delta = self._delta(tracked)
+    def _finish(self, tracked: _Tracked, seq: Sequence, index: int | None = None) -> None:
+        """Send sample `seq`'s last delta; forget the request once every sample has ended
+        (lock held)."""
+        index = seq.sample_index if index is None else index
+        if index in tracked.ended or index >= tracked.num_samples:
+            return  # NOTE: a beam search's beams past the n best are not returned
+        tracked.ended.add(index)
+        delta = self._delta(tracked, seq, index)
         delta.finish_reason = seq.finish_reason
         if (
             seq.finish_reason is FinishReason.STOP
@@ -425,16 +520,21 @@ class DecodeWorker:
             delta.matched_stop_token_id = seq.token_ids[-1]
         if seq.finish_reason is FinishReason.ERROR:
             delta.error = self.engine.errors.pop(seq.request_id, "decode failed")
-        del self._tracked[seq.request_id]
         self._outbox.append((tracked.stream, delta))
+        if len(tracked.ended) < tracked.num_samples:
+            return
+        del self._tracked[_request_of(tracked.seq)]
         if tracked.queue_span is not None:
             tracked.queue_span.end()
-        tracked.span.set_attribute("gen_ai.usage.output_tokens", seq.num_output_tokens)
+        members = tracked.members
+        output_tokens = sum(m.num_output_tokens for m in members)
+        seq = tracked.seq
+        tracked.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
         tracked.span.set_attribute("gen_ai.usage.input_tokens", seq.num_prompt_tokens)
         tracked.span.set_attribute("pagedserve.num_preemptions", tracked.num_preemptions)
         tracked.span.set_attribute("pagedserve.recomputed_prompt", tracked.recomputed)
-        reason = seq.finish_reason.value if seq.finish_reason else "unknown"
-        tracked.span.set_attribute("gen_ai.response.finish_reasons", [reason])
+        reasons = [m.finish_reason.value if m.finish_reason else "unknown" for m in members]
+        tracked.span.set_attribute("gen_ai.response.finish_reasons", reasons)
         tracked.span.end()
 
     def _flush(self) -> None:
@@ -451,9 +551,7 @@ class DecodeWorker:
                 else:
                     tracked.aborted = True
                     tracked.cancel.cancel()
-                tracked.seq.finish(FinishReason.ERROR)
-                self.engine.errors[RequestId(request_id)] = "decode step failed"
-                self._finish(tracked)
+                self._end_all(tracked, FinishReason.ERROR, "decode step failed")
             self._flush()
 
     # -- state ---------------------------------------------------------------------------------

@@ -65,8 +65,15 @@ class StepPlan:
 
 @dataclass(slots=True)
 class SampledToken:
+    """A sampled token; for a multi-sample request's first token (`Sequence.forks_pending`),
+    `forks` holds the first tokens of samples 1 .. k-1, drawn from the same logits; for a beam
+    of a beam search, `candidates` (and `token_id` is the most likely of them)."""
+
     token_id: int
     logprobs: TokenLogprobs | None
+    forks: list[SampledToken] = field(default_factory=list)
+    # A beam of a beam search is not sampled: its best continuations (token, logprob)
+    candidates: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -18,9 +18,11 @@ from pagedserve.kernels import dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
 from pagedserve.model.batch import RunnerOutput, SampledToken, ScheduledSequence
+from pagedserve.model.beam_search import beam_candidates_per_row
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.sampler import Sampler, SamplingRow
+from pagedserve.model.sequence import Sequence, sample_request_id
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
@@ -133,18 +135,69 @@ class ModelRunner:
         logits = None
         if sample_idx:
             logits = self.model.compute_logits(hidden[last_rows[sample_idx]]).float()
-            out = self.sampler(logits, [self._sampling_row(batch[i]) for i in sample_idx])
-            for j, i in enumerate(sample_idx):
-                sampled[i] = SampledToken(out.token_ids[j], out.logprobs[j])
+            seqs = [batch[i].seq for i in sample_idx]
+            beams = [j for j, seq in enumerate(seqs) if seq.params.use_beam_search]
+            drawn = [j for j, seq in enumerate(seqs) if not seq.params.use_beam_search]
+            tokens = self._draw([seqs[j] for j in drawn], logits[drawn] if beams else logits)
+            tokens += self._beam_candidates([seqs[j] for j in beams], logits[beams])
+            for j, token in zip([*drawn, *beams], tokens, strict=True):
+                sampled[sample_idx[j]] = token
         return RunnerOutput(sampled=sampled), logits
 
-    def _sampling_row(self, item: ScheduledSequence) -> SamplingRow:
-        seq = item.seq
+    def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
+        """One token per row through the sampler (and the first token of every other sample of
+        a multi-sample request's first step)."""
+        if not seqs:
+            return []
+        rows = [self._sampling_row(seq) for seq in seqs]
+        # NOTE: a multi-sample request's first step draws every sample's first token from its
+        # one logits row, each sample with its own generator (rows after the batch's)
+        forks = [(j, k) for j, seq in enumerate(seqs) for k in self._forks(seq)]
+        rows += [self._sampling_row(seqs[j], k) for j, k in forks]
+        source = logits if not forks else logits[[*range(len(seqs)), *(j for j, _ in forks)]]
+        out = self.sampler(source, rows)
+        tokens = [SampledToken(out.token_ids[j], out.logprobs[j]) for j in range(len(seqs))]
+        for r, (j, _) in enumerate(forks, start=len(seqs)):
+            tokens[j].forks.append(SampledToken(out.token_ids[r], out.logprobs[r]))
+        return tokens
+
+    def _beam_candidates(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
+        """Each beam's best continuations (token, logprob), as many as its search keeps
+        (`BeamSearch.num_candidates`), from `log_softmax` of the float32 logits."""
+        if not seqs:
+            return []
+        logprobs = torch.log_softmax(logits, dim=-1)
+        width = min(
+            max(beam_candidates_per_row(seq.params, self.config.eos_token_ids) for seq in seqs),
+            logprobs.shape[-1],
+        )
+        values, ids = torch.topk(logprobs, width, dim=-1)
+        out = []
+        for seq, row_ids, row_values in zip(seqs, ids.tolist(), values.tolist(), strict=True):
+            keep = min(beam_candidates_per_row(seq.params, self.config.eos_token_ids), width)
+            candidates = list(zip(row_ids[:keep], row_values[:keep], strict=True))
+            out.append(SampledToken(candidates[0][0], None, candidates=candidates))
+        return out
+
+    @staticmethod
+    def _forks(seq: Sequence) -> range:
+        return range(1, seq.params.num_samples) if seq.forks_pending else range(0)
+
+    def _sampling_row(self, seq: Sequence, index: int = 0) -> SamplingRow:
+        """The row of `seq`, or of its sample `index` (> 0: a fork's first token)."""
+        if index == 0:
+            return SamplingRow(
+                request_id=seq.request_id,
+                params=seq.params,
+                prompt_token_ids=seq.prompt_token_ids,
+                output_token_ids=seq.output_token_ids,
+                eos_token_ids=self.config.eos_token_ids,
+            )
         return SamplingRow(
-            request_id=seq.request_id,
-            params=seq.params,
+            request_id=sample_request_id(seq.request_id, index),
+            params=seq.params.for_sample(index),
             prompt_token_ids=seq.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            output_token_ids=(),
             eos_token_ids=self.config.eos_token_ids,
         )
 
@@ -181,3 +234,9 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return ids, pos, meta
+
+
+def _some(token: SampledToken | None) -> SampledToken:
+    if token is None:
+        raise RuntimeError("runner: a sampled row has no token")
+    return token

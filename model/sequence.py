@@ -12,6 +12,13 @@ a step computes `token_ids[num_computed_tokens : num_computed_tokens + n]`, and 
 
 `make_sequence` is the one way every engine builds a sequence from a request: it validates the
 request against the model (InvalidArgument naming the field). This module imports no torch.
+
+A request with several samples (`params.num_samples > 1`: `n` / `best_of`) is one `SampleGroup`:
+
+    sample 0 (the request's own id) ── prompt computed once ── first tokens of every sample
+        │ fork_samples: each sample's table shares the prompt's blocks (one reference each)
+        ├── sample 1 (id "<request>#1")      the shared partial last block is copied by the
+        └── sample k-1                       first sample that writes it (copy-on-write)
 """
 
 from __future__ import annotations
@@ -29,9 +36,23 @@ from pagedserve.model.batch import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    from pagedserve.model.beam_search import BeamSearch
     from pagedserve.model.config import ModelConfig
 
 RequestId = NewType("RequestId", str)
+
+MAX_SAMPLES = 256
+"""Most samples per request a worker accepts (the router's `--max-n` is the user-facing bound)."""
+
+
+def sample_request_id(request_id: str, index: int) -> RequestId:
+    """The id sample `index` of a request runs under: the request's own id for sample 0."""
+    return RequestId(request_id if index == 0 else f"{request_id}#{index}")
+
+
+def sample_request_ids(request_id: str, num_samples: int) -> list[RequestId]:
+    """The ids of every sample of a request, by index."""
+    return [sample_request_id(request_id, index) for index in range(num_samples)]
 
 
 class SequenceStatus(enum.Enum):
@@ -67,6 +88,14 @@ class Sequence:
     num_cached_prompt_tokens: int = 0  # prompt tokens served by the prefix cache
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: FinishReason | None = None
+    sample_index: int = 0
+    group: SampleGroup | None = None  # set once the request's samples are forked
+    # A prefill worker's multi-sample request: the first tokens of samples 1 .. k-1, drawn
+    # with sample 0's (it hands them to the decode worker, which forks there).
+    fork_first_tokens: list[tuple[int, TokenLogprobs | None]] = field(default_factory=list)
+    # A prefill worker's beam search: the prompt's best continuations (token, logprob), from
+    # which the decode worker takes the search's first step.
+    beam_candidates: list[tuple[int, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -92,6 +121,12 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def forks_pending(self) -> bool:
+        """True for a multi-sample request's sample 0 whose samples are not forked yet: its
+        first sampled step draws a first token for every sample (`fork_samples`)."""
+        return self.group is None and self.params.num_samples > 1
 
     def update_block_hashes(self) -> list[BlockHash]:
         """Hash the blocks that became full since the last call; returns the new hashes."""
@@ -125,9 +160,76 @@ class Sequence:
             self.finish(FinishReason.LENGTH)
         return self.is_finished
 
+    def first_token_finish(
+        self, token_id: int, max_model_len: int, eos: tuple[int, ...]
+    ) -> FinishReason | None:
+        """How a sample of this request whose first output token is `token_id` ends at once
+        (`check_stop`'s rules for one output token), or None when it goes on."""
+        params = self.params
+        if params.min_tokens <= 1 and (
+            (not params.ignore_eos and token_id in eos) or token_id in params.stop_token_ids
+        ):
+            return FinishReason.STOP
+        if params.max_tokens <= 1 or self.num_prompt_tokens + 1 >= max_model_len:
+            return FinishReason.LENGTH
+        return None
+
     def finish(self, reason: FinishReason) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason
+
+
+@dataclass(slots=True, eq=False)
+class SampleGroup:
+    """The samples of one request, by index; `request_id` is the request's (sample 0's) id."""
+
+    request_id: RequestId
+    members: list[Sequence]
+    beam: BeamSearch | None = None  # a beam search's state (the members are its beams)
+
+    @property
+    def unfinished(self) -> list[Sequence]:
+        return [seq for seq in self.members if not seq.is_finished]
+
+
+def fork_samples(
+    parent: Sequence, first_tokens: list[tuple[int, TokenLogprobs | None]]
+) -> list[Sequence]:
+    """Samples 1 .. k-1 of `parent` (sample 0, its first output token already appended), each
+    given its own first token; returns them in index order and sets every member's `group`.
+
+    Each sample's table is a fork of `parent`'s: every prompt block is shared (one more
+    reference), and the parent's table must hold exactly the prompt's computed slots (the
+    first output token has no slot yet). A sample that has no blocks to share (the parent's
+    table is empty: it is queued for recompute) starts empty and recomputes its prompt.
+    """
+    if parent.num_output_tokens != 1:
+        raise ValueError(
+            f"{parent.request_id}: fork after the first token, not after {parent.num_output_tokens}"
+        )
+    children: list[Sequence] = []
+    for index, (token_id, logprobs) in enumerate(first_tokens, start=1):
+        table = parent.block_table
+        child = Sequence(
+            request_id=sample_request_id(parent.request_id, index),
+            prompt_token_ids=parent.prompt_token_ids,
+            params=parent.params.for_sample(index),
+            block_table=table.fork() if table.block_ids else BlockTable(table.pool),
+            model_fingerprint=parent.model_fingerprint,
+            cache_salt=parent.cache_salt,
+            priority=parent.priority,
+            arrival_time=parent.arrival_time,
+            token_ids=[*parent.prompt_token_ids, token_id],
+            num_computed_tokens=parent.num_computed_tokens if table.block_ids else 0,
+            num_cached_prompt_tokens=parent.num_cached_prompt_tokens,
+            sample_index=index,
+        )
+        child.output_logprobs.append(logprobs)
+        children.append(child)
+    group = SampleGroup(parent.request_id, [parent, *children])
+    for seq in group.members:
+        seq.group = group
+    return children
 
 
 def validate_request(
@@ -149,6 +251,7 @@ def validate_request(
         vocab_size=model_config.vocab_size,
         max_model_len=max_model_len,
         prompt_len=len(prompt_token_ids),
+        max_n=MAX_SAMPLES,
     )
 
 

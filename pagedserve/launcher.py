@@ -323,7 +323,7 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
     if getattr(args, "api_key_file", None):
         flags += ["--api-key-file", args.api_key_file]
     flags += ["--generation-config", getattr(args, "generation_config", "auto")]
-    for name in ("max_queued_requests", "stream_interval", "stall_timeout"):
+    for name in ("max_queued_requests", "stream_interval", "stall_timeout", "max_n"):
         if getattr(args, name, None) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for child in workers:
@@ -523,6 +523,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queued-requests", type=int, default=None, help="passed to the router"
     )
     parser.add_argument("--stream-interval", type=int, default=None, help="passed to the router")
+    parser.add_argument("--max-n", type=int, default=None, help="passed to the router")
     parser.add_argument("--stall-timeout", type=float, default=None, help="passed to the router")
     parser.add_argument(
         "--http-port", type=int, default=None,

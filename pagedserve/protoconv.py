@@ -30,9 +30,14 @@ _SCALARS = (
     "frequency_penalty",
     "logprobs",
     "skip_special_tokens",
+    "n",
+    "best_of",
+    "use_beam_search",
+    "beam_width",
+    "length_penalty",
 )
 _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"}
-_FLOATS |= {"frequency_penalty"}
+_FLOATS |= {"frequency_penalty", "length_penalty"}
 
 
 def sampling_from_proto(

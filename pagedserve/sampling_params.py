@@ -6,6 +6,7 @@ workers' `Sampler` (`pagedserve.model.sampler`) applies them.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import NoReturn
@@ -30,6 +31,17 @@ GREEDY_TEMPERATURE = 1e-5
 MAX_ABS_PENALTY = 2.0
 """Presence and frequency penalties live in `[-MAX_ABS_PENALTY, MAX_ABS_PENALTY]` (OpenAI, vLLM)."""
 
+DEFAULT_MAX_N = 16
+"""Most samples (`best_of`, or `n`) of one request unless the router's `--max-n` says otherwise."""
+
+_SEED_STRIDE = 0x9E3779B97F4A7C15  # NOTE: 2**64 / golden ratio: sample seeds far apart
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed`: `seed` itself for sample 0,
+    `(seed + index * 0x9E3779B97F4A7C15) mod 2**63` for the others (docs/samples.md)."""
+    return (seed + index * _SEED_STRIDE) % MAX_SEED
+
 
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
@@ -52,6 +64,15 @@ class SamplingParams:
     - `logprobs`: number of top logprobs returned per token; 0 returns only the sampled token's
       logprob; `None` returns none.
     - `skip_special_tokens`: leave special tokens out of the detokenized text.
+    - `n`: samples returned for the prompt; `best_of` (>= n, None = n): samples generated, of
+      which the n with the highest cumulative logprob are returned. The prompt is prefilled
+      once and its KV blocks are shared by every sample (copy-on-write). Sample i of a seeded
+      request draws from `sample_seed(seed, i)`.
+    - `use_beam_search`: keep the `beam_width` (None: n) most likely continuations at every
+      step and return the n best finished beams, scored as Hugging Face's `generate(num_beams=)`
+      does: cumulative logprob / generated_len ** `length_penalty`, ended by its default
+      `early_stopping=False` heuristic (docs/samples.md). Needs temperature 0 and no
+      penalties, min_tokens, stop strings or logprobs.
     """
 
     temperature: float = 1.0
@@ -69,6 +90,35 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logprobs: int | None = None
     skip_special_tokens: bool = True
+    n: int = 1
+    best_of: int | None = None
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences generated for the request: the beams of a beam search, else `best_of`,
+        or `n` when it is None."""
+        if self.use_beam_search:
+            return self.beam_size
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def num_outputs(self) -> int:
+        """Sequences returned: `n` (the best of `best_of`, or of the beams)."""
+        return self.n
+
+    @property
+    def beam_size(self) -> int:
+        """Beams of a beam search: `beam_width`, or `n` when it is None."""
+        return self.beam_width if self.beam_width is not None else self.n
+
+    def for_sample(self, index: int) -> SamplingParams:
+        """The params sample `index` runs with: its own seed (see `sample_seed`)."""
+        if index == 0 or self.seed is None:
+            return self
+        return dataclasses.replace(self, seed=sample_seed(self.seed, index))
 
     @property
     def greedy(self) -> bool:
@@ -81,8 +131,11 @@ class SamplingParams:
         vocab_size: int | None = None,
         max_model_len: int | None = None,
         prompt_len: int | None = None,
+        max_n: int | None = None,
     ) -> None:
         """Raise `InvalidArgument` naming the first bad field (its bare name, e.g. `"top_p"`).
+
+        `max_n` bounds the number of samples (`best_of`, or `n`).
 
         `vocab_size` enables the range check of `stop_token_ids`; `max_model_len` together with
         `prompt_len` checks that the prompt plus `max_tokens` fits the model (blamed on
@@ -94,6 +147,46 @@ class SamplingParams:
         self._validate_penalties()
         self._validate_stops(vocab_size)
         self._validate_outputs()
+        self._validate_samples(max_n)
+
+    def _validate_samples(self, max_n: int | None) -> None:
+        if self.n < 1:
+            _fail("n", f"must be >= 1, got {self.n}")
+        if self.use_beam_search:
+            self._validate_beam_search()
+        elif self.beam_width is not None:
+            _fail("beam_width", "only used with use_beam_search")
+        elif self.length_penalty != 1.0:
+            _fail("length_penalty", "only used with use_beam_search")
+        if self.best_of is not None and self.best_of < self.n:
+            _fail("best_of", f"must be >= n ({self.n}), got {self.best_of}")
+        if max_n is not None and self.num_samples > max_n:
+            which = "best_of" if self.best_of is not None and self.best_of > self.n else "n"
+            which = "beam_width" if self.beam_width is not None and self.use_beam_search else which
+            _fail(which, f"at most {max_n} samples per request, got {self.num_samples}")
+
+    def _validate_beam_search(self) -> None:
+        if self.temperature >= GREEDY_TEMPERATURE:
+            _fail("temperature", f"must be 0 with use_beam_search, got {self.temperature}")
+        if self.best_of is not None:
+            _fail("best_of", "not used with use_beam_search (beam_width is)")
+        if self.beam_width is not None and self.beam_width < 1:
+            _fail("beam_width", f"must be >= 1, got {self.beam_width}")
+        if self.n > self.beam_size:
+            _fail("n", f"must be <= beam_width ({self.beam_size}), got {self.n}")
+        if not math.isfinite(self.length_penalty):
+            _fail("length_penalty", f"must be a finite number, got {self.length_penalty}")
+        off = {
+            "repetition_penalty": self.repetition_penalty == 1.0,
+            "presence_penalty": self.presence_penalty == 0.0,
+            "frequency_penalty": self.frequency_penalty == 0.0,
+            "min_tokens": self.min_tokens == 0,
+            "stop": not self.stop,
+            "logprobs": self.logprobs is None,
+        }
+        for name, ok in off.items():
+            if not ok:
+                _fail(name, "not supported with use_beam_search")
 
     def _validate_distribution(self) -> None:
         if not (math.isfinite(self.temperature) and self.temperature >= 0):

@@ -52,6 +52,20 @@ def prefill_response(
     )
     if seq.output_logprobs and seq.output_logprobs[0] is not None:
         response.logprobs.CopyFrom(logprobs_to_proto(seq.output_logprobs[0]))
+    if seq.fork_first_tokens:
+        eos, max_len = engine.model_config.eos_token_ids, engine.max_model_len
+        first = (seq.output_token_ids[0], seq.output_logprobs[0])
+        for token_id, logprobs in [first, *seq.fork_first_tokens]:
+            sample = response.samples.add(token_id=token_id)
+            if logprobs is not None:
+                sample.logprobs.CopyFrom(logprobs_to_proto(logprobs))
+            reason = seq.first_token_finish(token_id, max_len, eos)
+            if reason is not None:
+                sample.finish_reason = finish_reason_to_proto(reason)
+    for token_id, logprob in seq.beam_candidates:
+        sample = response.samples.add(token_id=token_id)
+        sample.logprobs.sampled.token_id = token_id
+        sample.logprobs.sampled.logprob = logprob
     if result.lease is None:
         response.finish_reason = finish_reason_to_proto(seq.finish_reason)
         return response

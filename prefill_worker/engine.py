@@ -32,7 +32,7 @@ from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
-from pagedserve.model.sequence import Sequence, make_sequence
+from pagedserve.model.sequence import Sequence, make_sequence, sample_request_ids
 from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 
@@ -152,8 +152,17 @@ class PrefillEngine:
 
     def abort(self, request_id: str) -> bool:
         """Drop a queued or running prompt and free its blocks now; False if unknown here."""
-        self.runner.sampler.remove(request_id)
-        return self.scheduler.abort(request_id) is not None
+        seq = self.scheduler.abort(request_id)
+        if seq is None:
+            self.runner.sampler.remove(request_id)
+            return False
+        self._forget_generators(seq)
+        return True
+
+    def _forget_generators(self, seq: Sequence) -> None:
+        """Drop the generators of every sample of `seq` (its first tokens are all drawn here)."""
+        for request_id in sample_request_ids(seq.request_id, seq.params.num_samples):
+            self.runner.sampler.remove(request_id)
 
     @property
     def has_unfinished(self) -> bool:
@@ -189,8 +198,12 @@ class PrefillEngine:
         applied at most once). Prompts aborted since `schedule` are skipped."""
         done = self.scheduler.update(plan, output)
         for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
+            if sampled is not None and sampled.forks:
+                item.seq.fork_first_tokens = [(t.token_id, t.logprobs) for t in sampled.forks]
+            if sampled is not None and sampled.candidates:
+                item.seq.beam_candidates = sampled.candidates
             if sampled is not None or not self.scheduler.is_in_flight(item.seq):
-                self.runner.sampler.remove(item.seq.request_id)  # done or aborted
+                self._forget_generators(item.seq)  # done or aborted
         self.num_prompt_tokens_computed += plan.num_batched_tokens
         self.num_prompt_tokens_cached += sum(seq.num_cached_prompt_tokens for seq in done)
         return PrefillStepOutput(plan, done, self.pool.drain_events())

@@ -38,7 +38,7 @@ from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.model.batch import RunnerOutput, StepPlan
 from pagedserve.model.core_share import CoreShare
 from pagedserve.model.sampler import GeneratorStates
-from pagedserve.model.sequence import Sequence
+from pagedserve.model.sequence import RequestId, Sequence, sample_request_ids
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
 from pagedserve.sampling_params import SamplingParams
@@ -270,7 +270,9 @@ class PrefillWorker:
         if plan is None:
             return 0
         self.engine.copy_blocks(plan)  # NOTE: outside the isolation: a failed copy fails all
-        generators = self.engine.runner.sampler.save(i.seq.request_id for i in plan.scheduled)
+        generators = self.engine.runner.sampler.save(
+            sid for i in plan.scheduled for sid in _sample_ids(i.seq)
+        )
         try:
             output = self.engine.execute(plan)
         except Exception:
@@ -320,7 +322,9 @@ class PrefillWorker:
                 if not self.engine.scheduler.is_in_flight(item.seq):
                     continue  # aborted meanwhile: its blocks are already free
             rid = item.seq.request_id
-            self.engine.runner.sampler.restore({rid: generators[rid]})
+            self.engine.runner.sampler.restore(
+                {sid: generators[sid] for sid in _sample_ids(item.seq)}
+            )
             alone = StepPlan([item])
             try:
                 output = self.engine.execute(alone)
@@ -355,12 +359,23 @@ class PrefillWorker:
         result = PrefillResult(seq, None, finished_ns=time.time_ns())
         if pending is not None:
             result.enqueued_ns, result.started_ns = pending.enqueued_ns, pending.started_ns
-        if seq.is_finished or pending is None:
+        if not self._goes_on(seq) or pending is None:
             self.engine.free(seq.block_table)
             return pending, result
         result.lease = self.leases.grant(seq.request_id, seq.block_table, pending.lease_s)
         result.lease_expires_unix_ms = _unix_ms(result.lease.expires_at, self.leases.clock())
         return pending, result
+
+    def _goes_on(self, seq: Sequence) -> bool:
+        """Whether any sample of `seq` goes on after its first token (the KV is handed over)."""
+        if not seq.is_finished or seq.params.use_beam_search:
+            return True  # NOTE: a beam search's first step is the decode worker's
+        engine = self.engine
+        eos = engine.model_config.eos_token_ids
+        return any(
+            seq.first_token_finish(token, engine.max_model_len, eos) is None
+            for token, _ in seq.fork_first_tokens
+        )
 
     def _fail_all(self, error: Callable[[str], Exception]) -> None:
         """Fail every queued or running prompt with `error(request_id)`; free their blocks."""
@@ -372,6 +387,11 @@ class PrefillWorker:
             self._wake.notify()
         for p in pending:
             p.future.set_exception(error(p.seq.request_id))
+
+
+def _sample_ids(seq: Sequence) -> list[RequestId]:
+    """The generator keys a step may draw from for `seq`: one per sample (its first tokens)."""
+    return sample_request_ids(seq.request_id, seq.params.num_samples)
 
 
 def _unix_ms(monotonic_deadline: float, monotonic_now: float) -> int:

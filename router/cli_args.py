@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.config import add_server_arguments, positive_int
+from pagedserve.sampling_params import DEFAULT_MAX_N
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -41,6 +42,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--stream-interval", type=positive_int, default=1,
         help="the least new tokens per streamed message after the first, for requests that "
         "set no stream_interval (vLLM's name); 1: every decode step's tokens at once",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-n", type=positive_int, default=DEFAULT_MAX_N,
+        help="most samples (SamplingParams n, or best_of) per request",
     )  # fmt: skip
     parser.add_argument("--load-poll-interval", type=float, default=0.5, help="seconds")
     parser.add_argument(

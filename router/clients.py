@@ -190,6 +190,7 @@ class WorkerClients:
                 first_token=prefilled.first_token,
                 first_logprobs=prefilled.logprobs if prefilled.HasField("logprobs") else None,
                 kv_handle=prefilled.kv_handle,
+                samples=prefilled.samples,
             ),
             timeout=time_left(),
             metadata=metadata,

@@ -15,7 +15,7 @@ from pagedserve.errors import InvalidArgument
 from pagedserve.protoconv import sampling_from_proto, sampling_to_proto
 from pagedserve.router.chat import ChatMessage
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import DEFAULT_MAX_N, SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2
 
 MAX_REQUEST_ID_LEN = 128
@@ -40,9 +40,10 @@ def router_request(
     tokenizer: RouterTokenizer,
     card: ModelCard,
     default_stream_interval: int = 1,
+    max_n: int = DEFAULT_MAX_N,
 ) -> RouterRequest:
     """Validate and tokenize; raises InvalidArgument naming the first bad field.
-    `default_stream_interval` is the router's `--stream-interval`."""
+    `default_stream_interval` is the router's `--stream-interval`, `max_n` its `--max-n`."""
     request_id = msg.request_id or uuid.uuid4().hex
     if len(request_id) > MAX_REQUEST_ID_LEN or not request_id.isprintable():
         raise InvalidArgument("request_id", f"must be printable and <= {MAX_REQUEST_ID_LEN} chars")
@@ -59,11 +60,16 @@ def router_request(
             f"{len(prompt)} prompt tokens leave no room under max_model_len {card.max_model_len}",
         )
     params = sampling_from_proto(msg.sampling, card.sampling_defaults)
+    if msg.sampling.use_beam_search and not msg.sampling.HasField("temperature"):
+        params = dataclasses.replace(params, temperature=0.0)  # NOTE: not the model's default
     if msg.max_tokens_to_fit and not msg.sampling.HasField("max_tokens"):
         params = dataclasses.replace(params, max_tokens=card.max_model_len - len(prompt))
     try:
         params.validate(
-            vocab_size=card.vocab_size, max_model_len=card.max_model_len, prompt_len=len(prompt)
+            vocab_size=card.vocab_size,
+            max_model_len=card.max_model_len,
+            prompt_len=len(prompt),
+            max_n=max_n,
         )
     except InvalidArgument as exc:
         raise exc.with_prefix("sampling") from None
@@ -171,10 +177,14 @@ def worker_request(request: RouterRequest, request_id: str) -> common_pb2.Worker
     interval = request.stream_interval
     if not request.stream and not request.params.stop:
         interval = min(request.params.max_tokens, MAX_STREAM_INTERVAL)
+    params = request.params
+    if params.num_samples > params.n and params.logprobs is None and not params.use_beam_search:
+        # NOTE: best_of ranks samples by their tokens' logprobs: the workers send them
+        params = dataclasses.replace(params, logprobs=0)
     return common_pb2.WorkerRequest(
         request_id=request_id,
         prompt_token_ids=request.prompt_token_ids,
-        sampling=sampling_to_proto(request.params),
+        sampling=sampling_to_proto(params),
         priority=request.priority,
         cache_salt=request.cache_salt,
         stream_interval=interval,

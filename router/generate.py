@@ -47,8 +47,9 @@ from pagedserve.router.clients import (
 )
 from pagedserve.router.outcome import Outcome, reason_name, record
 from pagedserve.router.routing import Decision, RoutingPolicy, WorkerSet
-from pagedserve.router.stream import ClientStream, merge
+from pagedserve.router.stream import ClientStream, SampleStreams, merge, merge_samples
 from pagedserve.router.tokenizer import RouterTokenizer
+from pagedserve.sampling_params import DEFAULT_MAX_N
 from pagedserve.v1 import common_pb2, generation_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class RouterSettings:
     prefill_retries: int = 1
     route_wait_s: float = 5.0  # how long a request waits for a ready pair (within its deadline)
     stream_interval: int = 1  # --stream-interval: a request's default
+    max_n: int = DEFAULT_MAX_N  # --max-n: most samples per request
     stall_timeout_s: float = 10.0  # no message and no load poll answered: the worker is lost
     move_wait_s: float = 30.0  # how long a retry or a moved stream waits for a ready pair
     max_migrations: int = 2  # moves of one stream to another pair when its decode worker is lost
@@ -127,9 +129,14 @@ class Orchestrator:
         )
         outcome = Outcome()
         try:
-            async with aclosing(self._run(req, tenant, active, span, outcome, time_left)) as run:
+            several = req.params.num_samples > 1 or req.params.use_beam_search
+            run_fn = self._run_samples if several else self._run
+            async with aclosing(run_fn(req, tenant, active, span, outcome, time_left)) as run:
                 if req.stream:
                     async for out in run:
+                        yield out
+                elif several:
+                    for out in merge_samples([out async for out in run]):
                         yield out
                 else:
                     yield merge([out async for out in run])
@@ -221,6 +228,65 @@ class Orchestrator:
                 if attempt >= self.settings.max_migrations:
                     raise Unavailable(f"{lost}; no moves left") from None
                 current = await self._migrate(req, stream, active, span, decision, str(lost))
+
+    async def _run_samples(
+        self,
+        req: convert.RouterRequest,
+        tenant: str,
+        active: ActiveRequest,
+        span: Span,
+        outcome: Outcome,
+        time_left: TimeLeft,
+    ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
+        """`_run` for a request with several samples: one prefill draws every sample's first
+        token, one decode worker forks the prompt's blocks into a sequence per sample.
+
+        NOTE: a lost decode worker ends the request with UNAVAILABLE: the samples are not
+        moved (a move would re-prefill each sample's own continuation)."""
+        parent = telemetry.span_context(span)
+        metadata = telemetry.metadata(parent)
+        request = convert.worker_request(req, worker_request_id(tenant, req.request_id))
+        hashes = hash_blocks(
+            req.prompt_token_ids,
+            self.settings.block_size,
+            model_fingerprint=self.settings.model_fingerprint,
+            cache_salt=req.cache_salt,
+        )
+
+        def route(tried: list[str]) -> Awaitable[Decision]:
+            return self._route(hashes, tried, parent, active, time_left, retry=bool(tried))
+
+        prefilled, decision = await self.clients.prefill(
+            request, route, active, time_left, metadata
+        )
+        self.last_decision = decision
+        outcome.ttft_s = time.monotonic() - outcome.started
+        streams = SampleStreams(req, self.tokenizer, prefilled.cached_tokens)
+        for out in streams.from_prefill(prefilled):
+            yield out
+        outcome.generated = streams.completion_tokens
+        if not req.params.use_beam_search and (
+            streams.finished or prefilled.HasField("finish_reason")
+        ):
+            outcome.reason = "stop" if streams.finished else reason_name(prefilled.finish_reason)
+            return
+        parts = self.clients.decode(request, prefilled, decision, active, time_left, metadata)
+        try:
+            async with aclosing(parts):
+                async for part in parts:
+                    for out in streams.from_decode(part):
+                        yield out
+                    outcome.generated = streams.completion_tokens
+                    if streams.finished:
+                        outcome.reason = reason_name(part.finish_reason or 1)
+                        return
+        except Aborted:
+            for out in streams.abort():
+                yield out
+            return
+        except WorkerLost as lost:
+            raise Unavailable(f"{lost}; a request with several samples is not moved") from None
+        raise WorkerLost("decode stream ended before every sample finished")
 
     async def _migrate(
         self,

@@ -37,6 +37,7 @@ from pagedserve.router.cli_args import add_arguments
 from pagedserve.router.routing import RoutingPolicy, WorkerSet
 from pagedserve.router.servicer import GenerationServicer, RouterSettings
 from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
+from pagedserve.sampling_params import DEFAULT_MAX_N
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -86,6 +87,7 @@ def build_servicer(
         max_queued_requests=args.max_queued_requests,
         route_wait_s=getattr(args, "route_wait_timeout", 5.0),
         stream_interval=getattr(args, "stream_interval", 1),
+        max_n=getattr(args, "max_n", DEFAULT_MAX_N),
         stall_timeout_s=getattr(args, "stall_timeout", 10.0),
         max_migrations=getattr(args, "max_migrations", 2),
     )

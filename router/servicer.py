@@ -83,6 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self.tokenizer,
                 self.card,
                 self.settings.stream_interval,
+                self.settings.max_n,
             )
             tenant = current_tenant()
             req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))

@@ -129,6 +129,7 @@ def merge(parts: list[generation_pb2.GenerateResponse]) -> generation_pb2.Genera
     merged = generation_pb2.GenerateResponse()
     for part in parts:
         merged.request_id = part.request_id
+        merged.index = part.index
         merged.token_ids.extend(part.token_ids)
         merged.text += part.text
         merged.logprobs.extend(part.logprobs)
@@ -137,4 +138,137 @@ def merge(parts: list[generation_pb2.GenerateResponse]) -> generation_pb2.Genera
         which = part.WhichOneof("matched_stop")
         if which:
             setattr(merged, which, getattr(part, which))
+    return merged
+
+
+@dataclass(slots=True)
+class SampleStreams:
+    """The client's messages for a request with several samples (`n` / `best_of` > 1).
+
+    Each sample has its own `ClientStream` (detokenizer, stop strings); every message carries
+    its sample's `index` and the usage of all samples together. With `best_of > n` nothing is
+    sent until every sample has ended: then the n samples with the highest cumulative logprob
+    of the tokens they return, as indexes 0 .. n-1, one message each. A beam search's n best
+    beams come from the decode worker whole, one message each, when the search has ended.
+    """
+
+    req: RouterRequest
+    tokenizer: RouterTokenizer
+    cached_tokens: int
+    streams: list[ClientStream] = field(init=False)
+    logprob_sums: list[float] = field(init=False)
+    held: list[list[generation_pb2.GenerateResponse]] = field(init=False)
+
+    def __post_init__(self) -> None:
+        params = self.req.params
+        k = params.n if params.use_beam_search else params.num_samples
+        self.streams = [
+            ClientStream(self.req, self.tokenizer, self.cached_tokens) for _ in range(k)
+        ]
+        self.logprob_sums = [0.0] * k
+        self.held = [[] for _ in range(k)]
+
+    @property
+    def ranked(self) -> bool:
+        params = self.req.params
+        return not params.use_beam_search and params.num_samples > params.n
+
+    @property
+    def finished(self) -> bool:
+        return all(stream.finished for stream in self.streams)
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(stream.completion_tokens for stream in self.streams)
+
+    def usage(self) -> common_pb2.Usage:
+        return common_pb2.Usage(
+            prompt_tokens=len(self.req.prompt_token_ids),
+            completion_tokens=self.completion_tokens,
+            cached_prompt_tokens=self.cached_tokens,
+        )
+
+    def from_prefill(
+        self, prefilled: prefill_pb2.PrefillResponse
+    ) -> list[generation_pb2.GenerateResponse]:
+        """Every sample's first token (the prefill worker drew them all); nothing for a beam
+        search (its beams arrive whole at the end)."""
+        if self.req.params.use_beam_search:
+            return []
+        if len(prefilled.samples) != len(self.streams):
+            raise ValueError(
+                f"prefill returned {len(prefilled.samples)} samples, expected {len(self.streams)}"
+            )
+        out = []
+        for index, sample in enumerate(prefilled.samples):
+            stop = sample.token_id if sample.token_id in self.req.params.stop_token_ids else None
+            reason = sample.finish_reason if sample.HasField("finish_reason") else 0
+            logprobs = [sample.logprobs] if sample.HasField("logprobs") else []
+            stream = self.streams[index]
+            msg = stream.add([sample.token_id], logprobs, reason, stop)
+            out += self._emit(index, self._finished(index, msg))
+        return out
+
+    def _finished(self, index: int, msg: generation_pb2.GenerateResponse):
+        stream = self.streams[index]
+        return stream.finish(msg) if stream.finished else msg
+
+    def from_decode(self, part: decode_pb2.DecodeResponse) -> list[generation_pb2.GenerateResponse]:
+        """One message of the decode worker's stream (one sample's)."""
+        if part.index >= len(self.streams) or self.streams[part.index].finished:
+            return []  # NOTE: a sample its first token or a stop string already ended
+        return self._emit(
+            part.index, self._finished(part.index, self.streams[part.index].from_decode(part))
+        )
+
+    def abort(self) -> list[generation_pb2.GenerateResponse]:
+        """The last messages of a request the client cancelled or aborted: every sample that
+        has not ended ends with ABORT (a ranked request returns nothing more)."""
+        out = []
+        for index, stream in enumerate(self.streams):
+            if not stream.finished:
+                msg = stream.finish(stream.empty(), common_pb2.FINISH_REASON_ABORT)
+                out += [] if self.ranked else self._emit(index, msg)
+        return out
+
+    def _emit(
+        self, index: int, msg: generation_pb2.GenerateResponse
+    ) -> list[generation_pb2.GenerateResponse]:
+        self.logprob_sums[index] += sum(lp.sampled.logprob for lp in msg.logprobs)
+        if self.req.params.logprobs is None:
+            del msg.logprobs[:]  # NOTE: asked of the workers for best_of's ranking only
+        msg.index = index
+        msg.usage.CopyFrom(self.usage())
+        if self.ranked:
+            self.held[index].append(msg)
+            return self._best() if self.finished else []
+        return [msg] if msg.token_ids or msg.text or msg.finish_reason else []
+
+    def _best(self) -> list[generation_pb2.GenerateResponse]:
+        """The n best samples by cumulative logprob, as indexes 0 .. n-1, one message each."""
+        order = sorted(range(len(self.streams)), key=lambda i: -self.logprob_sums[i])
+        out = []
+        for rank, index in enumerate(order[: self.req.params.n]):
+            msg = merge(self.held[index])
+            msg.index = rank
+            msg.usage.CopyFrom(self.usage())
+            out.append(msg)
+        return out
+
+
+def merge_samples(
+    parts: list[generation_pb2.GenerateResponse],
+) -> list[generation_pb2.GenerateResponse]:
+    """A non-streaming request gets one message per sample (`merge` of its messages), by index."""
+    by_index: dict[int, list[generation_pb2.GenerateResponse]] = {}
+    for part in parts:
+        by_index.setdefault(part.index, []).append(part)
+    usage = parts[-1].usage if parts else None
+    merged = []
+    for index in sorted(by_index):
+        msg = merge(by_index[index])
+        msg.index = index
+        if usage is not None:
+            msg.usage.CopyFrom(usage)
+        merged.append(msg)
     return merged

@@ -60,3 +60,35 @@ def run_engine(model_dir: Path, prompts, *, record_logits=False, **config):
     assert engine.pool.num_used == 0, "finished sequences must hold no blocks"
     assert engine.runner.sampler.num_generators == 0, "finished sequences hold no generator"
     return engine, seqs
+
+
+def hf_beams(
+    model_dir: Path,
+    tokens: list[int],
+    k: int,
+    new: int,
+    length_penalty: float,
+    n: int,
+    stop: tuple[int, ...] = (),
+):
+    """transformers' beams: `generate(num_beams=k, do_sample=False)`, the default
+    `early_stopping=False`; `stop` token ids end a beam like eos does."""
+    model = hf_model(model_dir, torch.float32)
+    eos = [model.generation_config.eos_token_id, *stop]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([tokens]),
+            max_new_tokens=new,
+            num_beams=k,
+            num_return_sequences=n,
+            do_sample=False,
+            length_penalty=length_penalty,
+            early_stopping=False,
+            eos_token_id=eos,
+        )
+    outs = []
+    for row in out[:, len(tokens) :].tolist():
+        # NOTE: shorter beams are padded after their eos; cut there
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
+        outs.append(row[:cut])
+    return outs

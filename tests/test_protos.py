@@ -121,7 +121,7 @@ def test_every_singular_sampling_param_has_presence() -> None:
     without_presence = [f.name for f in fields if not f.is_repeated and not f.has_presence]
     assert repeated == ["stop", "stop_token_ids"]
     assert without_presence == []
-    assert len(fields) == 15
+    assert len(fields) == 20
 
 
 def test_explicit_zero_sampling_param_survives_serialization() -> None:

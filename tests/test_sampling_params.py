@@ -16,6 +16,7 @@ from pagedserve.sampling_params import (
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
     SamplingParams,
+    sample_seed,
 )
 
 
@@ -160,3 +161,43 @@ def test_module_stays_torch_free() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    ("params", "field"),
+    [
+        (SamplingParams(n=0), "n"),
+        (SamplingParams(n=3, best_of=2), "best_of"),
+        (SamplingParams(n=9), "n"),
+        (SamplingParams(n=2, best_of=9), "best_of"),
+        (SamplingParams(use_beam_search=True, temperature=0.5), "temperature"),
+        (SamplingParams(use_beam_search=True, temperature=0.0, n=3, beam_width=2), "n"),
+        (SamplingParams(use_beam_search=True, temperature=0.0, beam_width=9), "beam_width"),
+        (SamplingParams(use_beam_search=True, temperature=0.0, best_of=2), "best_of"),
+        (SamplingParams(use_beam_search=True, temperature=0.0, stop=("a",)), "stop"),
+        (SamplingParams(use_beam_search=True, temperature=0.0, logprobs=0), "logprobs"),
+        (SamplingParams(use_beam_search=True, temperature=0.0, min_tokens=1), "min_tokens"),
+        (SamplingParams(use_beam_search=True, temperature=0.0, repetition_penalty=1.2),
+         "repetition_penalty"),
+        (SamplingParams(beam_width=2), "beam_width"),
+        (SamplingParams(length_penalty=0.5), "length_penalty"),
+    ],
+)  # fmt: skip
+def test_bad_sample_counts_and_beam_searches_name_the_field(params, field) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        params.validate(max_n=8)
+    assert err.value.field == field
+
+
+def test_sample_counts_seeds_and_beams() -> None:
+    assert SamplingParams(n=3).num_samples == 3
+    assert SamplingParams(n=2, best_of=5).num_samples == 5
+    beam = SamplingParams(temperature=0.0, use_beam_search=True, beam_width=4, n=2)
+    beam.validate(max_n=4)
+    assert (beam.num_samples, beam.num_outputs) == (4, 2)
+    seeded = SamplingParams(seed=7, n=3)
+    assert seeded.for_sample(0) is seeded
+    assert [seeded.for_sample(i).seed for i in range(3)] == [sample_seed(7, i) for i in range(3)]
+    assert len({sample_seed(7, i) for i in range(64)}) == 64
+    assert all(0 <= sample_seed(2**63 - 1, i) < 2**63 for i in range(8))
+    assert SamplingParams(n=3).for_sample(2).seed is None
