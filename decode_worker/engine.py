@@ -274,6 +274,12 @@ class DecodeEngine:
         self.runner.sampler.remove(request_id)
         return self.scheduler.abort(request_id)
 
+    def abort_one(self, request_id: str) -> bool:
+        """Abort one sample of a multi-sample request by its own id (`sample_request_id`),
+        sample 0 included; the other samples go on."""
+        self.runner.sampler.remove(request_id)
+        return self.scheduler.abort_one(request_id)
+
     def generate(
         self,
         prompts: Iterable[list[int]],

@@ -237,11 +237,12 @@ class Scheduler:
         """
         # NOTE: the request's id ends every sample (each holds its own references), also
         # when sample 0 already finished
-        found = [self._abort_one(seq.request_id) for seq in self.members_of(request_id)]
+        found = [self.abort_one(seq.request_id) for seq in self.members_of(request_id)]
         return any(found)
 
-    def _abort_one(self, request_id: RequestId) -> bool:
-        entry = self._entries.pop(request_id, None)
+    def abort_one(self, request_id: str) -> bool:
+        """`abort` of the one sequence queued under `request_id` (a sample's own id)."""
+        entry = self._entries.pop(RequestId(request_id), None)
         if entry is None:
             return False
         if entry in self.running:

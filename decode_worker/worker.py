@@ -345,6 +345,8 @@ class DecodeWorker:
         now, or as soon as its import returns. False if unknown or already finished."""
         with self.lock:
             tracked = self._tracked.get(request_id)
+            if tracked is None and stream is None:
+                return self._abort_sample(request_id)
             if tracked is None or (stream is not None and tracked.stream is not stream):
                 return False
             if tracked.importing:
@@ -355,6 +357,23 @@ class DecodeWorker:
             self._end_all(tracked, FinishReason.ABORT)
             self._flush()
             return True
+
+    def _abort_sample(self, sample_id: str) -> bool:
+        """Abort one sample of a running multi-sample request (`<request>#<index>`, index 0
+        too: the router ends a sample whose stop string matched); the others go on (lock
+        held). A beam search's beams end together only."""
+        request_id, _, index = sample_id.rpartition("#")
+        tracked = self._tracked.get(request_id)
+        if tracked is None or tracked.importing or not index.isdigit():
+            return False
+        members, i = tracked.members, int(index)
+        if i >= len(members) or i in tracked.ended or members[i].params.use_beam_search:
+            return False
+        self.engine.abort_one(members[i].request_id)
+        members[i].finish(FinishReason.ABORT)
+        self._finish(tracked, members[i])
+        self._flush()
+        return True
 
     def _end_all(self, tracked: _Tracked, reason: FinishReason, error: str | None = None) -> None:
         """Finish every sample of `tracked` not yet ended with `reason` (lock held)."""

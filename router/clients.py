@@ -254,6 +254,16 @@ class WorkerClients:
         finally:
             read.cancel()
 
+    async def abort_sample(self, worker: Worker, request_id: str, index: int) -> None:
+        """Stop sample `index` of a multi-sample request on its decode worker (its stop string
+        matched here); best effort: a failure only costs the worker that sample's tokens."""
+        try:
+            stub = decode_pb2_grpc.DecodeWorkerStub(worker.channel)
+            sample_id = f"{request_id}#{index}"
+            await stub.Abort(common_pb2.AbortRequest(request_id=sample_id), timeout=2.0)
+        except grpc.aio.AioRpcError:
+            log.warning("%s: could not stop sample %d on %s", request_id, index, worker.worker_id)
+
     async def release_unclaimed(self, active: ActiveRequest) -> None:
         """End the lease no decode worker took: ReleaseKv by its handle, or Abort by the request
         id when the Prefill answer carrying the handle was lost (both idempotent; a failure

@@ -90,6 +90,13 @@ class Orchestrator:
         self.clients = WorkerClients(workers, settings.prefill_retries, settings.stall_timeout_s)
         self.active: dict[tuple[str, str], ActiveRequest] = {}  # (tenant, request_id) -> it
         self.last_decision: Decision | None = None  # for tests and debugging
+        self._tasks: set[asyncio.Task] = set()  # fire-and-forget calls, kept until done
+
+    def _background(self, coro: Awaitable[None]) -> None:
+        """Run `coro` without waiting for it (a best-effort worker call)."""
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def admit(self, tenant: str, request_id: str) -> ActiveRequest:
         """Register `(tenant, request_id)`; a duplicate is the same tenant's own mistake.
@@ -271,11 +278,13 @@ class Orchestrator:
             outcome.reason = "stop" if streams.finished else reason_name(prefilled.finish_reason)
             return
         parts = self.clients.decode(request, prefilled, decision, active, time_left, metadata)
+        stopped: set[int] = set()
         try:
             async with aclosing(parts):
                 async for part in parts:
                     for out in streams.from_decode(part):
                         yield out
+                    self._stop_samples(streams, stopped, decision, request.request_id)
                     outcome.generated = streams.completion_tokens
                     if streams.finished:
                         outcome.reason = reason_name(part.finish_reason or 1)
@@ -287,6 +296,14 @@ class Orchestrator:
         except WorkerLost as lost:
             raise Unavailable(f"{lost}; a request with several samples is not moved") from None
         raise WorkerLost("decode stream ended before every sample finished")
+
+    def _stop_samples(
+        self, streams: SampleStreams, stopped: set[int], decision: Decision, worker_id: str
+    ) -> None:
+        """Samples whose stop string matched here: the decode worker stops making them."""
+        for index in set(streams.stopped_here()) - stopped:
+            stopped.add(index)
+            self._background(self.clients.abort_sample(decision.decode, worker_id, index))
 
     async def _migrate(
         self,

@@ -158,6 +158,15 @@ class SampleStreams:
     streams: list[ClientStream] = field(init=False)
     logprob_sums: list[float] = field(init=False)
     held: list[list[generation_pb2.GenerateResponse]] = field(init=False)
+    worker_ended: set[int] = field(default_factory=set)  # samples the decode worker ended
+
+    def stopped_here(self) -> list[int]:
+        """Samples a stop string ended here that the decode worker still runs."""
+        return [
+            i
+            for i, stream in enumerate(self.streams)
+            if stream.finished and i not in self.worker_ended
+        ]
 
     def __post_init__(self) -> None:
         params = self.req.params
@@ -217,6 +226,8 @@ class SampleStreams:
         """One message of the decode worker's stream (one sample's)."""
         if part.index >= len(self.streams) or self.streams[part.index].finished:
             return []  # NOTE: a sample its first token or a stop string already ended
+        if part.finish_reason:
+            self.worker_ended.add(part.index)
         return self._emit(
             part.index, self._finished(part.index, self.streams[part.index].from_decode(part))
         )

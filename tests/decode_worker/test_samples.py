@@ -278,3 +278,48 @@ def test_beam_search_under_preemption_gives_the_same_beams(tiny_llama: Path, mod
     got, engine = beams(num_blocks=80, num_swap_blocks=120, preemption_mode=mode)
     assert engine.stats.num_preemptions > 0, "the test must exercise preemption"
     assert got == expected
+
+
+def test_the_decode_worker_stops_one_sample_and_streams_the_others(tiny_llama: Path) -> None:
+    """`Abort("<request>#<i>")` (what the router sends when sample i's stop string matched)
+    ends that sample alone, sample 0 included; the others go on. Steps driven by hand."""
+    import time
+
+    from pagedserve.decode_worker.convert import DecodeCall
+    from pagedserve.decode_worker.worker import DecodeWorker
+
+    engine = make_engine(tiny_llama, block_size=16, num_blocks=64)
+    worker = DecodeWorker(engine)  # NOTE: its loop is not started: `step()` by hand
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=40, n=3, ignore_eos=True)
+        samples = ((7, None), (7, None), (7, None))
+        call = DecodeCall("req", prompt(20, 90), params, 0, "", 7, None, None, samples=samples)
+        stream = worker.submit(call)
+        deadline = time.monotonic() + 30
+        while worker._tracked["req"].importing:
+            assert time.monotonic() < deadline, "the import never ended"
+            time.sleep(0.01)
+        for _ in range(4):
+            worker.step()
+        assert worker.abort("req#2")
+        assert not worker.abort("req#2")
+        for _ in range(3):
+            worker.step()
+        assert worker.abort("req#0")
+        while worker.num_in_flight:
+            worker.step()
+        assert not worker.abort("req#1")
+        ends: dict[int, FinishReason] = {}
+        made: dict[int, int] = {0: 0, 1: 0, 2: 0}
+        while len(ends) < 3:
+            delta = stream.get(5.0)
+            assert delta is not None, "stream stalled"
+            made[delta.index] += len(delta.token_ids)
+            if delta.finish_reason is not None:
+                ends[delta.index] = delta.finish_reason
+        assert ends == {0: FinishReason.ABORT, 1: FinishReason.LENGTH, 2: FinishReason.ABORT}
+        assert (made[0], made[1], made[2]) == (7, 39, 4)  # NOTE: the first token is the caller's
+    finally:
+        worker.close()
+    engine.check_integrity()
+    assert engine.pool.num_used == 0

@@ -185,3 +185,20 @@ def test_bad_beam_searches_are_invalid_argument(cluster, overrides, field) -> No
     bad = error_details_pb2.BadRequest()
     assert status is not None and status.details[0].Unpack(bad)
     assert bad.field_violations[0].field == field
+
+
+def test_a_stop_string_ends_each_sample(cluster) -> None:
+    started, model_dir = cluster
+    prompt = make_prompts((20,), seed=33)[0]
+    want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+    full_text = RouterTokenizer.from_model_dir(model_dir).decode(want[:24])
+    stop = full_text[5:8]
+    params = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True, stop=(stop,), n=2)
+    with Client(started.router_address) as client:
+        parts = list(client.generate(prompt, params, timeout=60))
+        # NOTE: every sample ended here: the router cancels the decode call, blocks are freed
+        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=5)
+    for index, mine in by_index(parts).items():
+        assert "".join(p.text for p in mine) == full_text[: full_text.index(stop)], index
+        assert mine[-1].stop_string == stop
+        assert mine[-1].finish_reason == common_pb2.FINISH_REASON_STOP
