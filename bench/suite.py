@@ -1,8 +1,8 @@
 """`pagedserve bench SCENARIO`: the scenarios of BENCHMARKS.md, side by side with peers.
 
     pagedserve bench throughput|serve|kv-efficiency|prefix|shared-prefix-memory|oversubscribe|
-                     priority|disagg|roofline|concurrency|gateway|all [--quick] [--reps 3]
-                     [--out docs/benchmarks] [--model DIR]
+                     priority|disagg|roofline|concurrency|gateway|samples|all [--quick]
+                     [--reps 3] [--out docs/benchmarks] [--model DIR]
     pagedserve bench serve --rate 2
 
 Probes (memory bandwidth, GEMM FLOP/s) run first; tiny Llama models are written to a scratch
@@ -27,6 +27,7 @@ from pagedserve.bench import (
     scenarios_concurrency,
     scenarios_gateway,
     scenarios_pressure,
+    scenarios_samples,
 )
 from pagedserve.bench.driver import Context, PeerError, ScenarioResult
 from pagedserve.bench.probes import run_probes
@@ -43,6 +44,7 @@ SCENARIOS: dict[str, Callable[[Context], ScenarioResult]] = {
     "roofline": scenarios_pressure.roofline,
     "concurrency": scenarios_concurrency.concurrency,
     "gateway": scenarios_gateway.gateway,
+    "samples": scenarios_samples.samples,
 }
 VOCAB = 512
 MODEL = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": VOCAB, "dtype": "float32"}

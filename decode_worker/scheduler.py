@@ -316,27 +316,38 @@ class Scheduler:
         turned into `candidates` (token, logprob): the first beam step runs here, then the
         beams are forked from `parent` (its table holds the prompt's KV when `prefilled`).
         Returns the beams already finished (a search that ended at its first token)."""
-        search = new_beam_search(
-            parent.params, self.config.eos_token_ids, self._beam_tokens(parent)
-        )
+        samples, done = self._first_beam_step(parent, candidates)
+        rank = self._queue_parent(parent, samples, prefilled=prefilled)
+        if rank is None:
+            return samples
+        return self._add_samples(rank, samples) + (self._finish_beams(parent) if done else [])
+
+    def _first_beam_step(
+        self, parent: Sequence, candidates: list[tuple[int, float]]
+    ) -> tuple[list[Sequence], bool]:
+        """Start `parent`'s search from the prompt's candidates: it takes the best beam's
+        token; the other beams are forked from it. Returns them and whether the search ended."""
+        limit = min(parent.params.max_tokens, self.config.max_model_len - parent.num_prompt_tokens)
+        search = new_beam_search(parent.params, self.config.eos_token_ids, limit)
         step = search.step([candidates], [[]])
         parent.append_token(step.tokens[0], None)
         samples = fork_samples(parent, [(token, None) for token in step.tokens[1:]])
         _some_group(parent).beam = search
+        return samples, step.done
+
+    def _queue_parent(
+        self, parent: Sequence, samples: list[Sequence], *, prefilled: bool
+    ) -> Rank | None:
+        """Queue sample 0 like `add_prefilled` or `add`; its rank, or None when it can never
+        fit (its forked samples then fail with it, their blocks freed)."""
         (self.add_prefilled if prefilled else self.add)(parent)
         entry = self._entries.get(parent.request_id)
-        if entry is None:  # NOTE: it can never fit: its beams fail with it
-            for seq in samples:
-                self.kv.free(seq.block_table)
-                seq.finish(FinishReason.ERROR)
-            return samples
-        finished = self._add_samples(entry.rank, samples)
-        if step.done:
-            finished += self._finish_beams(_some_group(parent))
-        return finished
-
-    def _beam_tokens(self, seq: Sequence) -> int:
-        return min(seq.params.max_tokens, self.config.max_model_len - seq.num_prompt_tokens)
+        if entry is not None:
+            return entry.rank
+        for seq in samples:
+            self.kv.free(seq.block_table)
+            seq.finish(FinishReason.ERROR)
+        return None
 
     def _beam_step(self, rows: list[tuple[ScheduledSequence, SampledToken]]) -> list[Sequence]:
         """One beam-search step of a request whose beams (`rows`) completed a forward."""
@@ -344,18 +355,10 @@ class Scheduler:
         if first.group is None:  # NOTE: the prompt's last row: the first step forks the beams
             item, sampled = rows[0]
             self._advance_computed(item, item.num_new_tokens)
-            search = new_beam_search(
-                first.params, self.config.eos_token_ids, self._beam_tokens(first)
-            )
-            step = search.step([sampled.candidates], [[]])
-            first.append_token(step.tokens[0], None)
             rank = self._entries[first.request_id].rank
-            samples = fork_samples(first, [(token, None) for token in step.tokens[1:]])
-            _some_group(first).beam = search
-            finished = self._add_samples(rank, samples)
-            return finished + (self._finish_beams(_some_group(first)) if step.done else [])
+            samples, done = self._first_beam_step(first, sampled.candidates)
+            return self._add_samples(rank, samples) + (self._finish_beams(first) if done else [])
         group = _some_group(first)
-        search = _some_beam(group)
         if len(rows) != len(group.members):
             # NOTE: not every beam ran (a budget, a seat, a recompute): the step waits for
             # them; the last token's KV is computed again with theirs
@@ -366,11 +369,11 @@ class Scheduler:
         for item, _ in rows:
             self._advance_computed(item, item.num_new_tokens)
         members = [item.seq for item, _ in rows]
-        step = search.step(
+        step = _some_beam(group).step(
             [sampled.candidates for _, sampled in rows], [m.output_token_ids for m in members]
         )
         self._reassign_beams(members, step.parents, step.tokens)
-        return self._finish_beams(group) if step.done else []
+        return self._finish_beams(first) if step.done else []
 
     def _advance_computed(self, item: ScheduledSequence, num_tokens: int) -> None:
         seq = item.seq
@@ -396,9 +399,10 @@ class Scheduler:
             member.update_block_hashes()
             member.num_computed_tokens = computed
 
-    def _finish_beams(self, group: SampleGroup) -> list[Sequence]:
-        """End a search: beam i < n gets the i-th best finished hypothesis; every beam's
-        blocks are freed. Returns every beam."""
+    def _finish_beams(self, beam: Sequence) -> list[Sequence]:
+        """End `beam`'s search: beam i < n gets the i-th best finished hypothesis; every
+        beam's blocks are freed. Returns every beam."""
+        group = _some_group(beam)
         search = _some_beam(group)
         best = search.best(group.members[0].params.n)
         for member in group.members:
@@ -436,21 +440,11 @@ class Scheduler:
         `samples` beside it, sharing the prompt's blocks. Returns the members already finished
         (by their first token, or failed with the parent), their blocks freed.
         """
-        finished: list[Sequence] = []
         if parent.check_stop(self.config.eos_token_ids, self.config.max_model_len):
             self.kv.free(parent.block_table)  # NOTE: the samples hold their own references
-            finished.append(parent)
-            rank = self._rank(parent)
-        else:
-            (self.add_prefilled if prefilled else self.add)(parent)
-            entry = self._entries.get(parent.request_id)
-            if entry is None:  # NOTE: it can never fit: its samples fail with it
-                for seq in samples:
-                    self.kv.free(seq.block_table)
-                    seq.finish(FinishReason.ERROR)
-                return samples
-            rank = entry.rank
-        return finished + self._add_samples(rank, samples)
+            return [parent, *self._add_samples(self._rank(parent), samples)]
+        rank = self._queue_parent(parent, samples, prefilled=prefilled)
+        return samples if rank is None else self._add_samples(rank, samples)
 
     def _add_samples(self, rank: Rank, samples: list[Sequence]) -> list[Sequence]:
         """Queue forked samples: running (sharing the prompt's blocks) while seats last, else

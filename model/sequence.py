@@ -187,10 +187,6 @@ class SampleGroup:
     members: list[Sequence]
     beam: BeamSearch | None = None  # a beam search's state (the members are its beams)
 
-    @property
-    def unfinished(self) -> list[Sequence]:
-        return [seq for seq in self.members if not seq.is_finished]
-
 
 def fork_samples(
     parent: Sequence, first_tokens: list[tuple[int, TokenLogprobs | None]]

@@ -343,7 +343,7 @@ def _run_micro_bench(args: argparse.Namespace) -> int:
 # line imports no torch (tests/cli/test_cli.py checks that the two agree)
 _SCENARIOS = (
     "throughput", "serve", "kv-efficiency", "prefix", "shared-prefix-memory", "oversubscribe",
-    "priority", "disagg", "roofline", "concurrency", "gateway",
+    "priority", "disagg", "roofline", "concurrency", "gateway", "samples",
 )  # fmt: skip
 
 

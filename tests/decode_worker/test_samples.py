@@ -52,6 +52,24 @@ def run(engine: DecodeEngine, *, check_every_step: bool = True) -> None:
     engine.close()
 
 
+def assert_same_under_pressure(
+    model_dir: Path, prompts: list[list[int]], params: SamplingParams, **pressure
+) -> None:
+    """Every sample of every prompt (priorities alternating) is the same with a pool small
+    enough to preempt (`pressure`) as with a roomy one."""
+
+    def outputs(**overrides) -> tuple[list[list[list[int]]], DecodeEngine]:
+        engine = make_engine(model_dir, **overrides)
+        seqs = [engine.add_request(p, params, priority=i % 2) for i, p in enumerate(prompts)]
+        run(engine)
+        return [[m.output_token_ids for m in samples_of(s)] for s in seqs], engine
+
+    expected, _ = outputs()
+    got, engine = outputs(num_swap_blocks=120, **pressure)
+    assert engine.stats.num_preemptions > 0, "the test must exercise preemption"
+    assert got == expected
+
+
 def test_greedy_samples_are_identical_and_equal_transformers(tiny_llama: Path) -> None:
     tokens = prompt(23)
     engine = make_engine(tiny_llama)
@@ -142,16 +160,7 @@ def test_group_preempted_as_one_gives_the_same_outputs(
     prompts = [prompt(30 + 7 * i, 10 + i) for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=40, n=3)
 
-    def outputs(**overrides) -> tuple[list[list[list[int]]], DecodeEngine]:
-        engine = make_engine(tiny_llama, **overrides)
-        seqs = [engine.add_request(p, params, priority=i % 2) for i, p in enumerate(prompts)]
-        run(engine)
-        return [[m.output_token_ids for m in samples_of(s)] for s in seqs], engine
-
-    expected, _ = outputs()
-    got, engine = outputs(num_blocks=90, num_swap_blocks=120, preemption_mode=mode)
-    assert engine.stats.num_preemptions > 0, "the test must exercise preemption"
-    assert got == expected
+    assert_same_under_pressure(tiny_llama, prompts, params, num_blocks=90, preemption_mode=mode)
 
 
 def test_abort_ends_every_sample_and_frees_every_block(tiny_llama: Path) -> None:
@@ -268,16 +277,7 @@ def test_beam_search_under_preemption_gives_the_same_beams(tiny_llama: Path, mod
     prompts = [prompt(26 + 9 * i, 70 + i) for i in range(4)]
     params = SamplingParams(temperature=0.0, max_tokens=30, use_beam_search=True, beam_width=3, n=3)
 
-    def beams(**overrides) -> tuple[list[list[list[int]]], DecodeEngine]:
-        engine = make_engine(tiny_llama, **overrides)
-        seqs = [engine.add_request(p, params, priority=i % 2) for i, p in enumerate(prompts)]
-        run(engine)
-        return [[m.output_token_ids for m in samples_of(s)] for s in seqs], engine
-
-    expected, _ = beams()
-    got, engine = beams(num_blocks=80, num_swap_blocks=120, preemption_mode=mode)
-    assert engine.stats.num_preemptions > 0, "the test must exercise preemption"
-    assert got == expected
+    assert_same_under_pressure(tiny_llama, prompts, params, num_blocks=80, preemption_mode=mode)
 
 
 def test_the_decode_worker_stops_one_sample_and_streams_the_others(tiny_llama: Path) -> None:
