@@ -17,7 +17,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eviction-policy", default=DEFAULT_EVICTION_POLICY.value,
         choices=[p.value for p in EvictionPolicy],
         help="which cached prefix block is evicted first when the KV pool runs short: hits "
-        "(fewest decayed prefix hits, leaves before roots) or lru (docs/architecture.md)",
+        "(fewest decayed prefix hits, leaves before roots) or lru (docs/kv_layout.md)",
     )  # fmt: skip
     parser.add_argument(
         "--swap-space", type=float, default=None,

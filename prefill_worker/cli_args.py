@@ -15,7 +15,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--eviction-policy", default=DEFAULT_EVICTION_POLICY.value,
         choices=[p.value for p in EvictionPolicy],
         help="which cached prefix block is evicted first when the KV pool runs short: hits "
-        "(fewest decayed prefix hits, leaves before roots) or lru (docs/architecture.md)",
+        "(fewest decayed prefix hits, leaves before roots) or lru (docs/kv_layout.md)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-lease-seconds", type=float, default=30.0, help="lease on handed-out KV blocks"
