@@ -22,13 +22,15 @@ decaying by half every ``H`` ticks, written as the tick at which it has decayed 
 these ticks compares the two blocks' decayed values at any common moment, so a key computed at
 release never needs updating while the block stays CACHED (a hit takes it out of the cache).
 A block hit ``n`` times lives about ``H * log2(1 + n)`` ticks longer than a block of one-off
-prompt released with it. With no hits at all the order is LRU's, except that a chain released
-in one call goes leaf first (as ``BlockTable.free`` already releases it).
+prompt released with it. With no hits at all the order is LRU's, except that blocks released
+with no allocation in between go deepest first (a chain released in one call goes leaf first, as
+``BlockTable.free`` already releases it).
 
-NOTE: depth only breaks ties because hits already order a chain: a prefix hit acquires every
-block before the one it needs, so a root is hit at least as often as its leaves and released no
-earlier than them. Ties are the common case inside a chain (same hits, same release), and there
-a root must outlive its leaves: a leaf without its root can never be matched.
+NOTE: depth only breaks ties because hits already order a chain: a prefix match
+(``KVCacheManager.match_prefix``) acquires every block before the one it needs, so a root is hit
+at least as often as its leaves and released no earlier than them. Ties are the common case
+inside a chain (same hits, same release), and there a root must outlive its leaves: a leaf
+without its root can never be matched.
 
 Both evictors are O(log n) or better per operation: ``hits`` is a heap with lazy deletion (a
 revived block's stale entry stays in the heap until popped or compacted away).
