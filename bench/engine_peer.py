@@ -21,6 +21,7 @@ from pagedserve.bench.peers import _package, _result
 from pagedserve.bench.workloads import BenchRequest
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
+from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.model.sequence import Sequence
 from pagedserve.sampling_params import SamplingParams
 
@@ -72,6 +73,7 @@ class EnginePeer:
                 max_num_batched_tokens=a["max_num_batched_tokens"],
                 max_num_seqs=a["max_num_seqs"],
                 enable_prefix_caching=a["prefix_caching"],
+                eviction_policy=EvictionPolicy(a["eviction_policy"]),
                 dtype=a["dtype"],
                 num_swap_blocks=a["num_swap_blocks"],
                 preemption_mode=PreemptionMode(a["preemption_mode"]),

@@ -32,6 +32,7 @@ import torch  # noqa: E402
 
 from pagedserve.bench.metrics import RequestResult, summarize
 from pagedserve.bench.workloads import BenchRequest, load_requests
+from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 
 
 def _result(req: BenchRequest) -> RequestResult:
@@ -214,6 +215,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument(
+        "--eviction-policy", default=DEFAULT_EVICTION_POLICY.value,
+        choices=[e.value for e in EvictionPolicy], help="engine: prefix-cache eviction",
+    )  # fmt: skip
     p.add_argument("--preemption-mode", default="auto", choices=["auto", "swap", "recompute"])
     p.add_argument("--policy", default="priority", choices=["fcfs", "priority"])
     p.add_argument("--kv-policy", default="paged", choices=["paged", "reserve-max"])

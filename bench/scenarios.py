@@ -296,7 +296,49 @@ def prefix(ctx: Context) -> Result:
     res.notes.append("all requests at t = 0: requests batched into the same first steps cannot "
                      "hit each other's blocks (they are not cached until computed)")  # fmt: skip
     _gate(ctx, res, sets[0], outs["on"][0]["tokens"])
+    _eviction(ctx, res)
     return res
+
+
+SKEWED_KV_BLOCKS = 192  # the running prompts (4 x <= 36 blocks) + a cache smaller than the demand
+SKEWED_MAX_SEQS = 4
+
+
+def _eviction(ctx: Context, res: Result) -> None:
+    """S4's second half: the `hits` eviction policy against LRU where the KV budget forces
+    eviction: a few Zipf-popular system prompts among many one-off prompts."""
+    n = ctx.n(96, 192)
+    sets = [make_workload("skewed-prefix", n, ctx.vocab, 600 + rep) for rep in range(ctx.reps)]
+    budget = {"num_blocks": SKEWED_KV_BLOCKS, "max_num_seqs": SKEWED_MAX_SEQS}
+
+    def run(rep: int, policy: str) -> dict:
+        return ctx.engine().run(sets[rep], engine={**budget, "eviction_policy": policy})
+
+    outs = _interleave(ctx, res, {
+        "skewed-lru": lambda rep: run(rep, "lru"),
+        "skewed-hits": lambda rep: run(rep, "hits"),
+    })  # fmt: skip
+    ideal = [_ideal_cached(s) for s in sets]
+
+    def hit(o: dict) -> float:
+        return o["prefix"]["cached_prompt_tokens"]
+
+    res.ratios += [
+        Ratio("S4", "prefix hit tokens (skewed, evicting): hits / lru",
+              _ratio(outs, "skewed-hits", "skewed-lru", hit), ">= 1.0", 1.0),
+        Ratio("S4", "prefix hit tokens (skewed, evicting): hits / ideal",
+              [hit(o) / max(i, 1) for o, i in zip(outs["skewed-hits"], ideal, strict=True)]),
+        Ratio("S4", "prefix hit tokens (skewed, evicting): lru / ideal",
+              [hit(o) / max(i, 1) for o, i in zip(outs["skewed-lru"], ideal, strict=True)]),
+    ]  # fmt: skip
+    demand = sum(_blocks(len(r.prompt)) for r in sets[0])
+    res.notes.append(
+        f"skewed: {n} requests, half of them one of 6 system prompts of 256 tokens (Zipf 1/k) + "
+        f"16-64 tokens, half one-off prompts of 128-512 tokens, 8 output tokens; KV budget "
+        f"{SKEWED_KV_BLOCKS} blocks x {BLOCK} (the first set's prompts need {demand}), at most "
+        f"{SKEWED_MAX_SEQS} running; ideal = an unbounded cache"
+    )
+    _gate(ctx, res, sets[0], outs["skewed-hits"][0]["tokens"])
 
 
 def _ideal_cached(requests: list[BenchRequest]) -> int:

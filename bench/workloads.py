@@ -68,6 +68,36 @@ def prefix_repetition_workload(
     ]
 
 
+def skewed_prefix_workload(
+    n: int,
+    vocab: int,
+    seed: int,
+    *,
+    num_prefixes: int = 6,
+    prefix_len: int = 256,
+    shared_fraction: float = 0.5,
+    zipf_s: float = 1.0,
+) -> list[BenchRequest]:
+    """A few hot system prompts and many one-off prompts, shuffled together.
+
+    A share `shared_fraction` of the requests is system prompt `k` (`prefix_len` tokens, drawn
+    with Zipf weight `1 / (k + 1) ** zipf_s`) + a 16-64 token user suffix; the rest are one-off
+    prompts of 128-512 tokens that share nothing. Output 8 tokens: prefill dominates.
+    """
+    rng = random.Random(seed)
+    prefixes = [_ids(rng, prefix_len, vocab) for _ in range(num_prefixes)]
+    weights = [1.0 / (k + 1) ** zipf_s for k in range(num_prefixes)]
+    out = []
+    for i in range(n):
+        if rng.random() < shared_fraction:
+            prefix = rng.choices(prefixes, weights)[0]
+            prompt = prefix + _ids(rng, rng.randint(16, 64), vocab)
+        else:
+            prompt = _ids(rng, rng.randint(128, 512), vocab)
+        out.append(BenchRequest(f"z{seed}-{i}", prompt, 8))
+    return out
+
+
 def long_tail_workload(n: int, vocab: int, seed: int, *, long_fraction: float = 0.1):
     """Mostly short requests (prompt 32-64, output 16-32) and a tail of long ones (prompt
     512-768, output 128-192): lengths differ by more than 4x."""
@@ -86,6 +116,7 @@ WORKLOADS: dict[str, Callable[[int, int, int], list[BenchRequest]]] = {
     "random": random_workload,
     "shared-prefix": shared_prefix_workload,
     "prefix-repetition": prefix_repetition_workload,
+    "skewed-prefix": skewed_prefix_workload,
     "long-tail": long_tail_workload,
 }
 

@@ -34,6 +34,7 @@ from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig, worst_case_blocks
 from pagedserve.decode_worker.swapper import CopyFn, Swapper
 from pagedserve.kvstore.block_pool import BlockPool
+from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
@@ -59,6 +60,7 @@ class DecodeEngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
+    eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
     dtype: str | None = None  # default: the checkpoint's
     device: str = "cpu"
     swap_space_gib: float = 4.0
@@ -124,7 +126,12 @@ class DecodeEngine:
         self.fingerprint = model_fingerprint(
             model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision
         )
-        self.pool = BlockPool(config.num_blocks, config.block_size, record_events=False)
+        self.pool = BlockPool(
+            config.num_blocks,
+            config.block_size,
+            record_events=False,
+            eviction_policy=config.eviction_policy,
+        )
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=config.enable_prefix_caching)
         num_swap = config.num_swap_blocks
         if num_swap is None:

@@ -81,6 +81,7 @@ class _InFlight:
     """A block some import is pulling; others with the same hash share it."""
 
     block_id: BlockId
+    depth: int = 0  # its index in the prompt: the pool evicts leaves before roots
     done: threading.Event = field(default_factory=threading.Event)
     ok: bool = False
 
@@ -298,7 +299,7 @@ class KvImporter:
             # NOTE: a freed block may still be the source of a pending swap-out
             self.engine.swapper.wait_for_writes(new_blocks)
         pull = dict(zip(to_pull, new_blocks, strict=True))
-        owned = {hashes[i]: _InFlight(b) for i, b in pull.items() if i < len(hashes)}
+        owned = {hashes[i]: _InFlight(b, i) for i, b in pull.items() if i < len(hashes)}
         self._in_flight.update(owned)
         table = seq.block_table
         table.block_ids = [_block_at(i, found, shared, pull) for i in range(num_blocks)]
@@ -406,7 +407,7 @@ class KvImporter:
             for block_hash, flight in reservation.owned.items():
                 del self._in_flight[block_hash]
                 if ok:
-                    self.engine.pool.cache_block(flight.block_id, block_hash)
+                    self.engine.pool.cache_block(flight.block_id, block_hash, flight.depth)
                 flight.ok = ok
         for flight in reservation.owned.values():
             flight.done.set()

@@ -30,6 +30,7 @@ from pagedserve.grpcutil import (
     client_tls_from_args,
     server_tls_from_args,
 )
+from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
@@ -64,6 +65,7 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        eviction_policy=EvictionPolicy(args.eviction_policy),
         dtype=args.dtype,
         device=args.device,
         swap_space_gib=swap_space_gib(args.swap_space, num_blocks * spec.bytes_per_block),

@@ -1,26 +1,34 @@
-"""BlockPool: owns every KV block id, its reference count, its hash and the LRU of cached blocks.
+"""BlockPool: owns every KV block id, its reference count, its hash and the cached blocks.
 
 A block is in exactly one state::
 
     FREE    ref == 0, no hash     on the free list (FIFO), allocatable
     USED    ref  > 0              held by one or more block tables; may carry a hash
-    CACHED  ref == 0, has a hash  in the LRU, reusable by a prefix hit, evictable
+    CACHED  ref == 0, has a hash  in the evictor, reusable by a prefix hit, evictable
 
     allocate ──► USED ──free (ref 0)──► FREE     (no hash)
                   ▲  └──free (ref 0)──► CACHED   (hash) ──evict / reset──► FREE
                   └──────── acquire ─────┘
 
-The pool knows nothing about tensors; the KV pages are indexed by the same block ids elsewhere.
+Which CACHED block is evicted first is the evictor's call (``eviction.py``: ``lru``, or
+``hits``: decayed prefix hits, then depth in the chain). The pool knows nothing about tensors;
+the KV pages are indexed by the same block ids elsewhere.
 """
 
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import NewType
 
+from pagedserve.kvstore.eviction import (
+    EvictionPolicy,
+    Evictor,
+    make_evictor,
+    parse_eviction_policy,
+)
 from pagedserve.kvstore.hashing import BLOCK_HASH_BYTES, BlockHash
 
 BlockId = NewType("BlockId", int)
@@ -51,15 +59,18 @@ class BlockPool:
       a reference: ``lookup`` alone takes none, so ``acquire`` before the next ``allocate``.
     - Events are kept until ``drain_events`` is called; the owner must drain them regularly (or
       construct the pool with ``record_events=False``), since nothing else bounds the list.
+    - ``eviction_policy`` changes only which CACHED block ``allocate`` takes first; states,
+      counts and events are the same under every policy.
     """
 
     __slots__ = (
         "_block_size",
+        "_cached",
+        "_eviction_policy",
         "_events",
         "_free",
         "_hash_to_block",
         "_hashes",
-        "_lru",
         "_num_blocks",
         "_num_used",
         "_record_events",
@@ -67,7 +78,14 @@ class BlockPool:
         "__weakref__",
     )
 
-    def __init__(self, num_blocks: int, block_size: int, *, record_events: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        *,
+        record_events: bool = True,
+        eviction_policy: EvictionPolicy | str = EvictionPolicy.LRU,
+    ) -> None:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: must be positive, got {num_blocks}")
         if block_size <= 0:
@@ -77,8 +95,8 @@ class BlockPool:
         self._refs = [0] * num_blocks
         self._hashes: list[BlockHash | None] = [None] * num_blocks
         self._free: deque[BlockId] = deque(BlockId(i) for i in range(num_blocks))
-        # NOTE: insertion order is recency: first = least recently used = evicted first.
-        self._lru: OrderedDict[BlockId, None] = OrderedDict()
+        self._eviction_policy = parse_eviction_policy(eviction_policy)
+        self._cached: Evictor = make_evictor(self._eviction_policy, num_blocks)
         self._hash_to_block: dict[BlockHash, BlockId] = {}
         self._num_used = 0
         self._record_events = record_events
@@ -95,6 +113,10 @@ class BlockPool:
         return self._block_size
 
     @property
+    def eviction_policy(self) -> EvictionPolicy:
+        return self._eviction_policy
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 
@@ -109,12 +131,12 @@ class BlockPool:
 
     @property
     def num_cached(self) -> int:
-        return len(self._lru)
+        return len(self._cached)
 
     @property
     def num_allocatable(self) -> int:
         """Blocks ``allocate`` can hand out now: free ones plus evictable cached ones."""
-        return len(self._free) + len(self._lru)
+        return len(self._free) + len(self._cached)
 
     @property
     def usage(self) -> float:
@@ -131,8 +153,9 @@ class BlockPool:
     def allocate(self, num_blocks: int) -> list[BlockId] | None:
         """Take ``num_blocks`` blocks with ref 1, or return None (changing nothing) if short.
 
-        Free blocks go first, oldest-freed first; then cached blocks are evicted least recently
-        used first, losing their hash (a REMOVED event each). The caller owns one reference to
+        Free blocks go first, oldest-freed first; then cached blocks are evicted in the
+        evictor's order (``lru``: least recently used first), losing their hash (a REMOVED event
+        each). The caller owns one reference to
         each returned block and must ``free`` it.
         """
         if not self.can_allocate(num_blocks):
@@ -141,19 +164,22 @@ class BlockPool:
         while len(taken) < num_blocks and self._free:
             taken.append(self._free.popleft())
         while len(taken) < num_blocks:
-            block_id, _ = self._lru.popitem(last=False)
+            block_id = self._cached.pop()
             self._drop_hash(block_id)
             taken.append(block_id)
         for block_id in taken:
             self._refs[block_id] = 1
         self._num_used += len(taken)
+        self._cached.advance(len(taken))
         return taken
 
     def acquire(self, block_ids: Iterable[BlockId]) -> None:
         """Take one more reference to each block (a prefix hit or a fork).
 
-        A CACHED block leaves the LRU and becomes USED. Acquiring a FREE block raises
-        RuntimeError, checked for every id before anything changes.
+        A CACHED block leaves the evictor and becomes USED. Each id that carries a hash counts
+        as one prefix hit for the ``hits`` eviction policy (the reference ``allocate`` hands out
+        is not a hit). Acquiring a FREE block raises RuntimeError, checked for every id before
+        anything changes.
         """
         ids = list(block_ids)
         for block_id in ids:
@@ -161,16 +187,18 @@ class BlockPool:
             if self._refs[block_id] == 0 and self._hashes[block_id] is None:
                 raise RuntimeError(f"acquire: block {block_id} is FREE; only used or cached blocks")
         for block_id in ids:
+            if self._hashes[block_id] is not None:
+                self._cached.hit(block_id)
             if self._refs[block_id] == 0:
-                del self._lru[block_id]
+                self._cached.remove(block_id)
                 self._num_used += 1
             self._refs[block_id] += 1
 
     def free(self, block_ids: Iterable[BlockId]) -> None:
         """Drop one reference to each block, in the given order.
 
-        A block reaching ref 0 becomes CACHED (most recently used end of the LRU) if it has a
-        hash, else FREE (tail of the free list). So free a sequence's blocks tail first if its
+        A block reaching ref 0 becomes CACHED (the most recently used of the evictor) if it has
+        a hash, else FREE (tail of the free list). So free a sequence's blocks tail first if its
         head should outlive its tail in the cache. Dropping more references than a block holds
         raises RuntimeError (double free), checked for every id before anything changes.
         """
@@ -191,7 +219,7 @@ class BlockPool:
             if self._hashes[block_id] is None:
                 self._free.append(block_id)
             else:
-                self._lru[block_id] = None
+                self._cached.push(block_id)
 
     # -- prefix cache --------------------------------------------------------------------------
 
@@ -199,15 +227,20 @@ class BlockPool:
         """The block registered under ``block_hash``, or None. Takes no reference."""
         return self._hash_to_block.get(block_hash)
 
-    def cache_block(self, block_id: BlockId, block_hash: BlockHash) -> BlockId:
+    def cache_block(self, block_id: BlockId, block_hash: BlockHash, depth: int = 0) -> BlockId:
         """Register the USED, fully computed ``block_id`` under ``block_hash``; return the owner.
 
         Returns ``block_id`` when it is (now) the block for this hash (a STORED event if newly
         mapped). If another block already holds ``block_hash``, that mapping wins: its id is
         returned and ``block_id`` stays unregistered (the caller keeps using its own block).
         RuntimeError if ``block_id`` is not USED or already carries a different hash.
+
+        ``depth`` is the block's index in its sequence (0: the first block of the hash chain);
+        the ``hits`` eviction policy evicts deeper blocks first among equals. 0 when unknown.
         """
         self._check_id(block_id)
+        if depth < 0:
+            raise ValueError(f"depth: must be >= 0, got {depth}")
         if len(block_hash) != BLOCK_HASH_BYTES:
             raise ValueError(f"block_hash: expected {BLOCK_HASH_BYTES} bytes, got {block_hash!r}")
         if self._refs[block_id] == 0:
@@ -225,17 +258,19 @@ class BlockPool:
             return owner
         self._hashes[block_id] = block_hash
         self._hash_to_block[block_hash] = block_id
+        self._cached.hashed(block_id, depth)
         self._record(BlockEventKind.STORED, block_hash)
         return block_id
 
     def reset_prefix_cache(self) -> int:
         """Move every CACHED block to FREE (REMOVED events); return how many moved.
 
-        USED blocks keep their hashes and become CACHED when freed, as usual.
+        USED blocks keep their hashes and become CACHED when freed, as usual. Blocks move in
+        eviction order.
         """
         moved = 0
-        while self._lru:
-            block_id, _ = self._lru.popitem(last=False)
+        while len(self._cached):
+            block_id = self._cached.pop()
             self._drop_hash(block_id)
             self._free.append(block_id)
             moved += 1
@@ -265,7 +300,7 @@ class BlockPool:
     def check_integrity(self) -> None:
         """Raise RuntimeError naming the first broken invariant of the pool's bookkeeping."""
         free_set = set(self._free)
-        lru_set = set(self._lru)
+        cached_set = set(self._cached)
         if len(free_set) != len(self._free):
             raise RuntimeError("integrity: free list has duplicate block ids")
         used = [b for b in range(self._num_blocks) if self._refs[b] > 0]
@@ -275,28 +310,30 @@ class BlockPool:
             raise RuntimeError(
                 f"integrity: {len(used)} blocks have ref > 0, counter {self._num_used}"
             )
-        if len(self._free) + len(used) + len(self._lru) != self._num_blocks:
+        num_cached = len(self._cached)
+        if len(self._free) + len(used) + num_cached != self._num_blocks:
             raise RuntimeError(
-                f"integrity: free {len(self._free)} + used {len(used)} + cached {len(self._lru)} "
+                f"integrity: free {len(self._free)} + used {len(used)} + cached {num_cached} "
                 f"!= total {self._num_blocks}"
             )
         for block_id in range(self._num_blocks):
-            self._check_block_state(BlockId(block_id), block_id in free_set, block_id in lru_set)
+            self._check_block_state(BlockId(block_id), block_id in free_set, block_id in cached_set)
         for block_hash, block_id in self._hash_to_block.items():
             if self._hashes[block_id] != block_hash:
                 raise RuntimeError(f"integrity: map sends {block_hash.hex()} to block {block_id}")
+        self._cached.check_integrity()
 
-    def _check_block_state(self, block_id: BlockId, in_free: bool, in_lru: bool) -> None:
+    def _check_block_state(self, block_id: BlockId, in_free: bool, in_cached: bool) -> None:
         ref = self._refs[block_id]
         block_hash = self._hashes[block_id]
-        if in_free + in_lru + (ref > 0) != 1:
+        if in_free + in_cached + (ref > 0) != 1:
             raise RuntimeError(
-                f"integrity: block {block_id} (ref {ref}, free list {in_free}, lru {in_lru}) "
+                f"integrity: block {block_id} (ref {ref}, free list {in_free}, cached {in_cached}) "
                 "is not in exactly one state"
             )
         if in_free and block_hash is not None:
             raise RuntimeError(f"integrity: FREE block {block_id} has a hash")
-        if in_lru and block_hash is None:
+        if in_cached and block_hash is None:
             raise RuntimeError(f"integrity: CACHED block {block_id} has no hash")
         if block_hash is not None and self._hash_to_block.get(block_hash) != block_id:
             raise RuntimeError(f"integrity: block {block_id}'s hash does not map back to it")
@@ -309,6 +346,7 @@ class BlockPool:
             raise RuntimeError(f"block {block_id} is cached without a hash")
         self._hashes[block_id] = None
         del self._hash_to_block[block_hash]
+        self._cached.unhashed(block_id)
         self._record(BlockEventKind.REMOVED, block_hash)
 
     def _record(self, kind: BlockEventKind, block_hash: BlockHash) -> None:

@@ -102,7 +102,8 @@ class KVCacheManager:
         Block ``i`` is registered when ``i < num_computed_tokens // block_size`` and
         ``i < len(block_hashes)``; ``block_hashes[i]`` must be the hash of that block's tokens.
         A block whose hash another block already holds stays unregistered (see
-        ``BlockPool.cache_block``). No-op when prefix caching is off.
+        ``BlockPool.cache_block``); block ``i`` is registered at depth ``i``. No-op when prefix
+        caching is off.
         """
         if num_computed_tokens > table.num_tokens:
             raise ValueError(
@@ -113,7 +114,7 @@ class KVCacheManager:
             return
         num_full = min(num_computed_tokens // self.pool.block_size, len(block_hashes))
         for i in range(table.num_cached_blocks, num_full):
-            self.pool.cache_block(table.block_ids[i], block_hashes[i])
+            self.pool.cache_block(table.block_ids[i], block_hashes[i], depth=i)
         table.num_cached_blocks = max(table.num_cached_blocks, num_full)
 
     def free(self, table: BlockTable) -> None:

@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.config import add_tls_arguments, parse_bytes
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
+from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.model import core_share
 
 _PR_SET_PDEATHSIG = 1
@@ -277,7 +278,7 @@ def _start_all(
             argv += ["--core-share", f"{share}:{slot}"]
         print(f"  {name:<10} memory: {memory_plan(role, args)}", flush=True)
         started.append(
-            _spawn(name, _with_metrics(argv + _memory_flags(role, args), args), log_dir, env)
+            _spawn(name, _with_metrics(argv + _worker_flags(role, args), args), log_dir, env)
         )
     cluster.children[:0] = started  # NOTE: before waiting, so that a failed start stops them
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
@@ -328,6 +329,14 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for child in workers:
         flags += [f"--{child.name.split('-')[0]}", child.address]
+    return flags
+
+
+def _worker_flags(role: str, args: argparse.Namespace) -> list[str]:
+    """Flags of `up` that a prefill or decode worker takes (its KV memory, its eviction)."""
+    flags = _memory_flags(role, args)
+    if getattr(args, "eviction_policy", None):
+        flags += ["--eviction-policy", args.eviction_policy]
     return flags
 
 
@@ -494,6 +503,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="passed to the router and every worker"
     )
+    parser.add_argument(
+        "--eviction-policy", default=None, choices=[p.value for p in EvictionPolicy],
+        help="passed to every prefill and decode worker (default: theirs, "
+        f"{DEFAULT_EVICTION_POLICY.value})",
+    )  # fmt: skip
     parser.add_argument(
         "--generation-config", default="auto", choices=["auto", "none"],
         help="passed to the router (sampling defaults of generation_config.json)",

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pagedserve.errors import InvalidArgument
 from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
+from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks, model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import ShmKVPool, layout_compat_hash
@@ -45,6 +46,7 @@ class PrefillEngineConfig:
     max_num_seqs: int = 64
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
+    eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
     lease_seconds: float = 30.0  # the worker's lease defaults
     max_lease_seconds: float = 300.0
     use_shm: bool = True  # allocate the pool in shared memory (offer the shm transport)
@@ -91,7 +93,9 @@ class PrefillEngine:
             kv_cache=self.shm_pool.cache if self.shm_pool else None,
         )
         self.compat_hash = layout_compat_hash(spec, self.fingerprint)
-        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.pool = BlockPool(
+            config.num_blocks, config.block_size, eviction_policy=config.eviction_policy
+        )
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = PrefillScheduler(
             self.kv,

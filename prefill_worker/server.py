@@ -31,6 +31,7 @@ from pagedserve.grpcutil import (
     build_server,
     server_tls_from_args,
 )
+from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import (
     Role,
@@ -91,6 +92,7 @@ def build_engine(args: argparse.Namespace) -> PrefillEngine:
         max_num_seqs=args.max_num_seqs,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        eviction_policy=EvictionPolicy(args.eviction_policy),
         lease_seconds=args.kv_lease_seconds,
         use_shm=not args.no_shm and args.device == "cpu",
     )

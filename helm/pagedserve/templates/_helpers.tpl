@@ -145,6 +145,7 @@ app.kubernetes.io/part-of: pagedserve
 {{- with $v.model.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int .))) }}{{ end -}}
 {{- with .values.numGpuBlocksOverride }}{{ $args = concat $args (list "--num-gpu-blocks-override" (toString (int .))) }}{{ end -}}
 {{- $args = append $args (ternary "--enable-prefix-caching" "--no-enable-prefix-caching" .values.enablePrefixCaching) -}}
+{{- $args = concat $args (list "--eviction-policy" .values.evictionPolicy) -}}
 {{- toYaml $args }}
 {{- end }}
 
