@@ -222,10 +222,19 @@ def on_worker(started, worker_id: str) -> int:
 
 
 def busiest_decode(started) -> tuple[object, int]:
-    """The decode worker child holding the most streams now, and how many it holds."""
-    held = {name: on_worker(started, name) for name in ("decode-0", "decode-1")}
-    name = max(held, key=lambda n: held[n])
-    return next(c for c in started.children if c.name == name), held[name]
+    """The decode worker child holding the most streams now, and how many it holds.
+
+    NOTE: a status poll may answer with a busy worker's load from before the streams arrived
+    (GetClusterStatus never waits on a slow worker), so it looks again, a bounded while, until
+    some worker shows a stream.
+    """
+    deadline = time.monotonic() + 5.0
+    while True:
+        held = {name: on_worker(started, name) for name in ("decode-0", "decode-1")}
+        name = max(held, key=lambda n: held[n])
+        if held[name] >= 1 or time.monotonic() > deadline:
+            return next(c for c in started.children if c.name == name), held[name]
+        time.sleep(0.05)
 
 
 def test_sigstop_decode_worker_streams_move_after_the_stall_timeout(cluster):
