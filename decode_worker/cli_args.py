@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.config import add_model_arguments, add_server_arguments
-from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
+from pagedserve.kvstore.eviction import add_eviction_argument
 
 DEFAULT_MAX_SWAP_GIB = 4.0  # the cap of the default swap space (vLLM's default size)
 
@@ -13,12 +13,7 @@ DEFAULT_MAX_SWAP_GIB = 4.0  # the cap of the default swap space (vLLM's default 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_server_arguments(parser, default_port=50071)
-    parser.add_argument(
-        "--eviction-policy", default=DEFAULT_EVICTION_POLICY.value,
-        choices=[p.value for p in EvictionPolicy],
-        help="which cached prefix block is evicted first when the KV pool runs short: hits "
-        "(fewest decayed prefix hits, leaves before roots) or lru (docs/kv_layout.md)",
-    )  # fmt: skip
+    add_eviction_argument(parser)
     parser.add_argument(
         "--swap-space", type=float, default=None,
         help="GiB of host memory for preempted KV (default: the size of the device KV pool, "

@@ -38,6 +38,7 @@ revived block's stale entry stays in the heap until popped or compacted away).
 
 from __future__ import annotations
 
+import argparse
 import enum
 import heapq
 import math
@@ -59,8 +60,19 @@ class EvictionPolicy(enum.Enum):
 
 
 DEFAULT_EVICTION_POLICY = EvictionPolicy.HITS
+
 """The workers' default (docs/kv_layout.md, "Eviction"); ``BlockPool`` alone
 defaults to LRU, so a pool built without a policy behaves as it always has."""
+
+
+def add_eviction_argument(parser: argparse.ArgumentParser) -> None:
+    """`--eviction-policy`, the same flag on `pagedserve prefill` and `pagedserve decode`."""
+    parser.add_argument(
+        "--eviction-policy", default=DEFAULT_EVICTION_POLICY.value,
+        choices=[p.value for p in EvictionPolicy],
+        help="which cached prefix block is evicted first when the KV pool runs short: hits "
+        "(fewest decayed prefix hits, leaves before roots) or lru (docs/kv_layout.md)",
+    )  # fmt: skip
 
 
 def parse_eviction_policy(value: EvictionPolicy | str) -> EvictionPolicy:

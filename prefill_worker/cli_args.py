@@ -5,18 +5,13 @@ from __future__ import annotations
 import argparse
 
 from pagedserve.config import add_model_arguments, add_server_arguments
-from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
+from pagedserve.kvstore.eviction import add_eviction_argument
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     add_server_arguments(parser, default_port=50061)
-    parser.add_argument(
-        "--eviction-policy", default=DEFAULT_EVICTION_POLICY.value,
-        choices=[p.value for p in EvictionPolicy],
-        help="which cached prefix block is evicted first when the KV pool runs short: hits "
-        "(fewest decayed prefix hits, leaves before roots) or lru (docs/kv_layout.md)",
-    )  # fmt: skip
+    add_eviction_argument(parser)
     parser.add_argument(
         "--kv-lease-seconds", type=float, default=30.0, help="lease on handed-out KV blocks"
     )
