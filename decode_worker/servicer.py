@@ -1,9 +1,10 @@
 """`pagedserve.v1.DecodeWorker`: a thin asyncio servicer over `DecodeWorker` (DESIGN §3.2, §3.8).
 
 No thread per stream: each Decode call is a coroutine awaiting its `AsyncRequestStream`, which
-the engine loop fills once per step. The worker's calls that take its lock (`submit`, `abort`,
-`load`: at most one step's wait) run on a small executor, never on the event loop, so health
-checks answer while a step computes.
+the engine loop fills once per step. The worker's calls that take its lock (`submit`, `abort`:
+at most one step's wait) run on a small executor, never on the event loop, so health checks
+answer while a step computes; `GetLoad` never waits for the lock (the load as of the last step
+when a step holds it), so it answers on the loop, not queued behind submits on that executor.
 
 Errors are raised, not aborted: the server's interceptor maps them (pagedserve/errors.py). When
 the call ends however it ends (client cancel, deadline, disconnect), the request is aborted and
@@ -28,7 +29,6 @@ from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 from pagedserve.worker_load import Role, test_load_delay_s
 
 RPC_THREADS = 4  # the executor for calls that wait on the engine's lock
-LOAD_MAX_WAIT_S = 0.01  # GetLoad: longer behind a step, and the load as of the last step
 
 
 class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
@@ -81,7 +81,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
     async def GetLoad(self, request, context) -> common_pb2.LoadReport:  # noqa: N802
         if self.load_delay_s:
             await asyncio.sleep(self.load_delay_s)
-        load = await self._off_loop(self.worker.load, LOAD_MAX_WAIT_S)
+        load = self.worker.load(max_wait_s=0.0)  # NOTE: never blocks the loop
         return load_to_proto(load, self.worker.worker_id, Role.DECODE)
 
     async def _off_loop(self, fn, *args):

@@ -184,7 +184,7 @@ class DecodeWorker:
         self._wake = threading.Condition(self.lock)
         self._tracked: dict[str, _Tracked] = {}
         self._outbox: list[tuple[AnyStream, Delta]] = []  # deltas to publish (lock held)
-        self._last_load: WorkerLoad | None = None  # as of the end of the last step
+        self._last_load: WorkerLoad  # as of the end of the last step (or of a load() that ran)
         self._imports = ThreadPoolExecutor(
             import_threads, thread_name_prefix="kv-import", initializer=one_torch_thread
         )
@@ -193,6 +193,8 @@ class DecodeWorker:
         self.dead = False  # the loop thread died: this worker can serve nothing more
         self.on_loop_death: Callable[[], None] | None = None
         self.core_share: CoreShare | None = None  # the host's cores, lent between workers
+        with self.lock:
+            self._last_load = self._load_locked()
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -583,12 +585,12 @@ class DecodeWorker:
     def load(self, max_wait_s: float | None = None) -> WorkerLoad:
         """The load now. With `max_wait_s`, a caller that would wait longer for the lock (a
         step holds it) gets the load as of the end of the last step instead: a load poll never
-        waits behind a step (slow is not dead, and GetClusterStatus stays quick)."""
-        last = self._last_load
-        if max_wait_s is None or last is None:
+        waits behind a step (slow is not dead, and GetClusterStatus stays quick). 0 never
+        waits (safe on an event loop)."""
+        if max_wait_s is None:
             self.lock.acquire()
         elif not self.lock.acquire(timeout=max_wait_s):
-            return dataclasses.replace(last, draining=self.draining or self.dead)
+            return dataclasses.replace(self._last_load, draining=self.draining or self.dead)
         try:
             self._last_load = self._load_locked()
             return self._last_load
