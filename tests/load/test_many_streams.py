@@ -22,6 +22,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from workers import start, wait_ready
 
 from pagedserve.protoconv import sampling_to_proto
+from pagedserve.router.servicer import STATUS_POLL_S
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
 
@@ -107,10 +108,13 @@ async def scenario(cluster) -> dict:
     stub = generation_pb2_grpc.GenerationStub(channels["router"])
     first_token: dict[str, float] = {}
     finished: set[str] = set()
+    messages: dict[str, list[float]] = {}  # request id -> arrival time of each message
 
     async def stream(msg: generation_pb2.GenerateRequest) -> int:
         count = 0
+        arrivals = messages.setdefault(msg.request_id, [])
         async for part in stub.Generate(msg, timeout=300):
+            arrivals.append(time.monotonic())
             if part.token_ids and msg.request_id not in first_token:
                 first_token[msg.request_id] = time.monotonic()
             count += len(part.token_ids)
@@ -146,8 +150,10 @@ async def scenario(cluster) -> dict:
     counts = await asyncio.gather(*lows, high)
     for channel in channels.values():
         await channel.close()
+    gaps = [(t[-1] - t[0]) / (len(t) - 1) for t in messages.values() if len(t) > 2]
     return {
-        "idle": idle, "peak": peak, "queued": queued, "ahead_of_high": ahead_of_high,
+        "step": statistics.median(gaps), "idle": idle, "peak": peak, "queued": queued,
+        "ahead_of_high": ahead_of_high,
         "over": over.value, "streams_left": streams_left, "counts": counts, "probe": probe,
     }  # fmt: skip
 
@@ -166,7 +172,13 @@ def test_200_streams_bounded_threads_live_health_priority_and_admission(cluster)
     # beyond --max-queued-requests: refused, not queued behind the running streams
     assert got["over"].code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert got["streams_left"] > 0
-    # health and status answered throughout, without waiting behind generation
+    # health and status answered throughout (each within its 2 s deadline), without waiting
+    # behind generation: a thread-per-stream server makes them wait for whole streams (seconds).
+    # NOTE: bounds scale with the machine: a health check takes less than one decode step (the
+    # gap between a stream's messages, this run) or 0.1 s; GetClusterStatus polls every worker
+    # and waits at most STATUS_POLL_S for one, so it gets that much more
+    health_bound = max(0.1, got["step"])
     for name, latencies in got["probe"].latencies.items():
         assert latencies, name
-        assert statistics.median(latencies) < 0.1, (name, latencies)
+        bound = health_bound + (STATUS_POLL_S if name == "status" else 0.0)
+        assert statistics.median(latencies) < bound, (name, bound, latencies)
