@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import reference
+from pagedserve.kernels import cpu_native, reference
 
 _local = threading.local()
 
@@ -318,11 +318,14 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     plan: DecodePlan | None = None,
+    *,
+    native: cpu_native.NativePlan | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention (prefill, chunks, decode mixed): same contract as the reference.
 
     Sequences with several query tokens run one at a time (the reference's SDPA and masks, with
-    the workspace gather); the single-token ones go through the batched decode `plan`.
+    the workspace gather); the single-token ones go through the batched decode `plan`, or
+    through the native kernel when `native` (its plan) is given.
     """
     out = torch.empty_like(query)
     start = 0
@@ -336,7 +339,9 @@ def paged_attention(
                 query[start:end], key, value, scale, sliding_window
             )
         start = end
-    if any(q_len == 1 for q_len in query_lens):
+    if native is not None:
+        cpu_native.decode(native, query, k_cache, v_cache, scale, out)
+    elif any(q_len == 1 for q_len in query_lens):
         if plan is None:
             plan = plan_decode(block_tables, query_lens, seq_lens, k_cache, sliding_window)
         _run_plan(plan, query, k_cache, v_cache, scale, out)

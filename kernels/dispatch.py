@@ -4,7 +4,8 @@ Backends, chosen per call from the tensors' device unless a test or benchmark fo
 `use_backend()` (nothing is read from the environment):
 
     cuda -> "triton"  (kernels/triton_attention.py, kernels/triton_cache.py)
-    cpu  -> "cpu"     (kernels/cpu_attention.py: the measured CPU winner, docs/kernels.md)
+    cpu  -> "cpu"     (kernels/cpu_native.py for fp32 decode rows where it builds, else
+                       kernels/cpu_attention.py: the measured CPU winners, docs/kernels.md)
     "reference"       (kernels/reference.py, the oracle)
 
 Forcing "triton" on a CPU tensor needs `TRITON_INTERPRET=1` in the environment before
@@ -21,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from pagedserve.kernels import cpu_attention, reference, swap
+from pagedserve.kernels import cpu_attention, cpu_native, reference, swap
 
 Backend = Literal["triton", "cpu", "reference"]
 _BACKENDS = ("triton", "cpu", "reference")
@@ -48,6 +49,7 @@ class AttentionMetadata:
     _cpu_plans: dict[tuple[object, ...], cpu_attention.DecodePlan] = field(
         default_factory=dict, repr=False
     )
+    _native_plans: dict[int | None, cpu_native.NativePlan] = field(default_factory=dict, repr=False)
 
     @property
     def is_decode_only(self) -> bool:
@@ -81,6 +83,16 @@ class AttentionMetadata:
             self._cpu_plans[key] = plan
         return plan
 
+    def cpu_native_plan(self, sliding_window: int | None) -> cpu_native.NativePlan:
+        """The native kernel's view of this step's single-token sequences (built on first use)."""
+        plan = self._native_plans.get(sliding_window)
+        if plan is None:
+            plan = cpu_native.plan(
+                self.block_tables, self.query_lens, self.seq_lens, sliding_window
+            )
+            self._native_plans[sliding_window] = plan
+        return plan
+
 
 def backend_for(device: torch.device) -> Backend:
     """The backend used for tensors on `device` (the forced one, if any)."""
@@ -100,6 +112,14 @@ def use_backend(name: Backend) -> Iterator[None]:
         yield
     finally:
         _forced = previous
+
+
+def prepare(device: torch.device, dtype: torch.dtype) -> None:
+    """Build what attention on `device` in `dtype` will use now, at start-up, not in the first
+    step: the native CPU kernel for fp32 (compiled once per host, ~1 s; a log line if it cannot
+    be built, and the torch path then)."""
+    if backend_for(device) == "cpu" and dtype == torch.float32:
+        cpu_native.unavailable_reason()
 
 
 def write_kv(
@@ -156,6 +176,15 @@ def _cpu_attention(
     scale: float,
     sliding_window: int | None,
 ) -> torch.Tensor:
+    if cpu_native.supports(query, k_cache):
+        native = meta.cpu_native_plan(sliding_window)
+        if meta.is_decode_only:
+            out = torch.empty_like(query)
+            return cpu_native.decode(native, query, k_cache, v_cache, scale, out)
+        return cpu_attention.paged_attention(
+            query, k_cache, v_cache, meta.block_tables, meta.query_lens, meta.seq_lens, scale,
+            sliding_window, native=native,
+        )  # fmt: skip
     plan = meta.cpu_decode_plan(k_cache, sliding_window)
     if meta.is_decode_only:
         return cpu_attention.paged_decode_attention(

@@ -106,6 +106,7 @@ class ModelRunner:
             raise ValueError("kv_cache: its spec or size does not match the model and num_blocks")
         self.kv_cache = kv_cache or KVCache(self.spec, num_blocks, self.device)
         self.sampler = Sampler()
+        dispatch.prepare(self.device, self.kv_cache.tensor.dtype)
 
     def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
         """Apply copy-on-write pairs from the block manager before the step that needs them."""

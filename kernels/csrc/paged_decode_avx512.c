@@ -1,0 +1,89 @@
+/* Paged decode attention for fp32 on x86-64 CPUs with AVX-512 (kernels/cpu_native.py builds
+ * and loads it; docs/kernels.md has the measurements).
+ *
+ * One query token per sequence, read straight from the paged cache: no gather into a
+ * workspace, K and V read once. One OpenMP task per sequence (torch's libgomp: one runtime in
+ * the process). Per sequence, for its attended positions [first, end):
+ *
+ *     scores[r][p] = scale * q[r] . K[p][r / groups]       (r: query head, groups = hq / hkv)
+ *     w[r][p]      = exp(scores[r][p] - max_p scores[r])    (glibc's vector expf, <= 4 ulp)
+ *     out[r]       = sum_p w[r][p] * V[p][r / groups] / sum_p w[r][p]
+ *
+ * Positions outside [first, end) are never read, so stale bytes of the pool (even NaN) never
+ * reach an output. fp32 throughout; ~1e-6 relative from SDPA (another summation order).
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+__m512 _ZGVeN16v_expf(__m512); /* libmvec */
+
+/* Returns 0, or 1 when a scratch allocation failed (the caller falls back). */
+int paged_decode_f32(
+    const float *q, int64_t q_tok,        /* query [rows, hq, d], row stride q_tok */
+    const float *k, const float *v,       /* the layer's K and V views */
+    int64_t blk, int64_t pos,             /* their block and position strides (head: d) */
+    const int64_t *tables, int64_t tstride, /* block tables, row stride */
+    const int64_t *qrow, const int64_t *trow, /* per sequence: its query row, its table row */
+    const int64_t *first, const int64_t *end, /* per sequence: attended positions */
+    float *out, int64_t o_tok,            /* output [rows, hq, d], row stride o_tok */
+    int n, int hq, int hkv, int d, int bs, float scale, int threads) {
+    const int groups = hq / hkv, chunks = d / 16;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int s = 0; s < n; s++) {
+        const int64_t lo = first[s], hi = end[s], len = hi - lo, padded = (len + 15) & ~15;
+        if (len <= 0) continue;
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(hq * padded + hq * d));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *acc = scores + hq * padded;
+        const int64_t *table = tables + trow[s] * tstride;
+        const float *qs = q + qrow[s] * q_tok;
+        for (int64_t p = lo; p < hi; p++) {
+            const float *kp = k + table[p / bs] * blk + (p % bs) * pos;
+            for (int r = 0; r < hq; r++) {
+                const float *qr = qs + r * d, *kh = kp + (r / groups) * d;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kh));
+                for (int c = 1; c < chunks; c++)
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kh + 16 * c), a);
+                scores[r * padded + (p - lo)] = _mm512_reduce_add_ps(a) * scale;
+            }
+        }
+        float sums[64]; /* hq <= 64: checked by the caller */
+        for (int r = 0; r < hq; r++) {
+            float *sr = scores + r * padded, m = -INFINITY;
+            for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
+            for (int64_t j = len; j < padded; j++) sr[j] = -INFINITY; /* exp -> 0 */
+            __m512 mv = _mm512_set1_ps(m), total = _mm512_setzero_ps();
+            for (int64_t j = 0; j < padded; j += 16) {
+                __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_load_ps(sr + j), mv));
+                _mm512_store_ps(sr + j, e);
+                total = _mm512_add_ps(total, e);
+            }
+            sums[r] = _mm512_reduce_add_ps(total);
+        }
+        memset(acc, 0, sizeof(float) * hq * d);
+        for (int64_t p = lo; p < hi; p++) {
+            const float *vp = v + table[p / bs] * blk + (p % bs) * pos;
+            for (int r = 0; r < hq; r++) {
+                const float *vh = vp + (r / groups) * d;
+                float *ar = acc + r * d;
+                __m512 w = _mm512_set1_ps(scores[r * padded + (p - lo)]);
+                for (int c = 0; c < chunks; c++)
+                    _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, _mm512_loadu_ps(vh + 16 * c),
+                                                                  _mm512_loadu_ps(ar + 16 * c)));
+            }
+        }
+        float *os = out + qrow[s] * o_tok;
+        for (int r = 0; r < hq; r++)
+            for (int i = 0; i < d; i++) os[r * d + i] = acc[r * d + i] / sums[r];
+        free(scores);
+    }
+    return failed;
+}

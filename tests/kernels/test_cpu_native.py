@@ -1,0 +1,144 @@
+"""The native fp32 CPU decode kernel (kernels/cpu_native.py) against the reference, through
+dispatch and the engine, and its fallback when it cannot be built."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from oracle import hf_greedy, make_prompts, run_engine
+
+from pagedserve.kernels import cpu_native, dispatch, reference
+
+
+def _can_build() -> bool:
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    return "avx512f" in flags.split() and shutil.which("cc") is not None
+
+
+def expected(case, sliding_window=None):
+    return reference.paged_attention(
+        case.query, case.k_cache, case.v_cache, case.block_tables, case.query_lens,
+        case.seq_lens, case.scale, sliding_window,
+    )  # fmt: skip
+
+
+def native(case, sliding_window=None):
+    plan = cpu_native.plan(case.block_tables, case.query_lens, case.seq_lens, sliding_window)
+    out = torch.full_like(case.query, float("nan"))
+    return cpu_native.decode(plan, case.query, case.k_cache, case.v_cache, case.scale, out)
+
+
+def test_the_kernel_builds_where_the_machine_can_build_it():
+    # NOTE: not a skip: on an AVX-512 host with a C compiler (this project's machines and CI)
+    # the kernel must be there, else decode silently runs the slower torch path
+    reason = cpu_native.unavailable_reason()
+    if _can_build():
+        assert reason is None
+    else:
+        assert reason
+
+
+@pytest.fixture
+def built():
+    reason = cpu_native.unavailable_reason()
+    if reason is not None:
+        assert not _can_build(), reason  # NOTE: only a machine without AVX-512 or cc skips
+        pytest.skip(f"native kernel cannot be built here: {reason}")
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(4, 2, 16, 16), (9, 3, 64, 16), (8, 8, 32, 8), (8, 2, 128, 16), (6, 1, 64, 1)],
+)
+def test_decode_matches_the_reference(
+    built, make_cpu_case, tolerance, num_heads, num_kv_heads, head_dim, block_size
+):
+    case = make_cpu_case(
+        seq_lens=[1, 15, 16, 17, 33, 64, 300, 7],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        shared_blocks=1,
+    )
+    assert cpu_native.supports(case.query, case.k_cache)
+    torch.testing.assert_close(native(case), expected(case), **tolerance(torch.float32))
+
+
+@pytest.mark.parametrize("sliding_window", [None, 20])
+def test_mixed_batch_and_window_match_the_reference(
+    built, make_cpu_case, tolerance, sliding_window
+):
+    case = make_cpu_case(seq_lens=[20, 64, 150, 9, 40], query_lens=[20, 1, 70, 1, 3],
+                         num_heads=8, head_dim=32)  # fmt: skip
+    meta = dispatch.AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64),
+        block_tables=case.block_tables,
+        query_lens=case.query_lens,
+        seq_lens=case.seq_lens,
+    )
+    got = dispatch.paged_attention(
+        case.query, case.k_cache, case.v_cache, meta, case.scale, sliding_window
+    )
+    assert sliding_window in meta._native_plans  # the native kernel ran, not the torch path
+    torch.testing.assert_close(got, expected(case, sliding_window), **tolerance(torch.float32))
+    # the decode rows alone: the prefill rows of `out` are left as they were
+    only_decode = native(case, sliding_window)
+    assert torch.isnan(only_decode[:20]).all() and not torch.isnan(only_decode[20]).any()
+    torch.testing.assert_close(only_decode[20], got[20])
+
+
+def test_stale_and_nan_slots_never_reach_an_output(built, make_cpu_case, tolerance):
+    case = make_cpu_case(seq_lens=[5, 17, 40], num_heads=8, head_dim=32)
+    want = expected(case)
+    table = case.block_tables
+    # poison every slot no sequence attends: the tails of the last blocks and unused blocks
+    used = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)
+    for i, n in enumerate(case.seq_lens):
+        for pos in range(n):
+            used[table[i, pos // case.k_cache.shape[1]], pos % case.k_cache.shape[1]] = True
+    case.k_cache[~used] = float("nan")
+    case.v_cache[~used] = float("nan")
+    torch.testing.assert_close(native(case), want, **tolerance(torch.float32))
+
+
+def test_other_dtypes_and_shapes_take_the_torch_path(make_cpu_case):
+    for dtype in (torch.bfloat16, torch.float16):
+        case = make_cpu_case(seq_lens=[5, 9], dtype=dtype)
+        assert not cpu_native.supports(case.query, case.k_cache)
+    odd = make_cpu_case(seq_lens=[5, 9], head_dim=24)
+    assert not cpu_native.supports(odd.query, odd.k_cache)
+
+
+def test_a_failed_build_is_a_reason_not_a_crash(tmp_path, monkeypatch):
+    monkeypatch.setenv("CC", "false")  # a compiler that always fails
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    if not _can_build():
+        with pytest.raises(RuntimeError):
+            cpu_native._build()
+        return
+    with pytest.raises(RuntimeError, match="failed"):
+        cpu_native._build()
+    assert not list((tmp_path / "pagedserve" / "kernels").glob("*"))  # no partial file left
+
+
+def test_the_engine_decodes_through_the_kernel_and_equals_transformers(
+    built, tiny_llama, monkeypatch
+):
+    calls = []
+    original = cpu_native.decode
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(cpu_native, "decode", counting)
+    prompts = make_prompts()
+    _, seqs = run_engine(tiny_llama, prompts)
+    assert calls, "decode never took the native kernel"
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        want, _ = hf_greedy(tiny_llama, torch.float32, tuple(prompt))
+        assert seq.output_token_ids == want
