@@ -313,6 +313,7 @@ def _run_status(args: argparse.Namespace) -> int:
 _MICRO_BENCHES = {
     "kernels": ("kernels", "paged decode attention vs contiguous SDPA"),
     "decode": ("decode", "DecodeEngine vs transformers generate(), swap vs memcpy"),
+    "decode-step": ("decode_step", "decode steps: the native CPU attention kernel vs torch's"),
     "prefill": ("prefill", "PrefillEngine vs transformers forward, prompt tok/s"),
     "router-hop": ("router_hop", "TTFT and tokens/s through the router vs direct to workers"),
 }

@@ -53,3 +53,19 @@ def test_gateway_scenario_compares_http_with_grpc_on_the_same_requests(tmp_path)
     for ratio in scenario["ratios"]:
         assert len(ratio["values"]) == 1 and ratio["values"][0] > 0
     assert set(scenario["runs"]) == {"rep=0", "rep=0 one at a time"}
+
+
+def test_decode_step_ab_runs_both_arms_and_restores_the_kernel(capsys):
+    from pagedserve.cli import main as cli
+    from pagedserve.kernels import cpu_native
+
+    rc = cli(["bench", "decode-step", "--batches", "2", "--rounds", "1", "--steps", "2"])
+    printed = capsys.readouterr().out
+    if cpu_native.unavailable_reason() is not None:
+        assert rc == 1 and "unavailable" in printed
+        return
+    assert rc == 0
+    row = next(line for line in printed.splitlines() if line.startswith("| 2 |"))
+    torch_ms, native_ms = (float(cell) for cell in row.split("|")[2:4])
+    assert torch_ms > 0 and native_ms > 0
+    assert cpu_native.enabled  # left on for whatever runs next
