@@ -123,12 +123,7 @@ def plan_decode(
     Sequence i reads context positions [first_i, seq_len_i), first_i = seq_len_i - window when
     a window cuts it. Its gathered row starts at its block `first_i // block_size`.
     """
-    rows, seqs, num_rows = [], [], 0
-    for i, q_len in enumerate(query_lens):
-        if q_len == 1:
-            rows.append(num_rows)
-            seqs.append(i)
-        num_rows += q_len
+    rows, seqs, num_rows = cpu_native.single_token_rows(query_lens)
     firsts = [max(0, seq_lens[i] - sliding_window) if sliding_window else 0 for i in seqs]
     spans = [seq_lens[i] - first for i, first in zip(seqs, firsts, strict=True)]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]

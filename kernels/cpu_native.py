@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,18 +157,24 @@ class NativePlan:
     num_rows: int
 
 
-def plan(
-    block_tables: torch.Tensor,
-    query_lens: list[int],
-    seq_lens: list[int],
-    sliding_window: int | None,
-) -> NativePlan:
+def single_token_rows(query_lens: Sequence[int]) -> tuple[list[int], list[int], int]:
+    """(query row of each single-token sequence, its index, the query's number of rows)."""
     rows, seqs, num_rows = [], [], 0
     for i, q_len in enumerate(query_lens):
         if q_len == 1:
             rows.append(num_rows)
             seqs.append(i)
         num_rows += q_len
+    return rows, seqs, num_rows
+
+
+def plan(
+    block_tables: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    sliding_window: int | None,
+) -> NativePlan:
+    rows, seqs, num_rows = single_token_rows(query_lens)
     ends = [seq_lens[i] for i in seqs]
     firsts = [max(0, end - sliding_window) if sliding_window else 0 for end in ends]
     tables = block_tables.to(torch.int64).contiguous()
