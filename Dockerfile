@@ -42,7 +42,12 @@ RUN pip install . && python -c "import pagedserve.cli; pagedserve.cli.build_pars
 
 FROM ${BASE_IMAGE}
 ENV DEBIAN_FRONTEND=noninteractive
-RUN if ! command -v python3 >/dev/null 2>&1; then \
+# NOTE: a C compiler at run time: the native CPU decode kernel is built for the pod's own CPU on
+# first use (kernels/cpu_native.py, into $XDG_CACHE_HOME); without one, CPU decode falls back to
+# torch's attention (slower, same tokens). Not built or run here: no docker on the dev machines
+RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/* \
+    && if ! command -v python3 >/dev/null 2>&1; then \
       apt-get update && apt-get install -y --no-install-recommends python3 \
       && rm -rf /var/lib/apt/lists/*; \
     fi \
