@@ -10,7 +10,8 @@ project's VM (docs/kernels.md).
 It is built on first use with the host's C compiler (`cc -O3 -march=native -fopenmp`), into a
 per-user cache keyed by the source, the flags and the CPU, and loaded with ctypes (the GIL is
 released during the call). Where it cannot be had — no compiler, no AVX-512, another dtype or
-head size — `available()` says why and attention takes the torch path; nothing else changes.
+head size — `unavailable_reason()` says why, `supports()` says no, and attention takes the torch
+path; nothing else changes.
 fp16/bf16 never take it: their greedy tokens must equal transformers' SDPA bit for bit, and
 only SDPA itself rounds like SDPA. fp32 differs from SDPA by ~1e-6 relative (another summation
 order), as the bucketed SDPA path already does.
@@ -63,16 +64,28 @@ def _cache_dir() -> Path:
     return Path(root) / "pagedserve" / "kernels"
 
 
+def _compiler() -> str | None:
+    return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+
+
+def build_blocker() -> str | None:
+    """Why this host cannot build the kernel at all (CPU, compiler), or None if it can try."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not an x86-64 CPU ({platform.machine()})"
+    if "avx512f" not in _cpu_flags().split():
+        return "the CPU has no AVX-512"
+    if _compiler() is None:
+        return "no C compiler (cc) on PATH"
+    return None
+
+
 def _build() -> ctypes.CDLL:
     """Compile (once per source, flags and CPU) and load the kernel; raises RuntimeError."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"not an x86-64 CPU ({platform.machine()})")
-    flags = _cpu_flags()
-    if "avx512f" not in flags.split():
-        raise RuntimeError("the CPU has no AVX-512")
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        raise RuntimeError("no C compiler (cc) on PATH")
+    blocker = build_blocker()
+    if blocker is not None:
+        raise RuntimeError(blocker)
+    compiler, flags = _compiler(), _cpu_flags()
+    assert compiler is not None
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
         b"\0".join([source, " ".join(FLAGS + LIBS).encode(), compiler.encode(), flags.encode()])
@@ -193,9 +206,11 @@ def decode(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Attention of the plan's rows of `query` [rows, num_heads, head_dim] into the same rows of
-    `out` (same shape, contiguous); other rows of `out` are left as they are."""
-    lib = _load()
-    assert lib is not None and supports(query, k_cache)
+    `out` (same shape, contiguous); other rows of `out` are left as they are.
+
+    The caller has checked `supports(query, k_cache)` (once per layer, in dispatch)."""
+    lib = _lib
+    assert lib is not None
     if plan.num_rows != query.shape[0]:
         raise ValueError(f"query: plan is for {plan.num_rows} rows, got {query.shape[0]}")
     n = plan.query_rows.numel()

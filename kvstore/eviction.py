@@ -60,7 +60,6 @@ class EvictionPolicy(enum.Enum):
 
 
 DEFAULT_EVICTION_POLICY = EvictionPolicy.HITS
-
 """The workers' default (docs/kv_layout.md, "Eviction"); ``BlockPool`` alone
 defaults to LRU, so a pool built without a policy behaves as it always has."""
 
