@@ -184,7 +184,7 @@ class DecodeWorker:
         self._wake = threading.Condition(self.lock)
         self._tracked: dict[str, _Tracked] = {}
         self._outbox: list[tuple[AnyStream, Delta]] = []  # deltas to publish (lock held)
-        self._last_load: WorkerLoad  # as of the end of the last step (or of a load() that ran)
+        self._last_load: WorkerLoad  # as of the last flush (each step's end) or load() that ran
         self._imports = ThreadPoolExecutor(
             import_threads, thread_name_prefix="kv-import", initializer=one_torch_thread
         )
@@ -487,7 +487,6 @@ class DecodeWorker:
                 if seq.num_output_tokens > tracked.num_sent.get(seq.sample_index, 1):
                     self._outbox.append((tracked.stream, self._delta(tracked, seq)))
             self._flush()
-            self._last_load = self._load_locked()
             return not out.plan.is_empty
 
     def _trace_plan(self, plan) -> None:
@@ -559,7 +558,11 @@ class DecodeWorker:
         tracked.span.end()
 
     def _flush(self) -> None:
-        """Publish the deltas queued so far (lock held): one hand-over per step."""
+        """Publish the deltas queued so far (lock held): one hand-over per step.
+
+        The load snapshot is taken first: a client that saw a delta and then asks `GetLoad`
+        while the next step holds the lock gets a load at least as new as that delta."""
+        self._last_load = self._load_locked()
         items, self._outbox = self._outbox, []
         if items:
             publish(items)
