@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 import threading
 import time
@@ -37,6 +36,7 @@ from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_st
 from pagedserve.model.config import load_model_config
 from pagedserve.model.core_share import one_torch_thread, open_core_share
 from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
+from pagedserve.signals import stop_on_signals
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc
 
@@ -85,8 +85,7 @@ def swap_space_gib(flag: float | None, kv_pool_bytes: int) -> float:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)
     engine = DecodeEngine.from_model_dir(args.model, engine_config(args), revision=args.revision)
     if stop.is_set():  # NOTE: stopped while loading: nothing is bound or registered yet
         engine.close()

@@ -36,6 +36,7 @@ from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.model import core_share
+from pagedserve.signals import stop_on_signals
 
 _PR_SET_PDEATHSIG = 1
 GIB = 1 << 30
@@ -548,8 +549,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)
     policy = RestartPolicy(args.max_restarts, args.restart_window, args.restart_backoff)
     log_dir = Path(args.log_dir or tempfile.mkdtemp(prefix="pagedserve-up-"))
     log_dir.mkdir(parents=True, exist_ok=True)

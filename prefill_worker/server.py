@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 import threading
 import time
@@ -52,6 +51,7 @@ from pagedserve.prefill_worker.index_publisher import IndexPublisher
 from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.warmup import load_warmup_prompts
 from pagedserve.prefill_worker.worker import PrefillWorker
+from pagedserve.signals import stop_on_signals
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import prefill_pb2_grpc
 
@@ -103,8 +103,7 @@ def build_engine(args: argparse.Namespace) -> PrefillEngine:
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)
     if args.heartbeat_interval is not None and not 0 < args.heartbeat_interval < args.worker_ttl:
         raise ValueError("heartbeat-interval: must be in (0, --worker-ttl)")
     warmup = load_warmup_prompts(args.warmup_prompts, args.model) if args.warmup_prompts else []

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import signal
 import sys
 import threading
 from dataclasses import dataclass
@@ -38,6 +37,7 @@ from pagedserve.router.routing import RoutingPolicy, WorkerSet
 from pagedserve.router.servicer import GenerationServicer, RouterSettings
 from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
 from pagedserve.sampling_params import DEFAULT_MAX_N
+from pagedserve.signals import stop_on_signals
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -164,8 +164,7 @@ async def start_router(
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    stop_on_signals(stop)
     return asyncio.run(_serve(args, stop))
 
 
