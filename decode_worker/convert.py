@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from pagedserve.errors import InvalidArgument
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
 from pagedserve.model.batch import TokenLogprobs
@@ -56,6 +57,8 @@ class DecodeCall:
     stream_interval: int = 1  # the least new tokens per DecodeResponse (the last: what is left)
     # Several samples: every sample's first token by index (the first is `first_token`)
     samples: tuple[tuple[int, TokenLogprobs | None], ...] = ()
+    # No prefill worker ran it: compute the prompt and sample the first token here
+    prefill_here: bool = False
 
     @property
     def num_samples(self) -> int:
@@ -81,6 +84,7 @@ class Delta:
     matched_stop_token_id: int | None = None
     error: str | None = None  # set with FinishReason.ERROR: the status message
     index: int = 0  # the sample it is about
+    cached_prompt_tokens: int = 0  # prefill here: prompt tokens its prefix cache served
 
     def merge(self, later: Delta) -> None:
         """Fold a later delta of the same request and sample into this one."""
@@ -94,9 +98,17 @@ class Delta:
         self.finish_reason = later.finish_reason
         self.matched_stop_token_id = later.matched_stop_token_id
         self.error = later.error
+        self.cached_prompt_tokens = later.cached_prompt_tokens
 
 
 def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
+    """Raises InvalidArgument naming the field when `prefill_here` comes with what only a
+    prefill worker gives (a first token, a KV handle, samples)."""
+    if msg.prefill_here:
+        given = [name for name in ("kv_handle", "first_logprobs") if msg.HasField(name)]
+        given += ["first_token"] * (msg.first_token != 0) + ["samples"] * bool(msg.samples)
+        if given:
+            raise InvalidArgument(given[0], "must be unset with prefill_here")
     return DecodeCall(
         **worker_request_fields(msg.request),
         first_token=msg.first_token,
@@ -112,6 +124,7 @@ def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
             )
             for sample in msg.samples
         ),
+        prefill_here=msg.prefill_here,
     )
 
 
@@ -155,6 +168,7 @@ def decode_response(request_id: str, delta: Delta) -> decode_pb2.DecodeResponse:
         num_preemptions=delta.num_preemptions,
         recomputed_prompt=delta.recomputed_prompt,
         index=delta.index,
+        cached_prompt_tokens=delta.cached_prompt_tokens,
     )
     if any(lp is not None for lp in delta.logprobs):
         response.logprobs.extend(

@@ -151,6 +151,8 @@ class _Tracked:
     importing: bool = True
     cancel: ImportCancel = field(default_factory=ImportCancel)  # stops the import's pull
     recomputed: bool = False
+    prefill_here: bool = False  # no prefill worker: the prompt and first token are made here
+    generator_restarted: bool = False  # prefill here, seeded: restarted after the first token
     aborted: bool = False
     num_samples: int = 1
     num_sent: dict[int, int] = field(default_factory=dict)  # by sample: output tokens reported
@@ -222,12 +224,16 @@ class DecodeWorker:
             },
         )
         tracked = _Tracked(seq, stream, span, num_samples=call.num_outputs)
-        if call.params.use_beam_search:  # NOTE: the beams' tokens are all sent at the end
+        if call.params.use_beam_search or call.prefill_here:
+            # NOTE: the beams' tokens are all sent at the end; a prefill here sends its first
             tracked.num_sent = dict.fromkeys(range(call.num_outputs), 0)
         with self.lock:
             if call.request_id in self._tracked:
                 raise InvalidArgument("request.request_id", f"{call.request_id!r} is in flight")
             self._tracked[call.request_id] = tracked
+            if call.prefill_here:
+                self._prefill_here(tracked)
+                return stream
             single = call.num_samples == 1
             if single and seq.check_stop(
                 self.engine.model_config.eos_token_ids, self.engine.max_model_len
@@ -238,8 +244,31 @@ class DecodeWorker:
         self._imports.submit(self._import, tracked, call)
         return stream
 
+    def _prefill_here(self, tracked: _Tracked) -> None:
+        """Queue a request no prefill worker ran: its prompt is computed by this engine's
+        steps (chunked, beside the running decodes) like a recompute (lock held)."""
+        tracked.importing = False
+        tracked.prefill_here = True
+        tracked.span.add_event("prefill-here", {"prompt_tokens": tracked.seq.num_prompt_tokens})
+        tracked.queue_span = self.tracing.tracer.start_span(
+            "decode.queue", context=set_span_in_context(tracked.span)
+        )
+        self.engine.add_sequence(tracked.seq)
+        self._wake.notify()
+
+    def _restart_generators(self, tracked: _Tracked, seq: Sequence) -> None:
+        """A seeded request prefilled here draws its second token from a generator restarted
+        from the seed, as when a prefill worker drew the first: its tokens do not depend on
+        the route (lock held)."""
+        if seq.num_output_tokens >= 1:
+            tracked.generator_restarted = True
+            if seq.params.seed is not None:
+                self.engine.runner.sampler.remove(seq.request_id)
+
     def _new_sequence(self, call: DecodeCall) -> Sequence:
         engine = self.engine
+        if call.prefill_here and (call.num_samples > 1 or call.params.use_beam_search):
+            raise InvalidArgument("prefill_here", "only for one sample without beam search")
         try:
             seq = engine.new_sequence(
                 call.prompt_token_ids,
@@ -260,7 +289,8 @@ class DecodeWorker:
                 f"request needs more than this decode worker's {engine.pool.num_blocks} KV "
                 f"blocks of {engine.pool.block_size}; lower max_tokens or use a larger worker"
             )
-        if not call.params.use_beam_search:  # NOTE: the first beam step chooses the tokens
+        if not (call.params.use_beam_search or call.prefill_here):
+            # NOTE: the first beam step chooses the tokens; a prefill here samples the first
             seq.append_token(call.first_token, call.first_logprobs)
         return seq
 
@@ -484,6 +514,8 @@ class DecodeWorker:
                     continue
                 if seq.params.use_beam_search:
                     continue  # NOTE: beams change until the search ends: sent at the end
+                if tracked.prefill_here and not tracked.generator_restarted:
+                    self._restart_generators(tracked, seq)
                 if seq.num_output_tokens > tracked.num_sent.get(seq.sample_index, 1):
                     self._outbox.append((tracked.stream, self._delta(tracked, seq)))
             self._flush()
@@ -522,6 +554,7 @@ class DecodeWorker:
             num_preemptions=tracked.num_preemptions,
             recomputed_prompt=tracked.recomputed,
             index=index,
+            cached_prompt_tokens=seq.num_cached_prompt_tokens if tracked.prefill_here else 0,
         )
 
     def _finish(self, tracked: _Tracked, seq: Sequence, index: int | None = None) -> None:
@@ -553,6 +586,7 @@ class DecodeWorker:
         tracked.span.set_attribute("gen_ai.usage.input_tokens", seq.num_prompt_tokens)
         tracked.span.set_attribute("pagedserve.num_preemptions", tracked.num_preemptions)
         tracked.span.set_attribute("pagedserve.recomputed_prompt", tracked.recomputed)
+        tracked.span.set_attribute("pagedserve.prefill_here", tracked.prefill_here)
         reasons = [m.finish_reason.value if m.finish_reason else "unknown" for m in members]
         tracked.span.set_attribute("gen_ai.response.finish_reasons", reasons)
         tracked.span.end()
@@ -617,6 +651,7 @@ class DecodeWorker:
             prefix_cache_hit_rate=hits / looked_up if looked_up else 0.0,
             draining=self.draining or self.dead,
             reported_at_unix_ms=int(time.time() * 1000),
+            accepts_prefill_here=True,
         )
 
     def close(self) -> None:

@@ -33,6 +33,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def fraction(text: str) -> float:
     value = float(text)
     if not 0.0 < value <= 1.0:

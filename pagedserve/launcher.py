@@ -325,7 +325,9 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
     if getattr(args, "api_key_file", None):
         flags += ["--api-key-file", args.api_key_file]
     flags += ["--generation-config", getattr(args, "generation_config", "auto")]
-    for name in ("max_queued_requests", "stream_interval", "stall_timeout", "max_n"):
+    passed = ("max_queued_requests", "stream_interval", "stall_timeout", "max_n",
+              "max_local_prefill_tokens", "local_prefill_queue_tokens")  # fmt: skip
+    for name in passed:
         if getattr(args, name, None) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     for child in workers:
@@ -540,6 +542,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval", type=int, default=None, help="passed to the router")
     parser.add_argument("--max-n", type=int, default=None, help="passed to the router")
     parser.add_argument("--stall-timeout", type=float, default=None, help="passed to the router")
+    parser.add_argument(
+        "--max-local-prefill-tokens", type=int, default=None, help="passed to the router"
+    )
+    parser.add_argument(
+        "--local-prefill-queue-tokens", type=int, default=None, help="passed to the router"
+    )
     parser.add_argument(
         "--http-port", type=int, default=None,
         help="also run the OpenAI-compatible HTTP gateway on this port (0: a free one)",

@@ -48,6 +48,7 @@ class WorkerLoad:
     prefix_cache_hit_rate: float = 0.0
     draining: bool = False
     reported_at_unix_ms: int = 0
+    accepts_prefill_here: bool = False  # decode: takes requests no prefill worker ran
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)

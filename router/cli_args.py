@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import add_server_arguments, positive_int
+from pagedserve.config import add_server_arguments, non_negative_int, positive_int
+from pagedserve.router.routing import DEFAULT_LOCAL_PREFILL
 from pagedserve.sampling_params import DEFAULT_MAX_N
 
 
@@ -63,6 +64,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-migrations", type=int, default=2,
         help="times one stream may move to another (prefill, decode) pair when its decode "
         "worker is lost; then UNAVAILABLE",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-local-prefill-tokens", type=non_negative_int,
+        default=DEFAULT_LOCAL_PREFILL.max_tokens,
+        help="conditional disaggregation: a prompt of at most this many tokens is "
+        "computed by the decode worker itself while the prefill worker has "
+        "--local-prefill-queue-tokens queued (0: always a prefill worker)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--local-prefill-queue-tokens", type=non_negative_int,
+        default=DEFAULT_LOCAL_PREFILL.queue_tokens,
+        help="prompt tokens queued at the chosen prefill worker from which short prompts are "
+        "prefilled on the decode worker (0: whenever they are short enough)",
     )  # fmt: skip
     parser.add_argument(
         "--index-timeout", type=float, default=0.04,

@@ -132,7 +132,9 @@ class WorkerClients:
                 metadata=metadata,
             )
             active.set_call(call.cancel)
+            num_tokens = len(request.prompt_token_ids)
             decision.prefill.in_flight += 1
+            decision.prefill.in_flight_tokens += num_tokens
             self.requests_to_workers += 1
             try:
                 result = await call
@@ -158,6 +160,7 @@ class WorkerClients:
                 tried.append(decision.prefill.worker_id)
             finally:
                 decision.prefill.in_flight -= 1
+                decision.prefill.in_flight_tokens -= num_tokens
                 active.set_call(None)
         raise AssertionError("unreachable")
 
@@ -173,28 +176,29 @@ class WorkerClients:
     async def decode(
         self,
         request: common_pb2.WorkerRequest,
-        prefilled: prefill_pb2.PrefillResponse,
+        prefilled: prefill_pb2.PrefillResponse | None,
         decision: Decision,
         active: ActiveRequest,
         time_left: TimeLeft,
         metadata: Metadata,
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
-        """The decode worker's stream. Closing it before the worker's last message cancels the
+        """The decode worker's stream (`prefilled` None: the worker computes the prompt and
+        its first token itself). Closing it before the worker's last message cancels the
         call (the worker frees at once). Raises Aborted, WorkerLost (the worker's connection
         failed, or it sent nothing for `stall_timeout_s` while failing its load polls: marked
         failed) or WorkerError."""
         stub = decode_pb2_grpc.DecodeWorkerStub(decision.decode.channel)
-        call = stub.Decode(
-            decode_pb2.DecodeRequest(
+        if prefilled is None:
+            message = decode_pb2.DecodeRequest(request=request, prefill_here=True)
+        else:
+            message = decode_pb2.DecodeRequest(
                 request=request,
                 first_token=prefilled.first_token,
                 first_logprobs=prefilled.logprobs if prefilled.HasField("logprobs") else None,
                 kv_handle=prefilled.kv_handle,
                 samples=prefilled.samples,
-            ),
-            timeout=time_left(),
-            metadata=metadata,
-        )
+            )
+        call = stub.Decode(message, timeout=time_left(), metadata=metadata)
         active.set_call(call.cancel)
         decision.decode.in_flight += 1
         self.requests_to_workers += 1

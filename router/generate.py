@@ -21,9 +21,10 @@ clients only ever see their own id.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -208,24 +209,32 @@ class Orchestrator:
             def route(tried: list[str], h=hashes, moved=attempt > 0) -> Awaitable[Decision]:
                 return self._route(h, tried, parent, active, time_left, retry=moved or bool(tried))
 
-            prefilled, decision = await self.clients.prefill(
-                request, route, active, time_left, metadata
-            )
+            # NOTE: the first route may let the decode worker prefill (a retry never does)
+            decision = await self._route(
+                hashes, [], parent, active, time_left, retry=attempt > 0,
+                num_tokens=len(current.prompt_token_ids),
+            )  # fmt: skip
             self.last_decision = decision
-            if stream is None:
-                outcome.ttft_s = time.monotonic() - outcome.started
-                stream = ClientStream(req, self.tokenizer, prefilled.cached_tokens)
-            first = stream.from_prefill(prefilled)
-            outcome.generated = stream.completion_tokens
-            if stream.finished:
-                outcome.reason = reason_name(first.finish_reason)
-                yield stream.finish(first)
-                return
-            yield first
+            prefilled = None
+            if not decision.prefill_here:
+                prefilled, decision = await self._prefill(
+                    request, decision, route, active, time_left, metadata
+                )
+                outcome.first_token()
+                stream = stream or ClientStream(req, self.tokenizer, prefilled.cached_tokens)
+                first = stream.from_prefill(prefilled)
+                outcome.generated = stream.completion_tokens
+                if stream.finished:
+                    outcome.reason = reason_name(first.finish_reason)
+                    yield stream.finish(first)
+                    return
+                yield first
+            stream = stream or ClientStream(req, self.tokenizer, 0)
             decode = self._decode(request, prefilled, decision, stream, active, time_left, metadata)
             try:
                 async with aclosing(decode):
                     async for out in decode:
+                        outcome.first_token()  # NOTE: prefilled here: the first message
                         outcome.generated = stream.completion_tokens
                         if out.finish_reason:
                             outcome.reason = reason_name(out.finish_reason)
@@ -235,6 +244,26 @@ class Orchestrator:
                 if attempt >= self.settings.max_migrations:
                     raise Unavailable(f"{lost}; no moves left") from None
                 current = await self._migrate(req, stream, active, span, decision, str(lost))
+
+    async def _prefill(
+        self,
+        request: common_pb2.WorkerRequest,
+        first: Decision,
+        route: Callable[[list[str]], Awaitable[Decision]],
+        active: ActiveRequest,
+        time_left: TimeLeft,
+        metadata: Metadata,
+    ) -> tuple[prefill_pb2.PrefillResponse, Decision]:
+        """Prefill on `first`'s pair; a retry goes where `route` sends it."""
+
+        async def first_then_route(tried: list[str]) -> Decision:
+            return first if not tried else await route(tried)
+
+        prefilled, decision = await self.clients.prefill(
+            request, first_then_route, active, time_left, metadata
+        )
+        self.last_decision = decision
+        return prefilled, decision
 
     async def _run_samples(
         self,
@@ -339,13 +368,17 @@ class Orchestrator:
         time_left: TimeLeft,
         *,
         retry: bool = False,
+        num_tokens: int | None = None,
     ) -> Decision:
         """The pair for a request; a retry or a moved stream (`retry`) waits longer for one
         (`move_wait_s`: a supervisor restarting the only worker of a role), a new request
-        `route_wait_s`."""
+        `route_wait_s`. `num_tokens` (the prompt's length): the decode worker may prefill it
+        (`RoutingPolicy.choose`)."""
         wait_s = self.settings.move_wait_s if retry else self.settings.route_wait_s
         with self.tracing.tracer.start_span("router.route", context=parent) as route:
-            decision = await self._choose_or_wait(hashes, exclude, active, time_left, wait_s)
+            decision = await self._choose_or_wait(
+                hashes, exclude, active, time_left, wait_s, num_tokens
+            )
             route.set_attributes({f"pagedserve.route.{k}": v for k, v in decision.terms.items()})
             route.set_attribute("pagedserve.prefill_worker", decision.prefill.worker_id)
             route.set_attribute("pagedserve.decode_worker", decision.decode.worker_id)
@@ -359,6 +392,7 @@ class Orchestrator:
         active: ActiveRequest,
         time_left: TimeLeft,
         wait_s: float,
+        num_tokens: int | None = None,
     ) -> Decision:
         """The cheapest ready pair. With none (a worker restarting, every worker busy failing
         over), wait for one, polling every ROUTE_POLL_S, at most `wait_s` and never past the
@@ -367,9 +401,12 @@ class Orchestrator:
         give_up = time.monotonic() + (wait_s if left is None else min(wait_s, left))
         while True:
             try:
+                choose = functools.partial(
+                    self.policy.choose, hashes, exclude, num_tokens=num_tokens
+                )
                 if self.policy.blocks:  # NOTE: a Redis lookup: off the event loop
-                    return await asyncio.to_thread(self.policy.choose, hashes, exclude)
-                return self.policy.choose(hashes, exclude)
+                    return await asyncio.to_thread(choose)
+                return choose()
             except LookupError as exc:
                 if active.aborted:
                     raise Aborted() from None
@@ -380,7 +417,7 @@ class Orchestrator:
     async def _decode(
         self,
         request: common_pb2.WorkerRequest,
-        prefilled: prefill_pb2.PrefillResponse,
+        prefilled: prefill_pb2.PrefillResponse | None,
         decision: Decision,
         stream: ClientStream,
         active: ActiveRequest,

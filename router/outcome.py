@@ -30,6 +30,11 @@ class Outcome:
     generated: int = 0
     reason: str | None = None
 
+    def first_token(self) -> None:
+        """The client got its first token now (kept: a moved stream's restart is not one)."""
+        if self.ttft_s is None:
+            self.ttft_s = time.monotonic() - self.started
+
 
 def reason_name(finish_reason: int) -> str:
     """`FINISH_REASON_STOP` -> "stop"."""

@@ -3,6 +3,21 @@
     cost(p) = w_overlap * uncached_prefill_blocks(p) + w_load * queued_prefill_tokens(p) / bs
     cost(d) = w_decode * kv_usage(d) + w_queue * (running + waiting + in_flight)(d) / max_num_seqs
 
+Conditional disaggregation (`LocalPrefill`, as NVIDIA Dynamo's disaggregated router does): a
+short prompt is computed by the decode worker itself (`Decision.prefill_here`) while the chosen
+prefill worker has a queue. Remote prefill keeps long prompts off the decode worker's steps
+(their TPOT); a short prompt costs the decode worker little (its chunk rides along a decode
+step) and would otherwise wait behind the queue, and on a host where both workers share cores
+a second worker computing prompts is spare capacity, not interference:
+
+    prefill_here = prompt tokens <= max_tokens
+                   and queued tokens of the chosen prefill worker >= queue_tokens
+                   and the decode worker accepts it (its LoadReport says so)
+
+The whole prompt counts, not its part uncached at the prefill worker: decode workers publish no
+prefix index, so one may have to compute all of it. `routes_*` counters say how often each path
+was taken (Prometheus `pagedserve:routes_prefill_here_total`).
+
 Workers come from the static lists (`--prefill`, `--decode`) and, with Redis, from the registry
 (live incarnations only). Load comes from polling each worker's `GetLoad` plus the requests this
 router has in flight there (so a burst does not all land on the idlest worker). The prefix
@@ -49,6 +64,29 @@ class CostWeights:
     queue: float = 1.0
 
 
+@dataclass(frozen=True, slots=True)
+class LocalPrefill:
+    """When the decode worker computes a prompt itself (see the module docstring)."""
+
+    max_tokens: int = 512  # 0: never; longer prompts always go to a prefill worker
+    queue_tokens: int = 2048  # only while the prefill worker has this many tokens queued
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_tokens > 0
+
+
+DEFAULT_LOCAL_PREFILL = LocalPrefill()
+
+
+@dataclass(slots=True)
+class RouteStats:
+    """Routing decisions since start (Prometheus counters `pagedserve:routes_*_total`)."""
+
+    prefill_worker: int = 0  # the prompt went to a prefill worker
+    prefill_here: int = 0  # the decode worker computed it (conditional disaggregation)
+
+
 @dataclass(slots=True)
 class Worker:
     """One worker as the router sees it. `load` is the last GetLoad answer (None: never seen)."""
@@ -60,6 +98,7 @@ class Worker:
     channel: grpc.aio.Channel | None = None
     load: WorkerLoad | None = None
     in_flight: int = 0
+    in_flight_tokens: int = 0  # prompt tokens of this router's Prefill calls not yet answered
     failures: int = 0
     stale: bool = False  # the last GetLoad timed out: `load` is the one before (slow, not dead)
     static: bool = False  # listed by --prefill/--decode: kept even when its record expires
@@ -78,6 +117,7 @@ class Decision:
     decode: Worker
     cached_blocks: int
     terms: dict[str, float | bool] = field(default_factory=dict)  # span attributes
+    prefill_here: bool = False  # the decode worker computes the prompt (no prefill call)
 
 
 class WorkerSet:
@@ -245,6 +285,13 @@ class WorkerSet:
             task.cancel()
 
 
+def queued_tokens(worker: Worker) -> int:
+    """Prompt tokens waiting at a prefill worker: its last report, or what this router has
+    sent it since (a burst lands before the next poll), whichever is more."""
+    reported = worker.load.queued_prefill_tokens if worker.load is not None else 0
+    return max(reported, worker.in_flight_tokens)
+
+
 class RoutingPolicy:
     """Scores candidates; never blocks for long (Redis lookups have short timeouts), but with
     an index it does block (network I/O): the router calls it off its event loop then
@@ -259,8 +306,11 @@ class RoutingPolicy:
         max_num_seqs: int = 64,
         weights: CostWeights | None = None,
         index_retry_s: float = 1.0,
+        local_prefill: LocalPrefill | None = None,
     ) -> None:
         self.workers = workers
+        self.local_prefill = local_prefill or DEFAULT_LOCAL_PREFILL
+        self.stats = RouteStats()
         self.index = index
         self.block_size = block_size
         self.max_num_seqs = max_num_seqs
@@ -276,8 +326,17 @@ class RoutingPolicy:
         """True when `choose` may wait on Redis."""
         return self.index is not None
 
-    def choose(self, block_hashes: Sequence[BlockHash], exclude: Sequence[str] = ()) -> Decision:
-        """The cheapest healthy pair. Raises LookupError when a role has no healthy worker."""
+    def choose(
+        self,
+        block_hashes: Sequence[BlockHash],
+        exclude: Sequence[str] = (),
+        *,
+        num_tokens: int | None = None,
+    ) -> Decision:
+        """The cheapest healthy pair. Raises LookupError when a role has no healthy worker.
+
+        `num_tokens`: the prompt's length, for a request that the decode worker may prefill
+        itself (one sample, no beam search); None: always a prefill worker."""
         prefills = [w for w in self.workers.workers(Role.PREFILL) if w.healthy]
         prefills = [w for w in prefills if w.worker_id not in exclude] or prefills
         decodes = [w for w in self.workers.workers(Role.DECODE) if w.healthy]
@@ -299,16 +358,33 @@ class RoutingPolicy:
 
         prefill = min(prefills, key=lambda p: (prefill_cost(p), p.assigned))
         decode = min(decodes, key=lambda d: (decode_cost(d), d.assigned))
-        prefill.assigned += 1
-        decode.assigned += 1
         cached = overlap.get(prefill.worker_id, 0)
+        here = self._prefill_here(prefill, decode, num_tokens)
+        if here:
+            self.stats.prefill_here += 1
+        else:
+            self.stats.prefill_worker += 1
+            prefill.assigned += 1
+        decode.assigned += 1
         terms: dict[str, float | bool] = {
             "uncached_prefill_blocks": float(len(block_hashes) - cached),
             "prefill_cost": prefill_cost(prefill),
             "decode_cost": decode_cost(decode),
             "index_degraded": self.index_degraded,
+            "prefill_queue_tokens": float(queued_tokens(prefill)),
+            "prefill_here": here,
         }
-        return Decision(prefill, decode, cached, terms)
+        return Decision(prefill, decode, cached, terms, prefill_here=here)
+
+    def _prefill_here(self, prefill: Worker, decode: Worker, num_tokens: int | None) -> bool:
+        """Conditional disaggregation (module docstring): a short prompt goes to the decode
+        worker while the prefill worker has a queue."""
+        local = self.local_prefill
+        if num_tokens is None or not local.enabled:
+            return False
+        if decode.load is None or not decode.load.accepts_prefill_here:
+            return False  # NOTE: an older decode worker would take token 0 as the first
+        return num_tokens <= local.max_tokens and queued_tokens(prefill) >= local.queue_tokens
 
     def _overlap(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if self.index is None or not block_hashes:

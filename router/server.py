@@ -33,7 +33,7 @@ from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, compat_tag,
 from pagedserve.metrics import CounterSource, Gauge, RequestMetrics, register_state
 from pagedserve.router.auth import ApiKeys, AuthInterceptor, load_api_keys
 from pagedserve.router.cli_args import add_arguments
-from pagedserve.router.routing import RoutingPolicy, WorkerSet
+from pagedserve.router.routing import DEFAULT_LOCAL_PREFILL, LocalPrefill, RoutingPolicy, WorkerSet
 from pagedserve.router.servicer import GenerationServicer, RouterSettings
 from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
 from pagedserve.sampling_params import DEFAULT_MAX_N
@@ -75,7 +75,15 @@ def build_servicer(
         tls=client_tls_from_args(args),
         compat=compat_tag(fingerprint, args.block_size),
     )
-    policy = RoutingPolicy(workers, index, block_size=args.block_size)
+    policy = RoutingPolicy(
+        workers,
+        index,
+        block_size=args.block_size,
+        local_prefill=LocalPrefill(
+            getattr(args, "max_local_prefill_tokens", DEFAULT_LOCAL_PREFILL.max_tokens),
+            getattr(args, "local_prefill_queue_tokens", DEFAULT_LOCAL_PREFILL.queue_tokens),
+        ),
+    )
     tracing = setup_tracing(
         "pagedserve-router",
         getattr(args, "otlp_traces_endpoint", None),
@@ -200,7 +208,10 @@ def _register_state_metrics(servicer: GenerationServicer) -> None:
             Gauge("num_requests_running", "Requests in flight through this router.",
                   lambda: float(servicer.num_active)),
         ],
-        [CounterSource("prefix_index_", lambda: index_stats)],
+        [
+            CounterSource("prefix_index_", lambda: index_stats),
+            CounterSource("routes_", lambda: policy.stats),
+        ],
     )  # fmt: skip
 
 

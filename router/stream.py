@@ -5,6 +5,9 @@ into `GenerateResponse`s.
                                      ├─► token delta + text delta + cumulative usage (+ finish)
     DecodeResponse* ─► from_decode ──┘
 
+A request the decode worker prefilled itself (`Decision.prefill_here`) has no PrefillResponse:
+its first token comes in the decode stream.
+
 Stop strings are matched here (the router detokenizes); stop tokens, eos and length come
 finished from the workers. A non-streaming request gets one message, `merge` of the stream.
 """
@@ -64,6 +67,8 @@ class ClientStream:
 
     def from_decode(self, part: decode_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
         """One message of the decode worker's stream."""
+        if part.cached_prompt_tokens and not self.token_ids:
+            self.cached_tokens = part.cached_prompt_tokens  # NOTE: the decode worker prefilled
         stop_token = part.matched_stop_token_id if part.HasField("matched_stop_token_id") else None
         return self.add(list(part.token_ids), list(part.logprobs), part.finish_reason, stop_token)
 

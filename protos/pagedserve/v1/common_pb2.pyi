@@ -203,7 +203,7 @@ class KvHandle(_message.Message):
     def __init__(self, version: _Optional[int] = ..., handle_id: _Optional[str] = ..., producer_id: _Optional[str] = ..., producer_incarnation: _Optional[str] = ..., producer_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., shm: _Optional[_Union[ShmTransport, _Mapping]] = ..., grpc: _Optional[_Union[GrpcTransport, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "num_requests_swapped", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "reported_at_unix_ms")
+    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "num_requests_swapped", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "reported_at_unix_ms", "accepts_prefill_here")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -217,6 +217,7 @@ class LoadReport(_message.Message):
     PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     REPORTED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTS_PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     num_requests_running: int
@@ -230,7 +231,8 @@ class LoadReport(_message.Message):
     prefix_cache_hit_rate: float
     draining: bool
     reported_at_unix_ms: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_requests_swapped: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., reported_at_unix_ms: _Optional[int] = ...) -> None: ...
+    accepts_prefill_here: bool
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_requests_swapped: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., reported_at_unix_ms: _Optional[int] = ..., accepts_prefill_here: _Optional[bool] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()

@@ -8,21 +8,23 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "first_token", "first_logprobs", "kv_handle", "samples")
+    __slots__ = ("request", "first_token", "first_logprobs", "kv_handle", "samples", "prefill_here")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     request: _common_pb2.WorkerRequest
     first_token: int
     first_logprobs: _common_pb2.Logprobs
     kv_handle: _common_pb2.KvHandle
     samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleStart]
-    def __init__(self, request: _Optional[_Union[_common_pb2.WorkerRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ...) -> None: ...
+    prefill_here: bool
+    def __init__(self, request: _Optional[_Union[_common_pb2.WorkerRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "num_generated", "finish_reason", "matched_stop_token_id", "num_preemptions", "recomputed_prompt", "index")
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_generated", "finish_reason", "matched_stop_token_id", "num_preemptions", "recomputed_prompt", "index", "cached_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -32,6 +34,7 @@ class DecodeResponse(_message.Message):
     NUM_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTED_PROMPT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
@@ -41,4 +44,5 @@ class DecodeResponse(_message.Message):
     num_preemptions: int
     recomputed_prompt: bool
     index: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., num_generated: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., recomputed_prompt: _Optional[bool] = ..., index: _Optional[int] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., num_generated: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., recomputed_prompt: _Optional[bool] = ..., index: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...

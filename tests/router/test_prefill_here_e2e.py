@@ -1,0 +1,186 @@
+"""Conditional disaggregation through real processes (redis-server, router, one prefill and one
+decode worker, started as `pagedserve up` starts them): prompts the router sends straight to the
+decode worker (`--max-local-prefill-tokens`) are computed there, equal transformers, leave no
+block held, and a seeded request draws the same tokens whichever path it takes."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+import urllib.request
+
+import grpc
+import pytest
+import torch
+from oracle import hf_greedy, make_prompts
+
+from pagedserve.client import Client
+from pagedserve.launcher import start_cluster
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
+SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
+LOCAL_MAX = 40  # prompts of at most this many tokens are prefilled on the decode worker
+
+
+def up_args(model_dir, **overrides) -> argparse.Namespace:
+    values = dict(
+        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
+        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
+        metrics=True,
+    )  # fmt: skip
+    return argparse.Namespace(**(values | overrides))
+
+
+@pytest.fixture(scope="module")
+def clusters(make_tiny, tmp_path_factory):
+    """`here`: short prompts always go to the decode worker (queue threshold 0); `remote`:
+    never (`--max-local-prefill-tokens 0`)."""
+    model_dir = make_tiny("llama")
+    here = start_cluster(
+        up_args(model_dir, max_local_prefill_tokens=LOCAL_MAX, local_prefill_queue_tokens=0),
+        tmp_path_factory.mktemp("here-logs"),
+    )
+    try:
+        remote = start_cluster(
+            up_args(model_dir, max_local_prefill_tokens=0), tmp_path_factory.mktemp("remote-logs")
+        )
+    except BaseException:
+        here.stop()
+        raise
+    yield here, remote, model_dir
+    here.stop()
+    remote.stop()
+
+
+def scrape(port: int | None) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        name: float(value)
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+        for name, _, value in [line.rpartition(" ")]
+    }
+
+
+def child(cluster, prefix: str):
+    return next(c for c in cluster.children if c.name.startswith(prefix))
+
+
+def tokens_of(parts) -> list[int]:
+    return [t for p in parts for t in p.token_ids]
+
+
+def blocks_in_use(client: Client) -> dict[str, int]:
+    return {w.worker_id: w.load.kv_blocks_total - w.load.kv_blocks_free - w.load.kv_blocks_cached
+            for w in client.status().workers}  # fmt: skip
+
+
+def wait_until(predicate, timeout_s=10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.05)
+
+
+def test_short_prompts_prefilled_on_the_decode_worker_equal_transformers(clusters):
+    here, _, model_dir = clusters
+    lens = (1, 5, 16, 17, 30, 40, 41, 47, 64, 80, 3, 9, 33, 100, 12, 20)
+    prompts = make_prompts(lens, seed=71)
+    router_port = child(here, "router").metrics_port
+    prefill_port = child(here, "prefill").metrics_port
+    router_before, prefill_before = scrape(router_port), scrape(prefill_port)
+    results: dict[int, list] = {}
+
+    def run(i: int) -> None:
+        with Client(here.router_address) as client:
+            results[i] = list(client.generate(prompts[i], GREEDY, timeout=120))
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for i, prompt in enumerate(prompts):
+        parts = results[i]
+        want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+        assert tokens_of(parts) == want[: GREEDY.max_tokens], f"prompt {i} of {len(prompt)}"
+        assert parts[-1].usage.prompt_tokens == len(prompt)
+        assert parts[-1].usage.completion_tokens == GREEDY.max_tokens
+        assert parts[-1].finish_reason == common_pb2.FINISH_REASON_LENGTH
+
+    short = [n for n in lens if n <= LOCAL_MAX]
+    router, prefill = scrape(router_port), scrape(prefill_port)
+    routed = {
+        path: router[f"pagedserve:routes_{path}_total"]
+        - router_before.get(f"pagedserve:routes_{path}_total", 0)
+        for path in ("prefill_here", "prefill_worker")
+    }
+    assert routed == {"prefill_here": len(short), "prefill_worker": len(lens) - len(short)}
+    # the prefill worker computed the long prompts only
+    computed = prefill["pagedserve:prompt_tokens_computed"]
+    assert computed - prefill_before["pagedserve:prompt_tokens_computed"] == sum(lens) - sum(short)
+    with Client(here.router_address) as client:
+        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+
+
+def test_a_seeded_request_draws_the_same_tokens_on_either_path(clusters):
+    here, remote, _ = clusters
+    prompt = make_prompts((30,), seed=72)[0]
+    with Client(here.router_address) as client:
+        local = list(client.generate(prompt, SEEDED, timeout=60))
+        again = list(client.generate(prompt, SEEDED, timeout=60))
+    with Client(remote.router_address) as client:
+        via_prefill = list(client.generate(prompt, SEEDED, timeout=60))
+    assert tokens_of(local) == tokens_of(again) == tokens_of(via_prefill)
+    assert len(set(tokens_of(local))) > 3  # sampled, not a constant
+
+
+def test_prefill_here_reports_the_decode_workers_cached_prompt_tokens(clusters):
+    here, _, model_dir = clusters
+    prompt = make_prompts((37,), seed=73)[0]  # two full blocks of 16, then 5 tokens
+    with Client(here.router_address) as client:
+        first = list(client.generate(prompt, GREEDY, timeout=60))
+        second = list(client.generate(prompt, GREEDY, timeout=60))
+    want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+    assert tokens_of(first) == tokens_of(second) == want[: GREEDY.max_tokens]
+    assert first[-1].usage.cached_prompt_tokens == 0
+    assert second[-1].usage.cached_prompt_tokens == 32
+
+
+def test_decode_refuses_prefill_here_with_a_prefill_workers_fields(clusters):
+    here, _, _ = clusters
+    decode = child(here, "decode")
+    prompt = make_prompts((8,), seed=74)[0]
+    request = common_pb2.WorkerRequest(
+        request_id="bad-here", prompt_token_ids=prompt,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4),
+    )  # fmt: skip
+    with grpc.insecure_channel(decode.address) as channel:
+        stub = decode_pb2_grpc.DecodeWorkerStub(channel)
+        assert stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10).accepts_prefill_here
+        bad = {
+            "first_token": decode_pb2.DecodeRequest(
+                request=request, prefill_here=True, first_token=5
+            ),
+            "kv_handle": decode_pb2.DecodeRequest(
+                request=request, prefill_here=True, kv_handle=common_pb2.KvHandle(handle_id="x")
+            ),
+        }
+        for field, message in bad.items():
+            with pytest.raises(grpc.RpcError) as err:
+                list(stub.Decode(message, timeout=10))
+            assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert field in err.value.details()
+        two = common_pb2.WorkerRequest()
+        two.CopyFrom(request)
+        two.sampling.n = 2
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Decode(decode_pb2.DecodeRequest(request=two, prefill_here=True), timeout=10))
+        assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert "prefill_here" in err.value.details()
+        # and a good one, straight to the worker: the first token is in its stream
+        parts = list(stub.Decode(decode_pb2.DecodeRequest(request=request, prefill_here=True)))
+        assert sum(len(p.token_ids) for p in parts) == parts[-1].num_generated == 4
