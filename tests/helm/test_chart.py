@@ -1545,3 +1545,22 @@ def test_dockerfile_pins_the_makefiles_torch_and_pipes_nothing_into_a_shell() ->
 def test_dockerignore_keeps_the_venv_and_git_out() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", ".cache"} <= set(ignored)
+
+
+def test_router_values_reach_its_flags(renders: dict[str, list[Doc]], tools: Tools) -> None:
+    """Every router value is a flag of its command line: the defaults are the CLI's, a value
+    set in the chart reaches the process."""
+    cli = build_parser().parse_args(["router", "--model", "/model"])
+    names = ("max_queued_requests", "load_poll_interval", "max_local_prefill_tokens",
+             "local_prefill_queue_tokens")  # fmt: skip
+    box = container(renders["defaults"], "router")
+    args = build_parser().parse_args(expand(without_pending_flags("router", box["args"])))
+    assert {n: getattr(args, n) for n in names} == {n: getattr(cli, n) for n in names}
+    docs = render(
+        tools.helm4,
+        _set("router.maxLocalPrefillTokens=0", "router.localPrefillQueueTokens=64",
+             "router.maxQueuedRequests=9", "router.loadPollInterval=2"),
+    )  # fmt: skip
+    box = container(docs, "router")
+    args = build_parser().parse_args(expand(without_pending_flags("router", box["args"])))
+    assert {n: getattr(args, n) for n in names} == dict(zip(names, (9, 2.0, 0, 64), strict=True))
