@@ -52,13 +52,13 @@ def test_the_engine_vllm_goal_is_the_models():
 
 def test_conditional_disaggregation_on_against_off():
     res = ScenarioResult("S1", gate={"passed": True})
-    res.runs["cluster-remote-gate"] = {"passed": True, "mismatches": []}
+    res.runs["cluster-local-gate"] = {"passed": True, "mismatches": []}
     outs = {
         "engine": [run(100)],
-        "cluster": [run(90) | {"ttft": {"median": 3.0}}],
-        "cluster-remote": [run(80) | {"ttft": {"median": 6.0}}],
+        "cluster": [run(90) | {"ttft": {"median": 6.0}}],
+        "cluster-local": [run(80) | {"ttft": {"median": 3.0}}],
     }
     _s1_ratios(res, outs)
     ratios = {r.metric: r.values for r in res.ratios}
-    assert ratios["useful tok/s: cluster / cluster-remote"] == [90 / 80]
-    assert ratios["median TTFT: cluster / cluster-remote"] == [0.5]
+    assert ratios["useful tok/s: cluster-local / cluster"] == [80 / 90]
+    assert ratios["median TTFT: cluster-local / cluster"] == [0.5]

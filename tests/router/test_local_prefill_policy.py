@@ -13,6 +13,7 @@ from pagedserve.router.routing import LocalPrefill, RoutingPolicy, WorkerSet
 from pagedserve.worker_load import WorkerLoad
 
 BLOCK = 16
+ON = LocalPrefill(max_tokens=512, queue_tokens=2048)
 
 
 def decide(
@@ -21,7 +22,7 @@ def decide(
     queued: int = 0,
     in_flight_tokens: int = 0,
     accepts: bool = True,
-    local: LocalPrefill | None = None,
+    local: LocalPrefill = ON,
 ) -> tuple[bool, RoutingPolicy]:
     async def scenario() -> tuple[bool, RoutingPolicy]:
         workers = WorkerSet(["127.0.0.1:1"], ["127.0.0.1:2"], None, max_message_bytes=1 << 20)
@@ -57,6 +58,7 @@ def test_the_rule(num_tokens, queued, in_flight, accepts, want) -> None:
     assert (policy.stats.prefill_here, policy.stats.prefill_worker) == (want, not want)
 
 
-def test_off_and_always() -> None:
+def test_off_by_default_and_always() -> None:
+    assert not decide(1, queued=10**6, local=LocalPrefill())[0]
     assert not decide(1, queued=10**6, local=LocalPrefill(max_tokens=0))[0]
     assert decide(1, queued=0, local=LocalPrefill(max_tokens=8, queue_tokens=0))[0]
