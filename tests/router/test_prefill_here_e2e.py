@@ -6,9 +6,9 @@ block held, and a seeded request draws the same tokens whichever path it takes."
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
@@ -92,17 +92,13 @@ def test_short_prompts_prefilled_on_the_decode_worker_equal_transformers(cluster
     router_port = child(here, "router").metrics_port
     prefill_port = child(here, "prefill").metrics_port
     router_before, prefill_before = scrape(router_port), scrape(prefill_port)
-    results: dict[int, list] = {}
 
-    def run(i: int) -> None:
+    def generate(prompt: list[int]) -> list:
         with Client(here.router_address) as client:
-            results[i] = list(client.generate(prompts[i], GREEDY, timeout=120))
+            return list(client.generate(prompt, GREEDY, timeout=120))
 
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
+    with ThreadPoolExecutor(len(prompts)) as pool:  # NOTE: all at once
+        results = list(pool.map(generate, prompts))
     for i, prompt in enumerate(prompts):
         parts = results[i]
         want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
