@@ -160,6 +160,7 @@ class ClusterPeer:
             block_size=args.block_size, dtype=args.dtype, kv_cache_memory=_kv_bytes(args),
             otlp_traces_endpoint=None, metrics=False, start_timeout=180.0, log_dir=None,
             max_local_prefill_tokens=args.max_local_prefill_tokens,
+            local_prefill_queue_tokens=args.local_prefill_queue_tokens,
         )  # fmt: skip
         self.cluster = start_cluster(launch, self.log_dir)
 
@@ -231,6 +232,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--max-local-prefill-tokens", type=int, default=None,
         help="cluster: the router's flag (default: its own; 0: every prompt to a prefill worker)",
+    )  # fmt: skip
+    p.add_argument(
+        "--local-prefill-queue-tokens", type=int, default=None,
+        help="cluster: the router's flag (default: its own)",
     )  # fmt: skip
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="hf-static sweep")
     p.add_argument("--threads", type=int, default=None, help="torch threads")

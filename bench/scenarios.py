@@ -127,12 +127,13 @@ def throughput(ctx: Context) -> Result:
     peers: dict[str, PeerProcess | None] = {
         "engine": ctx.engine(),
         "cluster": ctx.cluster(),
-        # NOTE: the same cluster with conditional disaggregation on (opt-in): short prompts
-        # prefilled on the decode worker while the prefill worker has a queue (docs/router.md)
+        # NOTE: the same cluster with conditional disaggregation on (opt-in), by the prompt's
+        # length alone: prompts of up to 512 tokens prefilled on the decode worker
+        # (docs/architecture.md, "Conditional disaggregation")
         "cluster-local": _start_optional(
             ctx, res, "cluster-local",
             [sys.executable, *argv, "cluster", "--model", ctx.model,
-             "--max-local-prefill-tokens", "512"],
+             "--max-local-prefill-tokens", "512", "--local-prefill-queue-tokens", "0"],
         ),
         "hf-static": _start_optional(
             ctx, res, "hf-static",
