@@ -488,6 +488,14 @@ def describe_exit(rc: int) -> str:
     return f"exit status {rc}"
 
 
+# NOTE: on one host the prefill and decode workers share the same cores, so a hand-off buys
+# no parallelism and costs a copy, a second process's step and a core split between them: short
+# prompts go to the decode worker (S1 on SmolLM2: 1.15x the tok/s, 0.6x the TTFT of full
+# disaggregation; docs/architecture.md, "Conditional disaggregation"). The router's own default
+# (and the Helm chart's) stays 0: across hosts, the prefill worker is the point.
+ONE_HOST_LOCAL_PREFILL_TOKENS = 512
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory, or FILE.gguf")
     parser.add_argument("--host", default="127.0.0.1")
@@ -543,11 +551,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-n", type=int, default=None, help="passed to the router")
     parser.add_argument("--stall-timeout", type=float, default=None, help="passed to the router")
     parser.add_argument(
-        "--max-local-prefill-tokens", type=int, default=None, help="passed to the router"
-    )
+        "--max-local-prefill-tokens", type=int, default=ONE_HOST_LOCAL_PREFILL_TOKENS,
+        help="passed to the router: a prompt of at most this many tokens is computed by the "
+        "decode worker (conditional disaggregation, docs/router.md); 0: every prompt on a "
+        "prefill worker, as in a multi-host deployment",
+    )  # fmt: skip
     parser.add_argument(
-        "--local-prefill-queue-tokens", type=int, default=None, help="passed to the router"
-    )
+        "--local-prefill-queue-tokens", type=int, default=0,
+        help="passed to the router: only while the prefill worker has this many prompt tokens "
+        "queued (0: always)",
+    )  # fmt: skip
     parser.add_argument(
         "--http-port", type=int, default=None,
         help="also run the OpenAI-compatible HTTP gateway on this port (0: a free one)",

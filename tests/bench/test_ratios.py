@@ -50,15 +50,19 @@ def test_the_engine_vllm_goal_is_the_models():
     assert goals == {True: (">= 1.0", 1.0), False: (">= 1.3", 1.3)}
 
 
-def test_conditional_disaggregation_on_against_off():
+def test_the_default_cluster_against_full_disaggregation():
     res = ScenarioResult("S1", gate={"passed": True})
-    res.runs["cluster-local-gate"] = {"passed": True, "mismatches": []}
+    res.runs["cluster-remote-gate"] = {"passed": True, "mismatches": []}
     outs = {
         "engine": [run(100)],
-        "cluster": [run(90) | {"ttft": {"median": 6.0}}],
-        "cluster-local": [run(80) | {"ttft": {"median": 3.0}}],
+        "cluster": [run(90) | {"ttft": {"median": 3.0}}],
+        "cluster-remote": [run(80) | {"ttft": {"median": 6.0}}],
     }
     _s1_ratios(res, outs)
     ratios = {r.metric: r.values for r in res.ratios}
-    assert ratios["useful tok/s: cluster-local / cluster"] == [80 / 90]
-    assert ratios["median TTFT: cluster-local / cluster"] == [0.5]
+    assert ratios["useful tok/s: cluster / cluster-remote"] == [90 / 80]
+    assert ratios["median TTFT: cluster / cluster-remote"] == [0.5]
+    res.runs["cluster-remote-gate"] = {"passed": False, "mismatches": [0]}
+    res.ratios = []
+    _s1_ratios(res, outs)
+    assert not [r for r in res.ratios if "cluster-remote" in r.metric]

@@ -40,7 +40,9 @@ def start_up(model_dir, log_dir: pathlib.Path, *extra: str) -> tuple[subprocess.
     up = subprocess.Popen(
         [sys.executable, "-m", "pagedserve.cli", "up", "--model", str(model_dir), "--port", "0",
          "--kv-cache-memory", "4MiB", "--log-dir", str(log_dir), "--restart-backoff", "0.2",
-         *extra],
+         # NOTE: every prompt through the prefill worker, so that a restarted one is used
+         # again and the decode worker maps its pool (`up` computes short ones locally)
+         "--max-local-prefill-tokens", "0", *extra],
         stdout=subprocess.PIPE, stderr=stderr, text=True,
     )  # fmt: skip
     assert up.stdout is not None

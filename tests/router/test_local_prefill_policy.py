@@ -62,3 +62,22 @@ def test_off_by_default_and_always() -> None:
     assert not decide(1, queued=10**6, local=LocalPrefill())[0]
     assert not decide(1, queued=10**6, local=LocalPrefill(max_tokens=0))[0]
     assert decide(1, queued=0, local=LocalPrefill(max_tokens=8, queue_tokens=0))[0]
+
+
+def test_pagedserve_up_prefills_short_prompts_on_the_decode_worker_by_default():
+    """On one host `up` turns the length rule on (the router's own default stays off); the
+    flags reach the router's command line, and `--max-local-prefill-tokens 0` turns it off."""
+    from pagedserve import launcher
+    from pagedserve.cli import build_parser
+
+    def router_rule(*argv: str) -> tuple[int, int]:
+        args = build_parser().parse_args(["up", "--model", "m", *argv])
+        flags = launcher._router_flags(args, [])
+        routed = build_parser().parse_args(["router", "--model", "m", *flags])
+        return routed.max_local_prefill_tokens, routed.local_prefill_queue_tokens
+
+    assert router_rule() == (launcher.ONE_HOST_LOCAL_PREFILL_TOKENS, 0)
+    assert router_rule("--max-local-prefill-tokens", "0") == (0, 0)
+    assert router_rule("--local-prefill-queue-tokens", "2048") == (512, 2048)
+    router_default = build_parser().parse_args(["router", "--model", "m", "--prefill", "a:1"])
+    assert router_default.max_local_prefill_tokens == 0
