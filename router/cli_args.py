@@ -68,10 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-local-prefill-tokens", type=non_negative_int,
         default=DEFAULT_LOCAL_PREFILL.max_tokens,
-        help="conditional disaggregation (e.g. 512): a prompt of at most this many tokens is "
-        "computed by the decode worker itself while the prefill worker has "
-        "--local-prefill-queue-tokens queued; halves S1's TTFT, costs ~10%% of its tok/s "
-        "(docs/router.md). 0 (default): always a prefill worker",
+        help="conditional disaggregation (e.g. 512; `pagedserve up` sets 512): a prompt of at "
+        "most this many tokens is computed by the decode worker itself while the prefill "
+        "worker has --local-prefill-queue-tokens queued (docs/router.md). 0 (default): always "
+        "a prefill worker, for workers on separate hosts",
     )  # fmt: skip
     parser.add_argument(
         "--local-prefill-queue-tokens", type=non_negative_int,
