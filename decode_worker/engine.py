@@ -41,6 +41,7 @@ from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model.batch import RunnerOutput
 from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
 from pagedserve.model.loader import load_model
+from pagedserve.model.quant import WeightQuant
 from pagedserve.model.runner import ModelRunner
 from pagedserve.model.sequence import RequestId, Sequence, make_sequence
 from pagedserve.sampling_params import SamplingParams
@@ -62,6 +63,7 @@ class DecodeEngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
     dtype: str | None = None  # default: the checkpoint's
+    quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
     device: str = "cpu"
     swap_space_gib: float = 4.0
     num_swap_blocks: int | None = None  # overrides swap_space_gib (tests size it in blocks)
@@ -124,8 +126,9 @@ class DecodeEngine:
         # NOTE: computed exactly as the prefill worker does, so block hashes and the layout
         # compat hash agree across the two (docs/hashing.md).
         self.fingerprint = model_fingerprint(
-            model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision
-        )
+            model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision,
+            weights=model_config.weights_name,
+        )  # fmt: skip
         self.pool = BlockPool(
             config.num_blocks,
             config.block_size,
@@ -163,7 +166,7 @@ class DecodeEngine:
         revision: str = "",
     ) -> DecodeEngine:
         config = config or DecodeEngineConfig()
-        model_config = load_model_config(model_dir, config.dtype)
+        model_config = load_model_config(model_dir, config.dtype, config.quantization)
         model = load_model(model_config, config.device)
         runner = ModelRunner(
             model_config, model, config.num_blocks, config.block_size, config.device

@@ -35,6 +35,7 @@ from pagedserve.kvstore.worker_registry import Role, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
 from pagedserve.model.config import load_model_config
 from pagedserve.model.core_share import one_torch_thread, open_core_share
+from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
 from pagedserve.signals import stop_on_signals
 from pagedserve.telemetry import setup_tracing, start_metrics_server
@@ -50,7 +51,8 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         raise ValueError(f"swap-space: must be >= 0 GiB, got {args.swap_space}")
     if args.import_threads < 1:
         raise ValueError(f"import-threads: must be >= 1, got {args.import_threads}")
-    model_config = load_model_config(args.model, args.dtype)
+    quantization = weight_quant_from_args(args)
+    model_config = load_model_config(args.model, args.dtype, quantization)
     spec = kv_cache_spec(model_config, args.block_size)
     memory = kv_cache_bytes(
         model_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction
@@ -67,6 +69,7 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         enable_prefix_caching=args.enable_prefix_caching,
         eviction_policy=EvictionPolicy(args.eviction_policy),
         dtype=args.dtype,
+        quantization=quantization,
         device=args.device,
         swap_space_gib=swap_space_gib(args.swap_space, num_blocks * spec.bytes_per_block),
         preemption_mode=PreemptionMode(args.preemption_mode),

@@ -126,8 +126,12 @@ def extend_block_hashes(
     return added
 
 
-def model_fingerprint(config: Mapping[str, Any], *, dtype: str, revision: str = "") -> bytes:
-    """Return 16 bytes naming the KV layout a model produces: its config, KV dtype and revision.
+def model_fingerprint(
+    config: Mapping[str, Any], *, dtype: str, revision: str = "", weights: str = ""
+) -> bytes:
+    """Return 16 bytes naming the KV layout a model produces: its config, KV dtype, revision
+    and, when quantized, how its weights are stored (``weights``, e.g. ``"int4-g128"``: the
+    same prompt gives other K/V values, so other blocks).
 
     The volatile keys in ``VOLATILE_CONFIG_KEYS`` are dropped at every nesting level. ``dtype``
     is normalized (``"torch.bfloat16"`` and ``"bf16"`` both become ``"bfloat16"``) so that the
@@ -139,7 +143,10 @@ def model_fingerprint(config: Mapping[str, Any], *, dtype: str, revision: str = 
         _drop_volatile(config), sort_keys=True, separators=(",", ":"), ensure_ascii=True
     ).encode("ascii")
     h = hashlib.sha256(FINGERPRINT_DOMAIN)
-    for part in (canonical, normalize_dtype(dtype).encode("utf-8"), revision.encode("utf-8")):
+    parts = [canonical, normalize_dtype(dtype).encode("utf-8"), revision.encode("utf-8")]
+    if weights:  # NOTE: only when quantized, so that every other fingerprint stays as it was
+        parts.append(b"weights=" + weights.encode("utf-8"))
+    for part in parts:
         h.update(_u32le(len(part)))
         h.update(part)
     return h.digest()[:FINGERPRINT_BYTES]

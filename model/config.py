@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pagedserve.generation_config import eos_token_ids, read_generation_config
+from pagedserve.model.quant import WeightQuant
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # NOTE: rope types whose frequencies depend on the current sequence length (dynamic, longrope)
@@ -44,6 +45,12 @@ class ModelConfig:
     bos_token_id: int | None
     eos_token_ids: tuple[int, ...]  # config.json's, then generation_config.json's
     raw: dict[str, Any]  # config.json as written, for the fingerprint and the rope functions
+    quantization: WeightQuant | None = None  # the linear layers' weights (model/quant.py)
+
+    @property
+    def weights_name(self) -> str:
+        """ "" unquantized, else e.g. "int4-g128": the fingerprint's `weights` part."""
+        return self.quantization.name if self.quantization is not None else ""
 
 
 def dtype_from_name(name: str) -> torch.dtype:
@@ -58,8 +65,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelConfig:
-    """Read `model_dir/config.json`; `dtype` (e.g. "bfloat16") overrides the checkpoint's.
+def load_model_config(
+    model_dir: str | Path, dtype: str | None = None, quantization: WeightQuant | None = None
+) -> ModelConfig:
+    """Read `model_dir/config.json`; `dtype` (e.g. "bfloat16") overrides the checkpoint's;
+    `quantization` stores the linear layers' weights in int8 or int4 (model/quant.py).
 
     Raises FileNotFoundError for a missing directory or config.json and ValueError for an
     architecture, rope type or dtype pagedserve does not run.
@@ -108,6 +118,7 @@ def load_model_config(model_dir: str | Path, dtype: str | None = None) -> ModelC
         bos_token_id=hf.bos_token_id,
         eos_token_ids=eos_ids,
         raw=raw,
+        quantization=quantization,
     )
 
 

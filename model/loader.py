@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -10,6 +11,9 @@ from safetensors import safe_open
 
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM, RotaryEmbedding
+from pagedserve.model.quant import QuantizedLinear, quantize_linears
+
+logger = logging.getLogger(__name__)
 
 # Checkpoint tensors that carry no weights of ours (old exports saved rope buffers).
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -37,11 +41,20 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     Raises FileNotFoundError for missing files and ValueError naming any missing or mis-shaped
     tensor; nothing is left randomly initialised.
     """
+    _warn_if_slow(config)
     rope = RotaryEmbedding(config, device)  # computed, never loaded
     with torch.device("meta"):
         model = LlamaForCausalLM(config, rope)
+        if config.quantization is not None:
+            quantize_linears(model, config.quantization)
     model.to_empty(device=device).to(config.dtype)
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
+    # NOTE: a quantized layer's weight is quantized as it is read, never held in full
+    quantized = {
+        f"{name}.weight": module
+        for name, module in model.named_modules()
+        if isinstance(module, QuantizedLinear)
+    }
     loaded: set[str] = set()
     for path in safetensors_files(config.model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
@@ -50,16 +63,32 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
-                if name not in params:
+                if name in quantized:
+                    try:
+                        quantized[name].load_weight(f.get_tensor(name))
+                    except ValueError as exc:
+                        raise ValueError(f"model: {name}: {exc}") from None
+                elif name in params:
+                    _copy_param(params[name], f.get_tensor(name), name, config.dtype)
+                else:
                     raise ValueError(f"model: unexpected tensor {name!r} in {path.name}")
-                _copy_param(params[name], f.get_tensor(name), name, config.dtype)
                 loaded.add(name)
     model.tie_weights()
     expected = {n for n in params if not (n == "lm_head.weight" and config.tie_word_embeddings)}
+    expected |= set(quantized)
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"model: tensors missing from the checkpoint: {missing[:8]}")
     return model.eval()
+
+
+def _warn_if_slow(config: ModelConfig) -> None:
+    if config.quantization is not None and config.dtype != torch.bfloat16:
+        logger.warning(
+            "quantization %s with %s activations multiplies by the dequantized weights (a "
+            "memory saving, slower than unquantized); --dtype bfloat16 uses the packed kernels "
+            "(docs/quantization.md)", config.quantization.name, config.dtype,
+        )  # fmt: skip
 
 
 def _copy_param(param: torch.Tensor, tensor: torch.Tensor, name: str, dtype: torch.dtype) -> None:

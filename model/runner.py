@@ -21,6 +21,7 @@ from pagedserve.model.batch import RunnerOutput, SampledToken, ScheduledSequence
 from pagedserve.model.beam_search import beam_candidates_per_row
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.quant import quantized_bytes
 from pagedserve.model.sampler import Sampler, SamplingRow
 from pagedserve.model.sequence import Sequence, sample_request_id
 
@@ -40,14 +41,21 @@ def weight_bytes(config: ModelConfig) -> int:
     """Bytes of a Llama-family model's weights in its dtype (embeddings, every layer's
     attention, MLP and norms, the final norm and, unless tied, the LM head)."""
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
-    q = config.num_heads * config.head_dim
-    attention = h * q + 2 * h * kv + q * h
-    attention += (q + 2 * kv) * config.qkv_bias + h * config.o_bias
-    mlp = 3 * h * config.intermediate_size + (2 * config.intermediate_size + h) * config.mlp_bias
-    layer = attention + mlp + 2 * h
+    q, inner, size = (
+        config.num_heads * config.head_dim,
+        config.intermediate_size,
+        config.dtype.itemsize,
+    )
+    # (in, out) of every linear layer of a decoder layer
+    linears = [(h, q), (h, kv), (h, kv), (q, h), (h, inner), (h, inner), (inner, h)]
+    if config.quantization is None:
+        weights = sum(i * o for i, o in linears) * size
+    else:
+        weights = sum(quantized_bytes(i, o, config.quantization, size) for i, o in linears)
+    biases = (q + 2 * kv) * config.qkv_bias + h * config.o_bias + (2 * inner + h) * config.mlp_bias
+    layer = weights + (biases + 2 * h) * size
     head = 0 if config.tie_word_embeddings else config.vocab_size * h
-    params = config.vocab_size * h + config.num_layers * layer + h + head
-    return params * config.dtype.itemsize
+    return config.num_layers * layer + (config.vocab_size * h + h + head) * size
 
 
 def device_memory_bytes(device: str) -> int:

@@ -7,6 +7,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from pagedserve.config import add_quantization_arguments
+
 if TYPE_CHECKING:
     from pagedserve.client import Client
 
@@ -100,6 +102,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--block-size", type=int, default=16, help="in-process only")
     p.add_argument("--num-blocks", type=int, default=256, help="in-process only")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_quantization_arguments(p)  # NOTE: in-process only
     _add_client_arguments(p)
     p.set_defaults(func=_run_generate)
 
@@ -211,10 +214,12 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
     from pagedserve.errors import InvalidArgument
+    from pagedserve.model.quant import weight_quant_from_args
 
     config = DecodeEngineConfig(
-        block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype, num_swap_blocks=0
-    )
+        block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype,
+        quantization=weight_quant_from_args(args), num_swap_blocks=0,
+    )  # fmt: skip
     engine = DecodeEngine.from_model_dir(args.model, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
     seq = engine.new_sequence(tokenizer(prompt)["input_ids"], params)  # validates the request
@@ -316,6 +321,7 @@ _MICRO_BENCHES = {
     "decode-step": ("decode_step", "decode steps: the native CPU attention kernel vs torch's"),
     "prefill": ("prefill", "PrefillEngine vs transformers forward, prompt tok/s"),
     "router-hop": ("router_hop", "TTFT and tokens/s through the router vs direct to workers"),
+    "quant": ("quant", "weight quantization: memory, decode speed and perplexity per mode"),
 }
 
 

@@ -51,6 +51,32 @@ def default_worker_id(role: str, port: int) -> str:
     return f"{role}-{socket.gethostname()}-{port}"
 
 
+QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)
+
+
+def quantization_name(method: str | None, group_size: int = 32) -> str:
+    """How quantized weights are named in block-hash fingerprints, logs and reports: "" (the
+    model's dtype), "int8", "int4-g128". The router and every worker compute it from the
+    same flags, so their block hashes and compat tags agree."""
+    if method in (None, "", "none"):
+        return ""
+    return "int8" if method == "int8" else f"int4-g{group_size}"
+
+
+def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--quantization", default=None, choices=["none", *QUANTIZATION_METHODS],
+        help="weight-only quantization of the linear layers, at load (docs/quantization.md): "
+        "int8 per output channel, int4 per group of --quantization-group-size inputs; part of "
+        "the block hashes, so the router and every worker must agree",
+    )  # fmt: skip
+    parser.add_argument(
+        "--quantization-group-size", type=int, default=32, choices=QUANTIZATION_GROUP_SIZES,
+        help="int4: input features per (scale, zero) pair",
+    )  # fmt: skip
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every model-running worker shares."""
     parser.add_argument(
@@ -59,6 +85,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default=None, help="name in Redis keys and APIs")
     parser.add_argument("--revision", default="", help="weights revision, part of block hashes")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_quantization_arguments(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)

@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.config import add_tls_arguments, parse_bytes
+from pagedserve.config import add_quantization_arguments, add_tls_arguments, parse_bytes
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
@@ -251,14 +251,7 @@ def _start_all(
     args: argparse.Namespace, log_dir: Path, cluster: Cluster, stop: threading.Event | None
 ) -> None:
     cli = [sys.executable, "-m", "pagedserve.cli"]
-    common = ["--model", args.model, "--block-size", str(args.block_size)]
-    if args.dtype:
-        common += ["--dtype", args.dtype]
-    if getattr(args, "max_model_len", None):
-        common += ["--max-model-len", str(args.max_model_len)]
-    if getattr(args, "otlp_traces_endpoint", None):
-        common += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
-    common += _tls_flags(args)
+    common = _common_flags(args)
     cluster.redis_url = args.redis_url
     if cluster.redis_url is None:
         redis = _start_redis(log_dir)
@@ -296,6 +289,21 @@ def _start_all(
     )
     if getattr(args, "http_port", None) is not None:
         _start_gateway(args, log_dir, cluster, stop)
+
+
+def _common_flags(args: argparse.Namespace) -> list[str]:
+    """Flags the router and every worker take alike (the model, what enters block hashes)."""
+    common = ["--model", args.model, "--block-size", str(args.block_size)]
+    if args.dtype:
+        common += ["--dtype", args.dtype]
+    if getattr(args, "quantization", None):
+        common += ["--quantization", args.quantization,
+                   "--quantization-group-size", str(args.quantization_group_size)]  # fmt: skip
+    if getattr(args, "max_model_len", None):
+        common += ["--max-model-len", str(args.max_model_len)]
+    if getattr(args, "otlp_traces_endpoint", None):
+        common += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    return common + _tls_flags(args)
 
 
 def _start_gateway(
@@ -505,6 +513,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    add_quantization_arguments(parser)  # NOTE: passed to the router and every worker
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
     parser.add_argument(
         "--swap-space", type=float, default=None,

@@ -32,6 +32,7 @@ from pagedserve.model.batch import RunnerOutput, StepPlan
 from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
+from pagedserve.model.quant import WeightQuant
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
 from pagedserve.model.sequence import Sequence, make_sequence, sample_request_ids
 from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
@@ -79,8 +80,9 @@ class PrefillEngine:
         self.config = config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.fingerprint = model_fingerprint(
-            model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision
-        )
+            model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision,
+            weights=model_config.weights_name,
+        )  # fmt: skip
         spec = kv_cache_spec(model_config, config.block_size)
         # NOTE: shared memory is host memory; on CUDA the pool stays on the device (cuda_ipc later)
         self.shm_pool = ShmKVPool(spec, config.num_blocks) if config.use_shm else None
@@ -117,8 +119,9 @@ class PrefillEngine:
         dtype: str | None = None,
         device: str = "cpu",
         revision: str = "",
+        quantization: WeightQuant | None = None,
     ) -> PrefillEngine:
-        model_config = load_model_config(model_dir, dtype)
+        model_config = load_model_config(model_dir, dtype, quantization)
         model = load_model(model_config, device)
         return cls(model_config, model, config, device=device, revision=revision)
 

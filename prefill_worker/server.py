@@ -43,6 +43,7 @@ from pagedserve.metrics import CounterSource, Gauge, PrefixCacheCounts, register
 from pagedserve.model.config import load_model_config
 from pagedserve.model.core_share import one_torch_thread, open_core_share
 from pagedserve.model.loader import load_model
+from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, worker_load
@@ -77,7 +78,7 @@ class _Cluster:
 
 
 def build_engine(args: argparse.Namespace) -> PrefillEngine:
-    model_config = load_model_config(args.model, args.dtype)
+    model_config = load_model_config(args.model, args.dtype, weight_quant_from_args(args))
     spec = kv_cache_spec(model_config, args.block_size)
     memory = kv_cache_bytes(
         model_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction

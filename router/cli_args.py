@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import add_server_arguments, non_negative_int, positive_int
+from pagedserve.config import (
+    add_quantization_arguments,
+    add_server_arguments,
+    non_negative_int,
+    positive_int,
+)
 from pagedserve.router.routing import DEFAULT_LOCAL_PREFILL
 from pagedserve.sampling_params import DEFAULT_MAX_N
 
@@ -19,6 +24,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--dtype", default=None, choices=["float32", "bfloat16", "float16"],
         help="the workers' KV dtype (part of block hashes); default: the checkpoint's",
     )  # fmt: skip
+    add_quantization_arguments(parser)  # NOTE: the workers' (part of block hashes)
     parser.add_argument(
         "--block-size", type=positive_int, default=16, help="the workers' block size"
     )

@@ -20,6 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
+from pagedserve.config import quantization_name
 from pagedserve.grpcutil import (
     ServerHandle,
     ServerTLS,
@@ -65,8 +66,11 @@ def build_servicer(
         lookup_client = connect(args.redis_url, timeout_s=getattr(args, "index_timeout", 0.04))
         index = RedisPrefixIndex(lookup_client, card.name, block_size=args.block_size)
     fingerprint = model_fingerprint(
-        card.config, dtype=args.dtype or card.dtype, revision=args.revision
-    )
+        card.config, dtype=args.dtype or card.dtype, revision=args.revision,
+        weights=quantization_name(
+            getattr(args, "quantization", None), getattr(args, "quantization_group_size", 32)
+        ),
+    )  # fmt: skip
     workers = WorkerSet(
         args.prefill,
         args.decode,

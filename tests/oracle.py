@@ -13,6 +13,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
+from pagedserve.model.quant import WeightQuant, dequantize_into
 from pagedserve.sampling_params import SamplingParams
 
 PROMPT_LENS = (1, 7, 16, 17, 33, 64, 150, 300)
@@ -28,6 +29,18 @@ def make_prompts(lens=PROMPT_LENS, vocab: int = 512, seed: int = 0) -> list[list
 @cache
 def hf_model(model_dir: Path, dtype: torch.dtype):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
+
+
+@cache
+def hf_dequantized(model_dir: Path, quant: WeightQuant):
+    """transformers' fp32 model on the weights a quantized pagedserve model computes with."""
+    return dequantize_into(AutoModelForCausalLM.from_pretrained(model_dir).eval(), quant)
+
+
+def hf_greedy_on(model, prompt: list[int], new_tokens: int = NEW_TOKENS) -> list[int]:
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False)
+    return out[0, len(prompt) :].tolist()
 
 
 @cache

@@ -1564,3 +1564,20 @@ def test_router_values_reach_its_flags(renders: dict[str, list[Doc]], tools: Too
     box = container(docs, "router")
     args = build_parser().parse_args(expand(without_pending_flags("router", box["args"])))
     assert {n: getattr(args, n) for n in names} == dict(zip(names, (9, 2.0, 0, 64), strict=True))
+
+
+def test_quantization_reaches_every_role(renders: dict[str, list[Doc]], tools: Tools) -> None:
+    """`model.quantization` is part of every block hash: the router and both workers get the
+    same flags, parsed by the real CLI; unset, none of them is quantized."""
+    roles = ("router", "prefill", "decode")
+
+    def parsed(docs: list[Doc], role: str) -> argparse.Namespace:
+        box = container(docs, role)
+        return build_parser().parse_args(expand(without_pending_flags(role, box["args"])))
+
+    for role in roles:
+        assert parsed(renders["defaults"], role).quantization is None
+    docs = render(tools.helm4, _set("model.quantization=int4", "model.quantizationGroupSize=64"))
+    for role in roles:
+        args = parsed(docs, role)
+        assert (args.quantization, args.quantization_group_size) == ("int4", 64), role

@@ -1,0 +1,256 @@
+"""Weight quantization side by side: memory, decode speed and accuracy per mode, in one run.
+
+    python -m pagedserve.bench.quant [--model DIR] [--modes fp32 bf16 int8 int4]
+                                     [--batches 1 16 64] [--memory 1GiB] [--context 1024]
+    pagedserve bench quant ...
+
+Per mode (fp32 and bf16 weights; int8 and int4 weight-only, activations in fp32):
+- **memory**: weight bytes, KV bytes per sequence of `--context` tokens, and how many such
+  sequences fit in `--memory` beside the weights;
+- **decode**: ms per decode step at each batch size B, all modes' engines alive at once and
+  their rounds interleaved, so the machine's noise falls on every mode;
+- **accuracy**: perplexity on pagedserve/data/perplexity.txt (an essay written for this
+  repository, about 1,700 tokens), computed by transformers on the weights the mode computes
+  with (its dequantized weights: the oracle the quantized engine equals token for token,
+  tests/model/test_quant.py), and greedy agreement with fp32 over 32 prompts cut from that
+  text, run through the decode engine with the packed kernels.
+
+Without `--model`, a tiny random Llama (4 layers, hidden 256) is used: its perplexity means
+nothing, its speed and memory do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+
+from pagedserve.config import parse_bytes
+from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
+from pagedserve.model.config import load_model_config
+from pagedserve.model.quant import WeightQuant, dequantize_into
+from pagedserve.model.runner import kv_cache_spec, weight_bytes
+from pagedserve.sampling_params import SamplingParams
+
+MODES = ("fp32", "bf16", "bf16-int8", "bf16-int4", "int8", "int4")
+
+
+@dataclass(frozen=True, slots=True)
+class Mode:
+    name: str
+    dtype: str
+    quant: WeightQuant | None
+
+
+def mode(name: str, group_size: int = 32) -> Mode:
+    """fp32 / bf16: the model's dtype; int8 / int4: quantized weights with fp32 activations;
+    bf16-int8 / bf16-int4: with bf16 activations (ATen's packed kernels)."""
+    dtype, _, method = name.rpartition("-") if "-" in name else ("fp32", "", name)
+    dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
+    if method in ("fp32", "bf16"):
+        return Mode(name, {"fp32": "float32", "bf16": "bfloat16"}[method], None)
+    quant = WeightQuant(method, group_size)
+    label = f"{name}-g{group_size}" if method == "int4" else name
+    return Mode(label, dtype, quant)
+
+
+def corpus() -> str:
+    return resources.files("pagedserve").joinpath("data/perplexity.txt").read_text()
+
+
+def hf_model(model_dir: str, m: Mode):
+    """transformers' model computing with this mode's weights (quantized ones dequantized)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, m.dtype)).eval()
+    return model if m.quant is None else dequantize_into(model, m.quant)
+
+
+def perplexity(model_dir: str, m: Mode, token_ids: list[int]) -> float:
+    """exp(mean next-token negative log-likelihood) over the whole text, one forward."""
+    model = hf_model(model_dir, m)
+    ids = torch.tensor([token_ids])
+    with torch.no_grad():
+        logits = model(ids).logits[0, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits, ids[0, 1:], reduction="mean")
+    return math.exp(nll.item())
+
+
+def prompts_from(token_ids: list[int], count: int = 32, length: int = 48) -> list[list[int]]:
+    """`count` windows of `length` tokens, evenly spaced over the text."""
+    stride = max(1, (len(token_ids) - length) // count)
+    return [token_ids[i * stride : i * stride + length] for i in range(count)]
+
+
+def greedy(model_dir: str, m: Mode, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy outputs through the decode engine (the packed kernels), all prompts batched."""
+    longest = max(map(len, prompts)) + new_tokens
+    config = DecodeEngineConfig(
+        block_size=16,
+        num_blocks=len(prompts) * (-(-longest // 16) + 1),
+        max_num_seqs=len(prompts),
+        enable_prefix_caching=False,
+        num_swap_blocks=0,
+        dtype=m.dtype,
+        quantization=m.quant,
+    )
+    engine = DecodeEngine.from_model_dir(model_dir, config)
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+        return [s.output_token_ids for s in engine.generate(prompts, params)]
+    finally:
+        engine.close()
+
+
+def agreement(outs: list[list[int]], ref: list[list[int]]) -> tuple[float, float]:
+    """(fraction of prompts whose outputs equal the reference's, mean fraction of tokens
+    before the first difference)."""
+    same = sum(a == b for a, b in zip(outs, ref, strict=True))
+    prefix = []
+    for a, b in zip(outs, ref, strict=True):
+        n = next((i for i, (x, y) in enumerate(zip(a, b, strict=True)) if x != y), len(b))
+        prefix.append(n / len(b))
+    return same / len(ref), statistics.mean(prefix)
+
+
+def step_ms(
+    model_dir: str, modes: list[Mode], batch: int, rounds: int, steps: int
+) -> dict[str, list[float]]:
+    """Milliseconds per decode step of B sequences, per round, each mode's engine alive at
+    once and the rounds interleaved."""
+    max_tokens = 2 + rounds * (steps + 1)
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(32, 256))] for _ in range(batch)]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    engines = {}
+    for m in modes:
+        config = DecodeEngineConfig(
+            block_size=16,
+            num_blocks=batch * (-(-(256 + max_tokens) // 16) + 1),
+            max_num_batched_tokens=8192,
+            max_num_seqs=batch,
+            enable_prefix_caching=False,
+            num_swap_blocks=0,
+            dtype=m.dtype,
+            quantization=m.quant,
+        )
+        engine = DecodeEngine.from_model_dir(model_dir, config)
+        seqs = [engine.add_request(p, params) for p in prompts]
+        while not all(s.num_output_tokens >= 1 for s in seqs):
+            engine.step()
+        engines[m.name] = engine
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    try:
+        for _ in range(rounds):
+            for name, engine in engines.items():
+                engine.step()
+                start = time.perf_counter()
+                for _ in range(steps):
+                    engine.step()
+                times[name].append((time.perf_counter() - start) / steps * 1e3)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    return times
+
+
+def memory(model_dir: str, m: Mode, budget: int, context: int) -> dict:
+    config = load_model_config(model_dir, m.dtype, m.quant)
+    spec = kv_cache_spec(config, 16)
+    per_seq = spec.bytes_per_block * -(-context // 16)
+    weights = weight_bytes(config)
+    return {
+        "weight_bytes": weights,
+        "kv_bytes_per_seq": per_seq,
+        "max_seqs": max(0, (budget - weights) // per_seq),
+    }
+
+
+def run(args: argparse.Namespace, model_dir: str) -> dict:
+    from transformers import AutoTokenizer
+
+    modes = [mode(name, args.group_size) for name in args.modes]
+    report: dict = {"model": model_dir, "threads": torch.get_num_threads(), "modes": {}}
+    for m in modes:
+        report["modes"][m.name] = memory(model_dir, m, parse_bytes(args.memory), args.context)
+    if not args.no_accuracy:
+        ids = AutoTokenizer.from_pretrained(model_dir)(corpus())["input_ids"]
+        report["corpus_tokens"] = len(ids)
+        prompts = prompts_from(ids)
+        ref = None
+        for m in modes:
+            entry = report["modes"][m.name]
+            entry["perplexity"] = perplexity(model_dir, m, ids)
+            outs = greedy(model_dir, m, prompts, args.new_tokens)
+            ref = outs if ref is None else ref
+            entry["greedy_same"], entry["greedy_prefix"] = agreement(outs, ref)
+    for batch in args.batches:
+        times = step_ms(model_dir, modes, batch, args.rounds, args.steps)
+        for name, ms in times.items():
+            report["modes"][name][f"step_ms_b{batch}"] = ms
+    return report
+
+
+def table(report: dict, batches: list[int]) -> str:
+    modes = report["modes"]
+    base = next(iter(modes.values()))
+    head = "| mode | weights MiB | KV MiB / seq | max seqs | perplexity | greedy = first (prefix) |"
+    head += "".join(f" B={b} ms/step (x first) |" for b in batches)
+    lines = [head, "|" + "---|" * (6 + len(batches))]
+    for name, e in modes.items():
+        ppl = f"{e['perplexity']:.3f}" if "perplexity" in e else "-"
+        agree = f"{e['greedy_same']:.2f} ({e['greedy_prefix']:.2f})" if "greedy_same" in e else "-"
+        row = (f"| {name} | {e['weight_bytes'] / 2**20:.1f} | {e['kv_bytes_per_seq'] / 2**20:.2f} "
+               f"| {e['max_seqs']} | {ppl} | {agree} |")  # fmt: skip
+        for b in batches:
+            ms = statistics.median(e[f"step_ms_b{b}"])
+            ref = statistics.median(base[f"step_ms_b{b}"])
+            row += f" {ms:.1f} ({ref / ms:.2f}x) |"
+        lines.append(row)
+    return "\n".join(lines)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="pagedserve bench quant", description=__doc__)
+    p.add_argument("--model", default=None, help="HF model dir (default: a tiny 4-layer Llama)")
+    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument("--group-size", type=int, default=32, help="int4's")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--memory", default="1GiB", help="weights + KV budget for max seqs")
+    p.add_argument("--context", type=int, default=1024, help="tokens per sequence for memory")
+    p.add_argument("--new-tokens", type=int, default=32, help="greedy agreement's outputs")
+    p.add_argument("--no-accuracy", action="store_true", help="skip perplexity and agreement")
+    p.add_argument("--out", default=None, help="write the report as JSON here")
+    return p.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = args.model
+        if model_dir is None:
+            from pagedserve.tiny_model import make_tiny_model
+
+            model_dir = str(make_tiny_model(tmp, layers=4, hidden=256, heads=4, kv_heads=2))
+        report = run(args, model_dir)
+    print(f"# {report['model']}, torch {torch.__version__}, {report['threads']} threads")
+    print(table(report, args.batches))
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

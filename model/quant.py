@@ -1,0 +1,256 @@
+"""Weight-only quantization of the decoder's linear layers (`--quantization int8|int4`).
+
+The weights are quantized once, as the loader reads each tensor; activations, norms, the
+embedding, the LM head and the KV cache keep the model's dtype (as vLLM's and TGI's weight-only
+modes do). Two formats:
+
+- **int8**: one symmetric scale per output channel, `w = q * s`, q in [-127, 127].
+- **int4**: one affine (scale, zero) pair per group of `group_size` input features,
+  `w = (q - 8) * scale + zero`, q in [0, 15], the convention of ATen's packed int4 matmul (a
+  GGUF Q4_0 block is `zero = 0`; Q4_1's `d * q + m` is `zero = m + 8 d`).
+
+With bf16 activations on CPU the matmuls are ATen's packed kernels (`_weight_int8pack_mm`,
+`_weight_int4pack_mm_for_cpu`), which read the small weights and dequantize inside the GEMM.
+Those kernels have a fast path for bf16 only: with fp32 activations they were 13-100x slower
+than `F.linear` on this project's machine (AVX-512, torch 2.13; docs/quantization.md), so fp32
+and fp16 activations, and CUDA, multiply by the dequantized weight instead: exactly what
+transformers computes on the dequantized weights, and a memory saving, not a speed-up.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pagedserve.config import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
+from pagedserve.config import QUANTIZATION_METHODS as METHODS
+from pagedserve.config import quantization_name
+
+if TYPE_CHECKING:
+    from pagedserve.model.llama import LlamaForCausalLM
+
+INT4_MAX = 15
+INT8_MAX = 127
+
+
+@dataclass(frozen=True, slots=True)
+class WeightQuant:
+    """How the linear layers' weights are stored. `group_size` is int4's (input features per
+    (scale, zero) pair)."""
+
+    method: str
+    group_size: int = 32
+
+    def __post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise ValueError(f"quantization: {self.method!r} is not one of {list(METHODS)}")
+        if self.group_size not in GROUP_SIZES:
+            raise ValueError(
+                f"quantization_group_size: {self.group_size} is not one of {list(GROUP_SIZES)}"
+            )
+
+    @property
+    def name(self) -> str:
+        """The spelling in fingerprints, logs and reports: `int8`, `int4-g128`."""
+        return quantization_name(self.method, self.group_size)
+
+
+def weight_quant(method: str | None, group_size: int = 32) -> WeightQuant | None:
+    """The flags' value: None (or "none") keeps the weights in the model's dtype."""
+    if method in (None, "", "none"):
+        return None
+    return WeightQuant(method, group_size)
+
+
+def weight_quant_from_args(args: Any) -> WeightQuant | None:
+    """`--quantization` and `--quantization-group-size` of a worker's command line."""
+    return weight_quant(
+        getattr(args, "quantization", None), getattr(args, "quantization_group_size", 32)
+    )
+
+
+class QuantizedLinear(nn.Module):
+    """A linear layer whose weight is int8 or packed int4; same checkpoint name (`.weight`)
+    and bias as `nn.Linear`. `load_weight` quantizes a float [out, in] tensor into it."""
+
+    qweight: torch.Tensor  # int8 [out, in], or int4 packed by ATen (two codes a byte)
+    scales: torch.Tensor  # int8: [out]; int4: [in / group, out, (scale, zero)]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, quant: WeightQuant) -> None:
+        super().__init__()
+        self.in_features, self.out_features, self.quant = in_features, out_features, quant
+        if quant.method == "int4":
+            if in_features % quant.group_size:
+                raise ValueError(
+                    f"quantization_group_size: {quant.group_size} does not divide a linear "
+                    f"layer's {in_features} input features"
+                )
+            groups = in_features // quant.group_size
+            self.register_buffer(
+                "qweight", torch.empty(out_features, in_features // 2, dtype=torch.uint8)
+            )
+            self.register_buffer("scales", torch.empty(groups, out_features, 2))
+        else:
+            self.register_buffer(
+                "qweight", torch.empty(out_features, in_features, dtype=torch.int8)
+            )
+            self.register_buffer("scales", torch.empty(out_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, {self.quant.name}"
+        )
+
+    @torch.no_grad()
+    def load_weight(self, weight: torch.Tensor) -> None:
+        """Quantize `weight` [out, in] (any float dtype) into this layer."""
+        if tuple(weight.shape) != (self.out_features, self.in_features):
+            raise ValueError(
+                f"weight has shape {tuple(weight.shape)}, want "
+                f"{(self.out_features, self.in_features)}"
+            )
+        w = weight.to(torch.float32)
+        if self.quant.method == "int8":
+            q, scales = quantize_int8(w)
+            self.qweight.copy_(q)
+            self.scales.copy_(scales)
+        else:
+            q, scale, zero = quantize_int4(w, self.quant.group_size)
+            self.load_int4(q, scale, zero)
+
+    @torch.no_grad()
+    def load_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
+        """Store int4 codes q [out, in] in [0, 15] with scale and zero [out, in / group] (the
+        weight is `(q - 8) * scale + zero`), e.g. straight from a GGUF Q4 block."""
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).cpu(), 1)
+        self.qweight.copy_(packed)
+        # NOTE: ATen's layout: [groups, out, (scale, zero)]
+        self.scales.copy_(torch.stack([scale, zero], dim=-1).transpose(0, 1))
+
+    def dequantize(self) -> torch.Tensor:
+        """The weight as the matmul sees it, [out, in] in the scales' dtype (for the reference
+        path and for tests)."""
+        if self.quant.method == "int8":
+            return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+        q = unpack_int4(self.qweight.cpu(), self.out_features, self.in_features).to(
+            self.qweight.device
+        )
+        scale, zero = self.scales[..., 0].t(), self.scales[..., 1].t()  # [out, groups]
+        g = self.quant.group_size
+        q = q.view(self.out_features, -1, g).to(self.scales.dtype)
+        return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, -1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+            return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        if self.quant.method == "int8":
+            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        else:
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
+                x2, self.qweight, self.quant.group_size, self.scales
+            )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+
+def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: (q [out, in] int8, scales [out])."""
+    scales = w.abs().amax(dim=1).clamp(min=1e-12) / INT8_MAX
+    q = torch.round(w / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
+    """Group-wise affine int4 (min-max per group): (q [out, in] in [0, 15], scale and zero
+    [out, in / group]) with `w ~ (q - 8) * scale + zero`."""
+    out_features = w.shape[0]
+    groups = w.view(out_features, -1, group_size)
+    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
+    scale = ((high - low) / INT4_MAX).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, INT4_MAX)
+    return q.view(out_features, -1).to(torch.uint8), scale, low + 8 * scale
+
+
+_BLOCK_N = 64
+
+
+@cache
+def _blocked_layout() -> bool:
+    """Whether ATen packs int4 as [out / 64, in, 32] bytes, the low nibble from the first 32
+    rows of each block of 64 and the high nibble from the other 32 (its AVX-512 layout)."""
+    q = torch.arange(_BLOCK_N * 32, dtype=torch.int32).view(_BLOCK_N, 32) % 13
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+    return torch.equal(_unpack_blocked(packed, _BLOCK_N, 32), q)
+
+
+def _unpack_blocked(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    blocks = packed.reshape(out_features // _BLOCK_N, in_features, _BLOCK_N // 2)
+    low, high = (blocks & 0xF).to(torch.int32), (blocks >> 4).to(torch.int32)
+    return torch.cat([low, high], dim=2).transpose(1, 2).reshape(out_features, in_features)
+
+
+def unpack_int4(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
+    """The codes [out, in] (int32) of a `_convert_weight_to_int4pack_for_cpu` tensor: by its
+    layout where ATen uses the blocked one, else by running its matmul against the identity
+    with unit scales (layout-agnostic, exact: small integers in fp32, but slow)."""
+    blocked = out_features % _BLOCK_N == 0 and packed.numel() * 2 == out_features * in_features
+    if blocked and _blocked_layout():
+        return _unpack_blocked(packed, out_features, in_features)
+    eye = torch.eye(in_features, dtype=torch.float32)
+    ones = torch.stack(
+        [
+            torch.ones(in_features // 32, out_features),
+            torch.full((in_features // 32, out_features), 8.0),
+        ],
+        dim=-1,
+    )
+    codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, ones)  # [in, out]
+    return codes.t().round().to(torch.int32)
+
+
+def quantize_linears(model: LlamaForCausalLM, quant: WeightQuant) -> None:
+    """Replace every `Linear` of the decoder layers (q/k/v/o, gate/up/down) by a
+    `QuantizedLinear` of the same shape; the embedding and the LM head stay as they are. Call
+    on a model built on the meta device, before its weights are loaded."""
+    from pagedserve.model.llama import Linear
+
+    for layer in model.model.layers:
+        for parent in layer.children():  # self_attn, mlp (the norms have no children)
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    q = QuantizedLinear(
+                        child.in_features, child.out_features, child.bias is not None, quant
+                    )
+                    setattr(parent, name, q)
+
+
+@torch.no_grad()
+def dequantize_into(hf_model: Any, quant: WeightQuant) -> Any:
+    """Give a transformers Llama-family model the weights a quantized pagedserve model computes
+    with (each decoder linear weight quantized, then dequantized): the oracle of the quantized
+    paths, and the model the bench's perplexity runs."""
+    for layer in hf_model.model.layers:
+        for parent in (layer.self_attn, layer.mlp):
+            for child in parent.children():
+                if isinstance(child, nn.Linear):
+                    q = QuantizedLinear(child.in_features, child.out_features, False, quant)
+                    q.load_weight(child.weight.data)
+                    child.weight.data = q.dequantize().to(child.weight.dtype)
+    return hf_model
+
+
+def quantized_bytes(in_features: int, out_features: int, quant: WeightQuant, itemsize: int) -> int:
+    """Bytes of one quantized weight (codes and scales; its bias is the caller's)."""
+    if quant.method == "int8":
+        return out_features * in_features + out_features * itemsize
+    groups = in_features // quant.group_size
+    return out_features * in_features // 2 + groups * out_features * 2 * itemsize
