@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from pagedserve.bench.decode_step import model_or_tiny
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.swapper import Swapper
 from pagedserve.kvstore.kv_cache import KVCache
@@ -236,11 +237,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            from pagedserve.tiny_model import make_tiny_model
-
-            model_dir = str(make_tiny_model(tmp, layers=4, hidden=256, heads=4, kv_heads=2))
+        model_dir = model_or_tiny(args.model, tmp)
         machine = f"{platform.node()} {platform.processor()} torch {torch.__version__}"
         print(f"# {machine} threads {torch.get_num_threads()} device {args.device}")
         decode_rows = [] if args.skip_decode else bench_decode(model_dir, args)

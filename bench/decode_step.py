@@ -18,6 +18,7 @@ import statistics
 import tempfile
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -26,19 +27,30 @@ from pagedserve.kernels import cpu_native
 from pagedserve.sampling_params import SamplingParams
 
 
-def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[bool, list[float]]:
-    """Milliseconds per decode step, per round, with the kernel on (True) and off (False)."""
-    rounds, steps = args.rounds, args.steps
-    max_tokens = 2 + 2 * rounds * (steps + 1)
-    config = DecodeEngineConfig(
-        block_size=16,
-        num_blocks=batch * (-(-(256 + max_tokens) // 16) + 1),
-        max_num_batched_tokens=8192,
-        max_num_seqs=batch,
-        enable_prefix_caching=False,
-        num_swap_blocks=0,
+def model_or_tiny(model_dir: str | None, scratch: str) -> str:
+    """`model_dir`, or a tiny random Llama (4 layers, hidden 256) written to `scratch`."""
+    if model_dir is not None:
+        return model_dir
+    from pagedserve.tiny_model import make_tiny_model
+
+    return str(make_tiny_model(scratch, layers=4, hidden=256, heads=4, kv_heads=2))
+
+
+def decoding_engine(model_dir: str, batch: int, max_tokens: int, **config: Any) -> DecodeEngine:
+    """An engine with `batch` greedy requests (prompts of 32-255 random tokens, the same for
+    every call) all past their prefill, each with room for `max_tokens` outputs."""
+    engine = DecodeEngine.from_model_dir(
+        model_dir,
+        DecodeEngineConfig(
+            block_size=16,
+            num_blocks=batch * (-(-(256 + max_tokens) // 16) + 1),
+            max_num_batched_tokens=8192,
+            max_num_seqs=batch,
+            enable_prefix_caching=False,
+            num_swap_blocks=0,
+            **config,
+        ),
     )
-    engine = DecodeEngine.from_model_dir(model_dir, config)
     rng = random.Random(0)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = [
@@ -47,6 +59,13 @@ def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[boo
     ]
     while not all(s.num_output_tokens >= 1 for s in seqs):  # every prompt prefilled
         engine.step()
+    return engine
+
+
+def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[bool, list[float]]:
+    """Milliseconds per decode step, per round, with the kernel on (True) and off (False)."""
+    rounds, steps = args.rounds, args.steps
+    engine = decoding_engine(model_dir, batch, 2 + 2 * rounds * (steps + 1))
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
         for _ in range(rounds):
@@ -79,11 +98,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"the native kernel is unavailable here: {reason}")
         return 1
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            from pagedserve.tiny_model import make_tiny_model
-
-            model_dir = str(make_tiny_model(tmp, layers=4, hidden=256, heads=4, kv_heads=2))
+        model_dir = model_or_tiny(args.model, tmp)
         print(f"# {model_dir}, torch {torch.__version__}, {torch.get_num_threads()} threads")
         print("| B | torch path ms/step | native ms/step | torch / native |")
         print("|---|---|---|---|")

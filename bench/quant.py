@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import statistics
 import tempfile
 import time
@@ -35,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from pagedserve.bench.decode_step import decoding_engine, model_or_tiny
 from pagedserve.config import parse_bytes
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.model.config import load_model_config
@@ -129,26 +129,10 @@ def step_ms(
     """Milliseconds per decode step of B sequences, per round, each mode's engine alive at
     once and the rounds interleaved."""
     max_tokens = 2 + rounds * (steps + 1)
-    rng = random.Random(0)
-    prompts = [[rng.randrange(3, 500) for _ in range(rng.randrange(32, 256))] for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    engines = {}
-    for m in modes:
-        config = DecodeEngineConfig(
-            block_size=16,
-            num_blocks=batch * (-(-(256 + max_tokens) // 16) + 1),
-            max_num_batched_tokens=8192,
-            max_num_seqs=batch,
-            enable_prefix_caching=False,
-            num_swap_blocks=0,
-            dtype=m.dtype,
-            quantization=m.quant,
-        )
-        engine = DecodeEngine.from_model_dir(model_dir, config)
-        seqs = [engine.add_request(p, params) for p in prompts]
-        while not all(s.num_output_tokens >= 1 for s in seqs):
-            engine.step()
-        engines[m.name] = engine
+    engines = {
+        m.name: decoding_engine(model_dir, batch, max_tokens, dtype=m.dtype, quantization=m.quant)
+        for m in modes
+    }
     times: dict[str, list[float]] = {name: [] for name in engines}
     try:
         for _ in range(rounds):
@@ -239,11 +223,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = args.model
-        if model_dir is None:
-            from pagedserve.tiny_model import make_tiny_model
-
-            model_dir = str(make_tiny_model(tmp, layers=4, hidden=256, heads=4, kv_heads=2))
+        model_dir = model_or_tiny(args.model, tmp)
         report = run(args, model_dir)
     print(f"# {report['model']}, torch {torch.__version__}, {report['threads']} threads")
     print(table(report, args.batches))

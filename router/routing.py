@@ -236,7 +236,8 @@ class WorkerSet:
         if self.incompatible.get(info.worker_id) != info.compat:
             log.error(
                 "worker %s at %s is not routed to: its model fingerprint/block size %s differs "
-                "from this router's %s (check --dtype, --revision and --block-size)",
+                "from this router's %s (check --dtype, --revision, --quantization and "
+                "--block-size)",
                 info.worker_id, info.address, info.compat, self._compat,
             )  # fmt: skip
         self.incompatible[info.worker_id] = info.compat
