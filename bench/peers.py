@@ -33,6 +33,7 @@ import torch  # noqa: E402
 from pagedserve.bench.metrics import RequestResult, summarize
 from pagedserve.bench.workloads import BenchRequest, load_requests
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
+from pagedserve.launcher import add_local_prefill_arguments
 
 
 def _result(req: BenchRequest) -> RequestResult:
@@ -152,17 +153,15 @@ class HFContinuous:
 
 class ClusterPeer:
     def __init__(self, args: argparse.Namespace) -> None:
-        from pagedserve.launcher import ONE_HOST_LOCAL_PREFILL_TOKENS, start_cluster
+        from pagedserve.launcher import start_cluster
 
         self.log_dir = Path(tempfile.mkdtemp(prefix="pagedserve-bench-"))
         launch = argparse.Namespace(
             model=args.model, host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
             block_size=args.block_size, dtype=args.dtype, kv_cache_memory=_kv_bytes(args),
             otlp_traces_endpoint=None, metrics=False, start_timeout=180.0, log_dir=None,
-            # NOTE: what `pagedserve up` runs unless told otherwise
-            max_local_prefill_tokens=ONE_HOST_LOCAL_PREFILL_TOKENS
-            if args.max_local_prefill_tokens is None else args.max_local_prefill_tokens,
-            local_prefill_queue_tokens=args.local_prefill_queue_tokens or 0,
+            max_local_prefill_tokens=args.max_local_prefill_tokens,
+            local_prefill_queue_tokens=args.local_prefill_queue_tokens,
         )  # fmt: skip
         self.cluster = start_cluster(launch, self.log_dir)
 
@@ -231,15 +230,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="cluster: KV bytes per worker (default: the engine's --num-blocks at this model's "
         "block size, so both run with the same KV budget)",
     )  # fmt: skip
-    p.add_argument(
-        "--max-local-prefill-tokens", type=int, default=None,
-        help="cluster: the router's flag (default: `pagedserve up`'s; 0: every prompt to a "
-        "prefill worker)",
-    )  # fmt: skip
-    p.add_argument(
-        "--local-prefill-queue-tokens", type=int, default=None,
-        help="cluster: the router's flag (default: `pagedserve up`'s)",
-    )  # fmt: skip
+    add_local_prefill_arguments(p)  # NOTE: the cluster peer's, `pagedserve up`'s defaults
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="hf-static sweep")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     return p.parse_args(argv)

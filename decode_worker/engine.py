@@ -35,11 +35,10 @@ from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig, worst
 from pagedserve.decode_worker.swapper import CopyFn, Swapper
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
-from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model.batch import RunnerOutput
-from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
+from pagedserve.model.config import ModelConfig, load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
 from pagedserve.model.runner import ModelRunner
@@ -125,10 +124,7 @@ class DecodeEngine:
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         # NOTE: computed exactly as the prefill worker does, so block hashes and the layout
         # compat hash agree across the two (docs/hashing.md).
-        self.fingerprint = model_fingerprint(
-            model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision,
-            weights=model_config.weights_name,
-        )  # fmt: skip
+        self.fingerprint = model_config.fingerprint(revision)
         self.pool = BlockPool(
             config.num_blocks,
             config.block_size,

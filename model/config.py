@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pagedserve.generation_config import eos_token_ids, read_generation_config
+from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.model.quant import WeightQuant
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -47,10 +48,14 @@ class ModelConfig:
     raw: dict[str, Any]  # config.json as written, for the fingerprint and the rope functions
     quantization: WeightQuant | None = None  # the linear layers' weights (model/quant.py)
 
-    @property
-    def weights_name(self) -> str:
-        """ "" unquantized, else e.g. "int4-g128": the fingerprint's `weights` part."""
-        return self.quantization.name if self.quantization is not None else ""
+    def fingerprint(self, revision: str = "") -> bytes:
+        """The block-hash fingerprint of the KV this model produces (docs/hashing.md): its
+        config, dtype, `revision` and weight quantization. Prefill and decode workers both use
+        this, so their block hashes and layout compat hashes agree."""
+        weights = self.quantization.name if self.quantization is not None else ""
+        return model_fingerprint(
+            self.raw, dtype=dtype_name(self.dtype), revision=revision, weights=weights
+        )
 
 
 def dtype_from_name(name: str) -> torch.dtype:

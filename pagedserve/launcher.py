@@ -498,10 +498,26 @@ def describe_exit(rc: int) -> str:
 
 # NOTE: on one host the prefill and decode workers share the same cores, so a hand-off buys
 # no parallelism and costs a copy, a second process's step and a core split between them: short
-# prompts go to the decode worker (S1 on SmolLM2: 1.15x the tok/s, 0.6x the TTFT of full
-# disaggregation; docs/architecture.md, "Conditional disaggregation"). The router's own default
+# prompts go to the decode worker (S1 on SmolLM2: 1.15-1.24x the tok/s, 0.57-0.6x the TTFT of
+# full disaggregation; docs/architecture.md, "Conditional disaggregation"). The router's own default
 # (and the Helm chart's) stays 0: across hosts, the prefill worker is the point.
 ONE_HOST_LOCAL_PREFILL_TOKENS = 512
+
+
+def add_local_prefill_arguments(parser: argparse.ArgumentParser) -> None:
+    """`up`'s conditional disaggregation, passed to the router (the bench's cluster peers take
+    the same flags and defaults, so that they run what `up` runs)."""
+    parser.add_argument(
+        "--max-local-prefill-tokens", type=int, default=ONE_HOST_LOCAL_PREFILL_TOKENS,
+        help="passed to the router: a prompt of at most this many tokens is computed by the "
+        "decode worker (conditional disaggregation, docs/router.md); 0: every prompt on a "
+        "prefill worker, as in a multi-host deployment",
+    )  # fmt: skip
+    parser.add_argument(
+        "--local-prefill-queue-tokens", type=int, default=0,
+        help="passed to the router: only while the prefill worker has this many prompt tokens "
+        "queued (0: always)",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -559,17 +575,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval", type=int, default=None, help="passed to the router")
     parser.add_argument("--max-n", type=int, default=None, help="passed to the router")
     parser.add_argument("--stall-timeout", type=float, default=None, help="passed to the router")
-    parser.add_argument(
-        "--max-local-prefill-tokens", type=int, default=ONE_HOST_LOCAL_PREFILL_TOKENS,
-        help="passed to the router: a prompt of at most this many tokens is computed by the "
-        "decode worker (conditional disaggregation, docs/router.md); 0: every prompt on a "
-        "prefill worker, as in a multi-host deployment",
-    )  # fmt: skip
-    parser.add_argument(
-        "--local-prefill-queue-tokens", type=int, default=0,
-        help="passed to the router: only while the prefill worker has this many prompt tokens "
-        "queued (0: always)",
-    )  # fmt: skip
+    add_local_prefill_arguments(parser)
     parser.add_argument(
         "--http-port", type=int, default=None,
         help="also run the OpenAI-compatible HTTP gateway on this port (0: a free one)",

@@ -25,11 +25,11 @@ from pagedserve.errors import InvalidArgument
 from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
-from pagedserve.kvstore.hashing import BlockHash, hash_blocks, model_fingerprint
+from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import ShmKVPool, layout_compat_hash
 from pagedserve.model.batch import RunnerOutput, StepPlan
-from pagedserve.model.config import ModelConfig, dtype_name, load_model_config
+from pagedserve.model.config import ModelConfig, load_model_config
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
@@ -79,10 +79,7 @@ class PrefillEngine:
         self.model_config = model_config
         self.config = config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        self.fingerprint = model_fingerprint(
-            model_config.raw, dtype=dtype_name(model_config.dtype), revision=revision,
-            weights=model_config.weights_name,
-        )  # fmt: skip
+        self.fingerprint = model_config.fingerprint(revision)
         spec = kv_cache_spec(model_config, config.block_size)
         # NOTE: shared memory is host memory; on CUDA the pool stays on the device (cuda_ipc later)
         self.shm_pool = ShmKVPool(spec, config.num_blocks) if config.use_shm else None
