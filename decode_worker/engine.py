@@ -63,6 +63,7 @@ class DecodeEngineConfig:
     eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
     dtype: str | None = None  # default: the checkpoint's
     quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
+    kv_cache_dtype: str | None = None  # "int8" / "fp8_e4m3" for an 8-bit KV cache; None: dtype's
     device: str = "cpu"
     swap_space_gib: float = 4.0
     num_swap_blocks: int | None = None  # overrides swap_space_gib (tests size it in blocks)
@@ -162,7 +163,9 @@ class DecodeEngine:
         revision: str = "",
     ) -> DecodeEngine:
         config = config or DecodeEngineConfig()
-        model_config = load_model_config(model_dir, config.dtype, config.quantization)
+        model_config = load_model_config(
+            model_dir, config.dtype, config.quantization, config.kv_cache_dtype
+        )
         model = load_model(model_config, config.device)
         runner = ModelRunner(
             model_config, model, config.num_blocks, config.block_size, config.device

@@ -52,7 +52,7 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
     if args.import_threads < 1:
         raise ValueError(f"import-threads: must be >= 1, got {args.import_threads}")
     quantization = weight_quant_from_args(args)
-    model_config = load_model_config(args.model, args.dtype, quantization)
+    model_config = load_model_config(args.model, args.dtype, quantization, args.kv_cache_dtype)
     spec = kv_cache_spec(model_config, args.block_size)
     memory = kv_cache_bytes(
         model_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction
@@ -70,6 +70,7 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         eviction_policy=EvictionPolicy(args.eviction_policy),
         dtype=args.dtype,
         quantization=quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
         swap_space_gib=swap_space_gib(args.swap_space, num_blocks * spec.bytes_per_block),
         preemption_mode=PreemptionMode(args.preemption_mode),

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from pagedserve.kernels import cpu_attention, cpu_native, reference, swap
+from pagedserve.kernels import cpu_attention, cpu_native, kv_quant, reference, swap
 
 Backend = Literal["triton", "cpu", "reference"]
 _BACKENDS = ("triton", "cpu", "reference")
@@ -50,6 +50,8 @@ class AttentionMetadata:
         default_factory=dict, repr=False
     )
     _native_plans: dict[int | None, cpu_native.NativePlan] = field(default_factory=dict, repr=False)
+    # NOTE: an 8-bit cache's dense view of this step's blocks (kernels/kv_quant.py)
+    _dense: tuple[int, torch.Tensor, AttentionMetadata] | None = field(default=None, repr=False)
 
     @property
     def is_decode_only(self) -> bool:
@@ -93,6 +95,29 @@ class AttentionMetadata:
             self._native_plans[sliding_window] = plan
         return plan
 
+    def dense_view(self, block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:
+        """(used, meta): the distinct block ids this step's sequences read [n], and metadata
+        whose tables index `used` instead of the pool: attention over the `n` blocks
+        dequantized in that order equals attention over the pool (built on first use)."""
+        if self._dense is not None and self._dense[0] == block_size:
+            return self._dense[1], self._dense[2]
+        counts = torch.tensor([-(-n // block_size) for n in self.seq_lens])
+        width = max(1, int(counts.max()))
+        table = self.block_tables[:, :width]
+        wanted = torch.arange(width)[None, :] < counts[:, None]
+        wanted = wanted.to(table.device)
+        used, inverse = torch.unique(table[wanted], return_inverse=True)
+        tables = torch.zeros_like(table)
+        tables[wanted] = inverse
+        dense = AttentionMetadata(
+            slot_mapping=self.slot_mapping,
+            block_tables=tables,
+            query_lens=self.query_lens,
+            seq_lens=self.seq_lens,
+        )
+        self._dense = (block_size, used, dense)
+        return used, dense
+
 
 def backend_for(device: torch.device) -> Backend:
     """The backend used for tensors on `device` (the forced one, if any)."""
@@ -128,8 +153,14 @@ def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     meta: AttentionMetadata,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
-    """Store this step's K/V [num_tokens, num_kv_heads, head_dim] into their slots."""
+    """Store this step's K/V [num_tokens, num_kv_heads, head_dim] into their slots; with
+    `scales` (an 8-bit cache's K and V scale views) as codes, on any device (kv_quant)."""
+    if scales is not None:
+        kv_quant.write_kv(k_cache, scales[0], key, meta.slot_mapping)
+        kv_quant.write_kv(v_cache, scales[1], value, meta.slot_mapping)
+        return
     if backend_for(k_cache.device) == "triton":
         from pagedserve.kernels import triton_cache
 
@@ -145,8 +176,17 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    """Attention of this step's queries [num_tokens, num_heads, head_dim] over the paged cache."""
+    """Attention of this step's queries [num_tokens, num_heads, head_dim] over the paged cache.
+
+    An 8-bit cache (`scales` given) is read through a dense copy of the step's blocks in the
+    query's dtype, by the same kernels (`AttentionMetadata.dense_view`)."""
+    if scales is not None:
+        used, dense = meta.dense_view(k_cache.shape[1])
+        key = kv_quant.dequantize_blocks(k_cache, scales[0], used, query.dtype)
+        value = kv_quant.dequantize_blocks(v_cache, scales[1], used, query.dtype)
+        return paged_attention(query, key, value, dense, scale, sliding_window)
     backend = backend_for(query.device)
     if backend == "triton":
         return _triton_attention(query, k_cache, v_cache, meta, scale, sliding_window)

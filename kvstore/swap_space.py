@@ -48,10 +48,10 @@ class SwapSpace:
         if num_blocks <= 0:
             raise ValueError(f"num_blocks: swap space needs >= 1 block, got {num_blocks}")
         pin = torch.cuda.is_available() if pin_memory is None else pin_memory
-        shape = (num_blocks, spec.num_layers, 2, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = spec.storage_shape(num_blocks)
         # NOTE: `empty`, not `zeros`: zero-filling would touch (commit) every page at start, and
         # a host block is always written by a swap-out before a swap-in reads it.
-        tensor = torch.empty(shape, dtype=spec.dtype, device="cpu", pin_memory=pin)
+        tensor = torch.empty(shape, dtype=spec.storage_dtype, device="cpu", pin_memory=pin)
         self.cache = KVCache(spec, num_blocks, "cpu", tensor=tensor)
         self.pool = BlockPool(num_blocks, spec.block_size, record_events=False)
 

@@ -26,7 +26,7 @@ from multiprocessing import resource_tracker, shared_memory
 
 import torch
 
-from pagedserve.kvstore.kv_cache import KV_DIM, KVCache, KVCacheSpec
+from pagedserve.kvstore.kv_cache import KV_DIM, SCALE_LAYOUT, KVCache, KVCacheSpec
 
 
 class TransferError(RuntimeError):
@@ -34,12 +34,14 @@ class TransferError(RuntimeError):
 
 
 def layout_compat_hash(spec: KVCacheSpec, model_fingerprint: bytes) -> bytes:
-    """16 bytes identifying weights + layout; blocks move only between equal hashes."""
-    dtype = str(spec.dtype).removeprefix("torch.")
+    """16 bytes identifying weights + layout; blocks move only between equal hashes. An 8-bit
+    cache's scale layout is part of it (unquantized layouts hash as they always did)."""
     fields = struct.pack(
         "<IIII", spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size
     )
-    body = b"pagedserve/kv-layout/v1" + model_fingerprint + fields + dtype.encode()
+    body = b"pagedserve/kv-layout/v1" + model_fingerprint + fields + spec.dtype_name.encode()
+    if spec.quantized:
+        body += b"|scales=" + SCALE_LAYOUT.encode()
     return hashlib.sha256(body).digest()[:16]
 
 
@@ -78,8 +80,9 @@ class ShmOffer:
 
 
 def _strides_bytes(spec: KVCacheSpec) -> tuple[int, int, int]:
-    """(block, layer, kv) strides of the block-major layout, in bytes."""
-    page = spec.bytes_per_block // (spec.num_layers * KV_DIM)
+    """(block, layer, kv) strides of the block-major layout, in bytes (an 8-bit block's scales
+    follow its codes, inside the block stride)."""
+    page = spec.codes_bytes // (spec.num_layers * KV_DIM)
     return spec.bytes_per_block, KV_DIM * page, page
 
 
@@ -95,7 +98,7 @@ class ShmKVPool:
             name=name or f"pagedserve-kv-{secrets.token_hex(8)}", create=True, size=size
         )
         flat = torch.frombuffer(self._shm.buf, dtype=torch.uint8, count=size)
-        tensor = flat.view(spec.dtype).view(_shape(spec, num_blocks))
+        tensor = flat.view(spec.storage_dtype).view(spec.storage_shape(num_blocks))
         tensor.zero_()
         self.cache = KVCache(spec, num_blocks, tensor=tensor)
 
@@ -147,8 +150,8 @@ class ShmBlockReader:
         flat = torch.frombuffer(
             self._shm.buf, dtype=torch.uint8, count=size, offset=offer.pool_offset_bytes
         )
-        self._tensor: torch.Tensor | None = flat.view(spec.dtype).view(
-            _shape(spec, offer.num_blocks)
+        self._tensor: torch.Tensor | None = flat.view(spec.storage_dtype).view(
+            spec.storage_shape(offer.num_blocks)
         )
         self.num_blocks = offer.num_blocks
 
@@ -168,10 +171,6 @@ class ShmBlockReader:
     def close(self) -> None:
         self._tensor = None
         self._shm.close()
-
-
-def _shape(spec: KVCacheSpec, num_blocks: int) -> tuple[int, ...]:
-    return (num_blocks, spec.num_layers, KV_DIM, spec.block_size, spec.num_kv_heads, spec.head_dim)
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ import torch
 
 from pagedserve.generation_config import eos_token_ids, read_generation_config
 from pagedserve.kvstore.hashing import model_fingerprint
+from pagedserve.kvstore.kv_cache import kv_cache_dtype as kv_cache_dtype_from_name
 from pagedserve.model.quant import WeightQuant
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -47,6 +48,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]  # config.json's, then generation_config.json's
     raw: dict[str, Any]  # config.json as written, for the fingerprint and the rope functions
     quantization: WeightQuant | None = None  # the linear layers' weights (model/quant.py)
+    kv_cache_dtype: torch.dtype | None = None  # stored KV elements; None = `dtype` (kv_cache.py)
 
     def fingerprint(self, revision: str = "") -> bytes:
         """The block-hash fingerprint of the KV this model produces (docs/hashing.md): its
@@ -71,10 +73,14 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 
 def load_model_config(
-    model_dir: str | Path, dtype: str | None = None, quantization: WeightQuant | None = None
+    model_dir: str | Path,
+    dtype: str | None = None,
+    quantization: WeightQuant | None = None,
+    kv_cache_dtype: str | None = None,
 ) -> ModelConfig:
     """Read `model_dir/config.json`; `dtype` (e.g. "bfloat16") overrides the checkpoint's;
-    `quantization` stores the linear layers' weights in int8 or int4 (model/quant.py).
+    `quantization` stores the linear layers' weights in int8 or int4 (model/quant.py);
+    `kv_cache_dtype` ("auto", "int8", "fp8_e4m3") the KV cache's elements (kvstore/kv_cache.py).
 
     Raises FileNotFoundError for a missing directory or config.json and ValueError for an
     architecture, rope type or dtype pagedserve does not run.
@@ -98,6 +104,8 @@ def load_model_config(
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // num_heads
     qkv_bias, o_bias, mlp_bias = _biases(arch, hf)
     checkpoint_dtype = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+    model_dtype = dtype_from_name(dtype or checkpoint_dtype)
+    stored = kv_cache_dtype_from_name(kv_cache_dtype, model_dtype)
     # NOTE: a chat model often ends its turn with an eos id only generation_config.json names
     eos_ids = eos_token_ids({"eos_token_id": hf.eos_token_id}, read_generation_config(model_dir))
     return ModelConfig(
@@ -119,11 +127,12 @@ def load_model_config(
         mlp_bias=mlp_bias,
         sliding_windows=_sliding_windows(arch, hf),
         rope_type=rope_type,
-        dtype=dtype_from_name(dtype or checkpoint_dtype),
+        dtype=model_dtype,
         bos_token_id=hf.bos_token_id,
         eos_token_ids=eos_ids,
         raw=raw,
         quantization=quantization,
+        kv_cache_dtype=None if stored == model_dtype else stored,
     )
 
 

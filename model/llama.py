@@ -100,8 +100,11 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
-        dispatch.write_kv(k_cache, v_cache, k, v, meta)
-        out = dispatch.paged_attention(q, k_cache, v_cache, meta, self.scale, self.sliding_window)
+        scales = kv_cache.layer_scales(self.layer_idx)  # None unless the cache is 8-bit
+        dispatch.write_kv(k_cache, v_cache, k, v, meta, scales)
+        out = dispatch.paged_attention(
+            q, k_cache, v_cache, meta, self.scale, self.sliding_window, scales
+        )
         return self.o_proj(out.reshape(num_tokens, -1))
 
 

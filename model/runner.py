@@ -27,13 +27,14 @@ from pagedserve.model.sequence import Sequence, sample_request_id
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
-    """The page shape a model needs at a block size (KV dtype = model dtype)."""
+    """The page shape a model needs at a block size (KV dtype = the model's, unless its config
+    stores the KV in 8 bits)."""
     return KVCacheSpec(
         num_layers=config.num_layers,
         num_kv_heads=config.num_kv_heads,
         head_dim=config.head_dim,
         block_size=block_size,
-        dtype=config.dtype,
+        dtype=config.kv_cache_dtype or config.dtype,
     )
 
 
@@ -114,7 +115,7 @@ class ModelRunner:
             raise ValueError("kv_cache: its spec or size does not match the model and num_blocks")
         self.kv_cache = kv_cache or KVCache(self.spec, num_blocks, self.device)
         self.sampler = Sampler()
-        dispatch.prepare(self.device, self.kv_cache.tensor.dtype)
+        dispatch.prepare(self.device, config.dtype)
 
     def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
         """Apply copy-on-write pairs from the block manager before the step that needs them."""

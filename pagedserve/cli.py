@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.config import add_quantization_arguments
+from pagedserve.config import add_kv_cache_dtype_argument, add_quantization_arguments
 
 if TYPE_CHECKING:
     from pagedserve.client import Client
@@ -103,6 +103,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-blocks", type=int, default=256, help="in-process only")
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_quantization_arguments(p)  # NOTE: in-process only
+    add_kv_cache_dtype_argument(p)  # NOTE: in-process only
     _add_client_arguments(p)
     p.set_defaults(func=_run_generate)
 
@@ -218,7 +219,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     config = DecodeEngineConfig(
         block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype,
-        quantization=weight_quant_from_args(args), num_swap_blocks=0,
+        quantization=weight_quant_from_args(args), kv_cache_dtype=args.kv_cache_dtype,
+        num_swap_blocks=0,
     )  # fmt: skip
     engine = DecodeEngine.from_model_dir(args.model, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)

@@ -77,6 +77,18 @@ def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8")
+
+
+def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+        help="what the KV cache stores: auto (the model's dtype), or 8-bit codes with a float32 "
+        "scale per block, layer and KV head: int8, fp8_e4m3 (fp8 is e4m3); about half the bytes "
+        "of bf16 per token (docs/quantization.md). Blocks move only between workers that agree",
+    )  # fmt: skip
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every model-running worker shares."""
     parser.add_argument(
@@ -86,6 +98,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--revision", default="", help="weights revision, part of block hashes")
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_quantization_arguments(parser)
+    add_kv_cache_dtype_argument(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)

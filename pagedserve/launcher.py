@@ -31,7 +31,12 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.config import add_quantization_arguments, add_tls_arguments, parse_bytes
+from pagedserve.config import (
+    add_kv_cache_dtype_argument,
+    add_quantization_arguments,
+    add_tls_arguments,
+    parse_bytes,
+)
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
@@ -346,6 +351,8 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
 def _worker_flags(role: str, args: argparse.Namespace) -> list[str]:
     """Flags of `up` that a prefill or decode worker takes (its KV memory, its eviction)."""
     flags = _memory_flags(role, args)
+    if getattr(args, "kv_cache_dtype", "auto") != "auto":
+        flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     if getattr(args, "eviction_policy", None):
         flags += ["--eviction-policy", args.eviction_policy]
     return flags
@@ -530,6 +537,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_quantization_arguments(parser)  # NOTE: passed to the router and every worker
+    add_kv_cache_dtype_argument(parser)  # NOTE: passed to every worker
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
     parser.add_argument(
         "--swap-space", type=float, default=None,

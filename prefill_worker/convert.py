@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from pagedserve.kvstore.kv_cache import SCALE_LAYOUT
 from pagedserve.kvstore.transfer import BlockChunk
 from pagedserve.model.convert import finish_reason_to_proto, logprobs_to_proto
 from pagedserve.prefill_worker.engine import PrefillEngine
@@ -94,9 +95,10 @@ def kv_handle(
             num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
-            dtype=str(spec.dtype).removeprefix("torch."),
+            dtype=spec.dtype_name,
             block_size=spec.block_size,
             compat_hash=engine.compat_hash,
+            scale_layout=SCALE_LAYOUT if spec.quantized else "",
         ),
         lease_expires_unix_ms=result.lease_expires_unix_ms,
         grpc=common_pb2.GrpcTransport(address=me.address),

@@ -117,8 +117,9 @@ class PrefillEngine:
         device: str = "cpu",
         revision: str = "",
         quantization: WeightQuant | None = None,
+        kv_cache_dtype: str | None = None,
     ) -> PrefillEngine:
-        model_config = load_model_config(model_dir, dtype, quantization)
+        model_config = load_model_config(model_dir, dtype, quantization, kv_cache_dtype)
         model = load_model(model_config, device)
         return cls(model_config, model, config, device=device, revision=revision)
 

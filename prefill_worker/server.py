@@ -78,7 +78,9 @@ class _Cluster:
 
 
 def build_engine(args: argparse.Namespace) -> PrefillEngine:
-    model_config = load_model_config(args.model, args.dtype, weight_quant_from_args(args))
+    model_config = load_model_config(
+        args.model, args.dtype, weight_quant_from_args(args), args.kv_cache_dtype
+    )
     spec = kv_cache_spec(model_config, args.block_size)
     memory = kv_cache_bytes(
         model_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction

@@ -122,20 +122,22 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "compat_hash")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "compat_hash", "scale_layout")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
+    SCALE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
     dtype: str
     block_size: int
     compat_hash: bytes
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., compat_hash: _Optional[bytes] = ...) -> None: ...
+    scale_layout: str
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., compat_hash: _Optional[bytes] = ..., scale_layout: _Optional[str] = ...) -> None: ...
 
 class ShmTransport(_message.Message):
     __slots__ = ("segment_name", "host_id", "pool_offset_bytes", "num_blocks", "block_stride_bytes", "layer_stride_bytes", "kv_stride_bytes")

@@ -1,0 +1,156 @@
+"""The 8-bit KV cache's write and read (kernels/kv_quant.py, dispatch with scales): codes and
+scales as the rule says, the error they allow, blocks reused afresh, and attention over the
+codes equal to the reference's over their values on every backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pagedserve.kernels import dispatch, kv_quant, reference
+from pagedserve.kernels.dispatch import AttentionMetadata
+from pagedserve.kvstore.kv_cache import KV_QUANT_MAX, KVCache, KVCacheSpec
+
+DTYPES = (torch.int8, torch.float8_e4m3fn)
+BLOCK, HEADS, DIM = 4, 2, 8
+
+
+def layer(dtype: torch.dtype, num_blocks: int = 6) -> tuple[torch.Tensor, torch.Tensor]:
+    cache = KVCache(KVCacheSpec(1, HEADS, DIM, BLOCK, dtype), num_blocks)
+    k, _ = cache.layer(0)
+    ks, _ = cache.layer_scales(0)
+    return k, ks
+
+
+def values(n: int, seed: int, magnitude: float = 1.0) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, HEADS, DIM, generator=g) * magnitude
+
+
+def read(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
+    ids = torch.tensor([block])
+    return kv_quant.dequantize_blocks(codes, scales, ids, torch.float32)[0]
+
+
+def test_a_block_written_at_once_is_round_of_value_over_absmax_scale():
+    codes, scales = layer(torch.int8)
+    x = values(BLOCK, seed=1)
+    kv_quant.write_kv(codes, scales, x, torch.arange(2 * BLOCK, 3 * BLOCK))
+    expected_scale = x.abs().amax(dim=(0, 2)) / 127
+    assert torch.equal(scales[2], expected_scale)
+    assert torch.equal(codes[2], (x / expected_scale[None, :, None]).round().to(torch.int8))
+    assert (read(codes, scales, 2) - x).abs().max() <= expected_scale.max() / 2 + 1e-7
+    assert not codes[[0, 1, 3]].any() and not scales[[0, 1, 3]].any()  # other blocks untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_appending_larger_tokens_grows_the_scale_and_keeps_earlier_tokens(dtype):
+    codes, scales = layer(dtype)
+    x = values(BLOCK, seed=2) * torch.tensor([1.0, 3.0, 0.5, 9.0])[:, None, None]
+    growths = 0
+    for t in range(BLOCK):
+        before = scales[1].clone()
+        kv_quant.write_kv(codes, scales, x[t : t + 1], torch.tensor([BLOCK + t]))
+        growths += bool((scales[1] > before).any()) and t > 0
+    assert growths == 2  # tokens 1 and 3 are larger than all before them
+    final = x.abs().amax(dim=(0, 2)) / KV_QUANT_MAX[dtype]
+    assert torch.allclose(scales[1], final)  # the block spans its largest value
+    err = (read(codes, scales, 1) - x).abs()
+    if dtype == torch.int8:
+        # each write rounds once (half a step), each growth re-rounds once more
+        assert err.max() <= (growths + 1) * final.max() / 2 + 1e-6
+    else:  # e4m3: 3 mantissa bits, relative rounding per (re-)encoding
+        relative = (17 / 16) ** (growths + 1) - 1
+        floor = (growths + 1) * final[None, :, None] * 2**-9  # the smallest subnormal step
+        assert (err <= x.abs() * relative + floor + 1e-6).all()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_smaller_tokens_leave_earlier_codes_bit_for_bit(dtype):
+    codes, scales = layer(dtype)
+    kv_quant.write_kv(codes, scales, values(2, seed=3, magnitude=4.0), torch.tensor([0, 1]))
+    first = codes[0, :2].clone()
+    kv_quant.write_kv(codes, scales, values(2, seed=4, magnitude=0.01), torch.tensor([2, 3]))
+    assert torch.equal(codes[0, :2].view(torch.uint8), first.view(torch.uint8))
+
+
+def test_a_block_written_from_its_first_slot_forgets_its_old_scale():
+    codes, scales = layer(torch.int8)
+    kv_quant.write_kv(codes, scales, values(BLOCK, seed=5, magnitude=100.0), torch.arange(BLOCK))
+    small = values(2, seed=6, magnitude=0.01)
+    kv_quant.write_kv(codes, scales, small, torch.tensor([0, 1]))  # the block reused
+    assert torch.equal(scales[0], small.abs().amax(dim=(0, 2)) / 127)
+    assert (read(codes, scales, 0)[:2] - small).abs().max() <= scales[0].max() / 2 + 1e-9
+
+
+def test_zero_values_give_zero_scale_and_codes():
+    codes, scales = layer(torch.int8)
+    kv_quant.write_kv(codes, scales, torch.zeros(3, HEADS, DIM), torch.tensor([4, 5, 6]))
+    assert not scales[1].any() and not codes[1].any()
+    assert torch.isfinite(read(codes, scales, 1)).all()
+
+
+def test_fp8_codes_saturate_instead_of_overflowing_to_nan():
+    codes, scales = layer(torch.float8_e4m3fn)
+    x = values(BLOCK, seed=7, magnitude=1e4)
+    kv_quant.write_kv(codes, scales, x, torch.arange(BLOCK))
+    assert torch.isfinite(codes[0].to(torch.float32)).all()
+    assert torch.isfinite(read(codes, scales, 0)).all()
+
+
+def quantized_case(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int]):
+    """A two-sequence batch whose K/V sit as codes in shuffled blocks of a 12-block cache."""
+    num_blocks, heads_q = 12, 4
+    cache = KVCache(KVCacheSpec(1, HEADS, DIM, BLOCK, dtype), num_blocks)
+    (k, v), (ks, vs) = cache.layer(0), cache.layer_scales(0)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(8)).tolist()
+    tables, slots = [], []
+    for n in seq_lens:
+        ids = [order.pop() for _ in range(-(-n // BLOCK))]
+        tables.append(ids + [0] * (4 - len(ids)))
+        slots.append(torch.tensor([ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]))
+    for i, n in enumerate(seq_lens):  # context written the way decode writes it: a token a time
+        for p in range(n):
+            kv_quant.write_kv(k, ks, values(1, seed=100 * i + p), slots[i][p : p + 1])
+            kv_quant.write_kv(v, vs, values(1, seed=100 * i + p + 50), slots[i][p : p + 1])
+    meta = AttentionMetadata(
+        slot_mapping=torch.cat([s[n - q :] for s, q, n in zip(slots, query_lens, seq_lens)]),
+        block_tables=torch.tensor(tables),
+        query_lens=query_lens,
+        seq_lens=seq_lens,
+    )
+    query = torch.randn(sum(query_lens), heads_q, DIM, generator=torch.Generator().manual_seed(9))
+    everything = torch.arange(num_blocks)
+    dense_k = kv_quant.dequantize_blocks(k, ks, everything, torch.float32)
+    dense_v = kv_quant.dequantize_blocks(v, vs, everything, torch.float32)
+    expected = reference.paged_attention(
+        query, dense_k, dense_v, meta.block_tables, query_lens, seq_lens, DIM**-0.5
+    )
+    return query, (k, v), (ks, vs), meta, expected
+
+
+@pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(
+    "query_lens, seq_lens", [([1, 1], [7, 13]), ([3, 1], [9, 5])], ids=["decode", "mixed"]
+)
+def test_attention_over_codes_equals_reference_over_their_values(
+    backend, dtype, query_lens, seq_lens, triton_modules
+):
+    query, (k, v), scales, meta, expected = quantized_case(dtype, query_lens, seq_lens)
+    with dispatch.use_backend(backend):
+        got = dispatch.paged_attention(query, k, v, meta, DIM**-0.5, scales=scales)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+def test_the_dense_view_reads_each_needed_block_once():
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([0, 0]),
+        block_tables=torch.tensor([[7, 3, 9, 0], [7, 5, 0, 0]]),  # block 7 shared, a fork
+        query_lens=[1, 1],
+        seq_lens=[9, 6],  # 3 and 2 blocks: the padding and block 9's neighbours are not read
+    )
+    used, dense = meta.dense_view(BLOCK)
+    assert used.tolist() == [3, 5, 7, 9]
+    assert dense.block_tables[:, :3].tolist() == [[2, 0, 3], [2, 1, 0]]
+    assert meta.dense_view(BLOCK)[1] is dense  # built once per step
