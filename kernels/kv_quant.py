@@ -4,15 +4,15 @@
     scales  [num_blocks, num_kv_heads]                         float32, value = code * scale
 
 A block's scale is absmax / QMAX over the tokens written so far (QMAX 127 for int8, 448 for
-e4m3). Decode appends one token at a time, so a new token larger than the block's range grows
+e4m3). Tokens are appended one at a time, so a new token larger than the block's range grows
 the scale, and the block's earlier codes are re-encoded to it (round(code * old / new)): the
 block always spans its largest value, and an earlier token loses at most half a step of the new
 scale per growth. A block written from its first slot starts afresh (scale 0): a reused block's
 old codes and scale are never read.
 
-The result depends only on the order tokens were written in, not on the device or process:
-prefill worker and decode worker write a prompt in the same chunks, so a transferred block is
-the block an in-process run would hold (docs/quantization.md).
+Because every write appends in token order, a block's codes depend on its tokens' K/V alone,
+not on how the work was cut into steps: prefill chunks, decode steps, recompute after
+preemption, another worker's prefill (docs/quantization.md).
 
 Attention reads a step's blocks through `dequantize_blocks` into a dense cache of the
 activation dtype and runs the unquantized kernels over it: torch only, on any device.
@@ -36,32 +36,41 @@ def encode(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 def write_kv(
     codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor
 ) -> None:
-    """Store `values` [num_tokens, num_kv_heads, head_dim] into their slots (in place), growing
-    the scales of the blocks they land in and re-encoding those blocks' earlier codes."""
+    """Store `values` [num_tokens, num_kv_heads, head_dim] into their slots (in place), as if
+    each block's new tokens were appended one at a time in slot order: a token that is larger
+    than its block's range grows the scale and re-encodes the block's earlier codes.
+
+    Appending in order makes a block's codes a function of its tokens alone: a prompt prefilled
+    in one chunk or in many, a decode step's single token, a recomputed sequence and a prefix
+    cache hit all leave the same codes. Round k appends the k-th new token of every block at
+    once, so a decode step (one token per block) is one round and a prefill at most block_size.
+    """
     if values.shape[0] == 0:
         return
-    block_size, num_heads = codes.shape[1], codes.shape[2]
+    block_size = codes.shape[1]
     qmax = KV_QUANT_MAX[codes.dtype]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
-    touched, inverse = torch.unique(blocks, return_inverse=True)
     x = values.to(torch.float32)
     token_max = x.abs().amax(-1)  # [T, H]
-    step_max = torch.zeros(len(touched), num_heads, dtype=torch.float32, device=x.device)
-    step_max.scatter_reduce_(0, inverse[:, None].expand(-1, num_heads), token_max, "amax")
-    fresh = torch.zeros(len(touched), dtype=torch.bool, device=x.device)
-    fresh[inverse[offsets == 0]] = True
-    old = torch.where(fresh[:, None], 0.0, scales[touched])
-    new = torch.maximum(old, step_max / qmax)
-    grown = (~fresh) & (new > old).any(-1)
-    if bool(grown.any()):
-        ids = touched[grown]
-        ratio = old[grown] / new[grown]  # new > 0 wherever old > 0; 0 / x = 0 elsewhere
-        ratio = torch.where(new[grown] > 0, ratio, 1.0)
-        codes[ids] = encode(codes[ids].to(torch.float32) * ratio[:, None, :, None], codes.dtype)
-    scales[touched] = new
-    divisor = torch.where(new > 0, new, 1.0)[inverse]  # [T, H]
-    codes[blocks, offsets] = encode(x / divisor[:, :, None], codes.dtype)
+    touched, inverse = torch.unique(blocks, return_inverse=True)
+    first = torch.full((len(touched),), block_size, dtype=offsets.dtype, device=x.device)
+    first.scatter_reduce_(0, inverse, offsets, "amin")
+    rank = offsets - first[inverse]  # the token's turn among its block's new tokens
+    for k in range(int(rank.max()) + 1):
+        now = (rank == k).nonzero().squeeze(1) if k or len(touched) < len(rank) else None
+        b = blocks if now is None else blocks[now]
+        off = offsets if now is None else offsets[now]
+        old = torch.where(off[:, None] == 0, 0.0, scales[b])  # the first slot starts afresh
+        new = torch.maximum(old, (token_max if now is None else token_max[now]) / qmax)
+        grown = (off > 0) & (new > old).any(-1)
+        if bool(grown.any()):
+            ratio = torch.where(new[grown] > 0, old[grown] / new[grown], 1.0)
+            ids = b[grown]
+            codes[ids] = encode(codes[ids].to(torch.float32) * ratio[:, None, :, None], codes.dtype)
+        scales[b] = new
+        divisor = torch.where(new > 0, new, 1.0)[:, :, None]
+        codes[b, off] = encode((x if now is None else x[now]) / divisor, codes.dtype)
 
 
 def dequantize_blocks(

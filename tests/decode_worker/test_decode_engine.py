@@ -316,3 +316,22 @@ def test_reserve_max_policy_gives_the_same_tokens_without_preemption(model_dir):
     assert tuple(tuple(s.output_token_ids) for s in seqs) == unconstrained(model_dir)
     assert engine.stats.num_preemptions == 0
     assert max_running < len(prompts), "the reservation must keep some sequences waiting"
+
+
+@pytest.mark.parametrize("mode", [PreemptionMode.SWAP, PreemptionMode.RECOMPUTE], ids=str)
+def test_an_8bit_kv_cache_gives_the_same_tokens_under_preemption(model_dir, mode):
+    """Swap moves each block's scales with its codes, and a recomputed block (prefill chunks
+    instead of decode steps) holds the codes it held before: kernels/kv_quant.py."""
+    free = make_engine(model_dir, num_blocks=1000, kv_cache_dtype="int8")
+    assert free.runner.spec.dtype == torch.int8
+    want = [s.output_token_ids for s in free.generate(make_prompts(), GREEDY)]
+    free.close()
+    assert free.stats.num_preemptions == 0
+    engine = make_engine(model_dir, preemption_mode=mode, kv_cache_dtype="int8")
+    seqs = engine.generate(make_prompts(), GREEDY)
+    run_to_end(engine, seqs)
+    assert [s.output_token_ids for s in seqs] == want
+    if mode is PreemptionMode.SWAP:
+        assert engine.stats.num_preemptions_swap > 0 and engine.stats.num_swap_in_blocks > 0
+    else:
+        assert engine.stats.num_preemptions_recompute > 0

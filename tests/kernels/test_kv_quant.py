@@ -32,15 +32,37 @@ def read(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
     return kv_quant.dequantize_blocks(codes, scales, ids, torch.float32)[0]
 
 
-def test_a_block_written_at_once_is_round_of_value_over_absmax_scale():
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_blocks_codes_do_not_depend_on_how_its_tokens_were_cut_into_writes(dtype):
+    codes, scales = layer(dtype)
+    x = values(BLOCK, seed=1) * torch.tensor([0.5, 2.0, 1.0, 4.0])[:, None, None]
+    cuts = {1: [BLOCK], 2: [1] * BLOCK, 3: [3, 1], 4: [1, 2, 1]}  # block -> write sizes
+    for block, sizes in cuts.items():
+        start = 0
+        for n in sizes:
+            slots = torch.arange(block * BLOCK + start, block * BLOCK + start + n)
+            kv_quant.write_kv(codes, scales, x[start : start + n], slots)
+            start += n
+    bits = codes.view(torch.uint8)
+    for block in (2, 3, 4):
+        assert torch.equal(bits[block], bits[1]) and torch.equal(scales[block], scales[1])
+    assert torch.equal(scales[1], x.abs().amax(dim=(0, 2)) / KV_QUANT_MAX[dtype])
+    assert not bits[[0, 5]].any() and not scales[[0, 5]].any()  # other blocks untouched
+
+
+def test_a_step_writing_many_blocks_equals_writing_each_alone():
     codes, scales = layer(torch.int8)
-    x = values(BLOCK, seed=1)
-    kv_quant.write_kv(codes, scales, x, torch.arange(2 * BLOCK, 3 * BLOCK))
-    expected_scale = x.abs().amax(dim=(0, 2)) / 127
-    assert torch.equal(scales[2], expected_scale)
-    assert torch.equal(codes[2], (x / expected_scale[None, :, None]).round().to(torch.int8))
-    assert (read(codes, scales, 2) - x).abs().max() <= expected_scale.max() / 2 + 1e-7
-    assert not codes[[0, 1, 3]].any() and not scales[[0, 1, 3]].any()  # other blocks untouched
+    alone_codes, alone_scales = layer(torch.int8)
+    # a prefill of blocks 0-1 (6 tokens) and decode tokens into blocks 3 and 4, in one step
+    slots = torch.tensor([0, 1, 2, 3, 4, 5, 3 * BLOCK + 2, 4 * BLOCK])
+    x = values(len(slots), seed=11)
+    kv_quant.write_kv(alone_codes, alone_scales, values(2, seed=12), torch.tensor([12, 13]))
+    kv_quant.write_kv(codes, scales, values(2, seed=12), torch.tensor([12, 13]))
+    kv_quant.write_kv(codes, scales, x, slots)
+    for part in (slice(0, 6), slice(6, 7), slice(7, 8)):
+        kv_quant.write_kv(alone_codes, alone_scales, x[part], slots[part])
+    assert torch.equal(codes, alone_codes) and torch.equal(scales, alone_scales)
+    assert (read(codes, scales, 0) - x[:4]).abs().max() <= scales[0].max() * 2
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from pagedserve.kernels import kv_quant
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
 from pagedserve.kvstore.transfer import (
     BlockAssembler,
@@ -115,3 +116,50 @@ def test_compat_hash_separates_layouts_and_models():
     assert base != layout_compat_hash(SPEC, b"model-b")
     assert base != layout_compat_hash(KVCacheSpec(2, 2, 4, 8, torch.bfloat16), b"model-a")
     assert base != layout_compat_hash(KVCacheSpec(2, 2, 4, 4, torch.float16), b"model-a")
+    int8 = KVCacheSpec(2, 2, 4, 4, torch.int8)
+    fp8 = KVCacheSpec(2, 2, 4, 4, torch.float8_e4m3fn)
+    assert len({base, layout_compat_hash(int8, b"model-a"), layout_compat_hash(fp8, b"model-a")}) == 3
+
+
+INT8 = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.int8)
+
+
+def fill_quantized(cache: KVCache, seed: int) -> None:
+    """Real codes and scales, written as a decode worker writes them, in every layer."""
+    g = torch.Generator().manual_seed(seed)
+    slots = torch.arange(cache.num_blocks * cache.spec.block_size)
+    for layer in range(cache.spec.num_layers):
+        for codes, scales in zip(cache.layer(layer), cache.layer_scales(layer), strict=True):
+            kv_quant.write_kv(codes, scales, torch.randn(len(slots), 2, 4, generator=g), slots)
+
+
+def values_of(cache: KVCache, block: int) -> list[torch.Tensor]:
+    ids = torch.tensor([block])
+    return [
+        kv_quant.dequantize_blocks(codes, scales, ids, torch.float32)
+        for layer in range(cache.spec.num_layers)
+        for codes, scales in zip(cache.layer(layer), cache.layer_scales(layer), strict=True)
+    ]
+
+
+def test_an_8bit_block_moves_with_its_scales_over_shm_and_the_stream():
+    assert INT8.bytes_per_block == INT8.codes_bytes + 2 * 2 * 2 * 4  # float32 per layer, kv, head
+    pool = ShmKVPool(INT8, 4)
+    try:
+        fill_quantized(pool.cache, seed=4)
+        assert pool.cache.scales.min() > 0
+        reader = ShmBlockReader(pool.offer(), INT8)
+        by_shm = KVCache(INT8, 4)
+        reader.read_blocks([3, 1], by_shm, [0, 2])
+        reader.close()
+        by_stream = KVCache(INT8, 4)
+        assembler = BlockAssembler(by_stream, {0: 0, 1: 2})
+        for chunk in iter_block_chunks(pool.cache, [3, 1], 13):
+            assembler.feed(chunk)
+        assert assembler.complete
+        for dst in (by_shm, by_stream):
+            for mine, theirs in ((0, 3), (2, 1)):
+                for got, want in zip(values_of(dst, mine), values_of(pool.cache, theirs)):
+                    assert torch.equal(got, want)
+    finally:
+        pool.close()
