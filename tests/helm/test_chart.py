@@ -1581,3 +1581,18 @@ def test_quantization_reaches_every_role(renders: dict[str, list[Doc]], tools: T
     for role in roles:
         args = parsed(docs, role)
         assert (args.quantization, args.quantization_group_size) == ("int4", 64), role
+
+
+def test_kv_cache_dtype_reaches_both_workers_not_the_router(
+    renders: dict[str, list[Doc]], tools: Tools
+) -> None:
+    """`model.kvCacheDtype` sets both workers' KV pages (they must agree to hand blocks off);
+    the router has no KV cache and no such flag."""
+    for role in ("prefill", "decode"):
+        args = expand(without_pending_flags(role, container(renders["defaults"], role)["args"]))
+        assert build_parser().parse_args(args).kv_cache_dtype == "auto"
+    docs = render(tools.helm4, _set("model.kvCacheDtype=int8"))
+    for role in ("prefill", "decode"):
+        args = expand(without_pending_flags(role, container(docs, role)["args"]))
+        assert build_parser().parse_args(args).kv_cache_dtype == "int8", role
+    assert "--kv-cache-dtype" not in container(docs, "router")["args"]

@@ -144,6 +144,7 @@ app.kubernetes.io/part-of: pagedserve
 {{- $args = concat $args (list "--kv-cache-memory-fraction" (toString .values.kvCacheMemoryFraction)) -}}
 {{- end }}
 {{- with $v.model.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int .))) }}{{ end -}}
+{{- with $v.model.kvCacheDtype }}{{ $args = concat $args (list "--kv-cache-dtype" .) }}{{ end -}}
 {{- with .values.numGpuBlocksOverride }}{{ $args = concat $args (list "--num-gpu-blocks-override" (toString (int .))) }}{{ end -}}
 {{- $args = append $args (ternary "--enable-prefix-caching" "--no-enable-prefix-caching" .values.enablePrefixCaching) -}}
 {{- $args = concat $args (list "--eviction-policy" .values.evictionPolicy) -}}
