@@ -1,19 +1,25 @@
-"""Weight quantization side by side: memory, decode speed and accuracy per mode, in one run.
+"""Quantization side by side: memory, decode speed and accuracy per mode, in one run.
 
-    python -m pagedserve.bench.quant [--model DIR] [--modes fp32 bf16 int8 int4]
+    python -m pagedserve.bench.quant [--model DIR] [--modes fp32 bf16 int8 int4 fp32+kv-int8]
                                      [--batches 1 16 64] [--memory 1GiB] [--context 1024]
     pagedserve bench quant ...
 
-Per mode (fp32 and bf16 weights; int8 and int4 weight-only, activations in fp32):
-- **memory**: weight bytes, KV bytes per sequence of `--context` tokens, and how many such
-  sequences fit in `--memory` beside the weights;
+Per mode (fp32 and bf16 weights; int8 and int4 weight-only, activations in fp32; `+kv-int8` /
+`+kv-fp8`: the same with an 8-bit KV cache):
+- **memory**: weight bytes, KV bytes per sequence of `--context` tokens, how many such
+  sequences fit in `--memory` beside the weights, and how many fit in a fixed KV budget
+  (`--kv-budget`) against the mode without `+kv-...`;
 - **decode**: ms per decode step at each batch size B, all modes' engines alive at once and
   their rounds interleaved, so the machine's noise falls on every mode;
 - **accuracy**: perplexity on pagedserve/data/perplexity.txt (an essay written for this
   repository, about 1,700 tokens), computed by transformers on the weights the mode computes
   with (its dequantized weights: the oracle the quantized engine equals token for token,
   tests/model/test_quant.py), and greedy agreement with fp32 over 32 prompts cut from that
-  text, run through the decode engine with the packed kernels.
+  text, run through the decode engine with the packed kernels. An 8-bit KV mode has no
+  transformers twin: its perplexity is the engine's own (one forward over the text, K/V read
+  back through the cache), and beside it the engine's perplexity with every token computed
+  in its own decode step (`--decode-tokens` of the text; also for the mode it is compared
+  with), which is how generated tokens meet the cache.
 
 Without `--model`, a tiny random Llama (4 layers, hidden 256) is used: its perplexity means
 nothing, its speed and memory do.
@@ -42,7 +48,9 @@ from pagedserve.model.quant import WeightQuant, dequantize_into
 from pagedserve.model.runner import kv_cache_spec, weight_bytes
 from pagedserve.sampling_params import SamplingParams
 
-MODES = ("fp32", "bf16", "bf16-int8", "bf16-int4", "int8", "int4")
+WEIGHT_MODES = ("fp32", "bf16", "bf16-int8", "bf16-int4", "int8", "int4")
+MODES = (*WEIGHT_MODES, "fp32+kv-int8", "fp32+kv-fp8", "bf16+kv-int8")
+KV_NAMES = {"int8": "int8", "fp8": "fp8_e4m3"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,11 +58,28 @@ class Mode:
     name: str
     dtype: str
     quant: WeightQuant | None
+    kv: str | None = None  # --kv-cache-dtype of an 8-bit KV mode
+    base: str = ""  # for an 8-bit KV mode: the mode it is compared with (model-dtype KV)
+
+
+def mode_choice(text: str) -> str:
+    weights, _, kv = text.partition("+kv-")
+    if weights not in WEIGHT_MODES or (kv and kv not in KV_NAMES):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected one of {WEIGHT_MODES}, optionally with +kv-int8 or +kv-fp8"
+        )
+    return text
 
 
 def mode(name: str, group_size: int = 32) -> Mode:
     """fp32 / bf16: the model's dtype; int8 / int4: quantized weights with fp32 activations;
-    bf16-int8 / bf16-int4: with bf16 activations (ATen's packed kernels)."""
+    bf16-int8 / bf16-int4: with bf16 activations (ATen's packed kernels); `+kv-int8` or
+    `+kv-fp8` after any of them: an 8-bit KV cache."""
+    weights, _, kv = name.partition("+kv-")
+    if kv:
+        base = mode(weights, group_size)
+        return Mode(f"{base.name}+kv-{kv}", base.dtype, base.quant, KV_NAMES[kv], base.name)
+    name = weights
     dtype, _, method = name.rpartition("-") if "-" in name else ("fp32", "", name)
     dtype = {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     if method in ("fp32", "bf16"):
@@ -86,6 +111,33 @@ def perplexity(model_dir: str, m: Mode, token_ids: list[int]) -> float:
     return math.exp(nll.item())
 
 
+def engine_perplexity(model_dir: str, m: Mode, token_ids: list[int], chunk: int) -> float:
+    """exp(mean NLL) of the text computed by our model over its paged cache, `chunk` tokens
+    per forward (1: every token in its own decode step; len: one forward)."""
+    from pagedserve.kernels.dispatch import AttentionMetadata
+    from pagedserve.model.loader import load_model
+    from pagedserve.model.runner import ModelRunner
+
+    config = load_model_config(model_dir, m.dtype, m.quant, m.kv)
+    model = load_model(config, "cpu")
+    token_ids = token_ids[: config.max_position_embeddings]
+    block_size, n = 16, len(token_ids)
+    runner = ModelRunner(config, model, -(-n // block_size), block_size)
+    table = torch.arange(runner.kv_cache.num_blocks)[None]  # block i holds positions 16i..
+    total = 0.0
+    for start in range(0, n - 1, chunk):
+        end = min(start + chunk, n - 1)
+        positions = torch.arange(start, end)
+        meta = AttentionMetadata(
+            slot_mapping=positions, block_tables=table, query_lens=[end - start], seq_lens=[end]
+        )
+        hidden = model(torch.tensor(token_ids[start:end]), positions, runner.kv_cache, meta)
+        logits = model.compute_logits(hidden).float()
+        target = torch.tensor(token_ids[start + 1 : end + 1])
+        total += torch.nn.functional.cross_entropy(logits, target, reduction="sum").item()
+    return math.exp(total / (n - 1))
+
+
 def prompts_from(token_ids: list[int], count: int = 32, length: int = 48) -> list[list[int]]:
     """`count` windows of `length` tokens, evenly spaced over the text."""
     stride = max(1, (len(token_ids) - length) // count)
@@ -103,6 +155,7 @@ def greedy(model_dir: str, m: Mode, prompts: list[list[int]], new_tokens: int) -
         num_swap_blocks=0,
         dtype=m.dtype,
         quantization=m.quant,
+        kv_cache_dtype=m.kv,
     )
     engine = DecodeEngine.from_model_dir(model_dir, config)
     try:
@@ -130,7 +183,9 @@ def step_ms(
     once and the rounds interleaved."""
     max_tokens = 2 + rounds * (steps + 1)
     engines = {
-        m.name: decoding_engine(model_dir, batch, max_tokens, dtype=m.dtype, quantization=m.quant)
+        m.name: decoding_engine(
+            model_dir, batch, max_tokens, dtype=m.dtype, quantization=m.quant, kv_cache_dtype=m.kv
+        )
         for m in modes
     }
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -148,8 +203,8 @@ def step_ms(
     return times
 
 
-def memory(model_dir: str, m: Mode, budget: int, context: int) -> dict:
-    config = load_model_config(model_dir, m.dtype, m.quant)
+def memory(model_dir: str, m: Mode, budget: int, kv_budget: int, context: int) -> dict:
+    config = load_model_config(model_dir, m.dtype, m.quant, m.kv)
     spec = kv_cache_spec(config, 16)
     per_seq = spec.bytes_per_block * -(-context // 16)
     weights = weight_bytes(config)
@@ -157,27 +212,56 @@ def memory(model_dir: str, m: Mode, budget: int, context: int) -> dict:
         "weight_bytes": weights,
         "kv_bytes_per_seq": per_seq,
         "max_seqs": max(0, (budget - weights) // per_seq),
+        "kv_budget_seqs": kv_budget // per_seq,
     }
 
 
-def run(args: argparse.Namespace, model_dir: str) -> dict:
+def accuracy(args: argparse.Namespace, model_dir: str, modes: list[Mode], report: dict) -> None:
+    """Each mode's perplexity (and decode-order perplexity for 8-bit KV) and greedy agreement
+    with the first mode, into `report`."""
     from transformers import AutoTokenizer
 
+    ids = AutoTokenizer.from_pretrained(model_dir)(corpus())["input_ids"]
+    report["corpus_tokens"] = len(ids)
+    report["decode_tokens"] = min(len(ids), args.decode_tokens)
+    prompts = prompts_from(ids)
+    ref = None
+    decode_ppl: dict[str, float] = {}  # the slow one, once per mode
+    for m in modes:
+        entry = report["modes"][m.name]
+        entry["perplexity"] = (
+            engine_perplexity(model_dir, m, ids, len(ids)) if m.kv
+            else perplexity(model_dir, m, ids)
+        )  # fmt: skip
+        for m_ in (m, mode(m.base, args.group_size)) if m.kv else ():
+            if m_.name not in decode_ppl:
+                head = ids[: report["decode_tokens"]]
+                decode_ppl[m_.name] = engine_perplexity(model_dir, m_, head, 1)
+                if m_.name in report["modes"]:
+                    report["modes"][m_.name]["decode_perplexity"] = decode_ppl[m_.name]
+        if m.kv:  # compared with the engine on the base mode's weights, the same way
+            base = mode(m.base, args.group_size)
+            entry["base_perplexity"] = engine_perplexity(model_dir, base, ids, len(ids))
+            entry["decode_perplexity"] = decode_ppl[m.name]
+            entry["base_decode_perplexity"] = decode_ppl[m.base]
+        outs = greedy(model_dir, m, prompts, args.new_tokens)
+        ref = outs if ref is None else ref
+        entry["greedy_same"], entry["greedy_prefix"] = agreement(outs, ref)
+
+
+def run(args: argparse.Namespace, model_dir: str) -> dict:
     modes = [mode(name, args.group_size) for name in args.modes]
     report: dict = {"model": model_dir, "threads": torch.get_num_threads(), "modes": {}}
+    budget, kv_budget = parse_bytes(args.memory), parse_bytes(args.kv_budget)
+    report["kv_budget_bytes"] = kv_budget
     for m in modes:
-        report["modes"][m.name] = memory(model_dir, m, parse_bytes(args.memory), args.context)
+        entry = memory(model_dir, m, budget, kv_budget, args.context)
+        if m.kv:
+            base = memory(model_dir, mode(m.base, args.group_size), budget, kv_budget, args.context)
+            entry["kv_budget_seqs_vs_base"] = entry["kv_budget_seqs"] / base["kv_budget_seqs"]
+        report["modes"][m.name] = entry
     if not args.no_accuracy:
-        ids = AutoTokenizer.from_pretrained(model_dir)(corpus())["input_ids"]
-        report["corpus_tokens"] = len(ids)
-        prompts = prompts_from(ids)
-        ref = None
-        for m in modes:
-            entry = report["modes"][m.name]
-            entry["perplexity"] = perplexity(model_dir, m, ids)
-            outs = greedy(model_dir, m, prompts, args.new_tokens)
-            ref = outs if ref is None else ref
-            entry["greedy_same"], entry["greedy_prefix"] = agreement(outs, ref)
+        accuracy(args, model_dir, modes, report)
     for batch in args.batches:
         times = step_ms(model_dir, modes, batch, args.rounds, args.steps)
         for name, ms in times.items():
@@ -188,14 +272,22 @@ def run(args: argparse.Namespace, model_dir: str) -> dict:
 def table(report: dict, batches: list[int]) -> str:
     modes = report["modes"]
     base = next(iter(modes.values()))
-    head = "| mode | weights MiB | KV MiB / seq | max seqs | perplexity | greedy = first (prefix) |"
+    head = ("| mode | weights MiB | KV MiB / seq | max seqs | seqs in KV budget (x base) "
+            "| perplexity | decode-order ppl | greedy = first (prefix) |")  # fmt: skip
     head += "".join(f" B={b} ms/step (x first) |" for b in batches)
-    lines = [head, "|" + "---|" * (6 + len(batches))]
+    lines = [head, "|" + "---|" * (8 + len(batches))]
     for name, e in modes.items():
         ppl = f"{e['perplexity']:.3f}" if "perplexity" in e else "-"
+        ppl_decode = f"{e['decode_perplexity']:.3f}" if "decode_perplexity" in e else "-"
+        if "base_perplexity" in e:
+            ppl += f" (base {e['base_perplexity']:.3f})"
+            ppl_decode += f" (base {e['base_decode_perplexity']:.3f})"
         agree = f"{e['greedy_same']:.2f} ({e['greedy_prefix']:.2f})" if "greedy_same" in e else "-"
+        seqs = str(e["kv_budget_seqs"])
+        if "kv_budget_seqs_vs_base" in e:
+            seqs += f" ({e['kv_budget_seqs_vs_base']:.2f}x)"
         row = (f"| {name} | {e['weight_bytes'] / 2**20:.1f} | {e['kv_bytes_per_seq'] / 2**20:.2f} "
-               f"| {e['max_seqs']} | {ppl} | {agree} |")  # fmt: skip
+               f"| {e['max_seqs']} | {seqs} | {ppl} | {ppl_decode} | {agree} |")  # fmt: skip
         for b in batches:
             ms = statistics.median(e[f"step_ms_b{b}"])
             ref = statistics.median(base[f"step_ms_b{b}"])
@@ -207,13 +299,21 @@ def table(report: dict, batches: list[int]) -> str:
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pagedserve bench quant", description=__doc__)
     p.add_argument("--model", default=None, help="HF model dir (default: a tiny 4-layer Llama)")
-    p.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    p.add_argument(
+        "--modes", nargs="+", default=list(MODES), type=mode_choice, metavar="MODE",
+        help=f"of {WEIGHT_MODES}, each optionally +kv-int8 or +kv-fp8 (default: {MODES})",
+    )  # fmt: skip
     p.add_argument("--group-size", type=int, default=32, help="int4's")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 64])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--memory", default="1GiB", help="weights + KV budget for max seqs")
+    p.add_argument("--kv-budget", default="256MiB", help="KV bytes for the sequence count")
     p.add_argument("--context", type=int, default=1024, help="tokens per sequence for memory")
+    p.add_argument(
+        "--decode-tokens", type=int, default=384,
+        help="8-bit KV: tokens of the text for the decode-order perplexity (one step each)",
+    )  # fmt: skip
     p.add_argument("--new-tokens", type=int, default=32, help="greedy agreement's outputs")
     p.add_argument("--no-accuracy", action="store_true", help="skip perplexity and agreement")
     p.add_argument("--out", default=None, help="write the report as JSON here")

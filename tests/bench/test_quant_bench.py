@@ -1,5 +1,7 @@
 """`pagedserve bench quant` end to end on a tiny model: every mode reports its memory, its
-decode step times, its perplexity on the shipped text and its greedy agreement with fp32."""
+decode step times, its perplexity on the shipped text and its greedy agreement with fp32; an
+8-bit KV mode also its sequences at a fixed KV budget and its decode-order perplexity, both
+beside its base mode's."""
 
 from __future__ import annotations
 
@@ -11,15 +13,21 @@ from pagedserve.bench import quant
 
 def test_the_quant_bench_reports_every_mode(tiny_llama, tmp_path, capsys):
     out = tmp_path / "quant.json"
-    argv = ["--model", str(tiny_llama), "--modes", "fp32", "int8", "bf16-int4",
+    argv = ["--model", str(tiny_llama), "--modes", "fp32", "int8", "bf16-int4", "bf16+kv-int8",
             "--batches", "1", "2", "--rounds", "1", "--steps", "1", "--new-tokens", "4",
-            "--out", str(out)]  # fmt: skip
+            "--decode-tokens", "24", "--out", str(out)]  # fmt: skip
     assert quant.main(argv) == 0
     report = json.loads(out.read_text())
     modes = report["modes"]
-    assert list(modes) == ["fp32", "int8", "bf16-int4-g32"]
+    assert list(modes) == ["fp32", "int8", "bf16-int4-g32", "bf16+kv-int8"]
     assert report["corpus_tokens"] > 1000
-    fp32, int8, int4 = modes.values()
+    fp32, int8, int4, kv8 = modes.values()
+    # bf16 pages are 2 bytes per element, int8 ones 1 plus a float32 per block, layer and head
+    assert 1.9 < kv8["kv_budget_seqs_vs_base"] <= 2.0
+    assert kv8["kv_budget_seqs"] > fp32["kv_budget_seqs"] * 3.8
+    for key in ("perplexity", "base_perplexity", "decode_perplexity", "base_decode_perplexity"):
+        assert math.isfinite(kv8[key]) and kv8[key] > 1, key
+    assert "decode_perplexity" not in fp32
     assert fp32["greedy_same"] == 1.0 and fp32["greedy_prefix"] == 1.0  # the reference
     assert fp32["weight_bytes"] > int8["weight_bytes"] > int4["weight_bytes"]
     assert int4["kv_bytes_per_seq"] * 2 == fp32["kv_bytes_per_seq"]  # bf16 KV
@@ -28,4 +36,4 @@ def test_the_quant_bench_reports_every_mode(tiny_llama, tmp_path, capsys):
         assert 0 <= entry["greedy_same"] <= entry["greedy_prefix"] <= 1
         assert len(entry["step_ms_b1"]) == 1 and len(entry["step_ms_b2"]) == 1
     table = capsys.readouterr().out
-    assert "| bf16-int4-g32 |" in table
+    assert "| bf16-int4-g32 |" in table and "| bf16+kv-int8 |" in table
