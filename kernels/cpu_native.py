@@ -115,6 +115,10 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
                    i32, i32, i32, i32, i32, ctypes.c_float, i32]  # fmt: skip
     fn.restype = i32
+    fn = lib.paged_decode_q8
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
+                   i64, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, ptr]  # fmt: skip
+    fn.restype = i32
     return lib
 
 
@@ -156,6 +160,30 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
         and k_cache.stride(2) == head_dim
         and _load() is not None
     )
+
+
+def supports_quantized(query: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> bool:
+    """Whether attention over an 8-bit cache's `codes` (a layer view) can take the kernel."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    return (
+        enabled
+        and query.device.type == "cpu"
+        and query.dtype == torch.float32
+        and codes.dtype in (torch.int8, torch.float8_e4m3fn)
+        and head_dim % 16 == 0
+        and num_heads <= MAX_HEADS
+        and num_heads % codes.shape[2] == 0
+        and query.stride(2) == 1
+        and query.stride(1) == head_dim
+        and codes.stride(3) == 1
+        and codes.stride(2) == head_dim
+        and scales.stride(1) == 1
+        and _load() is not None
+    )
+
+
+# float8 e4m3 code -> float32, for the kernel's table lookups
+_E4M3 = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).float()
 
 
 @dataclass(frozen=True, slots=True)
@@ -227,6 +255,44 @@ def decode(
         out.data_ptr(), out.stride(0),
         n, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
         torch.get_num_threads(),
+    )  # fmt: skip
+    if failed:
+        raise MemoryError("native paged attention: scratch allocation failed")
+    return out
+
+
+def decode_quantized(
+    plan: NativePlan,
+    query: torch.Tensor,
+    k_codes: torch.Tensor,
+    v_codes: torch.Tensor,
+    scales: tuple[torch.Tensor, torch.Tensor],
+    scale: float,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """`decode` over an 8-bit cache: codes read in place and scaled per (block, head), no
+    dequantized copy. The caller has checked `supports_quantized`."""
+    lib = _lib
+    assert lib is not None
+    if plan.num_rows != query.shape[0]:
+        raise ValueError(f"query: plan is for {plan.num_rows} rows, got {query.shape[0]}")
+    n = plan.query_rows.numel()
+    if n == 0:
+        return out
+    k_scales, v_scales = scales
+    assert out.is_contiguous() and out.shape == query.shape and v_codes.stride() == k_codes.stride()
+    assert k_scales.stride() == v_scales.stride()
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    failed = lib.paged_decode_q8(
+        query.data_ptr(), query.stride(0),
+        k_codes.data_ptr(), v_codes.data_ptr(), k_codes.stride(0), k_codes.stride(1),
+        k_scales.data_ptr(), v_scales.data_ptr(), k_scales.stride(0),
+        plan.tables.data_ptr(), plan.tables.stride(0),
+        plan.query_rows.data_ptr(), plan.table_rows.data_ptr(),
+        plan.firsts.data_ptr(), plan.ends.data_ptr(),
+        out.data_ptr(), out.stride(0),
+        n, num_heads, k_codes.shape[2], head_dim, k_codes.shape[1], scale,
+        torch.get_num_threads(), int(k_codes.dtype == torch.float8_e4m3fn), _E4M3.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("native paged attention: scratch allocation failed")

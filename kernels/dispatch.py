@@ -158,8 +158,11 @@ def write_kv(
     """Store this step's K/V [num_tokens, num_kv_heads, head_dim] into their slots; with
     `scales` (an 8-bit cache's K and V scale views) as codes, on any device (kv_quant)."""
     if scales is not None:
-        kv_quant.write_kv(k_cache, scales[0], key, meta.slot_mapping)
-        kv_quant.write_kv(v_cache, scales[1], value, meta.slot_mapping)
+        # NOTE: a decode-only step writes each sequence's own last block (never shared: a
+        # shared block is copied before it is written), one token each
+        single = meta.is_decode_only
+        kv_quant.write_kv(k_cache, scales[0], key, meta.slot_mapping, one_per_block=single)
+        kv_quant.write_kv(v_cache, scales[1], value, meta.slot_mapping, one_per_block=single)
         return
     if backend_for(k_cache.device) == "triton":
         from pagedserve.kernels import triton_cache
@@ -180,9 +183,18 @@ def paged_attention(
 ) -> torch.Tensor:
     """Attention of this step's queries [num_tokens, num_heads, head_dim] over the paged cache.
 
-    An 8-bit cache (`scales` given) is read through a dense copy of the step's blocks in the
-    query's dtype, by the same kernels (`AttentionMetadata.dense_view`)."""
+    An 8-bit cache (`scales` given) is read in place by the native CPU kernel for fp32 decode
+    steps, and otherwise through a dense copy of the step's blocks in the query's dtype, by the
+    same kernels (`AttentionMetadata.dense_view`)."""
     if scales is not None:
+        if (
+            meta.is_decode_only
+            and backend_for(query.device) == "cpu"
+            and cpu_native.supports_quantized(query, k_cache, scales[0])
+        ):
+            out = torch.empty_like(query)
+            native = meta.cpu_native_plan(sliding_window)
+            return cpu_native.decode_quantized(native, query, k_cache, v_cache, scales, scale, out)
         used, dense = meta.dense_view(k_cache.shape[1])
         key = kv_quant.dequantize_blocks(k_cache, scales[0], used, query.dtype)
         value = kv_quant.dequantize_blocks(v_cache, scales[1], used, query.dtype)

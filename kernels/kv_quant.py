@@ -34,7 +34,12 @@ def encode(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def write_kv(
-    codes: torch.Tensor, scales: torch.Tensor, values: torch.Tensor, slot_mapping: torch.Tensor
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    values: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    *,
+    one_per_block: bool = False,
 ) -> None:
     """Store `values` [num_tokens, num_kv_heads, head_dim] into their slots (in place), as if
     each block's new tokens were appended one at a time in slot order: a token that is larger
@@ -44,33 +49,49 @@ def write_kv(
     in one chunk or in many, a decode step's single token, a recomputed sequence and a prefix
     cache hit all leave the same codes. Round k appends the k-th new token of every block at
     once, so a decode step (one token per block) is one round and a prefill at most block_size.
+    `one_per_block` says the caller knows no two tokens share a block (a decode-only step: each
+    sequence writes its own last block), which skips finding the rounds.
     """
     if values.shape[0] == 0:
         return
     block_size = codes.shape[1]
-    qmax = KV_QUANT_MAX[codes.dtype]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
     x = values.to(torch.float32)
     token_max = x.abs().amax(-1)  # [T, H]
+    if one_per_block:
+        _append(codes, scales, x, token_max, blocks, offsets)
+        return
     touched, inverse = torch.unique(blocks, return_inverse=True)
     first = torch.full((len(touched),), block_size, dtype=offsets.dtype, device=x.device)
     first.scatter_reduce_(0, inverse, offsets, "amin")
     rank = offsets - first[inverse]  # the token's turn among its block's new tokens
     for k in range(int(rank.max()) + 1):
-        now = (rank == k).nonzero().squeeze(1) if k or len(touched) < len(rank) else None
-        b = blocks if now is None else blocks[now]
-        off = offsets if now is None else offsets[now]
-        old = torch.where(off[:, None] == 0, 0.0, scales[b])  # the first slot starts afresh
-        new = torch.maximum(old, (token_max if now is None else token_max[now]) / qmax)
-        grown = (off > 0) & (new > old).any(-1)
-        if bool(grown.any()):
-            ratio = torch.where(new[grown] > 0, old[grown] / new[grown], 1.0)
-            ids = b[grown]
-            codes[ids] = encode(codes[ids].to(torch.float32) * ratio[:, None, :, None], codes.dtype)
-        scales[b] = new
-        divisor = torch.where(new > 0, new, 1.0)[:, :, None]
-        codes[b, off] = encode((x if now is None else x[now]) / divisor, codes.dtype)
+        now = (rank == k).nonzero().squeeze(1)
+        _append(codes, scales, x[now], token_max[now], blocks[now], offsets[now])
+
+
+def _append(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    x: torch.Tensor,
+    token_max: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> None:
+    """One round: a token (x [n, H, D], its absmax per head [n, H]) for each of n distinct
+    blocks, at its slot `offsets` in block `blocks`."""
+    qmax = KV_QUANT_MAX[codes.dtype]
+    old = torch.where(offsets[:, None] == 0, 0.0, scales[blocks])  # the first slot starts afresh
+    new = torch.maximum(old, token_max / qmax)
+    grown = (offsets > 0) & (new > old).any(-1)
+    if bool(grown.any()):
+        ratio = torch.where(new[grown] > 0, old[grown] / new[grown], 1.0)
+        ids = blocks[grown]
+        codes[ids] = encode(codes[ids].to(torch.float32) * ratio[:, None, :, None], codes.dtype)
+    scales[blocks] = new
+    divisor = torch.where(new > 0, new, 1.0)[:, :, None]
+    codes[blocks, offsets] = encode(x / divisor, codes.dtype)
 
 
 def dequantize_blocks(

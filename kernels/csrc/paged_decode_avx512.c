@@ -87,3 +87,87 @@ int paged_decode_f32(
     }
     return failed;
 }
+
+/* The same attention over an 8-bit cache (kernels/kv_quant.py): K and V hold codes, int8
+ * (fp8 == 0) or float8 e4m3 (fp8 == 1, decoded through the 256-entry table lut), and each
+ * (block, KV head) has a float32 scale: value = code * scale. The scale is applied once per
+ * position and head (to the dot product for K, to the weight for V), never per element.
+ * fp32 accumulation throughout; ~1e-7 relative from dequantizing first. */
+static inline __m512 load16(const uint8_t *p, int fp8, const float *lut) {
+    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
+    if (fp8) return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), lut, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+int paged_decode_q8(
+    const float *q, int64_t q_tok,
+    const uint8_t *k, const uint8_t *v,   /* the layer's K and V code views (1 byte each) */
+    int64_t blk, int64_t pos,             /* their block and position strides, in bytes */
+    const float *ks, const float *vs, int64_t sblk, /* scales [block][kv head], block stride */
+    const int64_t *tables, int64_t tstride,
+    const int64_t *qrow, const int64_t *trow,
+    const int64_t *first, const int64_t *end,
+    float *out, int64_t o_tok,
+    int n, int hq, int hkv, int d, int bs, float scale, int threads, int fp8, const float *lut) {
+    const int groups = hq / hkv, chunks = d / 16;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int s = 0; s < n; s++) {
+        const int64_t lo = first[s], hi = end[s], len = hi - lo, padded = (len + 15) & ~15;
+        if (len <= 0) continue;
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(hq * padded + hq * d));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *acc = scores + hq * padded;
+        const int64_t *table = tables + trow[s] * tstride;
+        const float *qs = q + qrow[s] * q_tok;
+        for (int64_t p = lo; p < hi; p++) {
+            const int64_t b = table[p / bs];
+            const uint8_t *kp = k + b * blk + (p % bs) * pos;
+            for (int r = 0; r < hq; r++) {
+                const int h = r / groups;
+                const float *qr = qs + r * d;
+                const uint8_t *kh = kp + h * d;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(kh, fp8, lut));
+                for (int c = 1; c < chunks; c++)
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), load16(kh + 16 * c, fp8, lut), a);
+                scores[r * padded + (p - lo)] = _mm512_reduce_add_ps(a) * ks[b * sblk + h] * scale;
+            }
+        }
+        float sums[64]; /* hq <= 64: checked by the caller */
+        for (int r = 0; r < hq; r++) {
+            float *sr = scores + r * padded, m = -INFINITY;
+            for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
+            for (int64_t j = len; j < padded; j++) sr[j] = -INFINITY; /* exp -> 0 */
+            __m512 mv = _mm512_set1_ps(m), total = _mm512_setzero_ps();
+            for (int64_t j = 0; j < padded; j += 16) {
+                __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_load_ps(sr + j), mv));
+                _mm512_store_ps(sr + j, e);
+                total = _mm512_add_ps(total, e);
+            }
+            sums[r] = _mm512_reduce_add_ps(total);
+        }
+        memset(acc, 0, sizeof(float) * hq * d);
+        for (int64_t p = lo; p < hi; p++) {
+            const int64_t b = table[p / bs];
+            const uint8_t *vp = v + b * blk + (p % bs) * pos;
+            for (int r = 0; r < hq; r++) {
+                const int h = r / groups;
+                const uint8_t *vh = vp + h * d;
+                float *ar = acc + r * d;
+                __m512 w = _mm512_set1_ps(scores[r * padded + (p - lo)] * vs[b * sblk + h]);
+                for (int c = 0; c < chunks; c++)
+                    _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, load16(vh + 16 * c, fp8, lut),
+                                                                  _mm512_loadu_ps(ar + 16 * c)));
+            }
+        }
+        float *os = out + qrow[s] * o_tok;
+        for (int r = 0; r < hq; r++)
+            for (int i = 0; i < d; i++) os[r * d + i] = acc[r * d + i] / sums[r];
+        free(scores);
+    }
+    return failed;
+}

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import dispatch, kv_quant, reference
+from pagedserve.kernels import cpu_native, dispatch, kv_quant, reference
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KV_QUANT_MAX, KVCache, KVCacheSpec
 
@@ -22,9 +22,9 @@ def layer(dtype: torch.dtype, num_blocks: int = 6) -> tuple[torch.Tensor, torch.
     return k, ks
 
 
-def values(n: int, seed: int, magnitude: float = 1.0) -> torch.Tensor:
+def values(n: int, seed: int, magnitude: float = 1.0, dim: int = DIM) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, HEADS, DIM, generator=g) * magnitude
+    return torch.randn(n, HEADS, dim, generator=g) * magnitude
 
 
 def read(codes: torch.Tensor, scales: torch.Tensor, block: int) -> torch.Tensor:
@@ -120,11 +120,12 @@ def test_fp8_codes_saturate_instead_of_overflowing_to_nan():
     assert torch.isfinite(read(codes, scales, 0)).all()
 
 
-def quantized_case(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int]):
+def quantized_case(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int], dim: int = DIM):
     """A two-sequence batch whose K/V sit as codes in shuffled blocks of a 12-block cache."""
     num_blocks, heads_q = 12, 4
-    cache = KVCache(KVCacheSpec(1, HEADS, DIM, BLOCK, dtype), num_blocks)
-    (k, v), (ks, vs) = cache.layer(0), cache.layer_scales(0)
+    cache = KVCache(KVCacheSpec(2, HEADS, dim, BLOCK, dtype), num_blocks)
+    cache.tensor.fill_(0xFF)  # NaN in fp8 codes and scales: what is never written is never read
+    (k, v), (ks, vs) = cache.layer(1), cache.layer_scales(1)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(8)).tolist()
     tables, slots = [], []
     for n in seq_lens:
@@ -133,20 +134,23 @@ def quantized_case(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int
         slots.append(torch.tensor([ids[p // BLOCK] * BLOCK + p % BLOCK for p in range(n)]))
     for i, n in enumerate(seq_lens):  # context written the way decode writes it: a token a time
         for p in range(n):
-            kv_quant.write_kv(k, ks, values(1, seed=100 * i + p), slots[i][p : p + 1])
-            kv_quant.write_kv(v, vs, values(1, seed=100 * i + p + 50), slots[i][p : p + 1])
+            x = values(2, seed=100 * i + p, dim=dim)
+            kv_quant.write_kv(k, ks, x[:1], slots[i][p : p + 1])
+            kv_quant.write_kv(v, vs, x[1:], slots[i][p : p + 1])
     meta = AttentionMetadata(
-        slot_mapping=torch.cat([s[n - q :] for s, q, n in zip(slots, query_lens, seq_lens)]),
+        slot_mapping=torch.cat(
+            [s[n - q :] for s, q, n in zip(slots, query_lens, seq_lens, strict=True)]
+        ),
         block_tables=torch.tensor(tables),
         query_lens=query_lens,
         seq_lens=seq_lens,
     )
-    query = torch.randn(sum(query_lens), heads_q, DIM, generator=torch.Generator().manual_seed(9))
+    query = torch.randn(sum(query_lens), heads_q, dim, generator=torch.Generator().manual_seed(9))
     everything = torch.arange(num_blocks)
     dense_k = kv_quant.dequantize_blocks(k, ks, everything, torch.float32)
     dense_v = kv_quant.dequantize_blocks(v, vs, everything, torch.float32)
     expected = reference.paged_attention(
-        query, dense_k, dense_v, meta.block_tables, query_lens, seq_lens, DIM**-0.5
+        query, dense_k, dense_v, meta.block_tables, query_lens, seq_lens, dim**-0.5
     )
     return query, (k, v), (ks, vs), meta, expected
 
@@ -162,6 +166,19 @@ def test_attention_over_codes_equals_reference_over_their_values(
     query, (k, v), scales, meta, expected = quantized_case(dtype, query_lens, seq_lens)
     with dispatch.use_backend(backend):
         got = dispatch.paged_attention(query, k, v, meta, DIM**-0.5, scales=scales)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_native.unavailable_reason() is not None, reason="no native kernel here")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_native_kernel_reads_codes_in_place_like_the_reference(dtype, monkeypatch):
+    query, (k, v), scales, meta, expected = quantized_case(dtype, [1, 1], [7, 13], dim=32)
+    calls = []
+    real = cpu_native.decode_quantized
+    monkeypatch.setattr(cpu_native, "decode_quantized", lambda *a: calls.append(1) or real(*a))
+    with dispatch.use_backend("cpu"):
+        got = dispatch.paged_attention(query, k, v, meta, 32**-0.5, scales=scales)
+    assert calls == [1] and meta._dense is None  # no dequantized copy was made
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 

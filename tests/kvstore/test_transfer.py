@@ -118,7 +118,8 @@ def test_compat_hash_separates_layouts_and_models():
     assert base != layout_compat_hash(KVCacheSpec(2, 2, 4, 4, torch.float16), b"model-a")
     int8 = KVCacheSpec(2, 2, 4, 4, torch.int8)
     fp8 = KVCacheSpec(2, 2, 4, 4, torch.float8_e4m3fn)
-    assert len({base, layout_compat_hash(int8, b"model-a"), layout_compat_hash(fp8, b"model-a")}) == 3
+    eight_bit = {layout_compat_hash(spec, b"model-a") for spec in (int8, fp8)}
+    assert len({base, *eight_bit}) == 3
 
 
 INT8 = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.int8)
@@ -159,7 +160,9 @@ def test_an_8bit_block_moves_with_its_scales_over_shm_and_the_stream():
         assert assembler.complete
         for dst in (by_shm, by_stream):
             for mine, theirs in ((0, 3), (2, 1)):
-                for got, want in zip(values_of(dst, mine), values_of(pool.cache, theirs)):
+                for got, want in zip(
+                    values_of(dst, mine), values_of(pool.cache, theirs), strict=True
+                ):
                     assert torch.equal(got, want)
     finally:
         pool.close()
