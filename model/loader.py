@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedserve.model import gguf_weights
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM, RotaryEmbedding
 from pagedserve.model.quant import QuantizedLinear, quantize_linears
@@ -55,13 +56,14 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
         for name, module in model.named_modules()
         if isinstance(module, QuantizedLinear)
     }
-    loaded: set[str] = set()
+    loaded = _load_gguf_blocks(config, quantized)
     for path in safetensors_files(config.model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
                 if name.endswith(_IGNORED_SUFFIXES):
                     continue
-                if name == "lm_head.weight" and config.tie_word_embeddings:
+                tied = name == "lm_head.weight" and config.tie_word_embeddings
+                if tied or name in loaded:  # NOTE: `loaded`: from the GGUF's 4-bit blocks
                     continue
                 if name in quantized:
                     try:
@@ -80,6 +82,26 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     if missing:
         raise ValueError(f"model: tensors missing from the checkpoint: {missing[:8]}")
     return model.eval()
+
+
+def _load_gguf_blocks(config: ModelConfig, quantized: dict[str, QuantizedLinear]) -> set[str]:
+    """With int4 weights in groups of 32, the decoder linears a converted GGUF holds as Q4_0 /
+    Q4_1, taken from its blocks as they are (model/gguf_weights.py). Their names."""
+    quant = config.quantization
+    if quant is None or quant.method != "int4" or quant.group_size != gguf_weights.GROUP:
+        return set()
+    gguf = gguf_weights.gguf_source(config.model_dir)
+    if gguf is None:
+        return set()
+    loaded: set[str] = set()
+    for name, (codes, scale, zero) in gguf_weights.q4_linears(
+        gguf, config.num_heads, config.num_kv_heads
+    ):
+        if name in quantized:
+            quantized[name].load_int4(codes, scale, zero)
+            loaded.add(name)
+    logger.info("%d linear layers read from %s's 4-bit blocks", len(loaded), gguf.name)
+    return loaded
 
 
 def _warn_if_slow(config: ModelConfig) -> None:

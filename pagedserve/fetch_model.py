@@ -187,7 +187,8 @@ def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
     _write_json(out / "config.json", config)
     _write_json(out / "generation_config.json", _generation_config(config))
     _save_tokenizer(tokenizer, out, config)
-    _write_json(out / SOURCE_FILE, {"source": source, "gguf": gguf.name, "dtype": dtype})
+    marker = {"source": source, "gguf": gguf.name, "gguf_path": str(gguf.resolve()), "dtype": dtype}
+    _write_json(out / SOURCE_FILE, marker)
     print(f"converted in {time.monotonic() - start:.0f} s", flush=True)
 
 
