@@ -42,7 +42,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     Raises FileNotFoundError for missing files and ValueError naming any missing or mis-shaped
     tensor; nothing is left randomly initialised.
     """
-    _warn_if_slow(config)
+    _warn_if_slow(config, torch.device(device))
     rope = RotaryEmbedding(config, device)  # computed, never loaded
     with torch.device("meta"):
         model = LlamaForCausalLM(config, rope)
@@ -104,8 +104,9 @@ def _load_gguf_blocks(config: ModelConfig, quantized: dict[str, QuantizedLinear]
     return loaded
 
 
-def _warn_if_slow(config: ModelConfig) -> None:
-    if config.quantization is not None and config.dtype != torch.bfloat16:
+def _warn_if_slow(config: ModelConfig, device: torch.device) -> None:
+    # NOTE: on CUDA every dtype takes the Triton kernels (kernels/triton_quant.py)
+    if config.quantization is not None and config.dtype != torch.bfloat16 and device.type == "cpu":
         logger.warning(
             "quantization %s with %s activations multiplies by the dequantized weights (a "
             "memory saving, slower than unquantized); --dtype bfloat16 uses the packed kernels "

@@ -101,6 +101,7 @@ class QuantizedLinear(nn.Module):
             )
             self.register_buffer("scales", torch.empty(out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self._cuda_operands: tuple[torch.Tensor, ...] | None = None
 
     def extra_repr(self) -> str:
         return (
@@ -119,6 +120,7 @@ class QuantizedLinear(nn.Module):
         if self.quant.method == "int8":
             q, scales = quantize_int8(w)
             self.qweight.copy_(q)
+            self._cuda_operands = None
             self.scales.copy_(scales)
         else:
             q, scale, zero = quantize_int4(w, self.quant.group_size)
@@ -130,6 +132,7 @@ class QuantizedLinear(nn.Module):
         weight is `(q - 8) * scale + zero`), e.g. straight from a GGUF Q4 block."""
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).cpu(), 1)
         self.qweight.copy_(packed)
+        self._cuda_operands = None
         # NOTE: ATen's layout: [groups, out, (scale, zero)]
         self.scales.copy_(torch.stack([scale, zero], dim=-1).transpose(0, 1))
 
@@ -146,8 +149,29 @@ class QuantizedLinear(nn.Module):
         q = q.view(self.out_features, -1, g).to(self.scales.dtype)
         return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, -1)
 
+    def cuda_operands(self) -> tuple[torch.Tensor, ...]:
+        """What the Triton kernels read (kernels/triton_quant.py), built on first use and kept:
+        int8 (codes, scale); int4 (nibble-packed codes [out, in / 2], scale, zero [out, groups]).
+        NOTE: int4's copy sits beside ATen's packed codes (a second copy of the small codes)."""
+        if self._cuda_operands is None:
+            if self.quant.method == "int8":
+                self._cuda_operands = (self.qweight, self.scales.float())
+            else:
+                from pagedserve.kernels.triton_quant import pack_nibbles
+
+                q = unpack_int4(self.qweight.cpu(), self.out_features, self.in_features)
+                scale, zero = self.scales[..., 0].t(), self.scales[..., 1].t()
+                self._cuda_operands = (
+                    pack_nibbles(q).to(self.qweight.device),
+                    scale.float().contiguous(),
+                    zero.float().contiguous(),
+                )
+        return self._cuda_operands
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type != "cpu" or x.dtype != torch.bfloat16:
+        if x.device.type == "cuda":
+            return self._forward_triton(x)
+        if x.dtype != torch.bfloat16:
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
@@ -157,6 +181,20 @@ class QuantizedLinear(nn.Module):
             out = torch.ops.aten._weight_int4pack_mm_for_cpu(
                 x2, self.qweight, self.quant.group_size, self.scales
             )
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
+        from pagedserve.kernels import triton_quant
+
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        ops = self.cuda_operands()
+        if self.quant.method == "int8":
+            out = triton_quant.int8_linear(x2, ops[0], ops[1])
+        else:
+            out = triton_quant.int4_linear(x2, ops[0], ops[1], ops[2], self.quant.group_size)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
