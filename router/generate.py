@@ -224,6 +224,7 @@ class Orchestrator:
                 stream = stream or ClientStream(req, self.tokenizer, prefilled.cached_tokens)
                 first = stream.from_prefill(prefilled)
                 outcome.generated = stream.completion_tokens
+                outcome.cached = stream.cached_tokens
                 if stream.finished:
                     outcome.reason = reason_name(first.finish_reason)
                     yield stream.finish(first)
@@ -236,6 +237,7 @@ class Orchestrator:
                     async for out in decode:
                         outcome.first_token()  # NOTE: prefilled here: the first message
                         outcome.generated = stream.completion_tokens
+                        outcome.cached = stream.cached_tokens
                         if out.finish_reason:
                             outcome.reason = reason_name(out.finish_reason)
                         yield out
@@ -301,6 +303,7 @@ class Orchestrator:
         for out in streams.from_prefill(prefilled):
             yield out
         outcome.generated = streams.completion_tokens
+        outcome.cached = streams.cached_tokens
         if not req.params.use_beam_search and (
             streams.finished or prefilled.HasField("finish_reason")
         ):
@@ -315,6 +318,7 @@ class Orchestrator:
                         yield out
                     self._stop_samples(streams, stopped, decision, request.request_id)
                     outcome.generated = streams.completion_tokens
+                    outcome.cached = streams.cached_tokens
                     if streams.finished:
                         outcome.reason = reason_name(part.finish_reason or 1)
                         return

@@ -28,6 +28,7 @@ class Outcome:
     started: float = field(default_factory=time.monotonic)
     ttft_s: float | None = None
     generated: int = 0
+    cached: int = 0  # prompt tokens a prefix cache served
     reason: str | None = None
 
     def first_token(self) -> None:
@@ -114,6 +115,7 @@ def record(
         generated=outcome.generated,
         ttft_s=outcome.ttft_s,
         e2e_s=e2e_s,
+        cached=outcome.cached,
     )
     span.set_attribute("gen_ai.usage.input_tokens", len(req.prompt_token_ids))
     span.set_attribute("gen_ai.usage.output_tokens", outcome.generated)

@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry
 from pagedserve import telemetry
 from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from pagedserve.grpcutil import time_remaining
-from pagedserve.metrics import RequestMetrics
+from pagedserve.metrics import RequestMetrics, prefix_cache_hit_rate
 from pagedserve.protoconv import load_to_proto
 from pagedserve.router import convert
 from pagedserve.router.auth import current_tenant, tenant_salt
@@ -144,7 +144,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # the answer never waits long on a busy worker; membership is the poller's
         await self.workers.refresh(timeout_s=STATUS_POLL_S, sync_registry=False, patient=False)
         status = generation_pb2.ClusterStatus(index_degraded=self.policy.index_degraded)
-        computed = cached = 0.0
         for w in self.workers.workers():
             role = common_pb2.WORKER_ROLE_PREFILL if w.role.value == "prefill" else None
             status.workers.add(
@@ -156,8 +155,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 restarts=w.restarts,
                 load=load_to_proto(w.load, w.worker_id, w.role) if w.load is not None else None,
             )
-            if w.load is not None and role is not None:
-                cached += w.load.prefix_cache_hit_rate
-                computed += 1
-        status.prefix_cache_hit_rate = cached / computed if computed else 0.0
+        # NOTE: from the requests this router finished, wherever they were prefilled (a decode
+        # worker computes short prompts under `pagedserve up`), as ClusterStatus documents
+        status.prefix_cache_hit_rate = prefix_cache_hit_rate(self.metrics)
         return status

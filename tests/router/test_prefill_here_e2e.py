@@ -137,13 +137,25 @@ def test_a_seeded_request_draws_the_same_tokens_on_either_path(clusters):
 def test_prefill_here_reports_the_decode_workers_cached_prompt_tokens(clusters):
     here, _, model_dir = clusters
     prompt = make_prompts((37,), seed=73)[0]  # two full blocks of 16, then 5 tokens
+    router_metrics = child(here, "router").metrics_port
+    before = scrape(router_metrics)
     with Client(here.router_address) as client:
         first = list(client.generate(prompt, GREEDY, timeout=60))
         second = list(client.generate(prompt, GREEDY, timeout=60))
+        status = client.status()
     want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
     assert tokens_of(first) == tokens_of(second) == want[: GREEDY.max_tokens]
     assert first[-1].usage.cached_prompt_tokens == 0
     assert second[-1].usage.cached_prompt_tokens == 32
+    # the cluster's hit rate counts the decode worker's hits too (not only prefill workers')
+    after = scrape(router_metrics)
+    cached, prompts = (
+        after[f"pagedserve:{name}_total"] - before.get(f"pagedserve:{name}_total", 0)
+        for name in ("cached_prompt_tokens", "prompt_tokens")
+    )
+    assert (cached, prompts) == (32, 2 * 37)
+    total = after["pagedserve:cached_prompt_tokens_total"] / after["pagedserve:prompt_tokens_total"]
+    assert status.prefix_cache_hit_rate == pytest.approx(total, rel=1e-6) and total > 0
 
 
 def test_decode_refuses_prefill_here_with_a_prefill_workers_fields(clusters):
