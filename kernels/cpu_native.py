@@ -115,6 +115,9 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
                    i32, i32, i32, i32, i32, ctypes.c_float, i32]  # fmt: skip
     fn.restype = i32
+    fn = lib.kv_append_i8
+    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32]
+    fn.restype = None
     fn = lib.paged_decode_q8
     fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
                    i64, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, ptr]  # fmt: skip
@@ -297,3 +300,34 @@ def decode_quantized(
     if failed:
         raise MemoryError("native paged attention: scratch allocation failed")
     return out
+
+
+def append_int8(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    values: torch.Tensor,
+    blocks: torch.Tensor,
+    offsets: torch.Tensor,
+) -> bool:
+    """A decode step's int8 KV write in C (kv_quant's rule, bit for bit): one token per block.
+    False, writing nothing, when the kernel cannot take it (the caller uses torch)."""
+    if not (
+        enabled
+        and codes.device.type == "cpu"
+        and codes.dtype == torch.int8
+        and codes.stride(3) == 1
+        and codes.stride(2) == codes.shape[3]
+        and scales.stride(1) == 1
+        and _load() is not None
+    ):
+        return False
+    lib = _lib
+    assert lib is not None
+    x = values.to(torch.float32).contiguous()
+    blocks, offsets = blocks.to(torch.int64).contiguous(), offsets.to(torch.int64).contiguous()
+    lib.kv_append_i8(
+        codes.data_ptr(), codes.stride(0), codes.stride(1), scales.data_ptr(), scales.stride(0),
+        x.data_ptr(), blocks.data_ptr(), offsets.data_ptr(),
+        x.shape[0], codes.shape[2], codes.shape[3], codes.shape[1],
+    )  # fmt: skip
+    return True

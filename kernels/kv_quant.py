@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from pagedserve.kernels import cpu_native
 from pagedserve.kvstore.kv_cache import KV_QUANT_MAX
 
 
@@ -57,6 +58,8 @@ def write_kv(
     block_size = codes.shape[1]
     blocks = torch.div(slot_mapping, block_size, rounding_mode="floor")
     offsets = slot_mapping % block_size
+    if one_per_block and cpu_native.append_int8(codes, scales, values, blocks, offsets):
+        return
     x = values.to(torch.float32)
     token_max = x.abs().amax(-1)  # [T, H]
     if one_per_block:

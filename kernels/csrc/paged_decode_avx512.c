@@ -171,3 +171,39 @@ int paged_decode_q8(
     }
     return failed;
 }
+
+/* A decode step's int8 KV write (kernels/kv_quant.py's rule, bit for bit): token t goes to slot
+ * offs[t] of block blocks[t] (one token per block). Per KV head: the block's scale grows to
+ * absmax / 127 when the token is larger (a block's first slot starts from 0), the block's
+ * earlier codes are re-encoded to it (round(code * old / new)), then the token is encoded.
+ * Rounding is to nearest, ties to even (nearbyintf), as torch.round. */
+void kv_append_i8(
+    int8_t *codes, int64_t blk, int64_t pos,  /* the layer's code view: block and slot strides */
+    float *scales, int64_t sblk,              /* its scales [block][kv head] */
+    const float *x,                           /* [T, H, D] contiguous */
+    const int64_t *blocks, const int64_t *offs, int t_count, int h_count, int d, int bs) {
+    for (int t = 0; t < t_count; t++) {
+        const int64_t b = blocks[t], off = offs[t];
+        int8_t *block = codes + b * blk;
+        for (int h = 0; h < h_count; h++) {
+            const float *xh = x + ((int64_t)t * h_count + h) * d;
+            float amax = 0.0f;
+            for (int i = 0; i < d; i++) amax = fmaxf(amax, fabsf(xh[i]));
+            const float old = off == 0 ? 0.0f : scales[b * sblk + h];
+            const float grown = amax / 127.0f, now = grown > old ? grown : old;
+            if (off > 0 && now > old) {
+                const float ratio = old / now;
+                for (int p = 0; p < bs; p++) {
+                    int8_t *c = block + p * pos + h * d;
+                    for (int i = 0; i < d; i++)
+                        c[i] = (int8_t)fminf(127.0f, fmaxf(-127.0f, nearbyintf((float)c[i] * ratio)));
+                }
+            }
+            scales[b * sblk + h] = now;
+            const float divisor = now > 0.0f ? now : 1.0f;
+            int8_t *c = block + off * pos + h * d;
+            for (int i = 0; i < d; i++)
+                c[i] = (int8_t)fminf(127.0f, fmaxf(-127.0f, nearbyintf(xh[i] / divisor)));
+        }
+    }
+}

@@ -193,3 +193,32 @@ def test_the_dense_view_reads_each_needed_block_once():
     assert used.tolist() == [3, 5, 7, 9]
     assert dense.block_tables[:, :3].tolist() == [[2, 0, 3], [2, 1, 0]]
     assert meta.dense_view(BLOCK)[1] is dense  # built once per step
+
+
+@pytest.mark.skipif(cpu_native.unavailable_reason() is not None, reason="no native kernel here")
+def test_the_native_decode_write_equals_the_torch_rule_bit_for_bit(monkeypatch):
+    """Decode steps (one token per block) through the C write and through torch, from the same
+    state: the same codes and scales, scales growing and blocks starting afresh included."""
+    native_codes, native_scales = layer(torch.int8, num_blocks=8)
+    torch_codes, torch_scales = layer(torch.int8, num_blocks=8)
+    calls = []
+    real = cpu_native.append_int8
+
+    def spy(*args):
+        calls.append(real(*args))
+        return calls[-1]
+
+    monkeypatch.setattr(cpu_native, "append_int8", spy)
+    g = torch.Generator().manual_seed(21)
+    for step in range(3 * BLOCK):
+        slots = (
+            torch.tensor([1, 4, 6]) * BLOCK + step % BLOCK
+        )  # three sequences, each in its own block
+        x = torch.randn(3, HEADS, DIM, generator=g) * (1 + step % 5)  # some steps grow scales
+        kv_quant.write_kv(native_codes, native_scales, x, slots, one_per_block=True)
+        with monkeypatch.context() as m:
+            m.setattr(cpu_native, "enabled", False)
+            kv_quant.write_kv(torch_codes, torch_scales, x, slots, one_per_block=True)
+        assert torch.equal(native_codes, torch_codes) and torch.equal(native_scales, torch_scales)
+    assert calls == [True, False] * 3 * BLOCK  # the C write, then torch's
+    assert native_scales[[1, 4, 6]].min() > 0
