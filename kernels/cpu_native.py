@@ -228,6 +228,14 @@ def plan(
     )
 
 
+def _rows(plan: NativePlan, query: torch.Tensor) -> tuple[ctypes.CDLL, int]:
+    """The loaded kernel and the plan's number of sequences, once the plan fits `query`."""
+    assert _lib is not None
+    if plan.num_rows != query.shape[0]:
+        raise ValueError(f"query: plan is for {plan.num_rows} rows, got {query.shape[0]}")
+    return _lib, plan.query_rows.numel()
+
+
 def decode(
     plan: NativePlan,
     query: torch.Tensor,
@@ -240,11 +248,7 @@ def decode(
     `out` (same shape, contiguous); other rows of `out` are left as they are.
 
     The caller has checked `supports(query, k_cache)` (once per layer, in dispatch)."""
-    lib = _lib
-    assert lib is not None
-    if plan.num_rows != query.shape[0]:
-        raise ValueError(f"query: plan is for {plan.num_rows} rows, got {query.shape[0]}")
-    n = plan.query_rows.numel()
+    lib, n = _rows(plan, query)
     if n == 0:
         return out
     assert out.is_contiguous() and out.shape == query.shape and v_cache.stride() == k_cache.stride()
@@ -275,11 +279,7 @@ def decode_quantized(
 ) -> torch.Tensor:
     """`decode` over an 8-bit cache: codes read in place and scaled per (block, head), no
     dequantized copy. The caller has checked `supports_quantized`."""
-    lib = _lib
-    assert lib is not None
-    if plan.num_rows != query.shape[0]:
-        raise ValueError(f"query: plan is for {plan.num_rows} rows, got {query.shape[0]}")
-    n = plan.query_rows.numel()
+    lib, n = _rows(plan, query)
     if n == 0:
         return out
     k_scales, v_scales = scales

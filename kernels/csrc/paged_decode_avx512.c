@@ -20,6 +20,29 @@
 
 __m512 _ZGVeN16v_expf(__m512); /* libmvec */
 
+/* Each query head's row of scores [hq][padded] (len used) -> exp(score - row max) in place,
+ * the padding -> 0; sums[r] = the row's total. */
+static void softmax_rows(float *scores, int hq, int64_t len, int64_t padded, float *sums) {
+    for (int r = 0; r < hq; r++) {
+        float *sr = scores + r * padded, m = -INFINITY;
+        for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
+        for (int64_t j = len; j < padded; j++) sr[j] = -INFINITY; /* exp -> 0 */
+        __m512 mv = _mm512_set1_ps(m), total = _mm512_setzero_ps();
+        for (int64_t j = 0; j < padded; j += 16) {
+            __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_load_ps(sr + j), mv));
+            _mm512_store_ps(sr + j, e);
+            total = _mm512_add_ps(total, e);
+        }
+        sums[r] = _mm512_reduce_add_ps(total);
+    }
+}
+
+/* out[r] = acc[r] / sums[r] for each query head. */
+static void normalize(float *os, const float *acc, const float *sums, int hq, int d) {
+    for (int r = 0; r < hq; r++)
+        for (int i = 0; i < d; i++) os[r * d + i] = acc[r * d + i] / sums[r];
+}
+
 /* Returns 0, or 1 when a scratch allocation failed (the caller falls back). */
 int paged_decode_f32(
     const float *q, int64_t q_tok,        /* query [rows, hq, d], row stride q_tok */
@@ -56,18 +79,7 @@ int paged_decode_f32(
             }
         }
         float sums[64]; /* hq <= 64: checked by the caller */
-        for (int r = 0; r < hq; r++) {
-            float *sr = scores + r * padded, m = -INFINITY;
-            for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
-            for (int64_t j = len; j < padded; j++) sr[j] = -INFINITY; /* exp -> 0 */
-            __m512 mv = _mm512_set1_ps(m), total = _mm512_setzero_ps();
-            for (int64_t j = 0; j < padded; j += 16) {
-                __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_load_ps(sr + j), mv));
-                _mm512_store_ps(sr + j, e);
-                total = _mm512_add_ps(total, e);
-            }
-            sums[r] = _mm512_reduce_add_ps(total);
-        }
+        softmax_rows(scores, hq, len, padded, sums);
         memset(acc, 0, sizeof(float) * hq * d);
         for (int64_t p = lo; p < hi; p++) {
             const float *vp = v + table[p / bs] * blk + (p % bs) * pos;
@@ -80,9 +92,7 @@ int paged_decode_f32(
                                                                   _mm512_loadu_ps(ar + 16 * c)));
             }
         }
-        float *os = out + qrow[s] * o_tok;
-        for (int r = 0; r < hq; r++)
-            for (int i = 0; i < d; i++) os[r * d + i] = acc[r * d + i] / sums[r];
+        normalize(out + qrow[s] * o_tok, acc, sums, hq, d);
         free(scores);
     }
     return failed;
@@ -138,18 +148,7 @@ int paged_decode_q8(
             }
         }
         float sums[64]; /* hq <= 64: checked by the caller */
-        for (int r = 0; r < hq; r++) {
-            float *sr = scores + r * padded, m = -INFINITY;
-            for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
-            for (int64_t j = len; j < padded; j++) sr[j] = -INFINITY; /* exp -> 0 */
-            __m512 mv = _mm512_set1_ps(m), total = _mm512_setzero_ps();
-            for (int64_t j = 0; j < padded; j += 16) {
-                __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_load_ps(sr + j), mv));
-                _mm512_store_ps(sr + j, e);
-                total = _mm512_add_ps(total, e);
-            }
-            sums[r] = _mm512_reduce_add_ps(total);
-        }
+        softmax_rows(scores, hq, len, padded, sums);
         memset(acc, 0, sizeof(float) * hq * d);
         for (int64_t p = lo; p < hi; p++) {
             const int64_t b = table[p / bs];
@@ -164,9 +163,7 @@ int paged_decode_q8(
                                                                   _mm512_loadu_ps(ar + 16 * c)));
             }
         }
-        float *os = out + qrow[s] * o_tok;
-        for (int r = 0; r < hq; r++)
-            for (int i = 0; i < d; i++) os[r * d + i] = acc[r * d + i] / sums[r];
+        normalize(out + qrow[s] * o_tok, acc, sums, hq, d);
         free(scores);
     }
     return failed;
