@@ -10,9 +10,11 @@ from functools import cache
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
+from pagedserve.kernels import kv_quant
 from pagedserve.model.quant import WeightQuant, dequantize_into
 from pagedserve.sampling_params import SamplingParams
 
@@ -105,3 +107,52 @@ def hf_beams(
         cut = next((i + 1 for i, t in enumerate(row) if t in eos), len(row))
         outs.append(row[:cut])
     return outs
+
+
+class _Kv8Layer(DynamicLayer):
+    """transformers' cache layer with an 8-bit page store behind it: every new K/V token is
+    written with the engine's rule (kernels/kv_quant.py, torch path, blocks of `block_size`
+    in position order) and attention gets the dequantized values of the whole context, as
+    the engine's attention reads its 8-bit pages."""
+
+    def __init__(self, dtype: torch.dtype, block_size: int) -> None:
+        super().__init__()
+        self.code_dtype, self.block_size = dtype, block_size
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+            heads, dim = key_states.shape[1], key_states.shape[3]
+            blocks = 512
+            self.pages = [
+                (torch.zeros(blocks, self.block_size, heads, dim, dtype=self.code_dtype),
+                 torch.zeros(blocks, heads))
+                for _ in range(2)
+            ]  # fmt: skip
+            self.length = 0
+        new = key_states.shape[2]
+        slots = torch.arange(self.length, self.length + new)
+        self.length += new
+        used = torch.arange(-(-self.length // self.block_size))
+        out = []
+        for (codes, scales), states in zip(self.pages, (key_states, value_states), strict=True):
+            kv_quant.write_kv(codes, scales, states[0].transpose(0, 1), slots)
+            dense = kv_quant.dequantize_blocks(codes, scales, used, states.dtype)
+            out.append(dense.flatten(0, 1)[: self.length].transpose(0, 1)[None])
+        self.keys, self.values = out
+        return self.keys, self.values
+
+
+def hf_greedy_kv8(
+    model_dir: Path, prompt: list[int], new_tokens: int, kv_dtype: torch.dtype, block_size: int
+) -> list[int]:
+    """transformers' greedy tokens with an 8-bit KV cache written as the engine writes it."""
+    model = hf_model(model_dir, torch.float32)
+    cache = DynamicCache(config=model.config)
+    cache.layers = [_Kv8Layer(kv_dtype, block_size) for _ in cache.layers]
+    with torch.no_grad():
+        out = model.generate(
+            torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False,
+            cache=cache,
+        )  # fmt: skip
+    return out[0, len(prompt) :].tolist()
