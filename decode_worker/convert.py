@@ -37,6 +37,7 @@ class KvHandleInfo:
     lease_expires_unix_ms: int
     shm: ShmOffer | None  # None: not offered
     grpc_address: str  # "": not offered
+    layout_dtype: str = ""  # KvLayout.dtype: the producer's stored KV elements
 
     def lease_left_s(self) -> float:
         return self.lease_expires_unix_ms / 1000 - time.time()
@@ -153,6 +154,7 @@ def kv_handle_info(msg: common_pb2.KvHandle) -> KvHandleInfo:
         block_hashes=tuple(BlockHash(h) for h in msg.block_hashes),
         layout_block_size=msg.layout.block_size,
         compat_hash=msg.layout.compat_hash,
+        layout_dtype=msg.layout.dtype,
         lease_expires_unix_ms=msg.lease_expires_unix_ms,
         shm=shm,
         grpc_address=msg.grpc.address if msg.HasField("grpc") else "",

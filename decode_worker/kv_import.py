@@ -178,6 +178,7 @@ class KvImporter:
         self._readers: dict[str, ShmBlockReader] = {}
         self._readers_lock = threading.Lock()
         self._local = threading.local()  # `cancel`: the ImportCancel of this thread's import
+        self._warned_layouts: set[str] = set()  # producers whose KV layout differs from ours
 
     def import_kv(
         self,
@@ -255,7 +256,7 @@ class KvImporter:
         if handle.version != HANDLE_VERSION:
             return f"unknown handle version {handle.version}"
         if handle.compat_hash != self.compat_hash:
-            return "layout compat_hash differs"
+            return self._layout_differs(handle)
         if handle.block_size != bs or handle.layout_block_size != bs:
             return f"block size {handle.block_size} is not ours ({bs})"
         if handle.num_tokens != n or len(handle.block_ids) != -(-n // bs):
@@ -268,6 +269,21 @@ class KvImporter:
         if not handle.grpc_address and not self._shm_usable(handle):
             return "no usable transport"
         return None
+
+    def _layout_differs(self, handle: KvHandleInfo) -> str:
+        """Why a handle of another layout is refused; a producer whose KV dtype differs from
+        ours is named in a warning once (every hand-off from it will be recomputed)."""
+        ours = self.engine.runner.spec.dtype_name
+        if not handle.layout_dtype or handle.layout_dtype == ours:
+            return "layout compat_hash differs"
+        reason = (
+            f"layout compat_hash differs: the producer stores {handle.layout_dtype} KV, we "
+            f"store {ours} (give both workers the same --kv-cache-dtype)"
+        )
+        if handle.producer_id not in self._warned_layouts:
+            self._warned_layouts.add(handle.producer_id)
+            log.warning("%s: every hand-off is recomputed: %s", handle.producer_id, reason)
+        return reason
 
     def _shm_usable(self, handle: KvHandleInfo) -> bool:
         return handle.shm is not None and handle.shm.host_id == self.host_id

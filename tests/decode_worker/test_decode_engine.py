@@ -3,8 +3,10 @@ must not change a single greedy token (vs the unconstrained run and transformers
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from functools import cache
 from pathlib import Path
 
@@ -12,9 +14,12 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from pagedserve.decode_worker.convert import KvHandleInfo
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
+from pagedserve.decode_worker.kv_import import HANDLE_VERSION, KvImporter
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SwapDirection
 from pagedserve.kernels.dispatch import swap_blocks
+from pagedserve.kvstore.transfer import layout_compat_hash
 from pagedserve.model.runner import ScheduledSequence
 from pagedserve.model.sequence import FinishReason, Sequence, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
@@ -335,3 +340,22 @@ def test_an_8bit_kv_cache_gives_the_same_tokens_under_preemption(model_dir, mode
         assert engine.stats.num_preemptions_swap > 0 and engine.stats.num_swap_in_blocks > 0
     else:
         assert engine.stats.num_preemptions_recompute > 0
+
+
+def test_a_handle_from_a_worker_with_another_kv_dtype_is_refused_naming_the_flag(model_dir):
+    """Blocks of another KV dtype never enter the cache (the compat hash differs), and the
+    reason says which flag to align."""
+    engine = make_engine(model_dir, num_blocks=64, kv_cache_dtype="int8")
+    importer = KvImporter(engine, threading.RLock(), producers=None)  # type: ignore[arg-type]
+    seq = engine.new_sequence(make_prompts()[0], GREEDY)
+    bf16_like = replace(engine.runner.spec, dtype=torch.float32)
+    handle = KvHandleInfo(
+        version=HANDLE_VERSION, handle_id="h", producer_id="p", producer_incarnation="i",
+        producer_address="", num_tokens=seq.num_prompt_tokens, block_size=BLOCK_SIZE,
+        block_ids=(), block_hashes=(), layout_block_size=BLOCK_SIZE,
+        compat_hash=layout_compat_hash(bf16_like, engine.fingerprint),
+        lease_expires_unix_ms=0, shm=None, grpc_address="", layout_dtype="float32",
+    )  # fmt: skip
+    reason = importer._check(seq, handle)  # noqa: SLF001 - the refusal's reason, before any pull
+    assert reason is not None and "--kv-cache-dtype" in reason and "int8" in reason
+    engine.close()
