@@ -15,11 +15,11 @@ Per mode (fp32 and bf16 weights; int8 and int4 weight-only, activations in fp32;
   repository, about 1,700 tokens), computed by transformers on the weights the mode computes
   with (its dequantized weights: the oracle the quantized engine equals token for token,
   tests/model/test_quant.py), and greedy agreement with fp32 over 32 prompts cut from that
-  text, run through the decode engine with the packed kernels. An 8-bit KV mode has no
-  transformers twin: its perplexity is the engine's own (one forward over the text, K/V read
-  back through the cache), and beside it the engine's perplexity with every token computed
-  in its own decode step (`--decode-tokens` of the text; also for the mode it is compared
-  with), which is how generated tokens meet the cache.
+  text, run through the decode engine with the packed kernels. An 8-bit KV mode's perplexity
+  is the engine's own (one forward over the text, K/V read back through the cache; its token
+  oracle is in tests/model/test_kv8_oracle.py), and beside it the engine's perplexity with
+  every token computed in its own decode step (`--decode-tokens` of the text), both also for
+  the mode it is compared with, which is how generated tokens meet the cache.
 
 Without `--model`, a tiny random Llama (4 layers, hidden 256) is used: its perplexity means
 nothing, its speed and memory do.
@@ -226,24 +226,26 @@ def accuracy(args: argparse.Namespace, model_dir: str, modes: list[Mode], report
     report["decode_tokens"] = min(len(ids), args.decode_tokens)
     prompts = prompts_from(ids)
     ref = None
-    decode_ppl: dict[str, float] = {}  # the slow one, once per mode
+    head = ids[: report["decode_tokens"]]
+    engine_ppl: dict[tuple[str, int], float] = {}  # (mode, chunk): each computed once
+
+    def engine_ppl_of(m: Mode, text: list[int], chunk: int) -> float:
+        if (m.name, chunk) not in engine_ppl:
+            engine_ppl[m.name, chunk] = engine_perplexity(model_dir, m, text, chunk)
+        return engine_ppl[m.name, chunk]
+
     for m in modes:
         entry = report["modes"][m.name]
-        entry["perplexity"] = (
-            engine_perplexity(model_dir, m, ids, len(ids)) if m.kv
-            else perplexity(model_dir, m, ids)
-        )  # fmt: skip
-        for m_ in (m, mode(m.base, args.group_size)) if m.kv else ():
-            if m_.name not in decode_ppl:
-                head = ids[: report["decode_tokens"]]
-                decode_ppl[m_.name] = engine_perplexity(model_dir, m_, head, 1)
-                if m_.name in report["modes"]:
-                    report["modes"][m_.name]["decode_perplexity"] = decode_ppl[m_.name]
-        if m.kv:  # compared with the engine on the base mode's weights, the same way
+        if m.kv:  # against the engine on the base mode's weights, computed the same way
             base = mode(m.base, args.group_size)
-            entry["base_perplexity"] = engine_perplexity(model_dir, base, ids, len(ids))
-            entry["decode_perplexity"] = decode_ppl[m.name]
-            entry["base_decode_perplexity"] = decode_ppl[m.base]
+            entry["perplexity"] = engine_ppl_of(m, ids, len(ids))
+            entry["base_perplexity"] = engine_ppl_of(base, ids, len(ids))
+            entry["decode_perplexity"] = engine_ppl_of(m, head, 1)
+            entry["base_decode_perplexity"] = engine_ppl_of(base, head, 1)
+            if base.name in report["modes"]:
+                report["modes"][base.name]["decode_perplexity"] = entry["base_decode_perplexity"]
+        else:
+            entry["perplexity"] = perplexity(model_dir, m, ids)
         outs = greedy(model_dir, m, prompts, args.new_tokens)
         ref = outs if ref is None else ref
         entry["greedy_same"], entry["greedy_prefix"] = agreement(outs, ref)

@@ -14,8 +14,9 @@ Because every write appends in token order, a block's codes depend on its tokens
 not on how the work was cut into steps: prefill chunks, decode steps, recompute after
 preemption, another worker's prefill (docs/quantization.md).
 
-Attention reads a step's blocks through `dequantize_blocks` into a dense cache of the
-activation dtype and runs the unquantized kernels over it: torch only, on any device.
+Reading (kernels/dispatch.py): fp32 decode steps on CPU take the native kernel, which reads
+the codes in place; everything else reads the step's blocks through `dequantize_blocks` into a
+dense cache of the activation dtype and runs the unquantized kernels over it, on any device.
 """
 
 from __future__ import annotations

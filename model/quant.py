@@ -169,35 +169,28 @@ class QuantizedLinear(nn.Module):
         return self._cuda_operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.device.type == "cuda":
-            return self._forward_triton(x)
-        if x.dtype != torch.bfloat16:
+        if x.device.type != "cuda" and x.dtype != torch.bfloat16:
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        if self.quant.method == "int8":
-            out = torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        else:
-            out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-                x2, self.qweight, self.quant.group_size, self.scales
-            )
+        out = self._packed_matmul(x.reshape(-1, self.in_features))
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
 
-    def _forward_triton(self, x: torch.Tensor) -> torch.Tensor:
-        from pagedserve.kernels import triton_quant
+    def _packed_matmul(self, x2: torch.Tensor) -> torch.Tensor:
+        """x2 [M, in] @ W.T from the codes: Triton on CUDA, ATen's packed kernels on CPU."""
+        if x2.device.type == "cuda":
+            from pagedserve.kernels import triton_quant
 
-        shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
-        ops = self.cuda_operands()
+            ops = self.cuda_operands()
+            if self.quant.method == "int8":
+                return triton_quant.int8_linear(x2, ops[0], ops[1])
+            return triton_quant.int4_linear(x2, ops[0], ops[1], ops[2], self.quant.group_size)
         if self.quant.method == "int8":
-            out = triton_quant.int8_linear(x2, ops[0], ops[1])
-        else:
-            out = triton_quant.int4_linear(x2, ops[0], ops[1], ops[2], self.quant.group_size)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.view(*shape[:-1], self.out_features)
+            return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(
+            x2, self.qweight, self.quant.group_size, self.scales
+        )
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -43,6 +43,79 @@ static void normalize(float *os, const float *acc, const float *sums, int hq, in
         for (int i = 0; i < d; i++) os[r * d + i] = acc[r * d + i] / sums[r];
 }
 
+enum { F32 = 0, I8 = 1, E4M3 = 2 }; /* what K and V hold */
+
+/* 16 consecutive elements of K or V, as floats: fp32 values, or int8 / e4m3 codes (e4m3 decoded
+ * through the 256-entry table lut). `at` counts elements (bytes for codes). */
+static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t at,
+                                                           int kind, const float *lut) {
+    if (kind == F32) return _mm512_loadu_ps((const float *)base + at);
+    __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + at));
+    if (kind == E4M3) return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), lut, 4);
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+}
+
+/* Both entry points' body; `kind` is a constant at each call, so each is compiled on its own.
+ * Codes are scaled once per position and head (the K scale multiplies the dot product, the V
+ * scale the weight), never per element; fp32 accumulation throughout. */
+static inline __attribute__((always_inline)) int decode(
+    const float *q, int64_t q_tok, const void *k, const void *v, int64_t blk, int64_t pos,
+    const float *ks, const float *vs, int64_t sblk, const int64_t *tables, int64_t tstride,
+    const int64_t *qrow, const int64_t *trow, const int64_t *first, const int64_t *end,
+    float *out, int64_t o_tok, int n, int hq, int hkv, int d, int bs, float scale, int threads,
+    int kind, const float *lut) {
+    const int groups = hq / hkv, chunks = d / 16;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int s = 0; s < n; s++) {
+        const int64_t lo = first[s], hi = end[s], len = hi - lo, padded = (len + 15) & ~15;
+        if (len <= 0) continue;
+        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(hq * padded + hq * d));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        float *acc = scores + hq * padded;
+        const int64_t *table = tables + trow[s] * tstride;
+        const float *qs = q + qrow[s] * q_tok;
+        for (int64_t p = lo; p < hi; p++) {
+            const int64_t b = table[p / bs], kp = b * blk + (p % bs) * pos;
+            for (int r = 0; r < hq; r++) {
+                const int h = r / groups;
+                const float *qr = qs + r * d;
+                const int64_t kh = kp + h * d;
+                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(k, kh, kind, lut));
+                for (int c = 1; c < chunks; c++)
+                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c),
+                                        load16(k, kh + 16 * c, kind, lut), a);
+                const float dot = _mm512_reduce_add_ps(a);
+                scores[r * padded + (p - lo)] =
+                    kind == F32 ? dot * scale : dot * ks[b * sblk + h] * scale;
+            }
+        }
+        float sums[64]; /* hq <= 64: checked by the caller */
+        softmax_rows(scores, hq, len, padded, sums);
+        memset(acc, 0, sizeof(float) * hq * d);
+        for (int64_t p = lo; p < hi; p++) {
+            const int64_t b = table[p / bs], vp = b * blk + (p % bs) * pos;
+            for (int r = 0; r < hq; r++) {
+                const int h = r / groups;
+                const int64_t vh = vp + h * d;
+                float *ar = acc + r * d;
+                const float weight = scores[r * padded + (p - lo)];
+                __m512 w = _mm512_set1_ps(kind == F32 ? weight : weight * vs[b * sblk + h]);
+                for (int c = 0; c < chunks; c++)
+                    _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, load16(v, vh + 16 * c, kind, lut),
+                                                                  _mm512_loadu_ps(ar + 16 * c)));
+            }
+        }
+        normalize(out + qrow[s] * o_tok, acc, sums, hq, d);
+        free(scores);
+    }
+    return failed;
+}
+
 /* Returns 0, or 1 when a scratch allocation failed (the caller falls back). */
 int paged_decode_f32(
     const float *q, int64_t q_tok,        /* query [rows, hq, d], row stride q_tok */
@@ -53,62 +126,13 @@ int paged_decode_f32(
     const int64_t *first, const int64_t *end, /* per sequence: attended positions */
     float *out, int64_t o_tok,            /* output [rows, hq, d], row stride o_tok */
     int n, int hq, int hkv, int d, int bs, float scale, int threads) {
-    const int groups = hq / hkv, chunks = d / 16;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int s = 0; s < n; s++) {
-        const int64_t lo = first[s], hi = end[s], len = hi - lo, padded = (len + 15) & ~15;
-        if (len <= 0) continue;
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(hq * padded + hq * d));
-        if (scores == NULL) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        float *acc = scores + hq * padded;
-        const int64_t *table = tables + trow[s] * tstride;
-        const float *qs = q + qrow[s] * q_tok;
-        for (int64_t p = lo; p < hi; p++) {
-            const float *kp = k + table[p / bs] * blk + (p % bs) * pos;
-            for (int r = 0; r < hq; r++) {
-                const float *qr = qs + r * d, *kh = kp + (r / groups) * d;
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), _mm512_loadu_ps(kh));
-                for (int c = 1; c < chunks; c++)
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), _mm512_loadu_ps(kh + 16 * c), a);
-                scores[r * padded + (p - lo)] = _mm512_reduce_add_ps(a) * scale;
-            }
-        }
-        float sums[64]; /* hq <= 64: checked by the caller */
-        softmax_rows(scores, hq, len, padded, sums);
-        memset(acc, 0, sizeof(float) * hq * d);
-        for (int64_t p = lo; p < hi; p++) {
-            const float *vp = v + table[p / bs] * blk + (p % bs) * pos;
-            for (int r = 0; r < hq; r++) {
-                const float *vh = vp + (r / groups) * d;
-                float *ar = acc + r * d;
-                __m512 w = _mm512_set1_ps(scores[r * padded + (p - lo)]);
-                for (int c = 0; c < chunks; c++)
-                    _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, _mm512_loadu_ps(vh + 16 * c),
-                                                                  _mm512_loadu_ps(ar + 16 * c)));
-            }
-        }
-        normalize(out + qrow[s] * o_tok, acc, sums, hq, d);
-        free(scores);
-    }
-    return failed;
+    return decode(q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow, first,
+                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL);
 }
 
 /* The same attention over an 8-bit cache (kernels/kv_quant.py): K and V hold codes, int8
- * (fp8 == 0) or float8 e4m3 (fp8 == 1, decoded through the 256-entry table lut), and each
- * (block, KV head) has a float32 scale: value = code * scale. The scale is applied once per
- * position and head (to the dot product for K, to the weight for V), never per element.
- * fp32 accumulation throughout; ~1e-7 relative from dequantizing first. */
-static inline __m512 load16(const uint8_t *p, int fp8, const float *lut) {
-    __m128i bytes = _mm_loadu_si128((const __m128i *)p);
-    if (fp8) return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), lut, 4);
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-}
-
+ * (fp8 == 0) or float8 e4m3 (fp8 == 1, decoded through the table lut), and each (block, KV
+ * head) has a float32 scale: value = code * scale. ~1e-7 relative from dequantizing first. */
 int paged_decode_q8(
     const float *q, int64_t q_tok,
     const uint8_t *k, const uint8_t *v,   /* the layer's K and V code views (1 byte each) */
@@ -119,54 +143,11 @@ int paged_decode_q8(
     const int64_t *first, const int64_t *end,
     float *out, int64_t o_tok,
     int n, int hq, int hkv, int d, int bs, float scale, int threads, int fp8, const float *lut) {
-    const int groups = hq / hkv, chunks = d / 16;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int s = 0; s < n; s++) {
-        const int64_t lo = first[s], hi = end[s], len = hi - lo, padded = (len + 15) & ~15;
-        if (len <= 0) continue;
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(hq * padded + hq * d));
-        if (scores == NULL) {
-#pragma omp atomic write
-            failed = 1;
-            continue;
-        }
-        float *acc = scores + hq * padded;
-        const int64_t *table = tables + trow[s] * tstride;
-        const float *qs = q + qrow[s] * q_tok;
-        for (int64_t p = lo; p < hi; p++) {
-            const int64_t b = table[p / bs];
-            const uint8_t *kp = k + b * blk + (p % bs) * pos;
-            for (int r = 0; r < hq; r++) {
-                const int h = r / groups;
-                const float *qr = qs + r * d;
-                const uint8_t *kh = kp + h * d;
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(kh, fp8, lut));
-                for (int c = 1; c < chunks; c++)
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c), load16(kh + 16 * c, fp8, lut), a);
-                scores[r * padded + (p - lo)] = _mm512_reduce_add_ps(a) * ks[b * sblk + h] * scale;
-            }
-        }
-        float sums[64]; /* hq <= 64: checked by the caller */
-        softmax_rows(scores, hq, len, padded, sums);
-        memset(acc, 0, sizeof(float) * hq * d);
-        for (int64_t p = lo; p < hi; p++) {
-            const int64_t b = table[p / bs];
-            const uint8_t *vp = v + b * blk + (p % bs) * pos;
-            for (int r = 0; r < hq; r++) {
-                const int h = r / groups;
-                const uint8_t *vh = vp + h * d;
-                float *ar = acc + r * d;
-                __m512 w = _mm512_set1_ps(scores[r * padded + (p - lo)] * vs[b * sblk + h]);
-                for (int c = 0; c < chunks; c++)
-                    _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, load16(vh + 16 * c, fp8, lut),
-                                                                  _mm512_loadu_ps(ar + 16 * c)));
-            }
-        }
-        normalize(out + qrow[s] * o_tok, acc, sums, hq, d);
-        free(scores);
-    }
-    return failed;
+    if (fp8)
+        return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
+                      end, out, o_tok, n, hq, hkv, d, bs, scale, threads, E4M3, lut);
+    return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
+                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, I8, lut);
 }
 
 /* A decode step's int8 KV write (kernels/kv_quant.py's rule, bit for bit): token t goes to slot
