@@ -36,7 +36,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("csrc") / "paged_decode_avx512.c"
+SOURCES = tuple(
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_decode_avx512.c", "linear_i8g_avx512.c")
+)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lmvec", "-lm")
 MAX_HEADS = 64  # the kernel's per-sequence scratch of row sums
@@ -86,9 +89,9 @@ def _build() -> ctypes.CDLL:
         raise RuntimeError(blocker)
     compiler, flags = _compiler(), _cpu_flags()
     assert compiler is not None
-    source = SOURCE.read_bytes()
+    sources = [path.read_bytes() for path in SOURCES]
     key = hashlib.sha256(
-        b"\0".join([source, " ".join(FLAGS + LIBS).encode(), compiler.encode(), flags.encode()])
+        b"\0".join([*sources, " ".join(FLAGS + LIBS).encode(), compiler.encode(), flags.encode()])
     ).hexdigest()[:16]
     target = _cache_dir() / f"paged_decode_avx512-{key}.so"
     if not target.is_file():
@@ -98,7 +101,7 @@ def _build() -> ctypes.CDLL:
         os.close(fd)
         try:
             done = subprocess.run(
-                [compiler, *FLAGS, str(SOURCE), "-o", tmp, *LIBS],
+                [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, *LIBS],
                 capture_output=True,
                 text=True,
                 timeout=120,
@@ -122,6 +125,9 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
                    i64, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, ptr]  # fmt: skip
     fn.restype = i32
+    fn = lib.linear_i8g_f32
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
+    fn.restype = None
     return lib
 
 
@@ -331,3 +337,34 @@ def append_int8(
         x.shape[0], codes.shape[2], codes.shape[3], codes.shape[1],
     )  # fmt: skip
     return True
+
+
+def linear_int8_groups(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
+) -> torch.Tensor | None:
+    """x [M, K] @ W.T for int8 `codes` [N, K] scaled per group of input features by `scales`
+    [N, K / group] (GGUF Q8_0's layout) -> float32 [M, N], the codes widened in registers (no
+    dequantized copy). None when the kernel cannot take it (the caller dequantizes)."""
+    n, k = codes.shape
+    group = k // scales.shape[1]
+    if not (
+        enabled
+        and x.device.type == "cpu"
+        and codes.dtype == torch.int8
+        and codes.is_contiguous()
+        and scales.dtype == torch.float32
+        and scales.is_contiguous()
+        and group * scales.shape[1] == k
+        and group % 16 == 0
+        and _load() is not None
+    ):
+        return None
+    lib = _lib
+    assert lib is not None
+    x32 = x.to(torch.float32).contiguous()
+    y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+    lib.linear_i8g_f32(
+        x32.data_ptr(), x32.stride(0), codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
+        y.stride(0), x32.shape[0], n, k, group, torch.get_num_threads(),
+    )  # fmt: skip
+    return y

@@ -2,6 +2,7 @@
 dequantized tile by tile inside the GEMM (model/quant.py's `QuantizedLinear` on a GPU).
 
     int8   codes int8 [N, K], scale [N]                      W[n, k] = q * scale[n]
+           or scale [N, K / G] (GGUF Q8_0: G = 32)           W[n, k] = q * scale[n, k / G]
     int4   codes uint8 [N, K / 2] (k even: low nibble, odd: high), scale and zero [N, K / G]
                                                              W[n, k] = (q - 8) * scale + zero
 
@@ -21,9 +22,10 @@ import triton.language as tl
 @triton.jit
 def _int8_kernel(
     x_ptr, w_ptr, scale_ptr, y_ptr, M, N, K,
-    stride_xm, stride_wn, stride_ym,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    stride_xm, stride_wn, stride_sn, stride_ym,
+    GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    # GROUP 0: one scale per output channel, applied once at the end
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -34,10 +36,14 @@ def _int8_kernel(
                     mask=(rows[:, None] < M) & (k[None, :] < K), other=0.0)  # fmt: skip
         w = tl.load(w_ptr + cols[None, :] * stride_wn + k[:, None],
                     mask=(cols[None, :] < N) & (k[:, None] < K), other=0)  # fmt: skip
-        acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
-    scale = tl.load(scale_ptr + cols, mask=cols < N, other=0.0)
-    y = acc * scale[None, :]
-    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], y.to(y_ptr.dtype.element_ty),
+        if GROUP > 0:
+            scale = tl.load(scale_ptr + cols * stride_sn + k0 // GROUP, mask=cols < N, other=0.0)
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32) * scale[None, :])
+        else:
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+    if GROUP == 0:
+        acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
+    tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=(rows[:, None] < M) & (cols[None, :] < N))  # fmt: skip
 
 
@@ -77,16 +83,20 @@ def _block_m(m: int) -> int:
 
 
 def int8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ (codes [N, K] int8 * scale [N]).T -> [M, N] in x's dtype."""
+    """x [M, K] @ (codes [N, K] int8 * scale).T -> [M, N] in x's dtype; scale [N] (per channel)
+    or [N, K / group] with group a multiple of 32."""
     m, k = x.shape
     n = codes.shape[0]
-    x, codes = x.contiguous(), codes.contiguous()
+    x, codes, scale = x.contiguous(), codes.contiguous(), scale.float().contiguous()
+    group = k // scale.shape[1] if scale.dim() == 2 else 0
+    if group % 32 or (group and group * scale.shape[1] != k):
+        raise ValueError(f"scale: {tuple(scale.shape)} is not one per 32k input features of {k}")
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     block_m, block_n, block_k = _block_m(m), 32, 32
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     _int8_kernel[grid](
-        x, codes, scale.float().contiguous(), y, m, n, k, x.stride(0), codes.stride(0), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        x, codes, scale, y, m, n, k, x.stride(0), codes.stride(0), scale.stride(0), y.stride(0),
+        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
     )  # fmt: skip
     return y
 

@@ -1,19 +1,25 @@
-"""Linear weights straight from a GGUF file's 4-bit blocks (`--quantization int4`, group 32).
+"""Weights straight from a GGUF file's quantized blocks (`--quantization int4|int8`).
 
 A model converted from GGUF (`pagedserve fetch-model`, `--model FILE.gguf`) is an fp32 Hugging
-Face directory whose `pagedserve-source.json` names the GGUF it came from. With int4 weights in
-groups of 32, the loader takes every decoder linear layer stored as Q4_0 or Q4_1 from the GGUF's
-blocks instead (`QuantizedLinear.load_int4`): the file's own codes and scales, never
-dequantized to fp32 and quantized again.
+Face directory whose `pagedserve-source.json` names the GGUF it came from. With quantized
+weights, the loader takes what the GGUF stores in a format it computes with from the file's
+blocks instead: the file's own codes and scales, never dequantized to fp32 and quantized again.
+
+- `--quantization int4` in groups of 32: decoder linears stored as Q4_0 or Q4_1
+  (`QuantizedLinear.load_int4`).
+- `--quantization int8`: decoder linears stored as Q8_0 (`QuantizedLinear.load_int8_groups`).
+- either: the token embedding stored as Q8_0 (`QuantizedEmbedding`), which with tied
+  embeddings is the LM head too; an untied `output.weight` stored as Q8_0 likewise.
 
     Q4_0 block (18 bytes, 32 weights): d fp16, 16 bytes of codes   w = d * (q - 8)
     Q4_1 block (20 bytes, 32 weights): d fp16, m fp16, 16 bytes    w = d * q + m
-    codes: byte j holds weight j (low nibble) and weight j + 16 (high nibble)
+    Q8_0 block (34 bytes, 32 weights): d fp16, 32 int8 codes       w = d * q
+    Q4 codes: byte j holds weight j (low nibble) and weight j + 16 (high nibble)
 
 In ATen's packed int4 format (`w = (q - 8) * scale + zero`) that is scale = d and zero = 0
 (Q4_0) or m + 8 d (Q4_1). llama.cpp stores q and k rows permuted for its rotary layout;
 transformers' GGUF loader undoes it, and so do we (the same row permutation of the codes).
-Other tensor types (F32, F16, Q8_0, K-quants) load from the safetensors as before.
+Other tensor types (F32, F16, K-quants) load from the safetensors as before.
 """
 
 from __future__ import annotations
@@ -22,16 +28,23 @@ import json
 import logging
 import re
 from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from pagedserve.fetch_model import SOURCE_FILE, known_gguf
 
+if TYPE_CHECKING:
+    from pagedserve.model.quant import WeightQuant
+
 log = logging.getLogger(__name__)
 
-GROUP = 32  # weights per Q4 block
+GROUP = 32  # weights per Q4 / Q8_0 block
+EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
+_WHOLE = {"token_embd.weight": EMBEDDING, "output.weight": HEAD}
 _LAYER = re.compile(
     r"blk\.(\d+)\.(attn_q|attn_k|attn_v|attn_output|ffn_gate|ffn_up|ffn_down)\.weight"
 )
@@ -85,25 +98,84 @@ def decode_q4(
     return torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(zero)
 
 
-def q4_linears(
-    gguf: Path, num_heads: int, num_kv_heads: int
-) -> Iterator[tuple[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]]:
-    """(checkpoint name, (codes, scale, zero)) of every decoder linear the file holds as Q4_0 or
-    Q4_1, rows in Hugging Face order."""
+def decode_q8_0(blocks: np.ndarray, in_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Q8_0 tensor's bytes [out, in / 32 * 34] -> (codes [out, in] int8, scale [out, in / 32]
+    float32) of `q * scale`."""
+    out_features, groups = blocks.shape[0], in_features // GROUP
+    b = blocks.reshape(out_features, groups, 2 + GROUP)
+    d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    codes = np.ascontiguousarray(b[..., 2:]).view(np.int8).reshape(out_features, in_features)
+    return torch.from_numpy(codes), torch.from_numpy(d)
+
+
+def _checkpoint_name(gguf_name: str) -> tuple[str, str | None] | None:
+    """(checkpoint name, the decoder part or None for the embedding / head) of a tensor we may
+    read from blocks."""
+    if gguf_name in _WHOLE:
+        return _WHOLE[gguf_name], None
+    match = _LAYER.fullmatch(gguf_name)
+    if match is None:
+        return None
+    layer, part = match.groups()
+    return f"model.layers.{layer}.{_NAMES[part]}.weight", part
+
+
+def _usable(part: str | None, kind: str, method: str) -> bool:
+    """Whether a tensor of GGUF type `kind` loads as it is stored under `method` ("int8",
+    "int4" in groups of 32, anything else: the embedding and head only)."""
+    if part is None or method == "int8":
+        return kind == "Q8_0"
+    return method == "int4" and kind in ("Q4_0", "Q4_1")
+
+
+def block_method(quant: WeightQuant | None) -> str | None:
+    """What `--quantization` lets the loader read from blocks: None (nothing), "int8", "int4"
+    (groups of 32) or "head" (another int4 group size: the Q8_0 embedding and head only)."""
+    if quant is None:
+        return None
+    if quant.method == "int4" and quant.group_size != GROUP:
+        return "head"
+    return quant.method
+
+
+@cache
+def block_kinds(gguf: Path, method: str) -> dict[str, str]:
+    """{checkpoint name: GGUF type} of the tensors `quantized_tensors` yields for `method`
+    (read from the file's header only: what the loader and the memory plan count on)."""
     from gguf import GGUFReader
 
-    reader = GGUFReader(str(gguf))
-    for tensor in reader.tensors:
-        match = _LAYER.fullmatch(tensor.name)
+    found = {}
+    for tensor in GGUFReader(str(gguf)).tensors:
+        named = _checkpoint_name(tensor.name)
+        if named is not None and _usable(named[1], tensor.tensor_type.name, method):
+            found[named[0]] = tensor.tensor_type.name
+    return found
+
+
+def quantized_tensors(
+    gguf: Path, method: str, num_heads: int, num_kv_heads: int
+) -> Iterator[tuple[str, tuple[torch.Tensor, ...]]]:
+    """(checkpoint name, payload) of every tensor the file holds in blocks we compute with under
+    `--quantization method`, rows in Hugging Face order: Q4_0 / Q4_1 (codes, scale, zero) for
+    int4's decoder linears, Q8_0 (codes, scale) for int8's and for the embedding and head."""
+    from gguf import GGUFReader
+
+    for tensor in GGUFReader(str(gguf)).tensors:
+        named = _checkpoint_name(tensor.name)
         kind = tensor.tensor_type.name
-        if match is None or kind not in ("Q4_0", "Q4_1"):
+        if named is None or not _usable(named[1], kind, method):
             continue
+        name, part = named
         in_features = int(tensor.shape[0])  # GGUF lists the fastest dimension first
-        codes, scale, zero = decode_q4(np.asarray(tensor.data), kind, in_features)
-        layer, part = match.groups()
+        blocks = np.asarray(tensor.data)
+        payload: tuple[torch.Tensor, ...] = (
+            decode_q8_0(blocks, in_features)
+            if kind == "Q8_0"
+            else decode_q4(blocks, kind, in_features)
+        )
         if part in ("attn_q", "attn_k"):
             order = torch.from_numpy(
-                _rope_rows(codes.shape[0], num_heads if part == "attn_q" else num_kv_heads)
+                _rope_rows(payload[0].shape[0], num_heads if part == "attn_q" else num_kv_heads)
             )
-            codes, scale, zero = codes[order], scale[order], zero[order]
-        yield f"model.layers.{layer}.{_NAMES[part]}.weight", (codes, scale, zero)
+            payload = tuple(t[order] for t in payload)
+        yield name, payload

@@ -162,7 +162,8 @@ class LlamaForCausalLM(nn.Module):
         self.rope = rope
 
     def tie_weights(self) -> None:
-        if self.config.tie_word_embeddings:
+        # NOTE: an int8 table from GGUF Q8_0 is tied at load (QuantizedEmbedding.head)
+        if self.config.tie_word_embeddings and isinstance(self.model.embed_tokens, nn.Embedding):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @torch.inference_mode()

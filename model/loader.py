@@ -12,7 +12,12 @@ from safetensors import safe_open
 from pagedserve.model import gguf_weights
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM, RotaryEmbedding
-from pagedserve.model.quant import QuantizedLinear, quantize_linears
+from pagedserve.model.quant import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    WeightQuant,
+    quantize_linears,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +54,9 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
         if config.quantization is not None:
             quantize_linears(model, config.quantization)
     model.to_empty(device=device).to(config.dtype)
+    blocks = _gguf_blocks(config)
+    if blocks is not None:
+        _quantized_embedding(model, config, blocks[1], device)
     params: dict[str, torch.Tensor] = dict(model.named_parameters())
     # NOTE: a quantized layer's weight is quantized as it is read, never held in full
     quantized = {
@@ -56,14 +64,31 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
         for name, module in model.named_modules()
         if isinstance(module, QuantizedLinear)
     }
-    loaded = _load_gguf_blocks(config, quantized)
+    loaded = _load_gguf_blocks(config, model, quantized, blocks)
+    _load_safetensors(config, params, quantized, loaded)
+    model.tie_weights()
+    expected = {n for n in [*params, *quantized, *(blocks[1] if blocks else ())]}
+    expected -= {"lm_head.weight"} if config.tie_word_embeddings else set()
+    missing = sorted(expected - loaded)
+    if missing:
+        raise ValueError(f"model: tensors missing from the checkpoint: {missing[:8]}")
+    return model.eval()
+
+
+def _load_safetensors(
+    config: ModelConfig,
+    params: dict[str, torch.Tensor],
+    quantized: dict[str, QuantizedLinear],
+    loaded: set[str],
+) -> None:
+    """Every tensor of the checkpoint not yet `loaded` (from a GGUF's blocks) into `params` or
+    `quantized`; their names added to `loaded`."""
     for path in safetensors_files(config.model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
-                if name.endswith(_IGNORED_SUFFIXES):
+                if name.endswith(_IGNORED_SUFFIXES) or name in loaded:
                     continue
-                tied = name == "lm_head.weight" and config.tie_word_embeddings
-                if tied or name in loaded:  # NOTE: `loaded`: from the GGUF's 4-bit blocks
+                if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
                 if name in quantized:
                     try:
@@ -75,32 +100,72 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
                 else:
                     raise ValueError(f"model: unexpected tensor {name!r} in {path.name}")
                 loaded.add(name)
-    model.tie_weights()
-    expected = {n for n in params if not (n == "lm_head.weight" and config.tie_word_embeddings)}
-    expected |= set(quantized)
-    missing = sorted(expected - loaded)
-    if missing:
-        raise ValueError(f"model: tensors missing from the checkpoint: {missing[:8]}")
-    return model.eval()
 
 
-def _load_gguf_blocks(config: ModelConfig, quantized: dict[str, QuantizedLinear]) -> set[str]:
-    """With int4 weights in groups of 32, the decoder linears a converted GGUF holds as Q4_0 /
-    Q4_1, taken from its blocks as they are (model/gguf_weights.py). Their names."""
-    quant = config.quantization
-    if quant is None or quant.method != "int4" or quant.group_size != gguf_weights.GROUP:
+def _gguf_blocks(config: ModelConfig) -> tuple[Path, dict[str, str]] | None:
+    """(the GGUF a converted model came from, {checkpoint name: GGUF type} of the tensors to
+    read from its blocks), when its weights are quantized (model/gguf_weights.py)."""
+    method = gguf_weights.block_method(config.quantization)
+    gguf = gguf_weights.gguf_source(config.model_dir) if method else None
+    if gguf is None or method is None:
+        return None
+    return gguf, gguf_weights.block_kinds(gguf, method)
+
+
+def _quantized_embedding(
+    model: LlamaForCausalLM, config: ModelConfig, kinds: dict[str, str], device: torch.device | str
+) -> None:
+    """Give the model int8 tables where the GGUF stores its embedding (and untied head) as
+    Q8_0; a tied head then computes over the embedding's codes."""
+    hidden, vocab = config.hidden_size, config.vocab_size
+    with torch.device(device):
+        if gguf_weights.EMBEDDING in kinds:
+            table = QuantizedEmbedding(vocab, hidden, gguf_weights.GROUP, config.dtype)
+            model.model.embed_tokens = table  # type: ignore[assignment]
+            if config.tie_word_embeddings:
+                model.lm_head = table.head()  # type: ignore[assignment]
+        if gguf_weights.HEAD in kinds and not config.tie_word_embeddings:
+            head = QuantizedLinear(hidden, vocab, False, WeightQuant("int8"))
+            head.scales = torch.empty(vocab, hidden // gguf_weights.GROUP)
+            model.lm_head = head  # type: ignore[assignment]
+
+
+def _load_gguf_blocks(
+    config: ModelConfig,
+    model: LlamaForCausalLM,
+    quantized: dict[str, QuantizedLinear],
+    blocks: tuple[Path, dict[str, str]] | None,
+) -> set[str]:
+    """The tensors `_gguf_blocks` names, taken from the file's blocks as they are. Their names."""
+    if blocks is None:
         return set()
-    gguf = gguf_weights.gguf_source(config.model_dir)
-    if gguf is None:
-        return set()
+    gguf, kinds = blocks
+    method = gguf_weights.block_method(config.quantization)
+    assert method is not None
     loaded: set[str] = set()
-    for name, (codes, scale, zero) in gguf_weights.q4_linears(
-        gguf, config.num_heads, config.num_kv_heads
+    for name, payload in gguf_weights.quantized_tensors(
+        gguf, method, config.num_heads, config.num_kv_heads
     ):
-        if name in quantized:
-            quantized[name].load_int4(codes, scale, zero)
-            loaded.add(name)
-    logger.info("%d linear layers read from %s's 4-bit blocks", len(loaded), gguf.name)
+        if name == gguf_weights.EMBEDDING:
+            embed = model.model.embed_tokens
+            assert isinstance(embed, QuantizedEmbedding)
+            embed.load(*payload)
+        elif name == gguf_weights.HEAD:
+            if config.tie_word_embeddings:
+                continue  # NOTE: the tied head is the embedding's table
+            head = model.lm_head
+            assert isinstance(head, QuantizedLinear)
+            head.load_int8_groups(*payload)
+        elif name in quantized:
+            if len(payload) == 3:
+                quantized[name].load_int4(*payload)
+            else:
+                quantized[name].load_int8_groups(*payload)
+        else:
+            continue
+        loaded.add(name)
+    kinds_read = sorted({kinds[n] for n in loaded})
+    logger.info("%d tensors read from %s's %s blocks", len(loaded), gguf.name, "/".join(kinds_read))
     return loaded
 
 

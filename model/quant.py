@@ -8,6 +8,10 @@ modes do). Two formats:
 - **int4**: one affine (scale, zero) pair per group of `group_size` input features,
   `w = (q - 8) * scale + zero`, q in [0, 15], the convention of ATen's packed int4 matmul (a
   GGUF Q4_0 block is `zero = 0`; Q4_1's `d * q + m` is `zero = m + 8 d`).
+- **int8 in groups**: only as a GGUF file stores it (Q8_0: `w = d * q` per 32 weights), read
+  from the file's blocks (`load_int8_groups`, model/gguf_weights.py), for decoder linears and
+  for the embedding and tied LM head (`QuantizedEmbedding`). On CPU a native kernel
+  (kernels/csrc/linear_i8g_avx512.c) widens the codes in registers for decode-sized batches.
 
 With bf16 activations on CPU the matmuls are ATen's packed kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`), which read the small weights and dequantize inside the GEMM.
@@ -36,6 +40,9 @@ if TYPE_CHECKING:
 
 INT4_MAX = 15
 INT8_MAX = 127
+# Grouped int8 on CPU: the native kernel up to this many rows (SmolLM2's LM head, 2 cores: 2.8x
+# fp32 F.linear at 1 row, 2.4x at 16, 0.87x at 64; docs/quantization.md)
+NATIVE_ROWS = 32
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,7 +86,7 @@ class QuantizedLinear(nn.Module):
     and bias as `nn.Linear`. `load_weight` quantizes a float [out, in] tensor into it."""
 
     qweight: torch.Tensor  # int8 [out, in], or int4 packed by ATen (two codes a byte)
-    scales: torch.Tensor  # int8: [out]; int4: [in / group, out, (scale, zero)]
+    scales: torch.Tensor  # int8: [out], or [out, in / group]; int4: [in / group, out, (s, z)]
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: WeightQuant) -> None:
         super().__init__()
@@ -102,6 +109,11 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", torch.empty(out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._cuda_operands: tuple[torch.Tensor, ...] | None = None
+
+    @property
+    def int8_groups(self) -> bool:
+        """Whether this int8 layer has a scale per group of input features (GGUF Q8_0)."""
+        return self.quant.method == "int8" and self.scales.dim() == 2
 
     def extra_repr(self) -> str:
         return (
@@ -136,9 +148,29 @@ class QuantizedLinear(nn.Module):
         # NOTE: ATen's layout: [groups, out, (scale, zero)]
         self.scales.copy_(torch.stack([scale, zero], dim=-1).transpose(0, 1))
 
+    @torch.no_grad()
+    def load_int8_groups(self, q: torch.Tensor, scale: torch.Tensor) -> None:
+        """Store int8 codes q [out, in] with one float32 scale per group of input features,
+        scale [out, in / group] (the weight is `q * scale`), e.g. straight from GGUF Q8_0
+        blocks. Only an int8 layer takes them."""
+        if self.quant.method != "int8":
+            raise ValueError(f"quantization: int8 codes for an {self.quant.name} layer")
+        if tuple(q.shape) != (self.out_features, self.in_features) or (
+            scale.shape[0] != self.out_features or self.in_features % scale.shape[1]
+        ):
+            raise ValueError(
+                f"int8 codes {tuple(q.shape)} and scales {tuple(scale.shape)} do not fit "
+                f"{(self.out_features, self.in_features)}"
+            )
+        self.qweight.copy_(q)
+        self.scales = scale.to(device=self.qweight.device, dtype=torch.float32).contiguous()
+        self._cuda_operands = None
+
     def dequantize(self) -> torch.Tensor:
         """The weight as the matmul sees it, [out, in] in the scales' dtype (for the reference
         path and for tests)."""
+        if self.int8_groups:
+            return dequantize_int8_groups(self.qweight, self.scales)
         if self.quant.method == "int8":
             return self.qweight.to(self.scales.dtype) * self.scales[:, None]
         q = unpack_int4(self.qweight.cpu(), self.out_features, self.in_features).to(
@@ -169,10 +201,30 @@ class QuantizedLinear(nn.Module):
         return self._cuda_operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.int8_groups and x.device.type != "cuda":
+            return self._int8_groups_cpu(x)
         if x.device.type != "cuda" and x.dtype != torch.bfloat16:
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         shape = x.shape
         out = self._packed_matmul(x.reshape(-1, self.in_features))
+        if self.bias is not None:
+            out = out + self.bias
+        return out.view(*shape[:-1], self.out_features)
+
+    def _int8_groups_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """Grouped int8 on CPU: the native kernel for up to `NATIVE_ROWS` rows (it reads the
+        codes once per tile of rows: faster than fp32 `F.linear` there, slower beyond), else
+        `F.linear` on the dequantized weight."""
+        shape = x.shape
+        x2 = x.reshape(-1, self.in_features)
+        out = None
+        if x2.shape[0] <= NATIVE_ROWS:
+            from pagedserve.kernels import cpu_native
+
+            out = cpu_native.linear_int8_groups(x2, self.qweight, self.scales)
+        if out is None:
+            return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+        out = out.to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
@@ -191,6 +243,49 @@ class QuantizedLinear(nn.Module):
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.qweight, self.quant.group_size, self.scales
         )
+
+
+class QuantizedEmbedding(nn.Module):
+    """An embedding table held as int8 codes with a float32 scale per group of features (GGUF
+    Q8_0), dequantized row by row as it is looked up; `head()` is the tied LM head over the
+    same codes (no second copy)."""
+
+    codes: torch.Tensor  # int8 [num_embeddings, embedding_dim]
+    scales: torch.Tensor  # float32 [num_embeddings, embedding_dim / group]
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, group: int, dtype: torch.dtype):
+        super().__init__()
+        if embedding_dim % group:
+            raise ValueError(f"embedding: group {group} does not divide {embedding_dim} features")
+        self.num_embeddings, self.embedding_dim, self.dtype = num_embeddings, embedding_dim, dtype
+        self.register_buffer("codes", torch.empty(num_embeddings, embedding_dim, dtype=torch.int8))
+        self.register_buffer("scales", torch.empty(num_embeddings, embedding_dim // group))
+
+    @torch.no_grad()
+    def load(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        if codes.shape != self.codes.shape or scales.shape != self.scales.shape:
+            raise ValueError(
+                f"embedding: codes {tuple(codes.shape)} and scales {tuple(scales.shape)}, want "
+                f"{tuple(self.codes.shape)} and {tuple(self.scales.shape)}"
+            )
+        self.codes.copy_(codes)
+        self.scales.copy_(scales)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return dequantize_int8_groups(self.codes[ids], self.scales[ids]).to(self.dtype)
+
+    def head(self) -> QuantizedLinear:
+        """The LM head `x @ table.T` over this table's codes and scales (shared tensors)."""
+        head = QuantizedLinear(self.embedding_dim, self.num_embeddings, False, WeightQuant("int8"))
+        head.qweight, head.scales = self.codes, self.scales
+        return head
+
+
+def dequantize_int8_groups(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [..., in] int8 and scales [..., in / group] -> float32 [..., in]."""
+    groups = scales.shape[-1]
+    w = codes.to(torch.float32).unflatten(-1, (groups, -1)) * scales[..., None]
+    return w.flatten(-2)
 
 
 def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,9 +17,11 @@ import torch
 from pagedserve.kernels import dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
+from pagedserve.model import gguf_weights
 from pagedserve.model.batch import RunnerOutput, SampledToken, ScheduledSequence
 from pagedserve.model.beam_search import beam_candidates_per_row
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.gguf_weights import GROUP as GGUF_GROUP
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import quantized_bytes
 from pagedserve.model.sampler import Sampler, SamplingRow
@@ -40,23 +42,47 @@ def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
 
 def weight_bytes(config: ModelConfig) -> int:
     """Bytes of a Llama-family model's weights in its dtype (embeddings, every layer's
-    attention, MLP and norms, the final norm and, unless tied, the LM head)."""
+    attention, MLP and norms, the final norm and, unless tied, the LM head), as loaded: tensors
+    a GGUF's Q8_0 blocks give (model/gguf_weights.py) count as int8 with float32 group scales."""
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q, inner, size = (
         config.num_heads * config.head_dim,
         config.intermediate_size,
         config.dtype.itemsize,
     )
+    method = gguf_weights.block_method(config.quantization)
+    gguf = gguf_weights.gguf_source(config.model_dir) if method else None
+    kinds = gguf_weights.block_kinds(gguf, method) if gguf and method else {}
+
+    def q8_0(name: str, in_features: int, out_features: int) -> int | None:
+        if kinds.get(name) != "Q8_0":
+            return None
+        return out_features * in_features + out_features * (in_features // GGUF_GROUP) * 4
+
     # (in, out) of every linear layer of a decoder layer
-    linears = [(h, q), (h, kv), (h, kv), (q, h), (h, inner), (h, inner), (inner, h)]
-    if config.quantization is None:
-        weights = sum(i * o for i, o in linears) * size
-    else:
-        weights = sum(quantized_bytes(i, o, config.quantization, size) for i, o in linears)
+    linears = {
+        "self_attn.q_proj": (h, q), "self_attn.k_proj": (h, kv), "self_attn.v_proj": (h, kv),
+        "self_attn.o_proj": (q, h), "mlp.gate_proj": (h, inner), "mlp.up_proj": (h, inner),
+        "mlp.down_proj": (inner, h),
+    }  # fmt: skip
+    weights = 0
+    for layer in range(config.num_layers):
+        for part, (i, o) in linears.items():
+            q8 = q8_0(f"model.layers.{layer}.{part}.weight", i, o)
+            if q8 is not None:
+                weights += q8
+            elif config.quantization is None:
+                weights += i * o * size
+            else:
+                weights += quantized_bytes(i, o, config.quantization, size)
     biases = (q + 2 * kv) * config.qkv_bias + h * config.o_bias + (2 * inner + h) * config.mlp_bias
-    layer = weights + (biases + 2 * h) * size
-    head = 0 if config.tie_word_embeddings else config.vocab_size * h
-    return config.num_layers * layer + (config.vocab_size * h + h + head) * size
+    weights += config.num_layers * (biases + 2 * h) * size
+    table = config.vocab_size * h
+    embedding = q8_0(gguf_weights.EMBEDDING, h, config.vocab_size) or table * size
+    head = 0 if config.tie_word_embeddings else (
+        q8_0(gguf_weights.HEAD, h, config.vocab_size) or table * size
+    )  # fmt: skip
+    return weights + embedding + head + h * size
 
 
 def device_memory_bytes(device: str) -> int:

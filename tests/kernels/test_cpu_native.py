@@ -132,3 +132,25 @@ def test_the_engine_decodes_through_the_kernel_and_equals_transformers(tiny_llam
     for prompt, seq in zip(prompts, seqs, strict=True):
         want, _ = hf_greedy(tiny_llama, torch.float32, tuple(prompt))
         assert seq.output_token_ids == want
+
+
+@needs_kernel
+@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 37, 64, 32), (5, 64, 96, 32),
+                                                     (17, 9, 128, 64), (4, 3, 32, 16)])  # fmt: skip
+def test_grouped_int8_linear_equals_linear_on_the_dequantized_weight(m, n, k, group):
+    g = torch.Generator().manual_seed(m * n)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) / 100
+    x = torch.randn(m, k, generator=g)
+    weight = (codes.float().view(n, -1, group) * scales[..., None]).view(n, k)
+    got = cpu_native.linear_int8_groups(x, codes, scales)
+    assert got is not None and got.dtype == torch.float32
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-5)
+    bf16 = cpu_native.linear_int8_groups(x.bfloat16(), codes, scales)  # widened to fp32 first
+    torch.testing.assert_close(bf16, x.bfloat16().float() @ weight.T, rtol=1e-5, atol=1e-5)
+
+
+def test_grouped_int8_linear_declines_what_it_cannot_take():
+    codes = torch.zeros(4, 40, dtype=torch.int8)
+    assert cpu_native.linear_int8_groups(torch.ones(1, 40), codes, torch.ones(4, 5)) is None  # 8
+    assert cpu_native.linear_int8_groups(torch.ones(1, 40), codes[:, ::2], torch.ones(4, 1)) is None

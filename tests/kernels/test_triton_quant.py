@@ -52,6 +52,21 @@ def test_quantized_matmul_equals_linear_on_the_dequantized_weight(triton_quant, 
     torch.testing.assert_close(got, F.linear(x, q.dequantize()), atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("group", [32, 64])
+def test_int8_with_a_scale_per_group_equals_linear_on_the_dequantized_weight(triton_quant, group):
+    device = "cuda" if ON_CUDA else "cpu"
+    g = torch.Generator().manual_seed(group)
+    q = QuantizedLinear(128, 40, False, WeightQuant("int8"))
+    q.load_int8_groups(torch.randint(-127, 128, (40, 128), generator=g, dtype=torch.int8),
+                       torch.rand(40, 128 // group, generator=g) / 50)  # fmt: skip
+    q = q.to(device)
+    x = torch.randn(7, 128, generator=g).to(device)
+    got = triton_quant.int8_linear(x, *q.cuda_operands())
+    torch.testing.assert_close(got, F.linear(x, q.dequantize()), atol=2e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="one per 32k"):
+        triton_quant.int8_linear(x, q.qweight, torch.ones(40, 3, device=device))
+
+
 def test_nibbles_pack_even_codes_low(triton_quant):
     packed = triton_quant.pack_nibbles(torch.tensor([[1, 2, 15, 0]]))
     assert torch.equal(packed, torch.tensor([[0x21, 0x0F]], dtype=torch.uint8))
