@@ -41,8 +41,9 @@ if TYPE_CHECKING:
 INT4_MAX = 15
 INT8_MAX = 127
 # Grouped int8 on CPU: the native kernel up to this many rows (SmolLM2's LM head, 2 cores: 2.8x
-# fp32 F.linear at 1 row, 2.4x at 16, 0.87x at 64; docs/quantization.md)
-NATIVE_ROWS = 32
+# fp32 F.linear at 1 row, 2.4x at 16, 0.87x at 64, and ahead of dequantizing the weight each
+# call until about 270 rows; docs/quantization.md)
+NATIVE_ROWS = 256
 
 
 @dataclass(frozen=True, slots=True)
