@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from pagedserve.decode_worker.plan import (
@@ -29,6 +29,7 @@ from pagedserve.decode_worker.plan import (
     PreemptionMode,
     SchedulerStats,
     SchedulingPolicy,
+    SwapDirection,
 )
 from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig, worst_case_blocks
@@ -37,12 +38,14 @@ from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
+from pagedserve.model import tp_ranks
 from pagedserve.model.batch import RunnerOutput
 from pagedserve.model.config import ModelConfig, load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
-from pagedserve.model.runner import ModelRunner
+from pagedserve.model.runner import ModelRunner, kv_cache_spec
 from pagedserve.model.sequence import RequestId, Sequence, make_sequence
+from pagedserve.model.tensor_parallel import free_port
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -65,6 +68,7 @@ class DecodeEngineConfig:
     quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
     kv_cache_dtype: str | None = None  # "int8" / "fp8_e4m3" for an 8-bit KV cache; None: dtype's
     device: str = "cpu"
+    tensor_parallel_size: int = 1  # rank processes holding a shard each (model/tp_ranks.py)
     swap_space_gib: float = 4.0
     num_swap_blocks: int | None = None  # overrides swap_space_gib (tests size it in blocks)
     preemption_mode: PreemptionMode = PreemptionMode.AUTO
@@ -79,7 +83,8 @@ class DecodeEngineConfig:
     measure_costs: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs"):
+        for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
+                     "tensor_parallel_size"):  # fmt: skip
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
         if self.swap_space_gib < 0:
@@ -166,11 +171,45 @@ class DecodeEngine:
         model_config = load_model_config(
             model_dir, config.dtype, config.quantization, config.kv_cache_dtype
         )
-        model = load_model(model_config, config.device)
-        runner = ModelRunner(
-            model_config, model, config.num_blocks, config.block_size, config.device
-        )
+        if config.tensor_parallel_size > 1:
+            runner, num_swap = cls._tensor_parallel_runner(model_dir, model_config, config)
+            config = replace(config, num_swap_blocks=num_swap)
+        else:
+            model = load_model(model_config, config.device)
+            runner = ModelRunner(
+                model_config, model, config.num_blocks, config.block_size, config.device
+            )
         return cls(model_config, runner, config, copy_fn=copy_fn, revision=revision)
+
+    @staticmethod
+    def _tensor_parallel_runner(
+        model_dir: str, model_config: ModelConfig, config: DecodeEngineConfig
+    ) -> tuple[ModelRunner, int]:
+        """Rank 0's runner and every rank's swap blocks, the other ranks started beside it
+        (model/tp_ranks.py): each loads its shard of the weights and a KV cache and swap space
+        of its KV heads, all at once."""
+        size = config.tensor_parallel_size
+        shard = tp_ranks.shard_model(model_config, 0, size)  # ValueError naming the flag
+        num_swap = config.num_swap_blocks
+        if num_swap is None:
+            num_swap = swap_blocks_for(kv_cache_spec(shard, config.block_size),
+                                       config.swap_space_gib)  # fmt: skip
+        spec = tp_ranks.RankSpec(
+            model_dir, config.dtype, config.quantization, config.kv_cache_dtype,
+            config.num_blocks, config.block_size, num_swap, config.device, size, free_port(),
+        )  # fmt: skip
+        ranks = tp_ranks.Ranks.start(spec)
+        try:
+            model = load_model(shard, config.device)
+            model.join(ranks.group)
+            ranks.wait_ready()
+        except BaseException:
+            ranks.close()
+            raise
+        runner = ModelRunner(
+            shard, model, config.num_blocks, config.block_size, config.device, ranks=ranks
+        )
+        return runner, num_swap
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(
@@ -350,6 +389,7 @@ class DecodeEngine:
         waited = False
         if self.swapper is not None:
             self.swapper.submit_plan(plan.swaps)
+            self.runner.note_swaps([(s.direction is SwapDirection.IN, s.pairs) for s in plan.swaps])
             waited = self.swapper.wait_for_writes(self._blocks_written(plan))
             self.swapper.wait_swap_in()
         elif plan.swaps:
@@ -397,3 +437,4 @@ class DecodeEngine:
     def close(self) -> None:
         if self.swapper is not None:
             self.swapper.close()
+        self.runner.close()

@@ -255,6 +255,8 @@ class KvImporter:
             self.stats.blocks_looked_up += num_full
         if handle.version != HANDLE_VERSION:
             return f"unknown handle version {handle.version}"
+        if self.engine.runner.ranks is not None:  # NOTE: per-rank shards: docs/tensor_parallel.md
+            return "a tensor-parallel decode engine does not import KV yet"
         if handle.compat_hash != self.compat_hash:
             return self._layout_differs(handle)
         if handle.block_size != bs or handle.layout_block_size != bs:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -13,6 +13,9 @@ from pagedserve.generation_config import eos_token_ids, read_generation_config
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache import kv_cache_dtype as kv_cache_dtype_from_name
 from pagedserve.model.quant import WeightQuant
+
+if TYPE_CHECKING:
+    from pagedserve.model.tensor_parallel import Shard
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # NOTE: rope types whose frequencies depend on the current sequence length (dynamic, longrope)
@@ -49,6 +52,7 @@ class ModelConfig:
     raw: dict[str, Any]  # config.json as written, for the fingerprint and the rope functions
     quantization: WeightQuant | None = None  # the linear layers' weights (model/quant.py)
     kv_cache_dtype: torch.dtype | None = None  # stored KV elements; None = `dtype` (kv_cache.py)
+    tp: Shard | None = None  # one tensor-parallel rank's part of the model (tensor_parallel.py)
 
     def fingerprint(self, revision: str = "") -> bytes:
         """The block-hash fingerprint of the KV this model produces (docs/hashing.md): its

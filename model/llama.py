@@ -19,6 +19,7 @@ from pagedserve.kernels import cpu_linear, dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model.config import ModelConfig, rope_frequencies
+from pagedserve.model.tensor_parallel import Group
 
 
 class Linear(nn.Linear):
@@ -85,6 +86,7 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        self.group: Group | None = None  # set by `LlamaForCausalLM.join` on a rank of N > 1
 
     def forward(
         self,
@@ -105,7 +107,7 @@ class Attention(nn.Module):
         out = dispatch.paged_attention(
             q, k_cache, v_cache, meta, self.scale, self.sliding_window, scales
         )
-        return self.o_proj(out.reshape(num_tokens, -1))
+        return _reduce(self.group, self.o_proj(out.reshape(num_tokens, -1)))
 
 
 class MLP(nn.Module):
@@ -116,9 +118,15 @@ class MLP(nn.Module):
         self.up_proj = Linear(size, inner, bias=bias)
         self.down_proj = Linear(inner, size, bias=bias)
         self.act_fn = ACT2FN[config.hidden_act]
+        self.group: Group | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x))
+        return _reduce(self.group, self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+
+
+def _reduce(group: Group | None, partial: torch.Tensor) -> torch.Tensor:
+    """A row-parallel layer's output: the sum of every rank's part (tensor_parallel.py)."""
+    return partial if group is None else group.all_reduce(partial)
 
 
 class DecoderLayer(nn.Module):
@@ -160,6 +168,15 @@ class LlamaForCausalLM(nn.Module):
         self.model = DecoderStack(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope
+        self.group: Group | None = None
+
+    def join(self, group: Group) -> None:
+        """Compute as one rank of `group`: sum the row-parallel layers' parts, look tokens up
+        in this rank's vocabulary slice, gather the logits (tensor_parallel.py)."""
+        self.group = group
+        for module in self.modules():
+            if isinstance(module, (Attention, MLP)):
+                module.group = group
 
     def tie_weights(self) -> None:
         # NOTE: an int8 table from GGUF Q8_0 is tied at load (QuantizedEmbedding.head)
@@ -178,11 +195,26 @@ class LlamaForCausalLM(nn.Module):
 
         Writes this step's K/V into `kv_cache` at `meta.slot_mapping` for every layer.
         """
-        x = self.model.embed_tokens(input_ids)
+        x = self._embed(input_ids)
         for layer in self.model.layers:
             x = layer(x, positions, self.rope, kv_cache, meta)
         return self.model.norm(x)
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.group is None:
+            return self.model.embed_tokens(input_ids)
+        assert self.config.tp is not None
+        start, end = self.config.tp.vocab
+        outside = (input_ids < start) | (input_ids >= end)
+        x = self.model.embed_tokens((input_ids - start).masked_fill(outside, 0))
+        return self.group.all_reduce(x.masked_fill(outside[:, None], 0.0))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits [rows, vocab]. On tensor-parallel ranks rank 0 gathers every rank's
+        vocabulary slice; the others get their own slice back (and never sample)."""
+        logits = self.lm_head(hidden)
+        if self.group is None:
+            return logits
+        gathered = self.group.gather_last_dim(logits)
+        return logits if gathered is None else gathered

@@ -90,13 +90,16 @@ def _load_safetensors(
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
+                tensor = f.get_tensor(name)
+                if config.tp is not None:  # NOTE: one tensor-parallel rank's part of it
+                    tensor = config.tp.tensor(name, tensor)
                 if name in quantized:
                     try:
-                        quantized[name].load_weight(f.get_tensor(name))
+                        quantized[name].load_weight(tensor)
                     except ValueError as exc:
                         raise ValueError(f"model: {name}: {exc}") from None
                 elif name in params:
-                    _copy_param(params[name], f.get_tensor(name), name, config.dtype)
+                    _copy_param(params[name], tensor, name, config.dtype)
                 else:
                     raise ValueError(f"model: unexpected tensor {name!r} in {path.name}")
                 loaded.add(name)
@@ -107,7 +110,8 @@ def _gguf_blocks(config: ModelConfig) -> tuple[Path, dict[str, str]] | None:
     read from its blocks), when its weights are quantized (model/gguf_weights.py)."""
     method = gguf_weights.block_method(config.quantization)
     gguf = gguf_weights.gguf_source(config.model_dir) if method else None
-    if gguf is None or method is None:
+    if gguf is None or method is None or config.tp is not None:
+        # NOTE: a tensor-parallel rank quantizes its part of the safetensors (no sharded blocks)
         return None
     return gguf, gguf_weights.block_kinds(gguf, method)
 

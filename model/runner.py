@@ -26,6 +26,7 @@ from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import quantized_bytes
 from pagedserve.model.sampler import Sampler, SamplingRow
 from pagedserve.model.sequence import Sequence, sample_request_id
+from pagedserve.model.tp_ranks import Ranks, StepPlan
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
@@ -50,7 +51,7 @@ def weight_bytes(config: ModelConfig) -> int:
         config.intermediate_size,
         config.dtype.itemsize,
     )
-    method = gguf_weights.block_method(config.quantization)
+    method = gguf_weights.block_method(config.quantization) if config.tp is None else None
     gguf = gguf_weights.gguf_source(config.model_dir) if method else None
     kinds = gguf_weights.block_kinds(gguf, method) if gguf and method else {}
 
@@ -129,9 +130,13 @@ class ModelRunner:
         device: torch.device | str = "cpu",
         *,
         kv_cache: KVCache | None = None,
+        ranks: Ranks | None = None,
     ) -> None:
-        """`kv_cache`, when given (e.g. a shared-memory pool), must match the model's spec."""
+        """`kv_cache`, when given (e.g. a shared-memory pool), must match the model's spec.
+        `ranks`: on rank 0 of a tensor-parallel worker, the other ranks (model/tp_ranks.py),
+        sent every step before this rank runs it."""
         self.config = config
+        self.ranks = ranks
         self.model = model
         self.device = torch.device(device)
         self.spec = kv_cache_spec(config, block_size)
@@ -145,7 +150,21 @@ class ModelRunner:
 
     def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
         """Apply copy-on-write pairs from the block manager before the step that needs them."""
+        if self.ranks is not None:
+            self.ranks.copy("copy", list(pairs))
         dispatch.copy_blocks(self.kv_cache.tensor, list(pairs))
+
+    def note_swaps(self, swaps: Seq[tuple[bool, Seq[tuple[int, int]]]]) -> None:
+        """Swap copies (swap_in?, pairs) this rank's swapper was given, for the other
+        tensor-parallel ranks to apply to their shards before the next forward."""
+        if self.ranks is not None:
+            for swap_in, pairs in swaps:
+                self.ranks.copy("swap_in" if swap_in else "swap_out", list(pairs))
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.close()
 
     def execute(self, batch: Seq[ScheduledSequence]) -> RunnerOutput:
         """Run one forward over `batch` and sample for every sequence whose chunk completes.
@@ -164,9 +183,15 @@ class ModelRunner:
         if not batch:
             return RunnerOutput(sampled=[]), None
         input_ids, positions, meta = self._prepare(batch)
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
         last_rows = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
         sample_idx = [i for i, item in enumerate(batch) if item.completes]
+        if self.ranks is not None:
+            self.ranks.send(StepPlan(
+                forward=(input_ids.cpu(), positions.cpu(), meta.slot_mapping.cpu(),
+                         meta.block_tables.cpu(), last_rows[sample_idx].cpu()),
+                query_lens=meta.query_lens, seq_lens=meta.seq_lens,
+            ))  # fmt: skip
+        hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sampled: list[SampledToken | None] = [None] * len(batch)
         logits = None
         if sample_idx:

@@ -1,0 +1,196 @@
+"""The rank processes of a tensor-parallel worker (model/tensor_parallel.py has the sharding).
+
+Rank 0 is the engine's own process: it schedules, owns the block tables and samples. It starts
+ranks 1..N-1 (`Ranks.start`, spawned processes), and before each step it runs it sends them the
+step's plan over a pipe: the block copies and swap copies issued since the last step, then the
+forward's inputs (token ids, positions, slots, block tables, the rows to compute logits for).
+Every rank applies the copies to its own KV shard and swap space, in order, then runs the same
+forward; the collectives inside it (tensor_parallel.Group) line up because every rank runs the
+same plan. The pipe, not a collective, carries the plan, so an idle rank waits without a
+timeout, and a rank whose engine dies sees the pipe close and exits.
+
+A rank that dies makes the next collective on the others fail (gloo: the peer closed the
+connection, or the group's timeout), so the step raises on rank 0 instead of hanging.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import os
+import traceback
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+
+from pagedserve.kernels import dispatch
+from pagedserve.kernels.dispatch import AttentionMetadata
+from pagedserve.model.config import ModelConfig, load_model_config
+from pagedserve.model.tensor_parallel import Group, Shard
+
+log = logging.getLogger(__name__)
+
+START_TIMEOUT_S = 300.0  # a rank loads its shard of the weights before it says ready
+STOP_TIMEOUT_S = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class RankSpec:
+    """What a rank process needs to build its part of the worker."""
+
+    model_dir: str
+    dtype: str | None
+    quantization: Any  # WeightQuant | None (picklable)
+    kv_cache_dtype: str | None
+    num_blocks: int
+    block_size: int
+    num_swap_blocks: int
+    device: str
+    size: int
+    port: int
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """One step as every rank runs it."""
+
+    copies: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
+    forward: tuple[torch.Tensor, ...] | None = None  # ids, positions, slots, tables, logit rows
+    query_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+
+
+def shard_model(config: ModelConfig, rank: int, size: int) -> ModelConfig:
+    return Shard.of(config, rank, size).config(config)
+
+
+def _threads(size: int) -> int:
+    """Torch threads per rank: the cores shared out (rank 0's own setting is the engine's)."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+class Ranks:
+    """Rank 0's side: the other ranks' processes and pipes, and the group they share."""
+
+    def __init__(self, processes: list[Any], pipes: list[Connection], group: Group) -> None:
+        self.processes, self.pipes, self.group = processes, pipes, group
+        self.pending: list[tuple[str, list[tuple[int, int]]]] = []
+        self.closed = False
+
+    @classmethod
+    def start(cls, spec: RankSpec) -> Ranks:
+        """Spawn ranks 1..size-1, join the group as rank 0 and wait until each holds its shard.
+        Raises RuntimeError naming the rank that failed to start."""
+        ctx = mp.get_context("spawn")
+        processes, pipes = [], []
+        for rank in range(1, spec.size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(
+                target=rank_main, args=(theirs, spec, rank), name=f"pagedserve-tp{rank}",
+                daemon=True,
+            )  # fmt: skip
+            proc.start()
+            theirs.close()
+            processes.append(proc)
+            pipes.append(ours)
+        return cls(processes, pipes, Group(0, spec.size, spec.port))
+
+    def wait_ready(self) -> None:
+        for rank, pipe in enumerate(self.pipes, start=1):
+            if not pipe.poll(START_TIMEOUT_S):
+                self.close()
+                raise RuntimeError(f"tensor parallel rank {rank} did not start")
+            kind, detail = pipe.recv()
+            if kind != "ready":
+                self.close()
+                raise RuntimeError(f"tensor parallel rank {rank} failed to start: {detail}")
+
+    def alive(self) -> bool:
+        return not self.closed and all(p.is_alive() for p in self.processes)
+
+    def copy(self, kind: str, pairs: list[tuple[int, int]]) -> None:
+        """Queue block copies (`copy`, `swap_in`, `swap_out`) for the next step's plan."""
+        if pairs:
+            self.pending.append((kind, list(pairs)))
+
+    def send(self, plan: StepPlan) -> None:
+        """Send every other rank this step (with the copies queued since the last)."""
+        plan.copies, self.pending = self.pending, []
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.send(("step", plan))
+            except (BrokenPipeError, EOFError, OSError) as exc:
+                raise RuntimeError(f"tensor parallel rank {rank} is gone: {exc}") from None
+
+    def close(self) -> None:
+        """Stop the other ranks (they exit when their pipe closes, too)."""
+        if self.closed:
+            return
+        self.closed = True
+        for pipe in self.pipes:
+            with contextlib.suppress(BrokenPipeError, EOFError, OSError):
+                pipe.send(("stop", None))
+            pipe.close()
+        for proc in self.processes:
+            proc.join(STOP_TIMEOUT_S)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(STOP_TIMEOUT_S)
+
+
+def rank_main(pipe: Connection, spec: RankSpec, rank: int) -> None:
+    """A rank process: join the group, load this rank's shard, then run each step rank 0
+    sends until it says stop or its pipe closes."""
+    from pagedserve.kvstore.swap_space import SwapSpace
+    from pagedserve.model.loader import load_model
+    from pagedserve.model.runner import ModelRunner
+
+    torch.set_num_threads(_threads(spec.size))
+    try:
+        group = Group(rank, spec.size, spec.port)
+        full = load_model_config(spec.model_dir, spec.dtype, spec.quantization, spec.kv_cache_dtype)
+        config = shard_model(full, rank, spec.size)
+        model = load_model(config, spec.device)
+        model.join(group)
+        runner = ModelRunner(config, model, spec.num_blocks, spec.block_size, spec.device)
+        swap = SwapSpace(runner.spec, spec.num_swap_blocks) if spec.num_swap_blocks else None
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises
+        pipe.send(("error", f"{type(exc).__name__}: {exc}"))
+        return
+    pipe.send(("ready", None))
+    while True:
+        try:
+            kind, plan = pipe.recv()
+        except (EOFError, OSError):
+            return  # rank 0 is gone
+        if kind != "step":
+            return
+        try:
+            _run(runner, swap, plan)
+        except Exception:  # noqa: BLE001 - the others see this rank leave the group
+            log.error("tensor parallel rank %d failed:\n%s", rank, traceback.format_exc())
+            os._exit(1)
+
+
+def _run(runner: Any, swap: Any, plan: StepPlan) -> None:
+    cache = runner.kv_cache.tensor
+    for kind, pairs in plan.copies:
+        if kind == "copy":
+            dispatch.copy_blocks(cache, pairs)
+        elif kind == "swap_in":
+            dispatch.swap_blocks(swap.tensor, cache, pairs)
+        else:
+            dispatch.swap_blocks(cache, swap.tensor, pairs)
+    if plan.forward is None:
+        return
+    ids, positions, slots, tables, rows = plan.forward
+    meta = AttentionMetadata(
+        slot_mapping=slots.to(runner.device), block_tables=tables.to(runner.device),
+        query_lens=plan.query_lens, seq_lens=plan.seq_lens,
+    )  # fmt: skip
+    hidden = runner.model(ids.to(runner.device), positions.to(runner.device), runner.kv_cache, meta)
+    if rows.numel():
+        runner.model.compute_logits(hidden[rows.to(runner.device)])
