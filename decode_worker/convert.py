@@ -38,6 +38,8 @@ class KvHandleInfo:
     shm: ShmOffer | None  # None: not offered
     grpc_address: str  # "": not offered
     layout_dtype: str = ""  # KvLayout.dtype: the producer's stored KV elements
+    tensor_parallel_size: int = 1  # KvLayout.tensor_parallel_size: the producer's ranks
+    shards: tuple[ShmOffer | None, ...] = ()  # a tensor-parallel producer's shm, by rank
 
     def lease_left_s(self) -> float:
         return self.lease_expires_unix_ms / 1000 - time.time()
@@ -129,19 +131,24 @@ def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
     )
 
 
+def shm_offer(s: common_pb2.ShmTransport) -> ShmOffer:
+    return ShmOffer(
+        segment_name=s.segment_name,
+        host_id=s.host_id,
+        pool_offset_bytes=s.pool_offset_bytes,
+        num_blocks=s.num_blocks,
+        block_stride_bytes=s.block_stride_bytes,
+        layer_stride_bytes=s.layer_stride_bytes,
+        kv_stride_bytes=s.kv_stride_bytes,
+    )
+
+
 def kv_handle_info(msg: common_pb2.KvHandle) -> KvHandleInfo:
-    shm = None
-    if msg.HasField("shm"):
-        s = msg.shm
-        shm = ShmOffer(
-            segment_name=s.segment_name,
-            host_id=s.host_id,
-            pool_offset_bytes=s.pool_offset_bytes,
-            num_blocks=s.num_blocks,
-            block_stride_bytes=s.block_stride_bytes,
-            layer_stride_bytes=s.layer_stride_bytes,
-            kv_stride_bytes=s.kv_stride_bytes,
-        )
+    """InvalidArgument naming the field for shards out of rank order."""
+    shm = shm_offer(msg.shm) if msg.HasField("shm") else None
+    if [shard.rank for shard in msg.shards] != list(range(len(msg.shards))):
+        raise InvalidArgument("kv_handle.shards", "must list every rank once, in rank order")
+    shards = tuple(shm_offer(s.shm) if s.HasField("shm") else None for s in msg.shards)
     return KvHandleInfo(
         version=msg.version,
         handle_id=msg.handle_id,
@@ -155,6 +162,8 @@ def kv_handle_info(msg: common_pb2.KvHandle) -> KvHandleInfo:
         layout_block_size=msg.layout.block_size,
         compat_hash=msg.layout.compat_hash,
         layout_dtype=msg.layout.dtype,
+        tensor_parallel_size=max(1, msg.layout.tensor_parallel_size),
+        shards=shards,
         lease_expires_unix_ms=msg.lease_expires_unix_ms,
         shm=shm,
         grpc_address=msg.grpc.address if msg.HasField("grpc") else "",
@@ -182,12 +191,13 @@ def decode_response(request_id: str, delta: Delta) -> decode_pb2.DecodeResponse:
     return response
 
 
-def pull_request(handle: KvHandleInfo, indices: list[int], max_chunk_bytes: int):
+def pull_request(handle: KvHandleInfo, indices: list[int], max_chunk_bytes: int, rank: int = 0):
     return prefill_pb2.PullKvRequest(
         handle_id=handle.handle_id,
         producer_incarnation=handle.producer_incarnation,
         block_indices=indices,
         max_chunk_bytes=max_chunk_bytes,
+        rank=rank,
     )
 
 

@@ -45,7 +45,6 @@ from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
 from pagedserve.model.sequence import RequestId, Sequence, make_sequence
-from pagedserve.model.tensor_parallel import free_port
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
@@ -172,7 +171,7 @@ class DecodeEngine:
             model_dir, config.dtype, config.quantization, config.kv_cache_dtype
         )
         if config.tensor_parallel_size > 1:
-            runner, num_swap = cls._tensor_parallel_runner(model_dir, model_config, config)
+            runner, num_swap = cls._tensor_parallel_runner(model_config, config)
             config = replace(config, num_swap_blocks=num_swap)
         else:
             model = load_model(model_config, config.device)
@@ -183,7 +182,7 @@ class DecodeEngine:
 
     @staticmethod
     def _tensor_parallel_runner(
-        model_dir: str, model_config: ModelConfig, config: DecodeEngineConfig
+        model_config: ModelConfig, config: DecodeEngineConfig
     ) -> tuple[ModelRunner, int]:
         """Rank 0's runner and every rank's swap blocks, the other ranks started beside it
         (model/tp_ranks.py): each loads its shard of the weights and a KV cache and swap space
@@ -195,21 +194,9 @@ class DecodeEngine:
             num_swap = swap_blocks_for(kv_cache_spec(shard, config.block_size),
                                        config.swap_space_gib)  # fmt: skip
         spec = tp_ranks.RankSpec(
-            model_dir, config.dtype, config.quantization, config.kv_cache_dtype,
-            config.num_blocks, config.block_size, num_swap, config.device, size, free_port(),
-        )  # fmt: skip
-        ranks = tp_ranks.Ranks.start(spec)
-        try:
-            model = load_model(shard, config.device)
-            model.join(ranks.group)
-            ranks.wait_ready()
-        except BaseException:
-            ranks.close()
-            raise
-        runner = ModelRunner(
-            shard, model, config.num_blocks, config.block_size, config.device, ranks=ranks
+            model_config, config.num_blocks, config.block_size, num_swap, config.device, size
         )
-        return runner, num_swap
+        return tp_ranks.start_runner(spec), num_swap
 
     def _scheduler_config(self) -> SchedulerConfig:
         return SchedulerConfig(

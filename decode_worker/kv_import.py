@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import grpc
+import torch
 
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.convert import KvHandleInfo
@@ -37,6 +38,7 @@ from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.grpcutil import ClientTLS, make_channel
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.hashing import BlockHash
+from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.kvstore.transfer import (
     BlockAssembler,
     ShmBlockReader,
@@ -46,6 +48,7 @@ from pagedserve.kvstore.transfer import (
     layout_compat_hash,
 )
 from pagedserve.model.sequence import Sequence
+from pagedserve.model.tensor_parallel import Shard
 from pagedserve.v1 import prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -171,7 +174,9 @@ class KvImporter:
         self.engine = engine
         self.lock = lock
         self.producers = producers
-        self.compat_hash = layout_compat_hash(engine.runner.spec, engine.fingerprint)
+        self.compat_hash = layout_compat_hash(
+            engine.runner.spec, engine.fingerprint, engine.config.tensor_parallel_size
+        )
         self.host_id = now_host_id()
         self.stats = ImportStats()
         self._in_flight: dict[BlockHash, _InFlight] = {}
@@ -255,8 +260,9 @@ class KvImporter:
             self.stats.blocks_looked_up += num_full
         if handle.version != HANDLE_VERSION:
             return f"unknown handle version {handle.version}"
-        if self.engine.runner.ranks is not None:  # NOTE: per-rank shards: docs/tensor_parallel.md
-            return "a tensor-parallel decode engine does not import KV yet"
+        ranks_differ = self._ranks_differ(handle)
+        if ranks_differ is not None:
+            return ranks_differ
         if handle.compat_hash != self.compat_hash:
             return self._layout_differs(handle)
         if handle.block_size != bs or handle.layout_block_size != bs:
@@ -268,8 +274,23 @@ class KvImporter:
             return "block hashes differ from the prompt's"
         if handle.lease_left_s() < MIN_LEASE_LEFT_S:
             return "lease expired"
-        if not handle.grpc_address and not self._shm_usable(handle):
+        if not handle.grpc_address and not self._shm_offered(handle):
             return "no usable transport"
+        return None
+
+    def _ranks_differ(self, handle: KvHandleInfo) -> str | None:
+        """Why a handle cannot reach our tensor-parallel ranks (None if it can): the same
+        number of ranks on both sides, a shard per rank, our ranks' caches in reach."""
+        ranks = self.engine.config.tensor_parallel_size
+        if handle.tensor_parallel_size != ranks:
+            return (
+                f"the producer has {handle.tensor_parallel_size} tensor-parallel ranks, we have "
+                f"{ranks} (give both workers the same --tensor-parallel-size)"
+            )
+        if handle.shards and len(handle.shards) != ranks:
+            return f"the handle offers {len(handle.shards)} shards for {ranks} ranks"
+        if self.engine.runner.kv_caches is None:
+            return "our tensor-parallel ranks' KV caches are out of reach (not host memory)"
         return None
 
     def _layout_differs(self, handle: KvHandleInfo) -> str:
@@ -287,8 +308,13 @@ class KvImporter:
             log.warning("%s: every hand-off is recomputed: %s", handle.producer_id, reason)
         return reason
 
-    def _shm_usable(self, handle: KvHandleInfo) -> bool:
-        return handle.shm is not None and handle.shm.host_id == self.host_id
+    def _shm_offered(self, handle: KvHandleInfo) -> bool:
+        """Whether every rank's shard is offered in shared memory on our host."""
+        offers = handle.shards or (handle.shm,)
+        return all(offer is not None and self._shm_usable(offer) for offer in offers)
+
+    def _shm_usable(self, offer: ShmOffer) -> bool:
+        return offer.host_id == self.host_id
 
     # -- reserve (engine lock held) ------------------------------------------------------------
 
@@ -360,14 +386,46 @@ class KvImporter:
         return bool(found.found)
 
     def _pull(self, handle: KvHandleInfo, blocks: dict[int, BlockId]) -> str:
-        """Copy `blocks` over the best transport; returns its name."""
+        """Copy `blocks` over the best transport, every tensor-parallel rank's shard once;
+        returns the transport's name."""
+        caches = self.engine.runner.kv_caches
+        assert caches is not None  # NOTE: `_check` refused the handle otherwise
+        transport = ""
+        for rank, replicas in self._shard_sources().items():
+            transport = self._pull_shard(handle, blocks, rank, caches[rank])
+            ids = torch.tensor(sorted(blocks.values()), dtype=torch.int64)
+            for replica in replicas:  # NOTE: ranks holding the same KV heads: one pull
+                caches[replica].tensor[ids] = caches[rank].tensor[ids]
+        return transport
+
+    def _shard_sources(self) -> dict[int, list[int]]:
+        """{rank to pull: the other ranks holding the same KV heads}. With fewer KV heads than
+        ranks a head is replicated (model/tensor_parallel.py): its blocks travel once."""
+        size = self.engine.config.tensor_parallel_size
+        if size == 1:
+            return {0: []}
+        sources: dict[int, list[int]] = {}
+        first: dict[int, int] = {}
+        for rank in range(size):
+            head = Shard.of(self.engine.model_config, rank, size).first_kv_head
+            if head in first:
+                sources[first[head]].append(rank)
+            else:
+                first[head] = rank
+                sources[rank] = []
+        return sources
+
+    def _pull_shard(
+        self, handle: KvHandleInfo, blocks: dict[int, BlockId], rank: int, cache: KVCache
+    ) -> str:
+        """One rank's shard of `blocks` into `cache`; returns the transport's name."""
         indices = sorted(blocks)
-        if self._shm_usable(handle):
-            assert handle.shm is not None
+        offer = handle.shards[rank] if handle.shards else handle.shm
+        if offer is not None and self._shm_usable(offer):
             try:
-                reader = self._reader(handle.shm)
+                reader = self._reader(offer)
                 src = [handle.block_ids[i] for i in indices]
-                reader.read_blocks(src, self.engine.runner.kv_cache, [blocks[i] for i in indices])
+                reader.read_blocks(src, cache, [blocks[i] for i in indices])
                 with self.lock:
                     self.stats.blocks_pulled_shm += len(indices)
                 return "shm"
@@ -375,13 +433,22 @@ class KvImporter:
                 if not handle.grpc_address:
                     raise
                 log.info("shm transport unusable (%s); pulling over gRPC", exc)
-        self._pull_grpc(handle, blocks, indices)
+        if not handle.grpc_address:
+            raise TransferError(f"kv: no transport for rank {rank}'s shard")
+        self._pull_grpc(handle, blocks, indices, rank, cache)
         return "grpc"
 
-    def _pull_grpc(self, handle: KvHandleInfo, blocks: dict[int, BlockId], indices: list[int]):
-        assembler = BlockAssembler(self.engine.runner.kv_cache, dict(blocks))
+    def _pull_grpc(
+        self,
+        handle: KvHandleInfo,
+        blocks: dict[int, BlockId],
+        indices: list[int],
+        rank: int,
+        cache: KVCache,
+    ) -> None:
+        assembler = BlockAssembler(cache, dict(blocks))
         stream = self.producers.stub(handle.grpc_address).PullKv(
-            convert.pull_request(handle, indices, PULL_CHUNK_BYTES),
+            convert.pull_request(handle, indices, PULL_CHUNK_BYTES, rank),
             timeout=max(handle.lease_left_s(), 1.0) + 5.0,
         )
         cancel = getattr(self._local, "cancel", None)

@@ -25,6 +25,7 @@ from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.grpcutil import (
     EngineLoop,
+    ServerHandle,
     build_server,
     client_tls_from_args,
     server_tls_from_args,
@@ -36,7 +37,8 @@ from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_st
 from pagedserve.model.config import load_model_config
 from pagedserve.model.core_share import one_torch_thread, open_core_share
 from pagedserve.model.quant import weight_quant_from_args
-from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
+from pagedserve.model.runner import kv_cache_spec, rank_kv_cache_bytes
+from pagedserve.model.tp_ranks import RankLost, shard_model
 from pagedserve.signals import stop_on_signals
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc
@@ -53,10 +55,10 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         raise ValueError(f"import-threads: must be >= 1, got {args.import_threads}")
     quantization = weight_quant_from_args(args)
     model_config = load_model_config(args.model, args.dtype, quantization, args.kv_cache_dtype)
-    spec = kv_cache_spec(model_config, args.block_size)
-    memory = kv_cache_bytes(
-        model_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction
-    )
+    ranks = args.tensor_parallel_size
+    rank_config = shard_model(model_config, 0, ranks) if ranks > 1 else model_config
+    spec = kv_cache_spec(rank_config, args.block_size)
+    memory = rank_kv_cache_bytes(rank_config, args, ranks)
     num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(memory)
     if num_blocks < 1:
         raise ValueError("kv-cache-memory: too small for one block")
@@ -72,6 +74,7 @@ def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
         quantization=quantization,
         kv_cache_dtype=args.kv_cache_dtype,
         device=args.device,
+        tensor_parallel_size=ranks,
         swap_space_gib=swap_space_gib(args.swap_space, num_blocks * spec.bytes_per_block),
         preemption_mode=PreemptionMode(args.preemption_mode),
         scheduling_policy=SchedulingPolicy(args.scheduling_policy),
@@ -130,7 +133,7 @@ async def serve(
     worker.core_share = open_core_share(args.core_share)
     if engine_loop is not None:
         worker.engine_loop = engine_loop
-    worker.on_loop_death = lambda: handle.set_ready_threadsafe(False)
+    worker.on_loop_death = lambda: _on_loop_death(handle, worker.death, stop)
     worker.start()
     await handle.server.start()
     await handle.set_ready(True)
@@ -149,7 +152,16 @@ async def serve(
     servicer.close()
     worker.close()
     tracing.shutdown()
-    return 0
+    return 1 if isinstance(worker.death, RankLost) else 0
+
+
+def _on_loop_death(handle: ServerHandle, death: BaseException | None, stop: threading.Event):
+    """Health NOT_SERVING; a lost tensor-parallel rank also stops the worker (it cannot step
+    again: exiting lets `pagedserve up` or Kubernetes start it afresh)."""
+    handle.set_ready_threadsafe(False)
+    if isinstance(death, RankLost):
+        log.error("stopping: %s", death)
+        stop.set()
 
 
 def _register_metrics(worker: DecodeWorker) -> None:

@@ -52,6 +52,7 @@ from pagedserve.grpcutil import EngineLoop
 from pagedserve.model.batch import ScheduledSequence
 from pagedserve.model.core_share import CoreShare, one_torch_thread
 from pagedserve.model.sequence import FinishReason, Sequence, fork_samples
+from pagedserve.model.tp_ranks import RankLost
 from pagedserve.telemetry import Tracing, setup_tracing
 from pagedserve.worker_load import WorkerLoad
 
@@ -201,6 +202,7 @@ class DecodeWorker:
         self.engine_loop = EngineLoop("decode-loop")  # NOTE: a server runs it on the main thread
         self._stop = False
         self.dead = False  # the loop thread died: this worker can serve nothing more
+        self.death: BaseException | None = None  # what killed the loop
         self.on_loop_death: Callable[[], None] | None = None
         self.core_share: CoreShare | None = None  # the host's cores, lent between workers
         with self.lock:
@@ -476,6 +478,8 @@ class DecodeWorker:
                     elif self.core_share is not None:
                         self.core_share.idle()
                     progressed = busy and self._step_isolated()
+                    if not progressed:
+                        self.engine.runner.check_ranks()  # NOTE: a dead rank kills the loop
                 if progressed:
                     # NOTE: let import and RPC threads waiting on the lock in before the next step
                     time.sleep(0)
@@ -484,14 +488,17 @@ class DecodeWorker:
                     # import or close wakes us (an event set before the wait is not lost)
                     self._work.wait(0.01 if busy else 0.5)
                     self._work.clear()
-        except BaseException:
+        except BaseException as exc:
             log.exception("decode loop died; failing every request")
+            self.death = exc
             self._die()
 
     def _step_isolated(self) -> bool:
         """`step()`; a step that raises is isolated (`_isolate_failure`). Lock held."""
         try:
             return self.step()
+        except RankLost:
+            raise  # NOTE: not the requests' fault: the loop dies, health NOT_SERVING
         except Exception:
             log.exception("decode step failed; isolating the failing request")
             self._isolate_failure()

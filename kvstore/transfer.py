@@ -33,15 +33,20 @@ class TransferError(RuntimeError):
     """A transfer that cannot be trusted: the consumer must recompute the prompt."""
 
 
-def layout_compat_hash(spec: KVCacheSpec, model_fingerprint: bytes) -> bytes:
+def layout_compat_hash(
+    spec: KVCacheSpec, model_fingerprint: bytes, tensor_parallel_size: int = 1
+) -> bytes:
     """16 bytes identifying weights + layout; blocks move only between equal hashes. An 8-bit
-    cache's scale layout is part of it (unquantized layouts hash as they always did)."""
+    cache's scale layout and a tensor-parallel worker's rank count are part of it (`spec` is
+    then one rank's shard); unquantized single-rank layouts hash as they always did."""
     fields = struct.pack(
         "<IIII", spec.num_layers, spec.num_kv_heads, spec.head_dim, spec.block_size
     )
     body = b"pagedserve/kv-layout/v1" + model_fingerprint + fields + spec.dtype_name.encode()
     if spec.quantized:
         body += b"|scales=" + SCALE_LAYOUT.encode()
+    if tensor_parallel_size > 1:
+        body += b"|tp=%d" % tensor_parallel_size
     return hashlib.sha256(body).digest()[:16]
 
 
@@ -185,8 +190,8 @@ class BlockChunk:
 
 
 def block_bytes(cache: KVCache, block_id: int) -> bytes:
-    """One block's pages in wire layout (a copy)."""
-    return cache.block(block_id).contiguous().view(torch.uint8).numpy().tobytes()
+    """One block's pages in wire layout (a copy; from a device pool through host memory)."""
+    return cache.block(block_id).contiguous().view(torch.uint8).cpu().numpy().tobytes()
 
 
 def iter_block_chunks(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence as Seq
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -26,7 +27,7 @@ from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import quantized_bytes
 from pagedserve.model.sampler import Sampler, SamplingRow
 from pagedserve.model.sequence import Sequence, sample_request_id
-from pagedserve.model.tp_ranks import Ranks, StepPlan
+from pagedserve.model.tp_ranks import RankLost, Ranks, StepPlan
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
@@ -84,6 +85,16 @@ def weight_bytes(config: ModelConfig) -> int:
         q8_0(gguf_weights.HEAD, h, config.vocab_size) or table * size
     )  # fmt: skip
     return weights + embedding + head + h * size
+
+
+def rank_kv_cache_bytes(rank_config: ModelConfig, args: Any, ranks: int) -> int:
+    """A worker rank's KV budget from its flags (`--kv-cache-memory`, `--kv-cache-memory-
+    fraction`, `--device`): a device is each rank's own, but on CPU the tensor-parallel ranks
+    share the host's memory, so each takes 1/N of the worker's budget."""
+    budget = kv_cache_bytes(
+        rank_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction
+    )
+    return budget // ranks if args.device == "cpu" else budget
 
 
 def device_memory_bytes(device: str) -> int:
@@ -154,6 +165,16 @@ class ModelRunner:
             self.ranks.copy("copy", list(pairs))
         dispatch.copy_blocks(self.kv_cache.tensor, list(pairs))
 
+    @property
+    def kv_caches(self) -> list[KVCache] | None:
+        """Every tensor-parallel rank's KV cache, rank order, as this process sees them (rank
+        0's own and the others' shared-memory pools); None where the others' are out of reach
+        (their own devices). A runner without ranks: its one cache."""
+        if self.ranks is None:
+            return [self.kv_cache]
+        others = self.ranks.kv_caches
+        return None if others is None else [self.kv_cache, *others]
+
     def note_swaps(self, swaps: Seq[tuple[bool, Seq[tuple[int, int]]]]) -> None:
         """Swap copies (swap_in?, pairs) this rank's swapper was given, for the other
         tensor-parallel ranks to apply to their shards before the next forward."""
@@ -182,6 +203,14 @@ class ModelRunner:
         float32, one row per sampled sequence in batch order (None when none was sampled)."""
         if not batch:
             return RunnerOutput(sampled=[]), None
+        return self._execute(batch)
+
+    def check_ranks(self) -> None:
+        """RankLost if a tensor-parallel rank is gone (the worker loops call it while idle)."""
+        if self.ranks is not None:
+            self.ranks.check()
+
+    def _execute(self, batch: Seq[ScheduledSequence]) -> tuple[RunnerOutput, torch.Tensor | None]:
         input_ids, positions, meta = self._prepare(batch)
         last_rows = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
         sample_idx = [i for i, item in enumerate(batch) if item.completes]
@@ -191,11 +220,25 @@ class ModelRunner:
                          meta.block_tables.cpu(), last_rows[sample_idx].cpu()),
                 query_lens=meta.query_lens, seq_lens=meta.seq_lens,
             ))  # fmt: skip
-        hidden = self.model(input_ids, positions, self.kv_cache, meta)
+        try:
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            logits = None
+            if sample_idx:
+                logits = self.model.compute_logits(hidden[last_rows[sample_idx]]).float()
+        except Exception as exc:
+            if self.ranks is None:
+                raise
+            # NOTE: the other ranks started this step: after a failure here they may wait in a
+            # collective we never reach. A tensor-parallel forward is fail-stop: no retry.
+            self.ranks.close()
+            raise RankLost(f"tensor parallel step failed: {exc}") from exc
+        return self._sample(batch, logits, sample_idx), logits
+
+    def _sample(
+        self, batch: Seq[ScheduledSequence], logits: torch.Tensor | None, sample_idx: list[int]
+    ) -> RunnerOutput:
         sampled: list[SampledToken | None] = [None] * len(batch)
-        logits = None
-        if sample_idx:
-            logits = self.model.compute_logits(hidden[last_rows[sample_idx]]).float()
+        if logits is not None:
             seqs = [batch[i].seq for i in sample_idx]
             beams = [j for j, seq in enumerate(seqs) if seq.params.use_beam_search]
             drawn = [j for j, seq in enumerate(seqs) if not seq.params.use_beam_search]
@@ -203,7 +246,7 @@ class ModelRunner:
             tokens += self._beam_candidates([seqs[j] for j in beams], logits[beams])
             for j, token in zip([*drawn, *beams], tokens, strict=True):
                 sampled[sample_idx[j]] = token
-        return RunnerOutput(sampled=sampled), logits
+        return RunnerOutput(sampled=sampled)
 
     def _draw(self, seqs: list[Sequence], logits: torch.Tensor) -> list[SampledToken]:
         """One token per row through the sampler (and the first token of every other sample of

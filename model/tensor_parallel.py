@@ -28,7 +28,6 @@ every rank enters the same collectives in the same order.
 from __future__ import annotations
 
 import datetime
-import socket
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +39,7 @@ if TYPE_CHECKING:
 
 ROW_PARALLEL = ("o_proj", "down_proj")
 TIMEOUT = datetime.timedelta(seconds=60)  # one collective; a dead rank fails the step
+START = datetime.timedelta(seconds=300)  # every rank joins the group (spawn, imports, a busy host)
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,19 +130,28 @@ class Shard:
         return tensor
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def host_store(size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous store on a free loopback port (`.port`), made before the other
+    ranks start so that they know where it is; it waits `START` for them to join."""
+    return dist.TCPStore("127.0.0.1", 0, size, True, timeout=START, wait_for_workers=False)
 
 
 class Group:
-    """The collectives of one worker's ranks: a gloo process group over a TCP store that rank
-    0 hosts on 127.0.0.1:`port`."""
+    """The collectives of one worker's ranks: a gloo process group over the TCP store rank 0
+    hosts (`host_store`); the other ranks join it at `port`. Each collective times out after
+    `timeout` (a dead rank fails the step)."""
 
-    def __init__(self, rank: int, size: int, port: int, timeout: datetime.timedelta = TIMEOUT):
+    def __init__(
+        self,
+        rank: int,
+        size: int,
+        port: int,
+        timeout: datetime.timedelta = TIMEOUT,
+        store: dist.TCPStore | None = None,
+    ):
         self.rank, self.size = rank, size
-        store = dist.TCPStore("127.0.0.1", port, size, rank == 0, timeout=timeout)
+        if store is None:
+            store = dist.TCPStore("127.0.0.1", port, size, False, timeout=START)
         self.pg: Any = dist.ProcessGroupGloo(store, rank, size, timeout)  # NOTE: stubs lack ops
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:

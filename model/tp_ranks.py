@@ -20,16 +20,22 @@ import logging
 import multiprocessing as mp
 import os
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedserve.kernels import dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
-from pagedserve.model.config import ModelConfig, load_model_config
-from pagedserve.model.tensor_parallel import Group, Shard
+from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
+from pagedserve.kvstore.transfer import ShmKVPool
+from pagedserve.model.config import ModelConfig
+from pagedserve.model.tensor_parallel import Group, Shard, host_store
+
+if TYPE_CHECKING:
+    from pagedserve.model.runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +43,23 @@ START_TIMEOUT_S = 300.0  # a rank loads its shard of the weights before it says 
 STOP_TIMEOUT_S = 10.0
 
 
+class RankLost(RuntimeError):
+    """A tensor-parallel rank process is gone: the worker cannot step again (its loop dies,
+    health turns NOT_SERVING). Not a failure of the step's requests."""
+
+
 @dataclass(frozen=True, slots=True)
 class RankSpec:
     """What a rank process needs to build its part of the worker."""
 
-    model_dir: str
-    dtype: str | None
-    quantization: Any  # WeightQuant | None (picklable)
-    kv_cache_dtype: str | None
+    model_config: ModelConfig  # the whole model's (each rank takes its shard)
     num_blocks: int
     block_size: int
     num_swap_blocks: int
     device: str
     size: int
-    port: int
+    port: int = 0  # rank 0's store (set by `Ranks.start`)
+    segments: tuple[str, ...] = ()  # ranks 1..N-1's KV pools in shared memory (CPU), by rank 0
 
 
 @dataclass(slots=True)
@@ -75,15 +84,26 @@ def _threads(size: int) -> int:
 class Ranks:
     """Rank 0's side: the other ranks' processes and pipes, and the group they share."""
 
-    def __init__(self, processes: list[Any], pipes: list[Connection], group: Group) -> None:
+    def __init__(
+        self, processes: list[Any], pipes: list[Connection], group: Group, pools: list[ShmKVPool]
+    ) -> None:
         self.processes, self.pipes, self.group = processes, pipes, group
+        self.pools = pools  # ranks 1..N-1's KV caches, in shared memory rank 0 owns (CPU)
         self.pending: list[tuple[str, list[tuple[int, int]]]] = []
         self.closed = False
 
+    @property
+    def kv_caches(self) -> list[KVCache] | None:
+        """Ranks 1..N-1's KV caches as rank 0 sees them (shared memory), or None where they
+        are each rank's own device memory (CUDA)."""
+        return [p.cache for p in self.pools] if self.pools else None
+
     @classmethod
-    def start(cls, spec: RankSpec) -> Ranks:
-        """Spawn ranks 1..size-1, join the group as rank 0 and wait until each holds its shard.
-        Raises RuntimeError naming the rank that failed to start."""
+    def start(cls, spec: RankSpec, pools: list[ShmKVPool]) -> Ranks:
+        """Spawn ranks 1..size-1 and join the group as rank 0; `wait_ready` then waits until
+        each holds its shard. `pools`: their KV caches (owned by the returned object)."""
+        store = host_store(spec.size)
+        spec = replace(spec, port=store.port)
         ctx = mp.get_context("spawn")
         processes, pipes = [], []
         for rank in range(1, spec.size):
@@ -96,7 +116,13 @@ class Ranks:
             theirs.close()
             processes.append(proc)
             pipes.append(ours)
-        return cls(processes, pipes, Group(0, spec.size, spec.port))
+        try:
+            group = Group(0, spec.size, spec.port, store=store)
+        except BaseException:
+            for proc in processes:
+                proc.kill()
+            raise
+        return cls(processes, pipes, group, pools)
 
     def wait_ready(self) -> None:
         for rank, pipe in enumerate(self.pipes, start=1):
@@ -111,6 +137,14 @@ class Ranks:
     def alive(self) -> bool:
         return not self.closed and all(p.is_alive() for p in self.processes)
 
+    def check(self) -> None:
+        """RankLost naming the first rank that is gone (exit code), if any."""
+        for rank, proc in enumerate(self.processes, start=1):
+            if not proc.is_alive():
+                raise RankLost(f"tensor parallel rank {rank} exited (code {proc.exitcode})")
+        if self.closed:
+            raise RankLost("tensor parallel ranks were stopped")
+
     def copy(self, kind: str, pairs: list[tuple[int, int]]) -> None:
         """Queue block copies (`copy`, `swap_in`, `swap_out`) for the next step's plan."""
         if pairs:
@@ -123,7 +157,7 @@ class Ranks:
             try:
                 pipe.send(("step", plan))
             except (BrokenPipeError, EOFError, OSError) as exc:
-                raise RuntimeError(f"tensor parallel rank {rank} is gone: {exc}") from None
+                raise RankLost(f"tensor parallel rank {rank} is gone: {exc}") from None
 
     def close(self) -> None:
         """Stop the other ranks (they exit when their pipe closes, too)."""
@@ -139,6 +173,35 @@ class Ranks:
             if proc.is_alive():
                 proc.kill()
                 proc.join(STOP_TIMEOUT_S)
+        for pool in self.pools:
+            pool.close()
+        self.pools = []
+
+
+def start_runner(spec: RankSpec, *, kv_cache: KVCache | None = None) -> ModelRunner:
+    """Rank 0's runner of a tensor-parallel worker, the other ranks started beside it: every
+    rank loads its shard of the weights at the same time. On CPU the other ranks' KV caches
+    are shared-memory segments rank 0 creates (so its transfers read and write every shard);
+    `kv_cache`: rank 0's own, if the caller provides it (a prefill worker's shm pool)."""
+    from pagedserve.model.loader import load_model
+    from pagedserve.model.runner import ModelRunner, kv_cache_spec
+
+    shard = shard_model(spec.model_config, 0, spec.size)  # ValueError naming the flag
+    pools: list[ShmKVPool] = []
+    if spec.device == "cpu":
+        kv_spec = kv_cache_spec(shard, spec.block_size)
+        pools = [ShmKVPool(kv_spec, spec.num_blocks) for _ in range(1, spec.size)]
+    spec = replace(spec, segments=tuple(p.segment_name for p in pools))
+    ranks = Ranks.start(spec, pools)
+    try:
+        model = load_model(shard, spec.device)
+        model.join(ranks.group)
+        ranks.wait_ready()
+        return ModelRunner(shard, model, spec.num_blocks, spec.block_size, spec.device,
+                           kv_cache=kv_cache, ranks=ranks)  # fmt: skip
+    except BaseException:
+        ranks.close()
+        raise
 
 
 def rank_main(pipe: Connection, spec: RankSpec, rank: int) -> None:
@@ -146,16 +209,17 @@ def rank_main(pipe: Connection, spec: RankSpec, rank: int) -> None:
     sends until it says stop or its pipe closes."""
     from pagedserve.kvstore.swap_space import SwapSpace
     from pagedserve.model.loader import load_model
-    from pagedserve.model.runner import ModelRunner
+    from pagedserve.model.runner import ModelRunner, kv_cache_spec
 
     torch.set_num_threads(_threads(spec.size))
     try:
         group = Group(rank, spec.size, spec.port)
-        full = load_model_config(spec.model_dir, spec.dtype, spec.quantization, spec.kv_cache_dtype)
-        config = shard_model(full, rank, spec.size)
+        config = shard_model(spec.model_config, rank, spec.size)
         model = load_model(config, spec.device)
         model.join(group)
-        runner = ModelRunner(config, model, spec.num_blocks, spec.block_size, spec.device)
+        cache = _attach(kv_cache_spec(config, spec.block_size), spec, rank)
+        runner = ModelRunner(config, model, spec.num_blocks, spec.block_size, spec.device,
+                             kv_cache=cache)  # fmt: skip
         swap = SwapSpace(runner.spec, spec.num_swap_blocks) if spec.num_swap_blocks else None
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises
         pipe.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -173,6 +237,23 @@ def rank_main(pipe: Connection, spec: RankSpec, rank: int) -> None:
         except Exception:  # noqa: BLE001 - the others see this rank leave the group
             log.error("tensor parallel rank %d failed:\n%s", rank, traceback.format_exc())
             os._exit(1)
+
+
+def _attach(kv_spec: KVCacheSpec, spec: RankSpec, rank: int) -> KVCache | None:
+    """This rank's KV cache in the segment rank 0 made for it (None: allocate our own)."""
+    if not spec.segments:
+        return None
+    # NOTE: rank 0 owns and unlinks it; a spawned rank shares rank 0's resource tracker, where
+    # the segment is registered once, so this rank neither unregisters nor unlinks it
+    shm = shared_memory.SharedMemory(name=spec.segments[rank - 1])
+    _segments.append(shm)
+    size = kv_spec.bytes_per_block * spec.num_blocks
+    flat = torch.frombuffer(shm.buf, dtype=torch.uint8, count=size)
+    tensor = flat.view(kv_spec.storage_dtype).view(kv_spec.storage_shape(spec.num_blocks))
+    return KVCache(kv_spec, spec.num_blocks, tensor=tensor)
+
+
+_segments: list[shared_memory.SharedMemory] = []  # a rank process's mapped pool, kept open
 
 
 def _run(runner: Any, swap: Any, plan: StepPlan) -> None:

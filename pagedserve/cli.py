@@ -7,7 +7,11 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.config import add_kv_cache_dtype_argument, add_quantization_arguments
+from pagedserve.config import (
+    add_kv_cache_dtype_argument,
+    add_quantization_arguments,
+    add_tensor_parallel_argument,
+)
 
 if TYPE_CHECKING:
     from pagedserve.client import Client
@@ -104,6 +108,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_quantization_arguments(p)  # NOTE: in-process only
     add_kv_cache_dtype_argument(p)  # NOTE: in-process only
+    add_tensor_parallel_argument(p)  # NOTE: in-process only
     _add_client_arguments(p)
     p.set_defaults(func=_run_generate)
 
@@ -220,17 +225,20 @@ def _run_generate(args: argparse.Namespace) -> int:
     config = DecodeEngineConfig(
         block_size=args.block_size, num_blocks=args.num_blocks, dtype=args.dtype,
         quantization=weight_quant_from_args(args), kv_cache_dtype=args.kv_cache_dtype,
-        num_swap_blocks=0,
+        num_swap_blocks=0, tensor_parallel_size=args.tensor_parallel_size,
     )  # fmt: skip
-    engine = DecodeEngine.from_model_dir(args.model, config)
     tokenizer = AutoTokenizer.from_pretrained(args.model, local_files_only=True)
-    seq = engine.new_sequence(tokenizer(prompt)["input_ids"], params)  # validates the request
-    if not engine.would_fit(seq.num_prompt_tokens, params.max_tokens):
-        worst_case = seq.num_prompt_tokens + params.max_tokens
-        raise InvalidArgument("max_tokens", f"{worst_case} tokens cannot fit in the KV cache")
-    engine.add_sequence(seq)
-    while engine.has_unfinished:
-        engine.step()
+    engine = DecodeEngine.from_model_dir(args.model, config)
+    try:  # NOTE: close() stops the tensor-parallel ranks and frees their shared KV pages
+        seq = engine.new_sequence(tokenizer(prompt)["input_ids"], params)  # validates it
+        if not engine.would_fit(seq.num_prompt_tokens, params.max_tokens):
+            worst_case = seq.num_prompt_tokens + params.max_tokens
+            raise InvalidArgument("max_tokens", f"{worst_case} tokens cannot fit in the KV cache")
+        engine.add_sequence(seq)
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        engine.close()
     print(tokenizer.decode(seq.output_token_ids, skip_special_tokens=True))
     return 0
 

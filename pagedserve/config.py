@@ -89,6 +89,16 @@ def add_kv_cache_dtype_argument(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def add_tensor_parallel_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--tensor-parallel-size", "-tp", dest="tensor_parallel_size", type=positive_int,
+        default=1, metavar="N",
+        help="rank processes that each hold a shard of the weights and KV heads (Megatron-style; "
+        "gloo on CPU); must divide the attention heads, MLP features and vocabulary; prefill "
+        "and decode workers must use the same size to hand KV off",
+    )  # fmt: skip
+
+
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags every model-running worker shares."""
     parser.add_argument(
@@ -99,6 +109,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_quantization_arguments(parser)
     add_kv_cache_dtype_argument(parser)
+    add_tensor_parallel_argument(parser)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--block-size", type=positive_int, default=16)
     parser.add_argument("--max-num-batched-tokens", type=positive_int, default=2048)

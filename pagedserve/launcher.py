@@ -34,6 +34,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve.config import (
     add_kv_cache_dtype_argument,
     add_quantization_arguments,
+    add_tensor_parallel_argument,
     add_tls_arguments,
     parse_bytes,
 )
@@ -89,9 +90,10 @@ class Child:
     segments: list[str] = field(default_factory=list)  # /dev/shm KV pools it owns (prefill)
 
     def note_segments(self) -> None:
-        """Remember the KV segments a prefill worker created. NOTE: only a prefill worker's
-        own: a decode worker maps the prefill workers' segments, which it must not remove."""
-        if self.name.startswith("prefill"):
+        """Remember the KV segments a worker created (a prefill worker's pool, and with
+        tensor parallelism its other ranks' pools). NOTE: called when it says READY, before a
+        decode worker has mapped any prefill worker's segment (which it must not remove)."""
+        if self.name.startswith(("prefill", "decode")):
             self.segments = shm_segments(self.proc.pid)
 
 
@@ -183,7 +185,8 @@ def _await_ready(child: Child, timeout_s: float, stop: threading.Event | None = 
 
 def shm_segments(pid: int) -> list[str]:
     """The pagedserve KV segments (/dev/shm files) process `pid` maps: a prefill worker's pool,
-    which a SIGKILL leaves behind for whoever restarts it to remove."""
+    a tensor-parallel worker's ranks' pools, which a SIGKILL leaves behind for whoever restarts
+    it to remove."""
     try:
         maps = Path(f"/proc/{pid}/maps").read_text()
     except OSError:
@@ -349,10 +352,13 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
 
 
 def _worker_flags(role: str, args: argparse.Namespace) -> list[str]:
-    """Flags of `up` that a prefill or decode worker takes (its KV memory, its eviction)."""
+    """Flags of `up` that a prefill or decode worker takes (its KV memory, its eviction, its
+    tensor-parallel ranks)."""
     flags = _memory_flags(role, args)
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         flags += ["--kv-cache-dtype", args.kv_cache_dtype]
+    if getattr(args, "tensor_parallel_size", 1) != 1:
+        flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if getattr(args, "eviction_policy", None):
         flags += ["--eviction-policy", args.eviction_policy]
     return flags
@@ -538,6 +544,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     add_quantization_arguments(parser)  # NOTE: passed to the router and every worker
     add_kv_cache_dtype_argument(parser)  # NOTE: passed to every worker
+    add_tensor_parallel_argument(parser)  # NOTE: passed to every worker, not the router
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
     parser.add_argument(
         "--swap-space", type=float, default=None,

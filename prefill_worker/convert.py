@@ -6,7 +6,7 @@ import time
 from dataclasses import dataclass
 
 from pagedserve.kvstore.kv_cache import SCALE_LAYOUT
-from pagedserve.kvstore.transfer import BlockChunk
+from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
 from pagedserve.model.convert import finish_reason_to_proto, logprobs_to_proto
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.worker import PrefillResult
@@ -99,25 +99,33 @@ def kv_handle(
             block_size=spec.block_size,
             compat_hash=engine.compat_hash,
             scale_layout=SCALE_LAYOUT if spec.quantized else "",
+            tensor_parallel_size=engine.config.tensor_parallel_size,
         ),
         lease_expires_unix_ms=result.lease_expires_unix_ms,
         grpc=common_pb2.GrpcTransport(address=me.address),
         trace_context=trace_context,
     )
-    if engine.shm_pool is not None:
-        offer = engine.shm_pool.offer()
-        handle.shm.CopyFrom(
-            common_pb2.ShmTransport(
-                segment_name=offer.segment_name,
-                host_id=offer.host_id,
-                pool_offset_bytes=offer.pool_offset_bytes,
-                num_blocks=offer.num_blocks,
-                block_stride_bytes=offer.block_stride_bytes,
-                layer_stride_bytes=offer.layer_stride_bytes,
-                kv_stride_bytes=offer.kv_stride_bytes,
-            )
+    offers = engine.shm_offers()
+    if offers:
+        handle.shm.CopyFrom(shm_transport(offers[0]))
+    if engine.config.tensor_parallel_size > 1:
+        handle.shards.extend(
+            common_pb2.KvShard(rank=rank, shm=shm_transport(offer) if offer else None)
+            for rank, offer in enumerate(offers or [None] * engine.config.tensor_parallel_size)
         )
     return handle
+
+
+def shm_transport(offer: ShmOffer) -> common_pb2.ShmTransport:
+    return common_pb2.ShmTransport(
+        segment_name=offer.segment_name,
+        host_id=offer.host_id,
+        pool_offset_bytes=offer.pool_offset_bytes,
+        num_blocks=offer.num_blocks,
+        block_stride_bytes=offer.block_stride_bytes,
+        layer_stride_bytes=offer.layer_stride_bytes,
+        kv_stride_bytes=offer.kv_stride_bytes,
+    )
 
 
 def kv_chunk(chunk: BlockChunk) -> prefill_pb2.KvChunk:

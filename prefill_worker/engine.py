@@ -27,7 +27,7 @@ from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.kvstore.transfer import ShmKVPool, layout_compat_hash
+from pagedserve.kvstore.transfer import ShmKVPool, ShmOffer, layout_compat_hash
 from pagedserve.model.batch import RunnerOutput, StepPlan
 from pagedserve.model.config import ModelConfig, load_model_config
 from pagedserve.model.llama import LlamaForCausalLM
@@ -35,6 +35,7 @@ from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
 from pagedserve.model.sequence import Sequence, make_sequence, sample_request_ids
+from pagedserve.model.tp_ranks import RankSpec, shard_model, start_runner
 from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from pagedserve.sampling_params import SamplingParams
 
@@ -52,6 +53,11 @@ class PrefillEngineConfig:
     max_lease_seconds: float = 300.0
     use_shm: bool = True  # allocate the pool in shared memory (offer the shm transport)
     max_queued_requests: int = 1024  # the worker's admission limit
+    tensor_parallel_size: int = 1  # rank processes holding a shard each (model/tp_ranks.py)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
 
 
 @dataclass(slots=True)
@@ -70,28 +76,31 @@ class PrefillEngine:
     def __init__(
         self,
         model_config: ModelConfig,
-        model: LlamaForCausalLM,
+        model: LlamaForCausalLM | None,
         config: PrefillEngineConfig,
         *,
         device: str = "cpu",
         revision: str = "",
     ) -> None:
+        """`model` None: built here as `config.tensor_parallel_size` rank processes, each
+        loading its shard (model/tp_ranks.py)."""
         self.model_config = model_config
         self.config = config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
         self.fingerprint = model_config.fingerprint(revision)
-        spec = kv_cache_spec(model_config, config.block_size)
+        size = config.tensor_parallel_size
+        rank_config = model.config if model is not None else shard_model(model_config, 0, size)
+        spec = kv_cache_spec(rank_config, config.block_size)
         # NOTE: shared memory is host memory; on CUDA the pool stays on the device (cuda_ipc later)
         self.shm_pool = ShmKVPool(spec, config.num_blocks) if config.use_shm else None
-        self.runner = ModelRunner(
-            model_config,
-            model,
-            config.num_blocks,
-            config.block_size,
-            device,
-            kv_cache=self.shm_pool.cache if self.shm_pool else None,
-        )
-        self.compat_hash = layout_compat_hash(spec, self.fingerprint)
+        own_cache = self.shm_pool.cache if self.shm_pool else None
+        if model is not None:
+            self.runner = ModelRunner(rank_config, model, config.num_blocks, config.block_size,
+                                      device, kv_cache=own_cache)  # fmt: skip
+        else:
+            ranks = RankSpec(model_config, config.num_blocks, config.block_size, 0, device, size)
+            self.runner = start_runner(ranks, kv_cache=own_cache)
+        self.compat_hash = layout_compat_hash(spec, self.fingerprint, size)
         self.pool = BlockPool(
             config.num_blocks, config.block_size, eviction_policy=config.eviction_policy
         )
@@ -120,7 +129,7 @@ class PrefillEngine:
         kv_cache_dtype: str | None = None,
     ) -> PrefillEngine:
         model_config = load_model_config(model_dir, dtype, quantization, kv_cache_dtype)
-        model = load_model(model_config, device)
+        model = load_model(model_config, device) if config.tensor_parallel_size == 1 else None
         return cls(model_config, model, config, device=device, revision=revision)
 
     # ---- requests -------------------------------------------------------------------------
@@ -215,6 +224,16 @@ class PrefillEngine:
 
     # ---- state ----------------------------------------------------------------------------
 
+    def shm_offers(self) -> list[ShmOffer]:
+        """Where every tensor-parallel rank's pool lies in shared memory, rank order (one
+        entry for one rank); empty when the pools are not all there (no shm, or CUDA)."""
+        if self.shm_pool is None:
+            return []
+        others = self.runner.ranks.pools if self.runner.ranks is not None else []
+        if len(others) != self.config.tensor_parallel_size - 1:
+            return []
+        return [self.shm_pool.offer(), *(pool.offer() for pool in others)]
+
     def check_integrity(self) -> None:
         """Raise RuntimeError unless the pool's counts agree."""
         self.pool.check_integrity()
@@ -234,7 +253,9 @@ class PrefillEngine:
         return sum(1 for h in hashes if self.pool.lookup(h) is not None)
 
     def close(self) -> None:
-        """Release the shared-memory segment (nothing may read it afterwards)."""
+        """Stop the other tensor-parallel ranks and release the shared-memory segments
+        (nothing may read them afterwards)."""
+        self.runner.close()
         if self.shm_pool is not None:
             self.runner.kv_cache = None  # type: ignore[assignment]
             self.shm_pool.close()

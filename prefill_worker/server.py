@@ -18,6 +18,7 @@ import logging
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pagedserve.cluster import ClusterMember, join, model_key
@@ -44,7 +45,8 @@ from pagedserve.model.config import load_model_config
 from pagedserve.model.core_share import one_torch_thread, open_core_share
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import weight_quant_from_args
-from pagedserve.model.runner import kv_cache_bytes, kv_cache_spec
+from pagedserve.model.runner import kv_cache_spec, rank_kv_cache_bytes
+from pagedserve.model.tp_ranks import RankLost, shard_model
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, worker_load
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
@@ -81,10 +83,10 @@ def build_engine(args: argparse.Namespace) -> PrefillEngine:
     model_config = load_model_config(
         args.model, args.dtype, weight_quant_from_args(args), args.kv_cache_dtype
     )
-    spec = kv_cache_spec(model_config, args.block_size)
-    memory = kv_cache_bytes(
-        model_config, args.device, args.kv_cache_memory, args.kv_cache_memory_fraction
-    )
+    ranks = args.tensor_parallel_size
+    rank_config = shard_model(model_config, 0, ranks) if ranks > 1 else model_config
+    spec = kv_cache_spec(rank_config, args.block_size)
+    memory = rank_kv_cache_bytes(rank_config, args, ranks)
     num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(memory)
     if num_blocks < 1:
         raise ValueError("kv-cache-memory: too small for one block")
@@ -98,8 +100,9 @@ def build_engine(args: argparse.Namespace) -> PrefillEngine:
         eviction_policy=EvictionPolicy(args.eviction_policy),
         lease_seconds=args.kv_lease_seconds,
         use_shm=not args.no_shm and args.device == "cpu",
+        tensor_parallel_size=ranks,
     )
-    model = load_model(model_config, args.device)
+    model = load_model(model_config, args.device) if ranks == 1 else None
     return PrefillEngine(model_config, model, config, device=args.device, revision=args.revision)
 
 
@@ -142,6 +145,8 @@ async def serve(
     me = Identity(worker_id, new_incarnation(), address)
     servicer.me = me
     cluster = await asyncio.to_thread(_join_cluster, args, worker, me)
+    ready_hook = worker.on_loop_death
+    worker.on_loop_death = lambda: _on_loop_death(ready_hook, worker.death, stop)
     worker.start()
     try:
         await asyncio.to_thread(_warm_up, worker, warmup, cluster)
@@ -167,7 +172,19 @@ async def serve(
     await handle.server.stop(grace=1.0)
     worker.close()
     tracing.shutdown()
-    return 0
+    return 1 if isinstance(worker.death, RankLost) else 0
+
+
+def _on_loop_death(
+    ready_hook: Callable[[], None] | None, death: BaseException | None, stop: threading.Event
+) -> None:
+    """Health NOT_SERVING; a lost tensor-parallel rank also stops the worker (it cannot step
+    again: exiting lets `pagedserve up` or Kubernetes start it afresh)."""
+    if ready_hook is not None:
+        ready_hook()
+    if isinstance(death, RankLost):
+        log.error("stopping: %s", death)
+        stop.set()
 
 
 async def build_grpc_server(

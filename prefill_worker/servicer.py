@@ -116,9 +116,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         if block_ids is None:
             await self._abort_dead_lease(request.handle_id, context)
             return
+        caches = self.worker.engine.runner.kv_caches or []
+        if request.rank >= len(caches):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"rank: {request.rank} is not a rank whose KV this worker can read "
+                f"(0..{len(caches) - 1})",
+            )
         max_chunk = min(request.max_chunk_bytes or DEFAULT_CHUNK_BYTES, MAX_CHUNK_BYTES)
         chunks = iter_block_chunks(
-            self.worker.engine.runner.kv_cache, block_ids, max_chunk, list(request.block_indices)
+            caches[request.rank], block_ids, max_chunk, list(request.block_indices)
         )
         for chunk in chunks:
             yield convert.kv_chunk(chunk)

@@ -39,6 +39,7 @@ from pagedserve.model.batch import RunnerOutput, StepPlan
 from pagedserve.model.core_share import CoreShare
 from pagedserve.model.sampler import GeneratorStates
 from pagedserve.model.sequence import RequestId, Sequence, sample_request_ids
+from pagedserve.model.tp_ranks import RankLost
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
 from pagedserve.sampling_params import SamplingParams
@@ -92,6 +93,7 @@ class PrefillWorker:
         self._stop = False
         self.engine_loop = EngineLoop("prefill-loop")  # NOTE: a server runs it on the main thread
         self.dead = False  # the loop thread died: this worker can prefill nothing more
+        self.death: BaseException | None = None  # what killed the loop
         self.on_loop_death: Callable[[], None] | None = None
         self.core_share: CoreShare | None = None  # the host's cores, lent between workers
         self.on_events: Callable[[list[BlockEvent]], None] | None = None
@@ -237,19 +239,23 @@ class PrefillWorker:
                         self.core_share.idle()
                     while not self._stop and not self.engine.has_unfinished:
                         self._wake.wait(0.5)
+                        self.engine.runner.check_ranks()  # NOTE: a dead rank kills the loop
                     if self._stop:
                         return
                     if self.core_share is not None:
                         self.core_share.busy()
                 try:
                     self.step()
+                except RankLost:
+                    raise  # NOTE: not the prompts' fault: the loop dies, health NOT_SERVING
                 except Exception:
                     # NOTE: not a forward (those are isolated in `step`): bookkeeping may be
                     # half done, so no prompt in flight can be trusted
                     log.exception("prefill step failed outside the forward; failing all")
                     self._fail_all(lambda rid: PrefillFailed(rid, "prefill step failed"))
-        except BaseException:
+        except BaseException as exc:
             log.exception("prefill loop died; failing every prompt in flight")
+            self.death = exc
             self._die()
 
     def _die(self) -> None:
@@ -275,6 +281,8 @@ class PrefillWorker:
         )
         try:
             output = self.engine.execute(plan)
+        except RankLost:
+            raise
         except Exception:
             log.exception(
                 "prefill step of %d prompts failed; running each alone", len(plan.scheduled)

@@ -135,6 +135,13 @@ MATRIX: dict[str, list[str]] = {
         "decode.updateStrategy.rollingUpdate.maxSurge=0",
         "decode.updateStrategy.rollingUpdate.maxUnavailable=1",
     ),
+    # two tensor-parallel ranks per worker pod, a GPU each
+    "tensor-parallel-gpu": _set(
+        "gpu.enabled=true",
+        "image.tag=0.1.0-cu128",
+        "prefill.tensorParallelSize=2",
+        "decode.tensorParallelSize=2",
+    ),
     "hpa": _set(
         *(f"{role}.autoscaling.enabled=true" for role in (*ROLES, "gateway")),
         "metrics.enabled=true",
@@ -1359,6 +1366,8 @@ def test_inconsistent_values_are_refused(tools: Tools, values: list[str], needle
         (["gateway.httpRoute.enabled=true"], "parentRefs"),
         (["router.autoscaling.queueDepth.enabled=true"], "queueDepth"),
         (["decode.autoscaling.queueDepth.averageValue=-1"], "averageValue"),
+        (["decode.tensorParallelSize=0"], "tensorParallelSize"),
+        (["router.tensorParallelSize=2"], "tensorParallelSize"),
     ],
 )
 @pytest.mark.parametrize("major", ["helm4", "helm3"])
@@ -1596,3 +1605,44 @@ def test_kv_cache_dtype_reaches_both_workers_not_the_router(
         args = expand(without_pending_flags(role, container(docs, role)["args"]))
         assert build_parser().parse_args(args).kv_cache_dtype == "int8", role
     assert "--kv-cache-dtype" not in container(docs, "router")["args"]
+
+
+def test_tensor_parallel_size_reaches_its_role_and_its_gpu_count(
+    renders: dict[str, list[Doc]], tools: Tools
+) -> None:
+    """`tensorParallelSize` is per worker role: `--tensor-parallel-size N` (parsed by the real
+    CLI) and, with GPUs, one GPU per rank in place of `gpu.count`; the router gets neither.
+    Unset (1), no flag is rendered and the pod keeps `gpu.count`."""
+
+    def parsed(docs: list[Doc], role: str) -> argparse.Namespace:
+        return build_parser().parse_args(
+            expand(without_pending_flags(role, container(docs, role)["args"]))
+        )
+
+    def gpus(docs: list[Doc], role: str) -> tuple[int | None, int | None]:
+        resources = container(docs, role)["resources"]
+        limits, requests = resources.get("limits", {}), resources.get("requests", {})
+        return limits.get("nvidia.com/gpu"), requests.get("nvidia.com/gpu")
+
+    for role in ("prefill", "decode"):
+        assert "--tensor-parallel-size" not in container(renders["gpu"], role)["args"]
+        assert parsed(renders["gpu"], role).tensor_parallel_size == 1
+        assert gpus(renders["gpu"], role) == (1, 1)
+    docs = renders["tensor-parallel-gpu"]
+    for role in ("prefill", "decode"):
+        assert flag(container(docs, role)["args"], "--tensor-parallel-size") == "2", role
+        assert parsed(docs, role).tensor_parallel_size == 2, role
+        assert gpus(docs, role) == (2, 2), role
+    assert "--tensor-parallel-size" not in container(docs, "router")["args"]
+    assert gpus(docs, "router") == (None, None)
+    # per role: decode alone, over a gpu.count of 3 that prefill keeps
+    docs = render(
+        tools.helm4, [*MATRIX["gpu"], *_set("gpu.count=3", "decode.tensorParallelSize=4")]
+    )
+    assert (parsed(docs, "decode").tensor_parallel_size, gpus(docs, "decode")) == (4, (4, 4))
+    assert (parsed(docs, "prefill").tensor_parallel_size, gpus(docs, "prefill")) == (1, (3, 3))
+    # on CPU (gloo ranks): the flag, and no GPU anywhere
+    docs = render(tools.helm4, _set("prefill.tensorParallelSize=2", "decode.tensorParallelSize=2"))
+    for role in ("prefill", "decode"):
+        assert flag(container(docs, role)["args"], "--tensor-parallel-size") == "2", role
+        assert gpus(docs, role) == (None, None), role

@@ -120,6 +120,10 @@ def test_compat_hash_separates_layouts_and_models():
     fp8 = KVCacheSpec(2, 2, 4, 4, torch.float8_e4m3fn)
     eight_bit = {layout_compat_hash(spec, b"model-a") for spec in (int8, fp8)}
     assert len({base, *eight_bit}) == 3
+    # a rank's shard of a tensor-parallel worker: the rank count is part of it (TP 2 of one
+    # replicated KV head has TP 1's shape, but not its hand-off)
+    assert layout_compat_hash(SPEC, b"model-a", 1) == base
+    assert len({base, *(layout_compat_hash(SPEC, b"model-a", n) for n in (2, 4))}) == 3
 
 
 INT8 = KVCacheSpec(num_layers=2, num_kv_heads=2, head_dim=4, block_size=4, dtype=torch.int8)

@@ -145,6 +145,8 @@ app.kubernetes.io/part-of: pagedserve
 {{- end }}
 {{- with $v.model.maxModelLen }}{{ $args = concat $args (list "--max-model-len" (toString (int .))) }}{{ end -}}
 {{- with $v.model.kvCacheDtype }}{{ $args = concat $args (list "--kv-cache-dtype" .) }}{{ end -}}
+{{- $tp := int (default 1 .values.tensorParallelSize) -}}
+{{- if gt $tp 1 }}{{ $args = concat $args (list "--tensor-parallel-size" (toString $tp)) }}{{ end -}}
 {{- with .values.numGpuBlocksOverride }}{{ $args = concat $args (list "--num-gpu-blocks-override" (toString (int .))) }}{{ end -}}
 {{- $args = append $args (ternary "--enable-prefix-caching" "--no-enable-prefix-caching" .values.enablePrefixCaching) -}}
 {{- $args = concat $args (list "--eviction-policy" .values.evictionPolicy) -}}
@@ -304,7 +306,9 @@ spec:
           resources:
             {{- $resources := deepCopy $v.resources }}
             {{- if $gpu }}
-            {{- $gpuCount := dict $root.Values.gpu.resourceName (int $root.Values.gpu.count) }}
+            {{- /* NOTE: one GPU per tensor-parallel rank */}}
+            {{- $tp := int (default 1 $v.tensorParallelSize) }}
+            {{- $gpuCount := dict $root.Values.gpu.resourceName (ternary $tp (int $root.Values.gpu.count) (gt $tp 1)) }}
             {{- $_ := set $resources "limits" (merge (default (dict) $resources.limits) $gpuCount) }}
             {{- $_ := set $resources "requests" (merge (default (dict) $resources.requests) $gpuCount) }}
             {{- end }}

@@ -122,7 +122,7 @@ class TokenIds(_message.Message):
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class KvLayout(_message.Message):
-    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "compat_hash", "scale_layout")
+    __slots__ = ("num_layers", "num_kv_heads", "head_dim", "dtype", "block_size", "compat_hash", "scale_layout", "tensor_parallel_size")
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     HEAD_DIM_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class KvLayout(_message.Message):
     BLOCK_SIZE_FIELD_NUMBER: _ClassVar[int]
     COMPAT_HASH_FIELD_NUMBER: _ClassVar[int]
     SCALE_LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     num_layers: int
     num_kv_heads: int
     head_dim: int
@@ -137,7 +138,8 @@ class KvLayout(_message.Message):
     block_size: int
     compat_hash: bytes
     scale_layout: str
-    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., compat_hash: _Optional[bytes] = ..., scale_layout: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., dtype: _Optional[str] = ..., block_size: _Optional[int] = ..., compat_hash: _Optional[bytes] = ..., scale_layout: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class ShmTransport(_message.Message):
     __slots__ = ("segment_name", "host_id", "pool_offset_bytes", "num_blocks", "block_stride_bytes", "layer_stride_bytes", "kv_stride_bytes")
@@ -164,7 +166,7 @@ class GrpcTransport(_message.Message):
     def __init__(self, address: _Optional[str] = ...) -> None: ...
 
 class KvHandle(_message.Message):
-    __slots__ = ("version", "handle_id", "producer_id", "producer_incarnation", "producer_address", "request_id", "num_tokens", "block_size", "block_ids", "block_hashes", "layout", "lease_expires_unix_ms", "shm", "grpc", "trace_context")
+    __slots__ = ("version", "handle_id", "producer_id", "producer_incarnation", "producer_address", "request_id", "num_tokens", "block_size", "block_ids", "block_hashes", "layout", "lease_expires_unix_ms", "shm", "grpc", "trace_context", "shards")
     class TraceContextEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +189,7 @@ class KvHandle(_message.Message):
     SHM_FIELD_NUMBER: _ClassVar[int]
     GRPC_FIELD_NUMBER: _ClassVar[int]
     TRACE_CONTEXT_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     handle_id: str
     producer_id: str
@@ -202,7 +205,16 @@ class KvHandle(_message.Message):
     shm: ShmTransport
     grpc: GrpcTransport
     trace_context: _containers.ScalarMap[str, str]
-    def __init__(self, version: _Optional[int] = ..., handle_id: _Optional[str] = ..., producer_id: _Optional[str] = ..., producer_incarnation: _Optional[str] = ..., producer_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., shm: _Optional[_Union[ShmTransport, _Mapping]] = ..., grpc: _Optional[_Union[GrpcTransport, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    shards: _containers.RepeatedCompositeFieldContainer[KvShard]
+    def __init__(self, version: _Optional[int] = ..., handle_id: _Optional[str] = ..., producer_id: _Optional[str] = ..., producer_incarnation: _Optional[str] = ..., producer_address: _Optional[str] = ..., request_id: _Optional[str] = ..., num_tokens: _Optional[int] = ..., block_size: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., block_hashes: _Optional[_Iterable[bytes]] = ..., layout: _Optional[_Union[KvLayout, _Mapping]] = ..., lease_expires_unix_ms: _Optional[int] = ..., shm: _Optional[_Union[ShmTransport, _Mapping]] = ..., grpc: _Optional[_Union[GrpcTransport, _Mapping]] = ..., trace_context: _Optional[_Mapping[str, str]] = ..., shards: _Optional[_Iterable[_Union[KvShard, _Mapping]]] = ...) -> None: ...
+
+class KvShard(_message.Message):
+    __slots__ = ("rank", "shm")
+    RANK_FIELD_NUMBER: _ClassVar[int]
+    SHM_FIELD_NUMBER: _ClassVar[int]
+    rank: int
+    shm: ShmTransport
+    def __init__(self, rank: _Optional[int] = ..., shm: _Optional[_Union[ShmTransport, _Mapping]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
     __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "num_requests_swapped", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "reported_at_unix_ms", "accepts_prefill_here")

@@ -38,16 +38,18 @@ class PrefillResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
-    __slots__ = ("handle_id", "producer_incarnation", "block_indices", "max_chunk_bytes")
+    __slots__ = ("handle_id", "producer_incarnation", "block_indices", "max_chunk_bytes", "rank")
     HANDLE_ID_FIELD_NUMBER: _ClassVar[int]
     PRODUCER_INCARNATION_FIELD_NUMBER: _ClassVar[int]
     BLOCK_INDICES_FIELD_NUMBER: _ClassVar[int]
     MAX_CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    RANK_FIELD_NUMBER: _ClassVar[int]
     handle_id: str
     producer_incarnation: str
     block_indices: _containers.RepeatedScalarFieldContainer[int]
     max_chunk_bytes: int
-    def __init__(self, handle_id: _Optional[str] = ..., producer_incarnation: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ...) -> None: ...
+    rank: int
+    def __init__(self, handle_id: _Optional[str] = ..., producer_incarnation: _Optional[str] = ..., block_indices: _Optional[_Iterable[int]] = ..., max_chunk_bytes: _Optional[int] = ..., rank: _Optional[int] = ...) -> None: ...
 
 class KvChunk(_message.Message):
     __slots__ = ("block_index", "block_id", "data", "offset", "last_of_block")

@@ -1,0 +1,103 @@
+"""KV hand-off between tensor-parallel workers as real processes, the test playing the router:
+a TP-2 prefill worker offering only gRPC streams each rank's shard (`PullKvRequest.rank`) to a
+TP-2 decode worker, whose greedy tokens equal transformers' with nothing recomputed; a TP-1
+producer's hand-off is refused by the TP-2 decode worker (recomputed, same tokens, the reason
+naming the flag); a rank the producer does not have is INVALID_ARGUMENT naming `rank`."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+import torch
+from oracle import hf_greedy, make_prompts
+from worker_processes import spawn, wait_ready, wait_until
+
+from pagedserve.protoconv import sampling_to_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+
+TIMEOUT_S = 60
+MAX_TOKENS = 32  # = oracle.NEW_TOKENS
+
+
+@pytest.fixture(scope="module")
+def workers(tiny_llama, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("tp-logs")
+    common = ["--model", str(tiny_llama), "--block-size", "16", "--num-gpu-blocks-override", "256",
+              "--drain-timeout", "1"]  # fmt: skip
+    procs = {
+        "prefill-tp2": spawn("prefill", [*common, "-tp", "2", "--no-shm"], logs / "p2.log"),
+        "prefill-tp1": spawn("prefill", common, logs / "p1.log"),
+        "decode": spawn("decode", [*common, "-tp", "2", "--swap-space", "0.01"], logs / "d.log"),
+    }
+    try:
+        for proc in procs.values():
+            wait_ready(proc)
+        yield procs, {name: grpc.insecure_channel(p.address) for name, p in procs.items()}
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+def play_router(workers, producer: str, request_id: str, prompt: list[int]):
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
+    request = common_pb2.WorkerRequest(
+        request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params)
+    )
+    stub = prefill_pb2_grpc.PrefillWorkerStub(workers[1][producer])
+    prefilled = stub.Prefill(prefill_pb2.PrefillRequest(request=request), timeout=TIMEOUT_S)
+    decode = decode_pb2.DecodeRequest(
+        request=request, first_token=prefilled.first_token, kv_handle=prefilled.kv_handle
+    )
+    responses = list(
+        decode_pb2_grpc.DecodeWorkerStub(workers[1]["decode"]).Decode(decode, timeout=TIMEOUT_S)
+    )
+    tokens = [prefilled.first_token] + [t for r in responses for t in r.token_ids]
+    return prefilled.kv_handle, tokens, any(r.recomputed_prompt for r in responses)
+
+
+def used_blocks(workers) -> int:
+    stub = decode_pb2_grpc.DecodeWorkerStub(workers[1]["decode"])
+    load = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    return load.kv_blocks_total - load.kv_blocks_free - load.kv_blocks_cached
+
+
+def test_two_ranks_hand_off_over_grpc_rank_by_rank(workers, tiny_llama):
+    for i, prompt in enumerate(make_prompts((7, 33, 90), seed=41)):
+        handle, tokens, recomputed = play_router(workers, "prefill-tp2", f"tp2-{i}", prompt)
+        assert handle.layout.tensor_parallel_size == 2 and len(handle.shards) == 2
+        assert not handle.HasField("shm") and not handle.shards[1].HasField("shm")
+        assert tokens == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
+        assert not recomputed, "the hand-off must be used, not recomputed"
+    assert wait_until(lambda: used_blocks(workers) == 0)
+
+
+def test_a_one_rank_producer_is_refused_and_recomputed(workers, tiny_llama):
+    [prompt] = make_prompts((40,), seed=42)
+    handle, tokens, recomputed = play_router(workers, "prefill-tp1", "tp1-0", prompt)
+    assert handle.layout.tensor_parallel_size in (0, 1) and not handle.shards
+    assert tokens == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
+    assert recomputed
+    log = workers[0]["decode"].log_path.read_text()
+    assert "the producer has 1 tensor-parallel ranks, we have 2" in log
+    assert "--tensor-parallel-size" in log
+
+
+def test_pulling_a_rank_the_producer_does_not_have_names_the_field(workers):
+    stub = prefill_pb2_grpc.PrefillWorkerStub(workers[1]["prefill-tp2"])
+    [prompt] = make_prompts((20,), seed=43)
+    request = common_pb2.WorkerRequest(
+        request_id="rank-oob", prompt_token_ids=prompt,
+        sampling=sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=2)),
+    )  # fmt: skip
+    handle = stub.Prefill(
+        prefill_pb2.PrefillRequest(request=request, lease_seconds=30), timeout=TIMEOUT_S
+    ).kv_handle
+    pull = prefill_pb2.PullKvRequest(
+        handle_id=handle.handle_id, producer_incarnation=handle.producer_incarnation, rank=2
+    )
+    with pytest.raises(grpc.RpcError) as err:
+        list(stub.PullKv(pull, timeout=TIMEOUT_S))
+    assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert err.value.details().startswith("rank:")
+    stub.ReleaseKv(prefill_pb2.ReleaseKvRequest(handle_id=handle.handle_id), timeout=5)
