@@ -6,7 +6,7 @@ Only this module (and the gRPC client in kv_import.py) touches the generated cla
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 from pagedserve.errors import InvalidArgument
 from pagedserve.kvstore.hashing import BlockHash
@@ -131,16 +131,8 @@ def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
     )
 
 
-def shm_offer(s: common_pb2.ShmTransport) -> ShmOffer:
-    return ShmOffer(
-        segment_name=s.segment_name,
-        host_id=s.host_id,
-        pool_offset_bytes=s.pool_offset_bytes,
-        num_blocks=s.num_blocks,
-        block_stride_bytes=s.block_stride_bytes,
-        layer_stride_bytes=s.layer_stride_bytes,
-        kv_stride_bytes=s.kv_stride_bytes,
-    )
+def shm_offer(msg: common_pb2.ShmTransport) -> ShmOffer:
+    return ShmOffer(**{f.name: getattr(msg, f.name) for f in fields(ShmOffer)})
 
 
 def kv_handle_info(msg: common_pb2.KvHandle) -> KvHandleInfo:

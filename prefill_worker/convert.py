@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 from pagedserve.kvstore.kv_cache import SCALE_LAYOUT
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
@@ -117,15 +117,7 @@ def kv_handle(
 
 
 def shm_transport(offer: ShmOffer) -> common_pb2.ShmTransport:
-    return common_pb2.ShmTransport(
-        segment_name=offer.segment_name,
-        host_id=offer.host_id,
-        pool_offset_bytes=offer.pool_offset_bytes,
-        num_blocks=offer.num_blocks,
-        block_stride_bytes=offer.block_stride_bytes,
-        layer_stride_bytes=offer.layer_stride_bytes,
-        kv_stride_bytes=offer.kv_stride_bytes,
-    )
+    return common_pb2.ShmTransport(**asdict(offer))  # NOTE: the message's fields, by name
 
 
 def kv_chunk(chunk: BlockChunk) -> prefill_pb2.KvChunk:
