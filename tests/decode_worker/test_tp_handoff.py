@@ -1,10 +1,13 @@
 """KV hand-off between tensor-parallel workers as real processes, the test playing the router:
 a TP-2 prefill worker offering only gRPC streams each rank's shard (`PullKvRequest.rank`) to a
-TP-2 decode worker, whose greedy tokens equal transformers' with nothing recomputed; a TP-1
-producer's hand-off is refused by the TP-2 decode worker (recomputed, same tokens, the reason
-naming the flag); a rank the producer does not have is INVALID_ARGUMENT naming `rank`."""
+TP-2 decode worker, whose greedy tokens equal transformers' with nothing recomputed, also when
+a small KV pool makes it preempt by swap and by recompute; a TP-1 producer's hand-off is
+refused by the TP-2 decode worker (recomputed, same tokens, the reason naming the flag); a rank
+the producer does not have is INVALID_ARGUMENT naming `rank`."""
 
 from __future__ import annotations
+
+import threading
 
 import grpc
 import pytest
@@ -30,6 +33,13 @@ def workers(tiny_llama, tmp_path_factory):
         "prefill-tp1": spawn("prefill", common, logs / "p1.log"),
         "decode": spawn("decode", [*common, "-tp", "2", "--swap-space", "0.01"], logs / "d.log"),
     }
+    # 12 blocks of 16 tokens per rank: six prompts of ~40 tokens and 32 new ones need ~30
+    small = ["--model", str(tiny_llama), "--block-size", "16", "--num-gpu-blocks-override", "12",
+             "--drain-timeout", "1", "-tp", "2", "--swap-space", "0.01"]  # fmt: skip
+    for mode in ("swap", "recompute"):
+        procs[f"decode-{mode}"] = spawn(
+            "decode", [*small, "--preemption-mode", mode], logs / f"d-{mode}.log"
+        )
     try:
         for proc in procs.values():
             wait_ready(proc)
@@ -39,7 +49,9 @@ def workers(tiny_llama, tmp_path_factory):
             proc.stop()
 
 
-def play_router(workers, producer: str, request_id: str, prompt: list[int]):
+def play_router(
+    workers, producer: str, request_id: str, prompt: list[int], consumer: str = "decode"
+):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
     request = common_pb2.WorkerRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params)
@@ -50,10 +62,11 @@ def play_router(workers, producer: str, request_id: str, prompt: list[int]):
         request=request, first_token=prefilled.first_token, kv_handle=prefilled.kv_handle
     )
     responses = list(
-        decode_pb2_grpc.DecodeWorkerStub(workers[1]["decode"]).Decode(decode, timeout=TIMEOUT_S)
+        decode_pb2_grpc.DecodeWorkerStub(workers[1][consumer]).Decode(decode, timeout=TIMEOUT_S)
     )
     tokens = [prefilled.first_token] + [t for r in responses for t in r.token_ids]
-    return prefilled.kv_handle, tokens, any(r.recomputed_prompt for r in responses)
+    preemptions = max(r.num_preemptions for r in responses)
+    return prefilled.kv_handle, tokens, any(r.recomputed_prompt for r in responses), preemptions
 
 
 def used_blocks(workers) -> int:
@@ -64,7 +77,7 @@ def used_blocks(workers) -> int:
 
 def test_two_ranks_hand_off_over_grpc_rank_by_rank(workers, tiny_llama):
     for i, prompt in enumerate(make_prompts((7, 33, 90), seed=41)):
-        handle, tokens, recomputed = play_router(workers, "prefill-tp2", f"tp2-{i}", prompt)
+        handle, tokens, recomputed, _ = play_router(workers, "prefill-tp2", f"tp2-{i}", prompt)
         assert handle.layout.tensor_parallel_size == 2 and len(handle.shards) == 2
         assert not handle.HasField("shm") and not handle.shards[1].HasField("shm")
         assert tokens == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
@@ -72,9 +85,29 @@ def test_two_ranks_hand_off_over_grpc_rank_by_rank(workers, tiny_llama):
     assert wait_until(lambda: used_blocks(workers) == 0)
 
 
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_two_ranks_under_kv_pressure_preempt_and_keep_every_token(workers, tiny_llama, mode):
+    prompts = make_prompts((38, 41, 44, 36, 47, 40), seed=44)
+    results: dict[int, tuple] = {}
+
+    def run(i: int) -> None:
+        results[i] = play_router(workers, "prefill-tp2", f"{mode}-{i}", prompts[i],
+                                 consumer=f"decode-{mode}")  # fmt: skip
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(TIMEOUT_S * 2)
+    assert len(results) == len(prompts)
+    for i, prompt in enumerate(prompts):
+        assert results[i][1] == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0], i
+    assert max(r[3] for r in results.values()) > 0, "the pool cannot hold all six at once"
+
+
 def test_a_one_rank_producer_is_refused_and_recomputed(workers, tiny_llama):
     [prompt] = make_prompts((40,), seed=42)
-    handle, tokens, recomputed = play_router(workers, "prefill-tp1", "tp1-0", prompt)
+    handle, tokens, recomputed, _ = play_router(workers, "prefill-tp1", "tp1-0", prompt)
     assert handle.layout.tensor_parallel_size in (0, 1) and not handle.shards
     assert tokens == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
     assert recomputed
