@@ -136,10 +136,28 @@ def host_store(size: int) -> dist.TCPStore:
     return dist.TCPStore("127.0.0.1", 0, size, True, timeout=START, wait_for_workers=False)
 
 
+def rank_device(device: str, rank: int, size: int) -> str:
+    """Where rank `rank` computes: with a CUDA device per rank, cuda:rank (NCCL between them);
+    otherwise every rank on `device` (CPU, or one GPU shared, gloo between them)."""
+    if device.startswith("cuda") and nccl_usable(device, size):
+        return f"cuda:{rank}"
+    return device
+
+
+def nccl_usable(device: str, size: int) -> bool:
+    return (
+        device.startswith("cuda")
+        and dist.is_nccl_available()
+        and torch.cuda.is_available()
+        and torch.cuda.device_count() >= size
+    )
+
+
 class Group:
-    """The collectives of one worker's ranks: a gloo process group over the TCP store rank 0
-    hosts (`host_store`); the other ranks join it at `port`. Each collective times out after
-    `timeout` (a dead rank fails the step)."""
+    """The collectives of one worker's ranks over the TCP store rank 0 hosts (`host_store`);
+    the other ranks join it at `port`. NCCL where every rank has its own GPU; gloo otherwise
+    (CPU, or ranks sharing one GPU: tensors go through host memory). Each collective times out
+    after `timeout` (a dead rank fails the step)."""
 
     def __init__(
         self,
@@ -148,25 +166,43 @@ class Group:
         port: int,
         timeout: datetime.timedelta = TIMEOUT,
         store: dist.TCPStore | None = None,
+        device: str = "cpu",
     ):
         self.rank, self.size = rank, size
         if store is None:
             store = dist.TCPStore("127.0.0.1", port, size, False, timeout=START)
-        self.pg: Any = dist.ProcessGroupGloo(store, rank, size, timeout)  # NOTE: stubs lack ops
+        self.nccl = nccl_usable(device, size)
+        # NOTE: the stubs lack the process groups' collectives (`Any`)
+        self.pg: Any
+        if self.nccl:
+            torch.cuda.set_device(rank)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = timeout
+            self.pg = dist.ProcessGroupNCCL(store, rank, size, options)
+        else:
+            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+
+    def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
+        """What gloo reduces: a host copy for a device tensor, fp32 for bf16 / fp16 (gloo sums
+        in the tensor's dtype); NCCL takes the tensor itself."""
+        if self.nccl:
+            return tensor
+        if tensor.dtype in (torch.float16, torch.bfloat16):
+            return tensor.to("cpu", torch.float32)
+        return tensor.cpu()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place (bf16 and fp16 reduced in fp32: gloo sums in the dtype)."""
-        if tensor.dtype in (torch.float16, torch.bfloat16):
-            wide = tensor.float()
-            self.pg.allreduce([wide]).wait()
-            return tensor.copy_(wide)
-        self.pg.allreduce([tensor]).wait()
-        return tensor
+        """Sum over ranks, in place."""
+        staged = self._staged(tensor)
+        self.pg.allreduce([staged]).wait()
+        return tensor if staged is tensor else tensor.copy_(staged)
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor | None:
         """Every rank's `tensor` concatenated along the last dimension, on rank 0 (None on the
         others)."""
-        tensor = tensor.contiguous()
-        outputs = [[torch.empty_like(tensor) for _ in range(self.size)]] if self.rank == 0 else []
-        self.pg.gather(outputs, [tensor], dist.GatherOptions()).wait()
-        return torch.cat(outputs[0], dim=-1) if self.rank == 0 else None
+        staged = self._staged(tensor.contiguous()).contiguous()
+        outputs = [[torch.empty_like(staged) for _ in range(self.size)]] if self.rank == 0 else []
+        self.pg.gather(outputs, [staged], dist.GatherOptions()).wait()
+        if self.rank != 0:
+            return None
+        return torch.cat(outputs[0], dim=-1).to(tensor.device, tensor.dtype)

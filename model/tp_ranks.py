@@ -32,7 +32,7 @@ from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
 from pagedserve.kvstore.transfer import ShmKVPool
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.tensor_parallel import Group, Shard, host_store
+from pagedserve.model.tensor_parallel import Group, Shard, host_store, rank_device
 
 if TYPE_CHECKING:
     from pagedserve.model.runner import ModelRunner
@@ -117,7 +117,7 @@ class Ranks:
             processes.append(proc)
             pipes.append(ours)
         try:
-            group = Group(0, spec.size, spec.port, store=store)
+            group = Group(0, spec.size, spec.port, store=store, device=spec.device)
         except BaseException:
             for proc in processes:
                 proc.kill()
@@ -187,6 +187,7 @@ def start_runner(spec: RankSpec, *, kv_cache: KVCache | None = None) -> ModelRun
     from pagedserve.model.runner import ModelRunner, kv_cache_spec
 
     shard = shard_model(spec.model_config, 0, spec.size)  # ValueError naming the flag
+    device = rank_device(spec.device, 0, spec.size)
     pools: list[ShmKVPool] = []
     if spec.device == "cpu":
         kv_spec = kv_cache_spec(shard, spec.block_size)
@@ -194,10 +195,10 @@ def start_runner(spec: RankSpec, *, kv_cache: KVCache | None = None) -> ModelRun
     spec = replace(spec, segments=tuple(p.segment_name for p in pools))
     ranks = Ranks.start(spec, pools)
     try:
-        model = load_model(shard, spec.device)
+        model = load_model(shard, device)
         model.join(ranks.group)
         ranks.wait_ready()
-        return ModelRunner(shard, model, spec.num_blocks, spec.block_size, spec.device,
+        return ModelRunner(shard, model, spec.num_blocks, spec.block_size, device,
                            kv_cache=kv_cache, ranks=ranks)  # fmt: skip
     except BaseException:
         ranks.close()
@@ -213,12 +214,13 @@ def rank_main(pipe: Connection, spec: RankSpec, rank: int) -> None:
 
     torch.set_num_threads(_threads(spec.size))
     try:
-        group = Group(rank, spec.size, spec.port)
+        group = Group(rank, spec.size, spec.port, device=spec.device)
+        device = rank_device(spec.device, rank, spec.size)
         config = shard_model(spec.model_config, rank, spec.size)
-        model = load_model(config, spec.device)
+        model = load_model(config, device)
         model.join(group)
         cache = _attach(kv_cache_spec(config, spec.block_size), spec, rank)
-        runner = ModelRunner(config, model, spec.num_blocks, spec.block_size, spec.device,
+        runner = ModelRunner(config, model, spec.num_blocks, spec.block_size, device,
                              kv_cache=cache)  # fmt: skip
         swap = SwapSpace(runner.spec, spec.num_swap_blocks) if spec.num_swap_blocks else None
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which raises

@@ -2,7 +2,8 @@
 # One prepared check for a CUDA machine (DESIGN §4), under 5 minutes on one H100/H200:
 #   1. find or create a virtualenv and install pagedserve (.[dev]) into it, keeping whatever
 #      CUDA torch is already installed;
-#   2. run the kernel tests on CUDA (natively compiled Triton, no TRITON_INTERPRET);
+#   2. run the kernel tests and the tensor-parallel CUDA test on CUDA (natively compiled Triton,
+#      no TRITON_INTERPRET);
 #   3. micro-benchmark paged decode attention vs contiguous SDPA on the same K/V, with the
 #      achieved bandwidth against a copy probe, as a Markdown table.
 # Output: $OUT/gpu_check.md (and the logs) when OUT is set, else docs/gpu_check.md.
@@ -52,7 +53,10 @@ EOF
 unset TRITON_INTERPRET
 say "kernel tests on CUDA"
 set +e
-timeout 150 "$PY" -m pytest -q -p no:cacheprovider tests/kernels 2>&1 | tee "$DEST/gpu_tests.log" | tail -15
+# NOTE: and tensor parallelism on CUDA (NCCL with a GPU per rank; on one GPU, gloo through host
+# memory with both ranks on it)
+timeout 200 "$PY" -m pytest -q -p no:cacheprovider tests/kernels \
+  tests/model/test_tensor_parallel.py -k "cuda or kernels" 2>&1 | tee "$DEST/gpu_tests.log" | tail -15
 TEST_RC=${PIPESTATUS[0]}
 set -e
 TEST_LINE=$(tail -1 "$DEST/gpu_tests.log")

@@ -107,3 +107,15 @@ def test_a_dead_rank_fails_the_step_and_leaves_nothing_running(make_tiny):
     finally:
         eng.close()
     assert children() == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_two_ranks_on_cuda_equal_transformers(make_tiny):
+    """NCCL with a GPU per rank; with one GPU both ranks share it (gloo through host memory).
+    Run by scripts/gpu_check.sh."""
+    model_dir = make_tiny("llama", heads=4, kv_heads=2, layers=2)
+    prompts = make_prompts((1, 6, 17, 40), seed=3)
+    want = [hf_greedy_on(hf_model(model_dir, torch.float32), p, NEW_TOKENS) for p in prompts]
+    got, _ = greedy(model_dir, prompts, tensor_parallel_size=2, device="cuda")
+    assert got == want
+    assert children() == []
