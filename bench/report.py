@@ -24,6 +24,9 @@ def markdown(results: list[ScenarioResult], header: dict) -> str:
     ]
     for res in results:
         gate = "pass" if res.valid else "**FAIL (invalid)**"
+        ties = len(res.gate.get("near_ties", []))
+        if res.valid and ties:
+            gate = f"pass ({ties} bf16 near {'tie' if ties == 1 else 'ties'})"
         for r in res.ratios:
             j = r.to_json()
             met = {True: "yes", False: "**no**", None: ""}[r.met]
