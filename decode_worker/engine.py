@@ -33,7 +33,7 @@ from pagedserve.decode_worker.plan import (
 )
 from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig, worst_case_blocks
-from pagedserve.decode_worker.swapper import CopyFn, Swapper
+from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
@@ -142,6 +142,15 @@ class DecodeEngine:
             num_swap = swap_blocks_for(runner.spec, config.swap_space_gib)
         self.swap_space = SwapSpace(runner.spec, num_swap) if num_swap > 0 else None
         self.swapper = None
+        # NOTE: a tensor-parallel engine whose ranks' KV pools it reaches (CPU) swaps every
+        # rank's shard itself, so its `wait_for_writes` (steps and KV imports) covers them all;
+        # otherwise (CUDA) each rank swaps its own, told by the step plan
+        caches = runner.kv_caches if runner.ranks is not None else None
+        self.rank_swap_spaces: list[SwapSpace] = []
+        if self.swap_space is not None and caches is not None:
+            self.rank_swap_spaces = [SwapSpace(runner.spec, num_swap) for _ in caches[1:]]
+            hosts = [self.swap_space.tensor, *(space.tensor for space in self.rank_swap_spaces)]
+            copy_fn = every_rank([c.tensor for c in caches], hosts, copy_fn)
         if self.swap_space is not None:
             self.swapper = Swapper(runner.kv_cache.tensor, self.swap_space.tensor, copy_fn=copy_fn)
         self.scheduler = Scheduler(
@@ -193,8 +202,10 @@ class DecodeEngine:
         if num_swap is None:
             num_swap = swap_blocks_for(kv_cache_spec(shard, config.block_size),
                                        config.swap_space_gib)  # fmt: skip
+        # NOTE: on CPU rank 0 swaps every rank's shard (DecodeEngine.__init__): none of its own
+        rank_swap = 0 if config.device == "cpu" else num_swap
         spec = tp_ranks.RankSpec(
-            model_config, config.num_blocks, config.block_size, num_swap, config.device, size
+            model_config, config.num_blocks, config.block_size, rank_swap, config.device, size
         )
         return tp_ranks.start_runner(spec), num_swap
 
@@ -376,7 +387,9 @@ class DecodeEngine:
         waited = False
         if self.swapper is not None:
             self.swapper.submit_plan(plan.swaps)
-            self.runner.note_swaps([(s.direction is SwapDirection.IN, s.pairs) for s in plan.swaps])
+            if self.runner.ranks is not None and not self.rank_swap_spaces:
+                swaps = [(s.direction is SwapDirection.IN, s.pairs) for s in plan.swaps]
+                self.runner.note_swaps(swaps)
             waited = self.swapper.wait_for_writes(self._blocks_written(plan))
             self.swapper.wait_swap_in()
         elif plan.swaps:

@@ -49,6 +49,22 @@ def _dispatch_swap(src: torch.Tensor, dst: torch.Tensor, pairs: Pairs) -> None:
     dispatch.swap_blocks(src, dst, list(pairs))
 
 
+def every_rank(
+    device_caches: Seq[torch.Tensor], host_caches: Seq[torch.Tensor], copy_fn: CopyFn | None = None
+) -> CopyFn:
+    """A copy function that applies each copy the Swapper makes between rank 0's device and
+    host caches (the first of each list) to every tensor-parallel rank's pair, in rank order:
+    so one job, and one `wait_for_writes`, covers every rank's shard (model/tp_ranks.py)."""
+    copy = copy_fn or _dispatch_swap
+
+    def copy_all(src: torch.Tensor, dst: torch.Tensor, pairs: Pairs) -> None:
+        out = src is device_caches[0]
+        for device, host in zip(device_caches, host_caches, strict=True):
+            copy(*((device, host) if out else (host, device)), pairs)
+
+    return copy_all
+
+
 @dataclass(slots=True)
 class SwapperStats:
     """Cumulative; `busy_seconds` is time spent copying (the measured swap bandwidth's basis)."""

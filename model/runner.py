@@ -216,9 +216,10 @@ class ModelRunner:
         sample_idx = [i for i, item in enumerate(batch) if item.completes]
         if self.ranks is not None:
             self.ranks.send(StepPlan(
-                forward=(input_ids.cpu(), positions.cpu(), meta.slot_mapping.cpu(),
-                         meta.block_tables.cpu(), last_rows[sample_idx].cpu()),
-                query_lens=meta.query_lens, seq_lens=meta.seq_lens,
+                forward=True, token_ids=input_ids.tolist(), positions=positions.tolist(),
+                slots=meta.slot_mapping.tolist(), block_tables=meta.block_tables.tolist(),
+                logit_rows=last_rows[sample_idx].tolist(), query_lens=meta.query_lens,
+                seq_lens=meta.seq_lens,
             ))  # fmt: skip
         try:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)

@@ -64,10 +64,16 @@ class RankSpec:
 
 @dataclass(slots=True)
 class StepPlan:
-    """One step as every rank runs it."""
+    """One step as every rank runs it: plain ints, so it pickles small (no tensor goes over
+    the pipe: torch's multiprocessing pickler would share each through a new segment)."""
 
     copies: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
-    forward: tuple[torch.Tensor, ...] | None = None  # ids, positions, slots, tables, logit rows
+    forward: bool = False  # False: only the copies (no forward this step)
+    token_ids: list[int] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    block_tables: list[list[int]] = field(default_factory=list)
+    logit_rows: list[int] = field(default_factory=list)  # hidden rows to compute logits for
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
 
@@ -267,13 +273,13 @@ def _run(runner: Any, swap: Any, plan: StepPlan) -> None:
             dispatch.swap_blocks(swap.tensor, cache, pairs)
         else:
             dispatch.swap_blocks(cache, swap.tensor, pairs)
-    if plan.forward is None:
+    if not plan.forward:
         return
-    ids, positions, slots, tables, rows = plan.forward
+    ints = lambda values: torch.tensor(values, dtype=torch.int64, device=runner.device)  # noqa: E731
     meta = AttentionMetadata(
-        slot_mapping=slots.to(runner.device), block_tables=tables.to(runner.device),
+        slot_mapping=ints(plan.slots), block_tables=ints(plan.block_tables),
         query_lens=plan.query_lens, seq_lens=plan.seq_lens,
     )  # fmt: skip
-    hidden = runner.model(ids.to(runner.device), positions.to(runner.device), runner.kv_cache, meta)
-    if rows.numel():
-        runner.model.compute_logits(hidden[rows.to(runner.device)])
+    hidden = runner.model(ints(plan.token_ids), ints(plan.positions), runner.kv_cache, meta)
+    if plan.logit_rows:
+        runner.model.compute_logits(hidden[ints(plan.logit_rows)])
