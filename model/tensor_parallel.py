@@ -177,10 +177,12 @@ class Group:
         if self.nccl:
             torch.cuda.set_device(rank)
             options = dist.ProcessGroupNCCL.Options()
-            options._timeout = timeout
+            options._timeout = START
             self.pg = dist.ProcessGroupNCCL(store, rank, size, options)
         else:
-            self.pg = dist.ProcessGroupGloo(store, rank, size, timeout)
+            self.pg = dist.ProcessGroupGloo(store, rank, size, START)
+        # NOTE: joining may take minutes on a busy host (spawn, imports); a collective may not
+        self.pg.set_timeout(timeout)
 
     def _staged(self, tensor: torch.Tensor) -> torch.Tensor:
         """What gloo reduces: a host copy for a device tensor, fp32 for bf16 / fp16 (gloo sums
