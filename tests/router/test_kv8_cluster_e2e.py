@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import pytest
 from oracle import make_prompts
-from test_prefill_here_e2e import blocks_in_use, child, scrape, tokens_of, up_args, wait_until
+from test_prefill_here_e2e import generate_each, up_args
 
-from pagedserve.client import Client
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.launcher import start_cluster
 from pagedserve.model.config import load_model_config
@@ -47,16 +46,9 @@ def test_8bit_kv_through_the_cluster_equals_an_in_process_run(cluster):
     started, model_dir = cluster
     prompts = make_prompts(LENS, seed=11)
     want = in_process(model_dir, prompts)
-    decode_port = child(started, "decode").metrics_port
-    before = scrape(decode_port)
-    with Client(started.router_address) as client:
-        got = [tokens_of(client.generate(p, GREEDY, timeout=60)) for p in prompts]
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+    got, grew = generate_each(started, prompts, GREEDY)
     assert got == want
-    after = scrape(decode_port)
-    moved = after["pagedserve:kv_transfer_bytes_shm_total"] - before.get(
-        "pagedserve:kv_transfer_bytes_shm_total", 0
-    )
+    moved = grew["pagedserve:kv_transfer_bytes_shm_total"]
     spec = kv_cache_spec(load_model_config(model_dir, kv_cache_dtype="int8"), 16)
     assert spec.quantized and spec.bytes_per_block < spec.codes_bytes * 1.1
     # every block of the two handed-off prompts (the partial last one of 33 too, which the

@@ -78,6 +78,18 @@ def blocks_in_use(client: Client) -> dict[str, int]:
             for w in client.status().workers}  # fmt: skip
 
 
+def generate_each(started, prompts, params) -> tuple[list[list[int]], dict[str, float]]:
+    """Every prompt through the router one after another, until no block is held anywhere:
+    (their tokens, how much each of the decode worker's metrics grew meanwhile)."""
+    decode_port = child(started, "decode").metrics_port
+    before = scrape(decode_port)
+    with Client(started.router_address) as client:
+        got = [tokens_of(client.generate(p, params, timeout=60)) for p in prompts]
+        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+    after = scrape(decode_port)
+    return got, {name: value - before.get(name, 0) for name, value in after.items()}
+
+
 def wait_until(predicate, timeout_s=10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not predicate():

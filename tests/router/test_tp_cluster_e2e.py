@@ -17,9 +17,8 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from oracle import hf_greedy_on, hf_model, make_prompts
-from test_prefill_here_e2e import blocks_in_use, child, scrape, tokens_of, up_args, wait_until
+from test_prefill_here_e2e import child, generate_each, up_args, wait_until
 
-from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
 from pagedserve.model.config import load_model_config
 from pagedserve.model.runner import kv_cache_spec
@@ -107,17 +106,9 @@ def test_two_ranks_on_each_side_equal_transformers_with_every_prompt_handed_off(
     assert all(len(pids) == 1 for pids in ranks.values()), ranks
     prompts = make_prompts(LENS, seed=21)
     want = [hf_greedy_on(hf_model(model_dir, torch.float32), p, NEW_TOKENS) for p in prompts]
-    decode_port = child(started, "decode").metrics_port
-    before = scrape(decode_port)
-    with Client(started.router_address) as client:
-        got = [tokens_of(client.generate(p, GREEDY, timeout=60)) for p in prompts]
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+    got, grew = generate_each(started, prompts, GREEDY)
     assert got == want
-    after = scrape(decode_port)
-
-    def delta(name: str) -> float:
-        return after.get(name, 0) - before.get(name, 0)
-
+    delta = lambda name: grew.get(name, 0)  # noqa: E731
     assert delta("pagedserve:kv_import_num_recomputed_total") == 0
     assert delta("pagedserve:kv_import_num_imported_total") == len(prompts)
     # each rank's shard once (half the KV heads each; or the one head, replicated, once): the
