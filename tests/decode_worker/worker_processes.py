@@ -43,10 +43,10 @@ def spawn(role: str, args: list[str], log_path: Path) -> WorkerProcess:
     return WorkerProcess(proc, log_path)
 
 
-def wait_ready(worker: WorkerProcess) -> WorkerProcess:
+def wait_ready(worker: WorkerProcess, timeout_s: float = START_TIMEOUT_S) -> WorkerProcess:
     """Block until the READY line (bounded); fail the test with the log otherwise."""
     assert worker.proc.stdout is not None
-    ready, _, _ = select.select([worker.proc.stdout], [], [], START_TIMEOUT_S)
+    ready, _, _ = select.select([worker.proc.stdout], [], [], timeout_s)
     line = worker.proc.stdout.readline() if ready else ""
     if not line.startswith("READY"):
         worker.stop()
