@@ -70,6 +70,12 @@ def _guarded(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *argv]
 
 
+def _pin_port(child: Child) -> None:
+    """A child started with `--port 0` restarts at the port it bound (its READY address)."""
+    port_at = child.argv.index("--port") + 1
+    child.argv[port_at] = child.address.rsplit(":", 1)[1]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -272,10 +278,11 @@ def _start_all(
     started = []
     env, share = _worker_env(getattr(args, "worker_threads", None), len(workers), log_dir)
     for slot, (name, role) in enumerate(workers):
-        # NOTE: a port of our choosing, not 0: a restarted worker comes back at the same
-        # address, so the router's static list and its open channel find it again
-        port = str(free_port())
-        argv = [*cli, role, *common, "--port", port, "--worker-id", name, *redis_args]
+        # NOTE: --port 0, then its port pinned once READY (below): a restarted worker comes
+        # back at the same address, so the router's static list and its open channel find it
+        # again. A port picked here and bound later could be taken in between (a sibling's
+        # outgoing connection took one once).
+        argv = [*cli, role, *common, "--port", "0", "--worker-id", name, *redis_args]
         if share is not None:
             argv += ["--core-share", f"{share}:{slot}"]
         print(f"  {name:<10} memory: {memory_plan(role, args)}", flush=True)
@@ -285,13 +292,13 @@ def _start_all(
     cluster.children[:0] = started  # NOTE: before waiting, so that a failed start stops them
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
         _await_ready(child, args.start_timeout, stop)
+        _pin_port(child)
     router_argv = [*cli, "router", *common, *redis_args, *_router_flags(args, started)]
     router = _spawn("router", _with_metrics(router_argv, args), log_dir)
     cluster.children.insert(0, router)
     _await_ready(router, args.start_timeout, stop)
     cluster.router_address = router.address
-    port_at = router.argv.index("--port") + 1
-    router.argv[port_at] = router.address.rsplit(":", 1)[1]  # NOTE: --port 0: restart there
+    _pin_port(router)
     wait_healthy(
         router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
     )
