@@ -1,6 +1,7 @@
 """Decode step A/B: the native CPU attention kernel against the torch path, in one engine.
 
     python -m pagedserve.bench.decode_step [--model DIR] [--batches 1 16 48] [--rounds 4]
+        [--dtype float32|bfloat16]
     pagedserve bench decode-step ...
 
 One `DecodeEngine` per batch size runs B greedy requests (prompts of 32-255 random tokens);
@@ -65,7 +66,7 @@ def decoding_engine(model_dir: str, batch: int, max_tokens: int, **config: Any) 
 def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[bool, list[float]]:
     """Milliseconds per decode step, per round, with the kernel on (True) and off (False)."""
     rounds, steps = args.rounds, args.steps
-    engine = decoding_engine(model_dir, batch, 2 + 2 * rounds * (steps + 1))
+    engine = decoding_engine(model_dir, batch, 2 + 2 * rounds * (steps + 1), dtype=args.dtype)
     times: dict[bool, list[float]] = {True: [], False: []}
     try:
         for _ in range(rounds):
@@ -88,6 +89,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 48])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument(
+        "--dtype", default=None, choices=["float32", "bfloat16"], help="default: the checkpoint's"
+    )
     return p.parse_args(argv)
 
 
@@ -99,7 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_or_tiny(args.model, tmp)
-        print(f"# {model_dir}, torch {torch.__version__}, {torch.get_num_threads()} threads")
+        print(f"# {model_dir} ({args.dtype or 'its dtype'}), torch {torch.__version__}, "
+              f"{torch.get_num_threads()} threads")  # fmt: skip
         print("| B | torch path ms/step | native ms/step | torch / native |")
         print("|---|---|---|---|")
         for batch in args.batches:

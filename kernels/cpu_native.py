@@ -1,4 +1,4 @@
-"""A native CPU kernel for fp32 paged decode attention: reads K/V from the paged cache in place.
+"""A native CPU kernel for fp32 and bf16 paged decode attention: K/V read in place from the pool.
 
 The torch-only path (`cpu_attention`) gathers each sequence's blocks into a workspace and then
 runs SDPA over the copy: K/V are read twice and written once per layer. This kernel
@@ -12,9 +12,11 @@ per-user cache keyed by the source, the flags and the CPU, and loaded with ctype
 released during the call). Where it cannot be had — no compiler, no AVX-512, another dtype or
 head size — `unavailable_reason()` says why, `supports()` says no, and attention takes the torch
 path; nothing else changes.
-fp16/bf16 never take it: their greedy tokens must equal transformers' SDPA bit for bit, and
-only SDPA itself rounds like SDPA. fp32 differs from SDPA by ~1e-6 relative (another summation
-order), as the bucketed SDPA path already does.
+fp32 differs from SDPA by ~1e-6 relative (another summation order), as the bucketed SDPA path
+already does. bf16 computes what torch's CPU flash attention computes, step for step (its fast
+exponential, the weights rounded to bf16 before P.V, keys in blocks of 512), so that greedy
+tokens stay transformers': only the dot products' fp32 summation order differs, and an output
+is rarely one bf16 step off (docs/kernels.md). fp16 takes the torch path.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ SOURCES = tuple(
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lmvec", "-lm")
 MAX_HEADS = 64  # the kernel's per-sequence scratch of row sums
+# the cache dtypes the kernel reads in place (fp16 keeps torch's path)
+NATIVE_DTYPES = (torch.float32, torch.bfloat16)
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -118,6 +122,10 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
                    i32, i32, i32, i32, i32, ctypes.c_float, i32]  # fmt: skip
     fn.restype = i32
+    fn = lib.paged_decode_bf16
+    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
+                   i32, i32, i32, i32, i32, ctypes.c_float, i32]  # fmt: skip
+    fn.restype = i32
     fn = lib.kv_append_i8
     fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32]
     fn.restype = None
@@ -158,8 +166,8 @@ def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
     return (
         enabled
         and query.device.type == "cpu"
-        and query.dtype == torch.float32
-        and k_cache.dtype == torch.float32
+        and query.dtype in NATIVE_DTYPES
+        and k_cache.dtype == query.dtype
         and head_dim % 16 == 0
         and num_heads <= MAX_HEADS
         and num_heads % num_kv_heads == 0
@@ -259,7 +267,12 @@ def decode(
         return out
     assert out.is_contiguous() and out.shape == query.shape and v_cache.stride() == k_cache.stride()
     num_heads, head_dim = query.shape[1], query.shape[2]
-    failed = lib.paged_decode_f32(
+    if query.dtype == torch.bfloat16:
+        # NOTE: bf16 widens to fp32 exactly; the kernel rounds where torch's SDPA rounds
+        entry, query = lib.paged_decode_bf16, query.to(torch.float32)
+    else:
+        entry = lib.paged_decode_f32
+    failed = entry(
         query.data_ptr(), query.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
         plan.tables.data_ptr(), plan.tables.stride(0),

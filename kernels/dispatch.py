@@ -4,7 +4,7 @@ Backends, chosen per call from the tensors' device unless a test or benchmark fo
 `use_backend()` (nothing is read from the environment):
 
     cuda -> "triton"  (kernels/triton_attention.py, kernels/triton_cache.py)
-    cpu  -> "cpu"     (kernels/cpu_native.py for fp32 decode rows where it builds, else
+    cpu  -> "cpu"     (kernels/cpu_native.py for fp32/bf16 decode rows where it builds, else
                        kernels/cpu_attention.py: the measured CPU winners, docs/kernels.md)
     "reference"       (kernels/reference.py, the oracle)
 

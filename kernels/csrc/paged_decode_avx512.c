@@ -11,6 +11,9 @@
  *
  * Positions outside [first, end) are never read, so stale bytes of the pool (even NaN) never
  * reach an output. fp32 throughout; ~1e-6 relative from SDPA (another summation order).
+ *
+ * bf16 (paged_decode_bf16) computes what torch's CPU flash attention computes, step for step,
+ * so that it stays within fp32 summation-order noise of the SDPA transformers runs (see there).
  */
 #include <immintrin.h>
 #include <math.h>
@@ -43,19 +46,38 @@ static void normalize(float *os, const float *acc, const float *sums, int hq, in
         for (int i = 0; i < d; i++) os[r * d + i] = acc[r * d + i] / sums[r];
 }
 
-enum { F32 = 0, I8 = 1, E4M3 = 2 }; /* what K and V hold */
+enum { F32 = 0, I8 = 1, E4M3 = 2, BF16 = 3 }; /* what K and V hold */
+
+/* float -> bf16 bits, to nearest even (a NaN stays a quiet NaN), as torch rounds */
+static inline uint16_t bf16_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u);
+    return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+static inline float bf16_round(float f) {
+    uint32_t u = (uint32_t)bf16_bits(f) << 16;
+    float r;
+    memcpy(&r, &u, 4);
+    return r;
+}
 
 /* 16 consecutive elements of K or V, as floats: fp32 values, or int8 / e4m3 codes (e4m3 decoded
  * through the 256-entry table lut). `at` counts elements (bytes for codes). */
 static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t at,
                                                            int kind, const float *lut) {
     if (kind == F32) return _mm512_loadu_ps((const float *)base + at);
+    if (kind == BF16)
+        return _mm512_castsi512_ps(_mm512_slli_epi32(
+            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at))),
+            16));
     __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + at));
     if (kind == E4M3) return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), lut, 4);
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
 }
 
-/* Both entry points' body; `kind` is a constant at each call, so each is compiled on its own.
+/* The fp32 and 8-bit entry points' body; `kind` is a constant at each call, so each is compiled on its own.
  * Codes are scaled once per position and head (the K scale multiplies the dot product, the V
  * scale the weight), never per element; fp32 accumulation throughout. */
 static inline __attribute__((always_inline)) int decode(
@@ -128,6 +150,132 @@ int paged_decode_f32(
     int n, int hq, int hkv, int d, int bs, float scale, int threads) {
     return decode(q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow, first,
                   end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL);
+}
+
+/* exp of 16 lanes by the arithmetic of torch's Vectorized<float>::fexp_u20, which torch's CPU
+ * flash attention applies to whole vectors of bf16 scores (Malossi et al., "Fast exponential
+ * computation on SIMD architectures": 2^(x log2 e) with the fraction's 2^f - f by a cubic,
+ * the result assembled in the exponent bits by a truncating conversion). The same bits as
+ * torch, so that a softmax weight rounds to bf16 as SDPA's does; ~1e-5 relative from exp. */
+static inline __m512 exp_sdpa(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50)), _CMP_LT_OS);
+    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218)), _CMP_GT_OS);
+    __m512 t = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b))); /* x log2 e */
+    const __m512 f = _mm512_sub_ps(t, _mm512_floor_ps(t));
+    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.30354260500649682f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.00010703434948458272f));
+    t = _mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), _mm512_sub_ps(t, p), _mm512_set1_ps(8388608.0f * 127.0f));
+    __m512i bits = _mm512_cvttps_epi32(t);
+    bits = _mm512_mask_mov_epi32(bits, under, _mm512_setzero_si512());
+    bits = _mm512_mask_mov_epi32(bits, over, _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(bits);
+}
+
+enum { KV_SPLIT = 512 }; /* torch's CPU flash attention: keys in blocks of 512, online softmax */
+
+/* One bf16 sequence as torch's CPU flash attention computes one query row: per block of up to
+ * KV_SPLIT keys, scores = (q . k) * scale in fp32 (bf16 products are exact), the running max
+ * m' = max(m, block max), weights exp(score - m') (exp_sdpa on whole vectors of 16, expf on
+ * the rest), the row sum s' = s * expf(m - m') + block sum (of unrounded weights, the tail added in
+ * order), acc' = acc * expf(m - m') + sum_p bf16(weight) * V (the weights rounded to bf16, as
+ * SDPA stores them before its P.V GEMM); at the end bf16(acc * (1 / s)). */
+static void decode_bf16_seq(const float *qs, const uint16_t *k, const uint16_t *v, int64_t blk,
+                            int64_t pos, const int64_t *table, int64_t lo, int64_t hi,
+                            uint16_t *os, int hq, int hkv, int d, int bs, float scale,
+                            float *scores, float *acc, float *maxes, float *sums) {
+    const int groups = hq / hkv, chunks = d / 16;
+    for (int r = 0; r < hq; r++) maxes[r] = -INFINITY, sums[r] = 0.0f;
+    memset(acc, 0, sizeof(float) * hq * d);
+    for (int64_t a = lo; a < hi; a += KV_SPLIT) {
+        const int64_t len = hi - a < KV_SPLIT ? hi - a : KV_SPLIT, whole = len & ~15;
+        for (int64_t p = a; p < a + len; p++) {
+            const int64_t kp = table[p / bs] * blk + (p % bs) * pos;
+            for (int r = 0; r < hq; r++) {
+                const float *qr = qs + r * d;
+                const int64_t kh = kp + (r / groups) * d;
+                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(k, kh, BF16, NULL));
+                for (int c = 1; c < chunks; c++)
+                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c),
+                                          load16(k, kh + 16 * c, BF16, NULL), dot);
+                scores[r * KV_SPLIT + (p - a)] = _mm512_reduce_add_ps(dot) * scale;
+            }
+        }
+        for (int r = 0; r < hq; r++) {
+            float *sr = scores + r * KV_SPLIT, m = maxes[r];
+            for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
+            const __m512 mv = _mm512_set1_ps(m);
+            __m512 total = _mm512_setzero_ps();
+            for (int64_t j = 0; j < whole; j += 16) {
+                const __m512 e = exp_sdpa(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv));
+                _mm512_storeu_ps(sr + j, e);
+                total = _mm512_add_ps(total, e);
+            }
+            float block_sum = _mm512_reduce_add_ps(total);
+            for (int64_t j = whole; j < len; j++) {
+                sr[j] = expf(sr[j] - m);
+                block_sum += sr[j];
+            }
+            const float shrink = expf(maxes[r] - m);
+            sums[r] = block_sum + shrink * sums[r];
+            maxes[r] = m;
+            if (a > lo) {
+                const __m512 sv = _mm512_set1_ps(shrink);
+                for (int c = 0; c < chunks; c++)
+                    _mm512_storeu_ps(acc + r * d + 16 * c,
+                                     _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * c), sv));
+            }
+            for (int64_t j = 0; j < len; j++) sr[j] = bf16_round(sr[j]);
+        }
+        for (int64_t p = a; p < a + len; p++) {
+            const int64_t vp = table[p / bs] * blk + (p % bs) * pos;
+            for (int r = 0; r < hq; r++) {
+                const int64_t vh = vp + (r / groups) * d;
+                float *ar = acc + r * d;
+                const __m512 w = _mm512_set1_ps(scores[r * KV_SPLIT + (p - a)]);
+                for (int c = 0; c < chunks; c++)
+                    _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, load16(v, vh + 16 * c, BF16, NULL),
+                                                                  _mm512_loadu_ps(ar + 16 * c)));
+            }
+        }
+    }
+    for (int r = 0; r < hq; r++) {
+        const float inv = 1.0f / sums[r];
+        for (int i = 0; i < d; i++) os[r * d + i] = bf16_bits(acc[r * d + i] * inv);
+    }
+}
+
+/* The same attention over a bf16 cache, into a bf16 output; the query comes as fp32 (its bf16
+ * values widened, exactly). Returns 0, or 1 when a scratch allocation failed. */
+int paged_decode_bf16(
+    const float *q, int64_t q_tok,
+    const uint16_t *k, const uint16_t *v, /* the layer's K and V views (bf16 bits) */
+    int64_t blk, int64_t pos,             /* their block and position strides, in elements */
+    const int64_t *tables, int64_t tstride,
+    const int64_t *qrow, const int64_t *trow,
+    const int64_t *first, const int64_t *end,
+    uint16_t *out, int64_t o_tok,         /* output [rows, hq, d] (bf16 bits) */
+    int n, int hq, int hkv, int d, int bs, float scale, int threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(threads)
+    {
+        /* per thread: scores [hq][KV_SPLIT], acc [hq][d], maxes and sums [hq] */
+        float *scratch = aligned_alloc(64, sizeof(float) * (size_t)(hq * (KV_SPLIT + d + 32)));
+        if (scratch == NULL) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int s = 0; s < n; s++) {
+            if (scratch == NULL || end[s] <= first[s]) continue;
+            float *acc = scratch + hq * KV_SPLIT, *maxes = acc + hq * d, *sums = maxes + hq;
+            decode_bf16_seq(q + qrow[s] * q_tok, k, v, blk, pos, tables + trow[s] * tstride,
+                            first[s], end[s], out + qrow[s] * o_tok, hq, hkv, d, bs, scale,
+                            scratch, acc, maxes, sums);
+        }
+        free(scratch);
+    }
+    return failed;
 }
 
 /* The same attention over an 8-bit cache (kernels/kv_quant.py): K and V hold codes, int8

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from pagedserve.bench import suite
 
 
@@ -55,11 +57,12 @@ def test_gateway_scenario_compares_http_with_grpc_on_the_same_requests(tmp_path)
     assert set(scenario["runs"]) == {"rep=0", "rep=0 one at a time"}
 
 
-def test_decode_step_ab_runs_both_arms_and_restores_the_kernel(capsys):
+@pytest.mark.parametrize("dtype", [[], ["--dtype", "bfloat16"]])
+def test_decode_step_ab_runs_both_arms_and_restores_the_kernel(capsys, dtype):
     from pagedserve.cli import main as cli
     from pagedserve.kernels import cpu_native
 
-    rc = cli(["bench", "decode-step", "--batches", "2", "--rounds", "1", "--steps", "2"])
+    rc = cli(["bench", "decode-step", "--batches", "2", "--rounds", "1", "--steps", "2", *dtype])
     printed = capsys.readouterr().out
     if cpu_native.unavailable_reason() is not None:
         assert rc == 1 and "unavailable" in printed

@@ -1,5 +1,5 @@
-"""The native fp32 CPU decode kernel (kernels/cpu_native.py) against the reference, through
-dispatch and the engine, and its fallback when it cannot be built."""
+"""The native fp32 and bf16 CPU decode kernel (kernels/cpu_native.py) against the reference,
+through dispatch and the engine, and its fallback when it cannot be built."""
 
 from __future__ import annotations
 
@@ -96,10 +96,76 @@ def test_stale_and_nan_slots_never_reach_an_output(make_cpu_case, tolerance):
     torch.testing.assert_close(native(case), want, **tolerance(torch.float32))
 
 
+def ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:
+    """How many bf16 steps apart each pair is (both finite, the same sign)."""
+    assert torch.equal(got.sign(), want.sign())
+    return (got.view(torch.int16).int() - want.view(torch.int16).int()).abs()
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "block_size"),
+    [(4, 2, 16, 16), (9, 3, 64, 16), (8, 8, 32, 8), (8, 2, 128, 16), (6, 1, 64, 1)],
+)
+def test_bf16_decode_rounds_as_sdpa(make_cpu_case, num_heads, num_kv_heads, head_dim, block_size):
+    # NOTE: the kernel computes what torch's CPU flash attention computes (its exp on whole
+    # vectors, the weights rounded to bf16 before P.V, keys in blocks of 512): only the fp32
+    # summation order of the dot products differs, so an output is rarely one bf16 step off
+    case = make_cpu_case(
+        seq_lens=[1, 15, 16, 17, 33, 64, 300, 512, 7, 513, 1100],
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim,
+        block_size=block_size,
+        shared_blocks=1,
+        dtype=torch.bfloat16,
+    )
+    assert cpu_native.supports(case.query, case.k_cache)
+    apart = ulps_apart(native(case), expected(case))
+    assert apart.max() <= 1
+    assert apart.float().mean() < 2e-3, f"{int(apart.sum())} of {apart.numel()} differ"
+
+
+@needs_kernel
+def test_bf16_stale_and_nan_slots_never_reach_an_output(make_cpu_case):
+    case = make_cpu_case(seq_lens=[5, 17, 40], num_heads=8, head_dim=32, dtype=torch.bfloat16)
+    want = expected(case)
+    used = torch.zeros(case.k_cache.shape[:2], dtype=torch.bool)
+    for i, n in enumerate(case.seq_lens):
+        for pos in range(n):
+            used[
+                case.block_tables[i, pos // case.k_cache.shape[1]], pos % case.k_cache.shape[1]
+            ] = True
+    case.k_cache[~used] = float("nan")
+    case.v_cache[~used] = float("inf")
+    assert ulps_apart(native(case), want).max() <= 1
+
+
+@needs_kernel
+def test_the_bf16_engine_decodes_through_the_kernel_and_equals_transformers(
+    tiny_llama, monkeypatch
+):
+    calls = []
+    original = cpu_native.decode
+
+    def counting(plan, query, *args, **kwargs):
+        calls.append(query.dtype)
+        return original(plan, query, *args, **kwargs)
+
+    monkeypatch.setattr(cpu_native, "decode", counting)
+    prompts = make_prompts()
+    _, seqs = run_engine(tiny_llama, prompts, dtype="bfloat16")
+    assert torch.bfloat16 in calls, "bf16 decode never took the native kernel"
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        want, _ = hf_greedy(tiny_llama, torch.bfloat16, tuple(prompt))
+        assert seq.output_token_ids == want, f"prompt of {len(prompt)} tokens"
+
+
 def test_other_dtypes_and_shapes_take_the_torch_path(make_cpu_case):
-    for dtype in (torch.bfloat16, torch.float16):
-        case = make_cpu_case(seq_lens=[5, 9], dtype=dtype)
-        assert not cpu_native.supports(case.query, case.k_cache)
+    half = make_cpu_case(seq_lens=[5, 9], dtype=torch.float16)
+    assert not cpu_native.supports(half.query, half.k_cache)
+    mixed = make_cpu_case(seq_lens=[5, 9])
+    assert not cpu_native.supports(mixed.query.bfloat16(), mixed.k_cache)
     odd = make_cpu_case(seq_lens=[5, 9], head_dim=24)
     assert not cpu_native.supports(odd.query, odd.k_cache)
 
