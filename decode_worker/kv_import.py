@@ -7,7 +7,8 @@ One import, on an import thread (never the engine loop)::
               another import is pulling right now, or allocate one to pull; the partial last
               block is always pulled
     pull      only our own blocks: shm if on the producer's host and the segment attaches,
-              else gRPC PullKv with block_indices
+              else gRPC PullKv with block_indices; with tensor parallelism each rank's shard
+              once (a head replicated on several ranks travels once), the shards at once
     release   ReleaseKv: the bytes count only if it answers found=true (lease held to the end)
     publish   (engine lock) register our pulled blocks by hash; wake imports sharing them
     finish    wait for the shared blocks' owners; all good -> the table holds the prompt's KV
@@ -27,6 +28,7 @@ import collections
 import logging
 import threading
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import grpc
@@ -39,6 +41,7 @@ from pagedserve.grpcutil import ClientTLS, make_channel
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.kv_cache import KVCache
+from pagedserve.model.core_share import one_torch_thread
 from pagedserve.kvstore.transfer import (
     BlockAssembler,
     ShmBlockReader,
@@ -58,6 +61,8 @@ MIN_LEASE_LEFT_S = 0.05  # a lease this close to expiry is treated as expired
 PULL_CHUNK_BYTES = 1 << 20
 RELEASE_TIMEOUT_S = 5.0
 SHARED_WAIT_S = 120.0  # bound on waiting for another import's pull of a shared block
+SHARD_PULLS_PER_RANK = 4  # tensor parallel: other ranks' shard pulls at once, per rank (the
+# decode worker's default --import-threads: every import's shards can be in flight together)
 MAX_SHM_READERS = 64
 
 
@@ -101,20 +106,20 @@ class ImportCancel:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._call: grpc.RpcContext | None = None
+        self._calls: list[grpc.RpcContext] = []  # NOTE: one per tensor-parallel shard at most
         self.cancelled = False
 
     def cancel(self) -> None:
         with self._lock:
             self.cancelled = True
-            call = self._call
-        if call is not None:
+            calls = list(self._calls)
+        for call in calls:
             call.cancel()
 
     def attach(self, call: grpc.RpcContext) -> None:
-        """The pull in flight; cancelled at once if the import already was."""
+        """A pull in flight; cancelled at once if the import already was."""
         with self._lock:
-            self._call = call
+            self._calls.append(call)
             cancelled = self.cancelled
         if cancelled:
             call.cancel()
@@ -184,6 +189,13 @@ class KvImporter:
         self._readers_lock = threading.Lock()
         self._local = threading.local()  # `cancel`: the ImportCancel of this thread's import
         self._warned_layouts: set[str] = set()  # producers whose KV layout differs from ours
+        # tensor parallel: the other ranks' shards of an import are pulled here meanwhile
+        shards = len(self._shard_sources())
+        self._shard_pool = ThreadPoolExecutor(
+            max(1, (shards - 1) * SHARD_PULLS_PER_RANK),
+            thread_name_prefix="kv-shard",
+            initializer=one_torch_thread,
+        )
 
     def import_kv(
         self,
@@ -386,17 +398,31 @@ class KvImporter:
         return bool(found.found)
 
     def _pull(self, handle: KvHandleInfo, blocks: dict[int, BlockId]) -> str:
-        """Copy `blocks` over the best transport, every tensor-parallel rank's shard once;
-        returns the transport's name."""
+        """Copy `blocks` over the best transport, every tensor-parallel rank's shard once and
+        the shards at the same time (this thread pulls the first); returns the transport's
+        name ("grpc" if any shard took it)."""
         caches = self.engine.runner.kv_caches
         assert caches is not None  # NOTE: `_check` refused the handle otherwise
-        transport = ""
-        for rank, replicas in self._shard_sources().items():
+        cancel = getattr(self._local, "cancel", None)
+
+        def pull(rank: int, replicas: list[int]) -> str:
+            self._local.cancel = cancel  # NOTE: a shard thread's gRPC call stops on abort too
             transport = self._pull_shard(handle, blocks, rank, caches[rank])
             ids = torch.tensor(sorted(blocks.values()), dtype=torch.int64)
             for replica in replicas:  # NOTE: ranks holding the same KV heads: one pull
                 caches[replica].tensor[ids] = caches[rank].tensor[ids]
-        return transport
+            return transport
+
+        (first, first_replicas), *others = self._shard_sources().items()
+        pending = [self._shard_pool.submit(pull, rank, replicas) for rank, replicas in others]
+        try:
+            transports = [pull(first, first_replicas)]
+        finally:
+            # NOTE: every shard's outcome is waited for: none writes our blocks after we return
+            for done in pending:
+                done.exception()
+        transports += [done.result() for done in pending]  # raises the first shard's error
+        return "grpc" if "grpc" in transports else transports[0]
 
     def _shard_sources(self) -> dict[int, list[int]]:
         """{rank to pull: the other ranks holding the same KV heads}. With fewer KV heads than
@@ -510,6 +536,7 @@ class KvImporter:
         return reason
 
     def close(self) -> None:
+        self._shard_pool.shutdown(wait=True, cancel_futures=True)
         with self._readers_lock:
             self._readers.clear()
         self.producers.close()
