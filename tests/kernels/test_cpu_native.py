@@ -60,10 +60,13 @@ def test_decode_matches_the_reference(
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("sliding_window", [None, 20])
-def test_mixed_batch_and_window_match_the_reference(make_cpu_case, tolerance, sliding_window):
+def test_mixed_batch_and_window_match_the_reference(
+    make_cpu_case, tolerance, sliding_window, dtype
+):
     case = make_cpu_case(seq_lens=[20, 64, 150, 9, 40], query_lens=[20, 1, 70, 1, 3],
-                         num_heads=8, head_dim=32)  # fmt: skip
+                         num_heads=8, head_dim=32, dtype=dtype)  # fmt: skip
     meta = dispatch.AttentionMetadata(
         slot_mapping=torch.zeros(0, dtype=torch.int64),
         block_tables=case.block_tables,
@@ -74,7 +77,7 @@ def test_mixed_batch_and_window_match_the_reference(make_cpu_case, tolerance, sl
         case.query, case.k_cache, case.v_cache, meta, case.scale, sliding_window
     )
     assert sliding_window in meta._native_plans  # the native kernel ran, not the torch path
-    torch.testing.assert_close(got, expected(case, sliding_window), **tolerance(torch.float32))
+    torch.testing.assert_close(got, expected(case, sliding_window), **tolerance(dtype))
     # the decode rows alone: the prefill rows of `out` are left as they were
     only_decode = native(case, sliding_window)
     assert torch.isnan(only_decode[:20]).all() and not torch.isnan(only_decode[20]).any()
