@@ -185,7 +185,7 @@ def supports_quantized(query: torch.Tensor, codes: torch.Tensor, scales: torch.T
     return (
         enabled
         and query.device.type == "cpu"
-        and query.dtype == torch.float32
+        and query.dtype in NATIVE_DTYPES
         and codes.dtype in (torch.int8, torch.float8_e4m3fn)
         and head_dim % 16 == 0
         and num_heads <= MAX_HEADS
@@ -297,13 +297,20 @@ def decode_quantized(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """`decode` over an 8-bit cache: codes read in place and scaled per (block, head), no
-    dequantized copy. The caller has checked `supports_quantized`."""
+    dequantized copy. The caller has checked `supports_quantized`. A bf16 query is widened to
+    fp32 and its rows' outputs rounded back to bf16 (the values are the codes' anyway: there is
+    no SDPA rounding to follow, so fp32 throughout)."""
     lib, n = _rows(plan, query)
     if n == 0:
         return out
     k_scales, v_scales = scales
     assert out.is_contiguous() and out.shape == query.shape and v_codes.stride() == k_codes.stride()
     assert k_scales.stride() == v_scales.stride()
+    if query.dtype != torch.float32:
+        wide = decode_quantized(plan, query.float(), k_codes, v_codes, scales, scale,
+                                torch.empty(query.shape, dtype=torch.float32))  # fmt: skip
+        rows = plan.query_rows
+        return out.index_copy_(0, rows, wide.index_select(0, rows).to(out.dtype))
     num_heads, head_dim = query.shape[1], query.shape[2]
     failed = lib.paged_decode_q8(
         query.data_ptr(), query.stride(0),

@@ -182,6 +182,21 @@ def test_the_native_kernel_reads_codes_in_place_like_the_reference(dtype, monkey
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.skipif(cpu_native.unavailable_reason() is not None, reason="no native kernel here")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_bf16_query_reads_codes_in_place_as_its_fp32_widening(dtype, monkeypatch):
+    query, (k, v), scales, meta, _ = quantized_case(dtype, [1, 1], [7, 13], dim=32)
+    query = query.bfloat16()
+    calls = []
+    real = cpu_native.decode_quantized
+    monkeypatch.setattr(cpu_native, "decode_quantized", lambda *a: calls.append(1) or real(*a))
+    with dispatch.use_backend("cpu"):
+        got = dispatch.paged_attention(query, k, v, meta, 32**-0.5, scales=scales)
+        wide = dispatch.paged_attention(query.float(), k, v, meta, 32**-0.5, scales=scales)
+    assert calls and meta._dense is None  # the kernel, no dequantized copy
+    assert got.dtype == torch.bfloat16 and torch.equal(got, wide.bfloat16())
+
+
 def test_the_dense_view_reads_each_needed_block_once():
     meta = AttentionMetadata(
         slot_mapping=torch.tensor([0, 0]),
