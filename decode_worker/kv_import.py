@@ -41,7 +41,6 @@ from pagedserve.grpcutil import ClientTLS, make_channel
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.kv_cache import KVCache
-from pagedserve.model.core_share import one_torch_thread
 from pagedserve.kvstore.transfer import (
     BlockAssembler,
     ShmBlockReader,
@@ -50,6 +49,7 @@ from pagedserve.kvstore.transfer import (
     host_id,
     layout_compat_hash,
 )
+from pagedserve.model.core_share import one_torch_thread
 from pagedserve.model.sequence import Sequence
 from pagedserve.model.tensor_parallel import Shard
 from pagedserve.v1 import prefill_pb2_grpc
