@@ -146,6 +146,23 @@ def test_a_seeded_request_draws_the_same_tokens_on_either_path(clusters):
     assert len(set(tokens_of(local))) > 3  # sampled, not a constant
 
 
+@pytest.mark.parametrize("interval", [8, 1 << 16])
+def test_the_first_token_comes_alone_with_a_stream_interval_on_either_path(clusters, interval):
+    """`stream_interval` counts the tokens after the first: computed on the decode worker, the
+    first token still goes out alone, at once (TTFT), as a prefill worker's does."""
+    here, remote, model_dir = clusters
+    prompt = make_prompts((30,), seed=74)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+    for started in (here, remote):
+        with Client(started.router_address) as client:
+            parts = list(client.generate(prompt, params, stream_interval=interval, timeout=60))
+        sizes = [len(p.token_ids) for p in parts if p.token_ids]
+        assert tokens_of(parts) == want[:24]
+        assert sizes[0] == 1 and sum(sizes) == 24, sizes
+        assert all(n >= min(interval, 23) for n in sizes[1:-1]), sizes
+
+
 def test_prefill_here_reports_the_decode_workers_cached_prompt_tokens(clusters):
     here, _, model_dir = clusters
     prompt = make_prompts((37,), seed=73)[0]  # two full blocks of 16, then 5 tokens
