@@ -27,14 +27,21 @@ from pagedserve.client import Client
 from pagedserve.sampling_params import SamplingParams
 
 
-def _one(client: Client, req: BenchRequest, t0: float, timeout_s: float) -> RequestResult:
+def _one(
+    client: Client, req: BenchRequest, t0: float, timeout_s: float, stream_interval: int = 0
+) -> RequestResult:
     result = RequestResult(req.request_id, len(req.prompt), req.output_len, req.priority)
     result.arrival = req.arrival
     params = SamplingParams(temperature=0.0, max_tokens=req.output_len, ignore_eos=True)
     result.sent = time.perf_counter() - t0
     try:
         stream = client.generate(
-            req.prompt, params, request_id=req.request_id, priority=req.priority, timeout=timeout_s
+            req.prompt,
+            params,
+            request_id=req.request_id,
+            priority=req.priority,
+            timeout=timeout_s,
+            stream_interval=stream_interval,
         )
         for msg in stream:
             if msg.token_ids:
@@ -52,6 +59,7 @@ def run_load(
     max_concurrency: int | None = None,
     timeout_s: float = 600.0,
     slo: SLO | None = None,
+    stream_interval: int = 0,
 ) -> dict:
     """Send `requests` at their arrival times; return the summary, client overhead and the raw
     per-request results (`requests` key, JSON-ready, plus `tokens` for the correctness gate)."""
@@ -66,7 +74,7 @@ def run_load(
             delay = req.arrival - (time.perf_counter() - t0)
             if delay > 0:
                 time.sleep(delay)
-            futures.append(pool.submit(_one, client, req, t0, timeout_s))
+            futures.append(pool.submit(_one, client, req, t0, timeout_s, stream_interval))
         for f in futures:
             r = f.result()
             with lock:
@@ -98,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1: Poisson)")
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--stream-interval", type=int, default=0,
+        help="the least tokens per message after the first (0: the router's default)",
+    )  # fmt: skip
     p.add_argument("--slo-ttft", type=float, default=2.0, help="seconds")
     p.add_argument("--slo-tpot", type=float, default=0.2, help="seconds")
     args = p.parse_args(argv)
@@ -108,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         requests,
         max_concurrency=args.max_concurrency,
         slo=SLO(args.slo_ttft, args.slo_tpot),
+        stream_interval=args.stream_interval,
     )
     summary.pop("tokens")
     summary.pop("requests")

@@ -172,6 +172,7 @@ class ClusterPeer:
             self.cluster.router_address,
             requests,
             max_concurrency=options.get("max_concurrency"),
+            stream_interval=options.get("stream_interval", 0),
         )
 
     def close(self) -> None:

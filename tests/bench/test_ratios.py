@@ -66,3 +66,16 @@ def test_the_default_cluster_against_full_disaggregation():
     res.ratios = []
     _s1_ratios(res, outs)
     assert not [r for r in res.ratios if "cluster-remote" in r.metric]
+
+
+def test_the_per_token_stream_is_reported_beside_the_offline_client():
+    res = ScenarioResult("S1", gate={"passed": True})
+    outs = {"engine": [run(100)], "cluster": [run(95)], "cluster-streamed": [run(50)]}
+    _s1_ratios(res, outs)
+    ratios = {r.metric: (r.values, r.goal) for r in res.ratios}
+    assert ratios["useful tok/s: cluster / engine"] == ([0.95], ">= 0.9")
+    assert ratios["useful tok/s: cluster-streamed / engine"] == ([0.5], "")
+    outs["cluster-streamed"] = [run(50, errors=2)]
+    res = ScenarioResult("S1", gate={"passed": True})
+    _s1_ratios(res, outs)
+    assert not res.valid  # the same cluster failed requests when streamed per token

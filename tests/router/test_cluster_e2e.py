@@ -20,6 +20,9 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from oracle import hf_greedy, make_prompts
 from processes import alive, children_of
 
+from pagedserve.bench.loadgen import run_load
+from pagedserve.bench.scenarios import OFFLINE_STREAM_INTERVAL
+from pagedserve.bench.workloads import make_workload
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer
@@ -157,6 +160,21 @@ def test_stream_interval_coalesces_messages_and_changes_no_token(cluster):
     assert len(coalesced) < len(every)
     assert info.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "stream_interval" in info.value.details()
+
+
+def test_bench_offline_client_gets_the_first_token_then_the_rest(cluster):
+    """`pagedserve bench`'s S1 client for the cluster (`OFFLINE_STREAM_INTERVAL`): two messages
+    per request, the same tokens as the per-token stream, TTFT still measured."""
+    started, _ = cluster
+    requests = make_workload("random", 6, 512, 7)
+    streamed = run_load(started.router_address, requests, stream_interval=1)
+    offline = run_load(started.router_address, requests, stream_interval=OFFLINE_STREAM_INTERVAL)
+    assert offline["num_errors"] == streamed["num_errors"] == 0
+    assert offline["tokens"] == streamed["tokens"]
+    for fast, slow in zip(offline["requests"], streamed["requests"], strict=True):
+        assert len(fast["itl"]) == (1 if fast["output_len"] > 1 else 0), fast
+        assert len(slow["itl"]) == slow["output_len"] - 1
+        assert 0 < fast["ttft"] < fast["e2e"]
 
 
 def test_cancel_mid_stream_and_short_deadline_free_every_block(cluster):
