@@ -712,6 +712,7 @@ class DecodeWorker:
             draining=self.draining or self.dead,
             reported_at_unix_ms=int(time.time() * 1000),
             accepts_prefill_here=True,
+            tensor_parallel_size=self.engine.config.tensor_parallel_size,
         )
 
     def close(self) -> None:

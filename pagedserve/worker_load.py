@@ -49,6 +49,7 @@ class WorkerLoad:
     draining: bool = False
     reported_at_unix_ms: int = 0
     accepts_prefill_here: bool = False  # decode: takes requests no prefill worker ran
+    tensor_parallel_size: int = 0  # the worker's ranks; 0: it did not say (older workers)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), separators=(",", ":"), sort_keys=True)

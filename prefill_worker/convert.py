@@ -146,4 +146,5 @@ def worker_load(engine: PrefillEngine, draining: bool) -> WorkerLoad:
         prefix_cache_hit_rate=cached / total if total else 0.0,
         draining=draining,
         reported_at_unix_ms=int(time.time() * 1000),
+        tensor_parallel_size=engine.config.tensor_parallel_size,
     )

@@ -19,6 +19,13 @@ The whole prompt counts, not its part uncached at the prefill worker: decode wor
 prefix index, so one may have to compute all of it. `routes_*` counters say how often each path
 was taken (Prometheus `pagedserve:routes_prefill_here_total`).
 
+Tensor parallelism: KV moves only between workers of the same `--tensor-parallel-size` (each
+worker's `LoadReport` says its count). The decode worker is chosen first, then the cheapest
+prefill worker of its count; when none has it, the decode worker computes the prompt itself
+(`routes_tensor_parallel_mismatch_total`), since it would refuse the hand-off and recompute the
+prompt anyway. A request the decode worker cannot prefill (several samples, beam search) still
+goes to a prefill worker of another count, and the decode worker recomputes its prompt.
+
 Workers come from the static lists (`--prefill`, `--decode`) and, with Redis, from the registry
 (live incarnations only). Load comes from polling each worker's `GetLoad` plus the requests this
 router has in flight there (so a burst does not all land on the idlest worker). The prefix
@@ -86,6 +93,8 @@ class RouteStats:
 
     prefill_worker: int = 0  # the prompt went to a prefill worker
     prefill_here: int = 0  # the decode worker computed it (conditional disaggregation)
+    # of those, because no prefill worker had the decode worker's --tensor-parallel-size
+    tensor_parallel_mismatch: int = 0
 
 
 @dataclass(slots=True)
@@ -287,6 +296,14 @@ class WorkerSet:
             task.cancel()
 
 
+def same_tensor_parallel(prefill: Worker, decode: Worker) -> bool:
+    """Whether `prefill`'s KV can move to `decode`: equal `--tensor-parallel-size`, or a worker
+    that did not report its count (an older worker, or no poll answered yet)."""
+    a = prefill.load.tensor_parallel_size if prefill.load is not None else 0
+    b = decode.load.tensor_parallel_size if decode.load is not None else 0
+    return a == b or not (a and b)
+
+
 def queued_tokens(worker: Worker) -> int:
     """Prompt tokens waiting at a prefill worker: its last report, or what this router has
     sent it since (a burst lands before the next poll), whichever is more."""
@@ -358,10 +375,16 @@ class RoutingPolicy:
             usage = load.kv_cache_usage if load else 0.0
             return w.decode * usage + w.queue * (busy + d.in_flight) / self.max_num_seqs
 
-        prefill = min(prefills, key=lambda p: (prefill_cost(p), p.assigned))
         decode = min(decodes, key=lambda d: (decode_cost(d), d.assigned))
+        paired = [p for p in prefills if same_tensor_parallel(p, decode)]
+        prefill = min(paired or prefills, key=lambda p: (prefill_cost(p), p.assigned))
         cached = overlap.get(prefill.worker_id, 0)
         here = self._prefill_here(prefill, decode, num_tokens)
+        if not paired and not here and self._can_prefill_here(decode, num_tokens):
+            # NOTE: no prefill worker's KV fits this decode worker's ranks: the decode worker
+            # would refuse the hand-off and recompute the prompt after a wasted prefill
+            here = True
+            self.stats.tensor_parallel_mismatch += 1
         if here:
             self.stats.prefill_here += 1
         else:
@@ -375,6 +398,7 @@ class RoutingPolicy:
             "index_degraded": self.index_degraded,
             "prefill_queue_tokens": float(queued_tokens(prefill)),
             "prefill_here": here,
+            "tensor_parallel_paired": bool(paired),
         }
         return Decision(prefill, decode, cached, terms, prefill_here=here)
 
@@ -382,11 +406,16 @@ class RoutingPolicy:
         """Conditional disaggregation (module docstring): a short prompt goes to the decode
         worker while the prefill worker has a queue."""
         local = self.local_prefill
-        if num_tokens is None or not local.enabled:
+        if not local.enabled or not self._can_prefill_here(decode, num_tokens):
             return False
-        if decode.load is None or not decode.load.accepts_prefill_here:
-            return False  # NOTE: an older decode worker would take token 0 as the first
+        assert num_tokens is not None
         return num_tokens <= local.max_tokens and queued_tokens(prefill) >= local.queue_tokens
+
+    @staticmethod
+    def _can_prefill_here(decode: Worker, num_tokens: int | None) -> bool:
+        # NOTE: an older decode worker would take token 0 as the first
+        load = decode.load
+        return num_tokens is not None and load is not None and load.accepts_prefill_here
 
     def _overlap(self, block_hashes: Sequence[BlockHash]) -> dict[str, int]:
         if self.index is None or not block_hashes:

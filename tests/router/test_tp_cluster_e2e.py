@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from oracle import hf_greedy_on, hf_model, make_prompts
 from test_prefill_here_e2e import child, generate_each, up_args, wait_until
 
+from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
 from pagedserve.model.config import load_model_config
 from pagedserve.model.runner import kv_cache_spec
@@ -115,6 +116,9 @@ def test_two_ranks_on_each_side_equal_transformers_with_every_prompt_handed_off(
     # bytes one rank would have moved
     whole = kv_cache_spec(load_model_config(model_dir), 16).bytes_per_block
     assert delta("pagedserve:kv_transfer_bytes_shm_total") == (1 + 2 + 3 + 4) * whole
+    # each worker says its count, so a router pairs only equal counts (routing.py)
+    with Client(started.router_address) as client:
+        assert {w.load.tensor_parallel_size for w in client.status().workers} == {2}
 
 
 @pytest.mark.parametrize("role", ["decode", "prefill"])

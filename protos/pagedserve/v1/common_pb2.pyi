@@ -217,7 +217,7 @@ class KvShard(_message.Message):
     def __init__(self, rank: _Optional[int] = ..., shm: _Optional[_Union[ShmTransport, _Mapping]] = ...) -> None: ...
 
 class LoadReport(_message.Message):
-    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "num_requests_swapped", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "reported_at_unix_ms", "accepts_prefill_here")
+    __slots__ = ("worker_id", "role", "num_requests_running", "num_requests_waiting", "num_requests_swapped", "queued_prefill_tokens", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "kv_cache_usage", "prefix_cache_hit_rate", "draining", "reported_at_unix_ms", "accepts_prefill_here", "tensor_parallel_size")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     NUM_REQUESTS_RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -232,6 +232,7 @@ class LoadReport(_message.Message):
     DRAINING_FIELD_NUMBER: _ClassVar[int]
     REPORTED_AT_UNIX_MS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTS_PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     num_requests_running: int
@@ -246,7 +247,8 @@ class LoadReport(_message.Message):
     draining: bool
     reported_at_unix_ms: int
     accepts_prefill_here: bool
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_requests_swapped: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., reported_at_unix_ms: _Optional[int] = ..., accepts_prefill_here: _Optional[bool] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., num_requests_running: _Optional[int] = ..., num_requests_waiting: _Optional[int] = ..., num_requests_swapped: _Optional[int] = ..., queued_prefill_tokens: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., kv_cache_usage: _Optional[float] = ..., prefix_cache_hit_rate: _Optional[float] = ..., draining: _Optional[bool] = ..., reported_at_unix_ms: _Optional[int] = ..., accepts_prefill_here: _Optional[bool] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class GetLoadRequest(_message.Message):
     __slots__ = ()
