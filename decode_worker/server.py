@@ -130,7 +130,9 @@ async def serve(
     address = args.advertise_address or f"{args.host}:{handle.port}"
     worker.worker_id = args.worker_id or default_worker_id("decode", handle.port)
     member = await asyncio.to_thread(_join_cluster, args, worker, address)
-    worker.core_share = open_core_share(args.core_share)
+    worker.core_share = open_core_share(
+        args.core_share, set_threads=worker.engine.runner.set_threads
+    )
     if engine_loop is not None:
         worker.engine_loop = engine_loop
     worker.on_loop_death = lambda: _on_loop_death(handle, worker.death, stop)

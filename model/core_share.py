@@ -137,6 +137,12 @@ def one_torch_thread() -> None:
     torch.set_num_threads(1)
 
 
-def open_core_share(spec: str | None, *, borrow: bool = True) -> CoreShare | None:
-    """A worker's `--core-share PATH:SLOT` (None: no sharing, the thread count stays)."""
-    return None if spec is None else CoreShare(*parse_spec(spec), borrow=borrow)
+def open_core_share(
+    spec: str | None, *, borrow: bool = True, set_threads: Callable[[int], None] | None = None
+) -> CoreShare | None:
+    """A worker's `--core-share PATH:SLOT` (None: no sharing, the thread count stays).
+    `set_threads`: how the worker applies its share (`ModelRunner.set_threads`, which splits
+    it between tensor-parallel ranks); default `torch.set_num_threads`."""
+    if spec is None:
+        return None
+    return CoreShare(*parse_spec(spec), borrow=borrow, set_threads=set_threads)

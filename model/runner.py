@@ -157,7 +157,18 @@ class ModelRunner:
             raise ValueError("kv_cache: its spec or size does not match the model and num_blocks")
         self.kv_cache = kv_cache or KVCache(self.spec, num_blocks, self.device)
         self.sampler = Sampler()
+        self._threads_set = ranks is None  # NOTE: with ranks, split at the first step
         dispatch.prepare(self.device, config.dtype)
+
+    def set_threads(self, total: int) -> None:
+        """Torch threads for this worker's forwards (`CoreShare` calls it before a step, on the
+        thread that runs them): `total` here; with tensor-parallel ranks, which share the
+        host's cores, `total // ranks` on each (rank 0 now, the others from the next plan)."""
+        if self.ranks is not None:
+            total = max(1, total // (len(self.ranks.pipes) + 1))
+            self.ranks.threads = total
+        torch.set_num_threads(total)
+        self._threads_set = True
 
     def copy_blocks(self, pairs: Seq[tuple[int, int]]) -> None:
         """Apply copy-on-write pairs from the block manager before the step that needs them."""
@@ -215,6 +226,8 @@ class ModelRunner:
         last_rows = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
         sample_idx = [i for i, item in enumerate(batch) if item.completes]
         if self.ranks is not None:
+            if not self._threads_set:
+                self.set_threads(torch.get_num_threads())
             self.ranks.send(StepPlan(
                 forward=True, token_ids=input_ids.tolist(), positions=positions.tolist(),
                 slots=meta.slot_mapping.tolist(), block_tables=meta.block_tables.tolist(),

@@ -76,6 +76,7 @@ class StepPlan:
     logit_rows: list[int] = field(default_factory=list)  # hidden rows to compute logits for
     query_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
+    threads: int = 0  # torch threads per rank from now on (0: as before; `set_threads`)
 
 
 def shard_model(config: ModelConfig, rank: int, size: int) -> ModelConfig:
@@ -83,7 +84,8 @@ def shard_model(config: ModelConfig, rank: int, size: int) -> ModelConfig:
 
 
 def _threads(size: int) -> int:
-    """Torch threads per rank: the cores shared out (rank 0's own setting is the engine's)."""
+    """Torch threads per rank until rank 0's first step says otherwise: the cores shared out
+    (`ModelRunner.set_threads`)."""
     return max(1, (os.cpu_count() or 1) // size)
 
 
@@ -96,6 +98,7 @@ class Ranks:
         self.processes, self.pipes, self.group = processes, pipes, group
         self.pools = pools  # ranks 1..N-1's KV caches, in shared memory rank 0 owns (CPU)
         self.pending: list[tuple[str, list[tuple[int, int]]]] = []
+        self.threads = 0  # a new thread count per rank, for the next plan (0: none)
         self.closed = False
 
     @property
@@ -159,6 +162,7 @@ class Ranks:
     def send(self, plan: StepPlan) -> None:
         """Send every other rank this step (with the copies queued since the last)."""
         plan.copies, self.pending = self.pending, []
+        plan.threads, self.threads = self.threads, 0
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
                 pipe.send(("step", plan))
@@ -265,6 +269,8 @@ _segments: list[shared_memory.SharedMemory] = []  # a rank process's mapped pool
 
 
 def _run(runner: Any, swap: Any, plan: StepPlan) -> None:
+    if plan.threads and plan.threads != torch.get_num_threads():
+        torch.set_num_threads(plan.threads)
     cache = runner.kv_cache.tensor
     for kind, pairs in plan.copies:
         if kind == "copy":

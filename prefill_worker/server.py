@@ -114,7 +114,9 @@ def main(args: argparse.Namespace) -> int:
         raise ValueError("heartbeat-interval: must be in (0, --worker-ttl)")
     warmup = load_warmup_prompts(args.warmup_prompts, args.model) if args.warmup_prompts else []
     worker = PrefillWorker(build_engine(args))
-    worker.core_share = open_core_share(args.core_share, borrow=False)
+    worker.core_share = open_core_share(
+        args.core_share, borrow=False, set_threads=worker.engine.runner.set_threads
+    )
     if stop.is_set():
         worker.close()
         return 0

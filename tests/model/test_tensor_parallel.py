@@ -9,6 +9,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -19,6 +20,7 @@ from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.model.config import load_model_config
 from pagedserve.model.tensor_parallel import Shard
+from pagedserve.model.tp_ranks import StepPlan, _run
 from pagedserve.sampling_params import SamplingParams
 
 NEW_TOKENS = 16
@@ -76,6 +78,43 @@ def test_two_ranks_under_preemption_equal_one(make_tiny, mode):
         assert stats.num_preemptions_swap > 0 and stats.num_swap_in_blocks > 0
     else:
         assert stats.num_preemptions_recompute > 0
+
+
+def test_the_ranks_share_the_workers_thread_count(make_tiny):
+    """`ModelRunner.set_threads(T)` (what the host's core share calls before a step) gives
+    each of N ranks T // N torch threads: rank 0 at once, the others through the next plan,
+    which applies it before its step (`_run`); a plan without a count changes nothing."""
+    model_dir = make_tiny("llama", heads=4, kv_heads=2, layers=2)
+    prompts = make_prompts((5, 9), seed=8)
+    want, _ = greedy(model_dir, prompts)
+    seen: dict[str, object] = {}
+
+    def on_a_worker_thread() -> None:  # NOTE: torch's thread count is per thread
+        eng = engine(model_dir, tensor_parallel_size=2)
+        sent: list[int] = []
+        send = eng.runner.ranks.send
+        eng.runner.ranks.send = lambda plan: (send(plan), sent.append(plan.threads))[0]
+        try:
+            eng.runner.set_threads(4)
+            seen["rank 0"] = torch.get_num_threads()
+            seen["tokens"] = [s.output_token_ids for s in eng.generate(prompts, GREEDY)]
+            seen["sent"] = sent
+            # what a rank process runs per plan, here on rank 0's runner (no forward)
+            torch.set_num_threads(3)
+            _run(eng.runner, None, StepPlan(threads=1))
+            seen["a rank, told 1"] = torch.get_num_threads()
+            _run(eng.runner, None, StepPlan())
+            seen["then no count"] = torch.get_num_threads()
+        finally:
+            eng.close()
+
+    thread = threading.Thread(target=on_a_worker_thread)
+    thread.start()
+    thread.join(120)
+    assert seen.pop("tokens") == want
+    sent = seen.pop("sent")
+    assert sent[0] == 2 and set(sent[1:]) == {0}, sent  # once, with the first step's plan
+    assert seen == {"rank 0": 2, "a rank, told 1": 1, "then no count": 1}
 
 
 def test_shapes_that_do_not_split_name_the_flag(make_tiny):
