@@ -28,7 +28,12 @@ from pagedserve.sampling_params import SamplingParams
 
 
 def _one(
-    client: Client, req: BenchRequest, t0: float, timeout_s: float, stream_interval: int = 0
+    client: Client,
+    req: BenchRequest,
+    t0: float,
+    timeout_s: float,
+    stream_interval: int = 0,
+    cache_salt: str = "",
 ) -> RequestResult:
     result = RequestResult(req.request_id, len(req.prompt), req.output_len, req.priority)
     result.arrival = req.arrival
@@ -42,6 +47,7 @@ def _one(
             priority=req.priority,
             timeout=timeout_s,
             stream_interval=stream_interval,
+            cache_salt=cache_salt,
         )
         for msg in stream:
             if msg.token_ids:
@@ -60,9 +66,12 @@ def run_load(
     timeout_s: float = 600.0,
     slo: SLO | None = None,
     stream_interval: int = 0,
+    cache_salt: str = "",
 ) -> dict:
     """Send `requests` at their arrival times; return the summary, client overhead and the raw
-    per-request results (`requests` key, JSON-ready, plus `tokens` for the correctness gate)."""
+    per-request results (`requests` key, JSON-ready, plus `tokens` for the correctness gate).
+    `cache_salt`: every request's (a run of prompts the cluster has seen, without their
+    cached prefixes)."""
     workers = max_concurrency or len(requests)
     client = Client(address)
     results: list[RequestResult] = []
@@ -74,7 +83,9 @@ def run_load(
             delay = req.arrival - (time.perf_counter() - t0)
             if delay > 0:
                 time.sleep(delay)
-            futures.append(pool.submit(_one, client, req, t0, timeout_s, stream_interval))
+            futures.append(
+                pool.submit(_one, client, req, t0, timeout_s, stream_interval, cache_salt)
+            )
         for f in futures:
             r = f.result()
             with lock:

@@ -173,6 +173,7 @@ class ClusterPeer:
             requests,
             max_concurrency=options.get("max_concurrency"),
             stream_interval=options.get("stream_interval", 0),
+            cache_salt=options.get("cache_salt", ""),
         )
 
     def close(self) -> None:
