@@ -173,7 +173,8 @@ def test_bench_offline_client_gets_the_first_token_then_the_rest(cluster):
     assert offline["tokens"] == streamed["tokens"]
     for fast, slow in zip(offline["requests"], streamed["requests"], strict=True):
         assert len(fast["itl"]) == (1 if fast["output_len"] > 1 else 0), fast
-        assert len(slow["itl"]) == slow["output_len"] - 1
+        # NOTE: a message per step at most; a loaded decode worker merges steps, so not exactly
+        assert len(fast["itl"]) <= len(slow["itl"]) <= slow["output_len"] - 1
         assert 0 < fast["ttft"] < fast["e2e"]
 
 
