@@ -55,7 +55,7 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             await asyncio.wrap_future(submitted)
             ended = 0
             while not finished:
-                delta = await stream.get()
+                delta = await stream.get(merge=not alone)
                 while len(delta.token_ids) < interval and delta.finish_reason is None and not alone:
                     delta.merge(await stream.get())  # NOTE: stream_interval: fewer messages
                 alone = False

@@ -105,12 +105,12 @@ class AsyncRequestStream:
         """On the loop's thread only (`publish` gets it there)."""
         self._queue.put_nowait(delta)
 
-    async def get(self) -> Delta:
-        """The next delta merged with any others of its sample already queued."""
+    async def get(self, merge: bool = True) -> Delta:
+        """The next delta merged with any others of its sample already queued (`merge`)."""
         delta, self._held = self._held, None
         if delta is None:
             delta = await self._queue.get()
-        while delta.finish_reason is None and not self._queue.empty():
+        while merge and delta.finish_reason is None and not self._queue.empty():
             later = self._queue.get_nowait()
             if later.index != delta.index:
                 self._held = later
