@@ -50,15 +50,19 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         interval = call.stream_interval if call.num_outputs == 1 else 1
         # NOTE: the first token goes alone, at once (TTFT); a prefill worker sends it when
         # there is one, else it is this worker's first delta
-        alone = call.prefill_here
+        first_here = call.prefill_here
         try:
             await asyncio.wrap_future(submitted)
             ended = 0
             while not finished:
-                delta = await stream.get(merge=not alone)
-                while len(delta.token_ids) < interval and delta.finish_reason is None and not alone:
+                delta = await stream.get(merge=not first_here)
+                while (
+                    not first_here
+                    and len(delta.token_ids) < interval
+                    and delta.finish_reason is None
+                ):
                     delta.merge(await stream.get())  # NOTE: stream_interval: fewer messages
-                alone = False
+                first_here = False
                 yield convert.decode_response(call.request_id, delta)
                 if delta.finish_reason is FinishReason.ERROR:
                     await context.abort(

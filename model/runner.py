@@ -165,7 +165,7 @@ class ModelRunner:
         thread that runs them): `total` here; with tensor-parallel ranks, which share the
         host's cores, `total // ranks` on each (rank 0 now, the others from the next plan)."""
         if self.ranks is not None:
-            total = max(1, total // (len(self.ranks.pipes) + 1))
+            total = max(1, total // self.ranks.size)
             self.ranks.threads = total
         torch.set_num_threads(total)
         self._threads_set = True

@@ -102,6 +102,11 @@ class Ranks:
         self.closed = False
 
     @property
+    def size(self) -> int:
+        """Ranks in the group, this one (rank 0) included."""
+        return len(self.pipes) + 1
+
+    @property
     def kv_caches(self) -> list[KVCache] | None:
         """Ranks 1..N-1's KV caches as rank 0 sees them (shared memory), or None where they
         are each rank's own device memory (CUDA)."""
