@@ -46,22 +46,15 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         parent = context_from(context.invocation_metadata())
         submitted = self.executor.submit(self.worker.submit, call, parent, stream)
         finished = False
-        # NOTE: several samples interleave on one stream: their messages are not coalesced
-        interval = call.stream_interval if call.num_outputs == 1 else 1
-        # NOTE: the first token goes alone, at once (TTFT); a prefill worker sends it when
-        # there is one, else it is this worker's first delta
+        # NOTE: the worker holds a delta back until its stream_interval is full; the first
+        # token goes alone, at once (TTFT): a prefill worker sends it when there is one, else
+        # it is this worker's first delta, never merged with a late reader's next
         first_here = call.prefill_here
         try:
             await asyncio.wrap_future(submitted)
             ended = 0
             while not finished:
                 delta = await stream.get(merge=not first_here)
-                while (
-                    not first_here
-                    and len(delta.token_ids) < interval
-                    and delta.finish_reason is None
-                ):
-                    delta.merge(await stream.get())  # NOTE: stream_interval: fewer messages
                 first_here = False
                 yield convert.decode_response(call.request_id, delta)
                 if delta.finish_reason is FinishReason.ERROR:

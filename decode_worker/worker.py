@@ -3,7 +3,8 @@
     caller ── submit ──► inbox ──► loop: import pool (KvImporter: pull or give up) ──► engine
                                   └─► (prefill here) engine.add_sequence
     loop thread ── step() under the lock ──► the step's deltas ──► `publish`: one hand-over
-                   to the server's event loop (`AsyncRequestStream`s) per step
+                   to the server's event loop (`AsyncRequestStream`s) per step; a request's
+                   delta waits until its `stream_interval` is full (one wake-up per interval)
     caller ── abort / cancel ──► engine.abort under the lock: blocks freed at once
 
 `submit` validates and queues the request in the inbox, and starts it at once unless a step
@@ -161,6 +162,7 @@ class _Tracked:
     aborted: bool = False
     num_samples: int = 1
     num_sent: dict[int, int] = field(default_factory=dict)  # by sample: output tokens reported
+    interval: int = 1  # stream_interval: the least new tokens per delta (but the first, last)
     ended: set[int] = field(default_factory=set)  # samples whose last delta was sent
     num_preemptions: int = 0
 
@@ -233,7 +235,9 @@ class DecodeWorker:
                 "pagedserve.worker_id": self.worker_id,
             },
         )
-        tracked = _Tracked(seq, stream, span, num_samples=call.num_outputs)
+        # NOTE: several samples interleave on one stream: their deltas are not held back
+        interval = call.stream_interval if call.num_outputs == 1 else 1
+        tracked = _Tracked(seq, stream, span, num_samples=call.num_outputs, interval=interval)
         if call.params.use_beam_search or call.prefill_here:
             # NOTE: the beams' tokens are all sent at the end; a prefill here sends its first
             tracked.num_sent = dict.fromkeys(range(call.num_outputs), 0)
@@ -575,7 +579,11 @@ class DecodeWorker:
                     continue  # NOTE: beams change until the search ends: sent at the end
                 if tracked.prefill_here and not tracked.generator_restarted:
                     self._restart_generators(tracked, seq)
-                if seq.num_output_tokens > tracked.num_sent.get(seq.sample_index, 1):
+                sent = tracked.num_sent.get(seq.sample_index, 1)
+                new = seq.num_output_tokens - sent
+                # NOTE: stream_interval: a delta (and a wake-up of its reader) only once the
+                # interval is full; the first token computed here goes alone, at once (TTFT)
+                if new >= tracked.interval or (new > 0 and sent == 0):
                     self._outbox.append((tracked.stream, self._delta(tracked, seq)))
             self._flush()
             return not out.plan.is_empty
