@@ -1,10 +1,11 @@
 """`pagedserve.v1.DecodeWorker`: a thin asyncio servicer over `DecodeWorker` (DESIGN §3.2, §3.8).
 
 No thread per stream: each Decode call is a coroutine awaiting its `AsyncRequestStream`, which
-the engine loop fills once per step. The worker's calls that take its lock (`submit`, `abort`:
-at most one step's wait) run on a small executor, never on the event loop, so health checks
-answer while a step computes; `GetLoad` never waits for the lock (the load as of the last step
-when a step holds it), so it answers on the loop, not queued behind submits on that executor.
+the engine loop fills once per step (once per `stream_interval` tokens). The worker's calls
+that take its lock (`submit`, `abort`: at most one step's wait) run on a small executor, never
+on the event loop, so health checks answer while a step computes; `GetLoad` never waits for
+the lock (the load as of the last step when a step holds it), so it answers on the loop, not
+queued behind submits on that executor.
 
 Errors are raised, not aborted: the server's interceptor maps them (pagedserve/errors.py). When
 the call ends however it ends (client cancel, deadline, disconnect), the request is aborted and
