@@ -15,6 +15,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from in_process_router import serve_router
 from oracle import make_prompts
+from processes import wait_until
 
 from pagedserve.launcher import start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer
@@ -45,6 +46,22 @@ def router(workers, module_redis):
     )  # fmt: skip
     with serve_router(args) as router:
         yield router.servicer, router.stub
+
+
+def all_routable(servicer) -> bool:
+    """Whether the router sees all three workers healthy (a load answered). It is ready with
+    one pair; the routing tests need both prefill workers: on a loaded host the second may
+    answer its first polls late."""
+    workers = servicer.workers.workers()
+    return len(workers) == 3 and all(w.healthy for w in workers)
+
+
+def worker_states(servicer) -> list[tuple]:
+    """What routing saw of each worker (a failed routing assertion shows it)."""
+    return [
+        (w.worker_id, w.load is not None, w.failures, w.stale, w.assigned)
+        for w in servicer.workers.workers()
+    ] + [("index_degraded", servicer.policy.index_degraded)]
 
 
 def generate(stub, prompt, **sampling):
@@ -132,12 +149,13 @@ def test_a_prompt_too_long_names_its_field(router):
 
 def test_prefix_routing_then_degraded_without_redis_then_recovery(router, module_redis):
     servicer, stub = router
+    assert wait_until(lambda: all_routable(servicer), timeout_s=30)
     shared = make_prompts((64,), seed=41)[0]
     first = generate(stub, shared + [9])
     holder = _last_prefill(servicer)
     for i in range(3):
         again = generate(stub, shared + [10 + i])
-        assert again[-1].usage.cached_prompt_tokens == 64, "went to the worker with the prefix"
+        assert again[-1].usage.cached_prompt_tokens == 64, (holder, worker_states(servicer))
         assert _last_prefill(servicer) == holder
     assert first[-1].usage.cached_prompt_tokens == 0
     assert not servicer.policy.index_degraded
@@ -162,11 +180,12 @@ def test_prefix_routing_then_degraded_without_redis_then_recovery(router, module
 
 def test_unrelated_prompts_spread_over_both_prefill_workers(router):
     servicer, stub = router
+    assert wait_until(lambda: all_routable(servicer), timeout_s=30)
     seen = set()
     for seed in range(50, 58):
         generate(stub, make_prompts((40,), seed=seed)[0], max_tokens=2)
         seen.add(_last_prefill(servicer))
-    assert len(seen) == 2
+    assert len(seen) == 2, worker_states(servicer)
 
 
 def _last_prefill(servicer) -> str:
