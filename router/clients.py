@@ -240,23 +240,45 @@ class WorkerClients:
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         """The call's messages; WorkerLost when none came for `stall_timeout_s` and the worker
         does not answer its load polls either (a worker that answers may just queue the
-        request: slow is not dead)."""
-        read: asyncio.Future = asyncio.ensure_future(call.read())
+        request: slow is not dead).
+
+        One timer per call, re-armed when it fires, watches the wait: nothing per message (an
+        `asyncio.wait` with a timeout around each read cost the router more than the read)."""
+        loop = asyncio.get_running_loop()
+        task = asyncio.current_task()
+        assert task is not None
+        waiting_since: float | None = None  # set while this task awaits the worker's message
+        stalled = False
+        timer: asyncio.TimerHandle | None = None
+
+        def check() -> None:
+            nonlocal timer, stalled
+            idle = 0.0 if waiting_since is None else loop.time() - waiting_since
+            if idle >= self.stall_timeout_s and (worker.stale or not worker.healthy):
+                stalled = True
+                task.cancel()  # NOTE: cancels the read, and with it the call
+                return
+            left = self.stall_timeout_s - idle
+            timer = loop.call_later(left if left > 0 else self.stall_timeout_s, check)
+
+        timer = loop.call_later(self.stall_timeout_s, check)
         try:
             while True:
-                done, _ = await asyncio.wait({read}, timeout=self.stall_timeout_s)
-                if not done:
-                    if worker.stale or not worker.healthy:
+                waiting_since = loop.time()
+                try:
+                    part = await call.read()
+                except asyncio.CancelledError:
+                    if stalled and task.uncancel() == 0:  # NOTE: else the client left as well
                         self.workers.mark_failed(worker)
-                        raise WorkerLost("decode worker stalled")
-                    continue
-                part = read.result()
+                        raise WorkerLost("decode worker stalled") from None
+                    raise
+                waiting_since = None
                 if part is grpc.aio.EOF:
                     return
                 yield part
-                read = asyncio.ensure_future(call.read())
         finally:
-            read.cancel()
+            if timer is not None:
+                timer.cancel()
 
     async def abort_sample(self, worker: Worker, request_id: str, index: int) -> None:
         """Stop sample `index` of a multi-sample request on its decode worker (its stop string

@@ -36,10 +36,10 @@ class Detokenizer:
     matched_stop: str | None = None
     _prefix_offset: int = 0
     _read_offset: int = 0
+    _holdback: int = field(init=False)  # characters a stop string may still need
 
-    @property
-    def _holdback(self) -> int:
-        return max((len(s) for s in self.stop), default=1) - 1
+    def __post_init__(self) -> None:
+        self._holdback = max((len(s) for s in self.stop), default=1) - 1
 
     def add(self, new_token_ids: Sequence[int]) -> str:
         """Append tokens; return the text that is now safe to show (maybe empty).
