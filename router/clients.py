@@ -245,18 +245,21 @@ class WorkerClients:
         One timer per call, re-armed when it fires, watches the wait: nothing per message (an
         `asyncio.wait` with a timeout around each read cost the router more than the read)."""
         loop = asyncio.get_running_loop()
-        task = asyncio.current_task()
-        assert task is not None
-        waiting_since: float | None = None  # set while this task awaits the worker's message
+        reader: asyncio.Task | None = None  # the task awaiting the worker's message, if any
+        waiting_since = 0.0
         stalled = False
         timer: asyncio.TimerHandle | None = None
 
         def check() -> None:
             nonlocal timer, stalled
-            idle = 0.0 if waiting_since is None else loop.time() - waiting_since
-            if idle >= self.stall_timeout_s and (worker.stale or not worker.healthy):
+            idle = 0.0 if reader is None else loop.time() - waiting_since
+            if (
+                reader is not None
+                and idle >= self.stall_timeout_s
+                and (worker.stale or not worker.healthy)
+            ):
                 stalled = True
-                task.cancel()  # NOTE: cancels the read, and with it the call
+                reader.cancel()  # NOTE: cancels the read, and with it the call
                 return
             left = self.stall_timeout_s - idle
             timer = loop.call_later(left if left > 0 else self.stall_timeout_s, check)
@@ -264,15 +267,17 @@ class WorkerClients:
         timer = loop.call_later(self.stall_timeout_s, check)
         try:
             while True:
-                waiting_since = loop.time()
+                reader, waiting_since = asyncio.current_task(), loop.time()
                 try:
                     part = await call.read()
                 except asyncio.CancelledError:
-                    if stalled and task.uncancel() == 0:  # NOTE: else the client left as well
+                    task = asyncio.current_task()
+                    # NOTE: a client that left as well keeps its cancel
+                    if stalled and task is not None and task.uncancel() == 0:
                         self.workers.mark_failed(worker)
                         raise WorkerLost("decode worker stalled") from None
                     raise
-                waiting_since = None
+                reader = None
                 if part is grpc.aio.EOF:
                     return
                 yield part
