@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -12,6 +13,7 @@ import torch
 from pagedserve.generation_config import eos_token_ids, read_generation_config
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache import kv_cache_dtype as kv_cache_dtype_from_name
+from pagedserve.model.activations import activation
 from pagedserve.model.quant import WeightQuant
 
 if TYPE_CHECKING:
@@ -97,10 +99,11 @@ def load_model_config(
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ValueError(f"model: architecture {arch!r} is not supported {SUPPORTED_ARCHITECTURES}")
-    hf = _hf_config(model_dir)
+    hf = _hf_config(model_dir, raw, arch)
     rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"model: rope_type {rope_type!r} is not supported {SUPPORTED_ROPE_TYPES}")
+    activation(hf.hidden_act)  # NOTE: refused here, at load, not at the first forward
     num_heads = hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
@@ -140,12 +143,75 @@ def load_model_config(
     )
 
 
-def _hf_config(model_dir: Path) -> Any:
-    # NOTE: transformers normalises rope parameters across its versions (rope_scaling vs
-    # rope_parameters); reading the config through it keeps us in step with the oracle.
-    from transformers import AutoConfig
+# The defaults transformers' LlamaConfig, MistralConfig and Qwen2Config give the fields pagedserve
+# reads when config.json leaves them out (tests/model/test_config_reader.py checks every one
+# against AutoConfig).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 2048,
+        "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False,
+    },
+    "MistralForCausalLM": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-6, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "sliding_window": 4096,
+    },
+    "Qwen2ForCausalLM": {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "bos_token_id": None, "eos_token_id": None, "tie_word_embeddings": False,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+        "layer_types": None,
+    },
+}  # fmt: skip
+_DEFAULT_ROPE_THETA = 10_000.0
+_PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta"}
 
-    return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+
+def _hf_config(model_dir: Path, raw: dict[str, Any], arch: str) -> Any:
+    """config.json as transformers' config class of `arch` reads it (attributes, defaults filled).
+
+    A config with plain rope (the common case) is read here; one with scaled rope or anything
+    else this reader does not normalise goes through transformers' AutoConfig (which normalises
+    rope parameters across its versions, and whose import costs a worker ~2 s of start-up).
+    """
+    rope = _plain_rope(raw)
+    if rope is None or arch not in _DEFAULTS:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    fields = {**_DEFAULTS[arch], **raw, "rope_parameters": rope}
+    if arch == "Qwen2ForCausalLM":  # NOTE: Qwen2Config.__post_init__, step for step
+        if not fields["use_sliding_window"]:
+            fields["sliding_window"] = None
+        if fields["layer_types"] is None:
+            fields["layer_types"] = [
+                "sliding_attention"
+                if fields["sliding_window"] is not None and i >= fields["max_window_layers"]
+                else "full_attention"
+                for i in range(fields["num_hidden_layers"])
+            ]
+    return SimpleNamespace(**fields)
+
+
+def _plain_rope(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """`{"rope_type": "default", "rope_theta": ...}` when config.json asks for plain rope (in any
+    of the spellings transformers accepts); None for anything else."""
+    if "partial_rotary_factor" in raw:
+        return None
+    params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
+    if not isinstance(params, dict) or not set(params) <= _PLAIN_ROPE_KEYS:
+        return None
+    if params.get("rope_type", params.get("type", "default")) != "default":
+        return None
+    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
+    return {"rope_type": "default", "rope_theta": theta}
 
 
 def _biases(arch: str, hf: Any) -> tuple[bool, bool, bool]:
@@ -173,7 +239,7 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
     Uses transformers' own rope initialisers, so scaled ropes (linear, llama3, yarn) agree with
     the oracle bit for bit.
     """
-    hf = _hf_config(config.model_dir)
+    hf = _hf_config(config.model_dir, config.raw, config.architecture)
     if config.rope_type == "default":
         base = hf.rope_parameters["rope_theta"]
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim

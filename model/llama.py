@@ -13,13 +13,23 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.activations import ACT2FN
 
 from pagedserve.kernels import cpu_linear, dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
+from pagedserve.model.activations import activation
 from pagedserve.model.config import ModelConfig, rope_frequencies
 from pagedserve.model.tensor_parallel import Group
+
+
+class Embedding(nn.Embedding):
+    """`nn.Embedding` whose random init is skipped on the meta device, where the loader builds
+    the model before it fills every weight. NOTE: torch's `normal_` on meta tensors imports
+    torch._dynamo, about 1.5 s of a worker's start-up, for values nobody reads."""
+
+    def reset_parameters(self) -> None:
+        if not self.weight.is_meta:
+            super().reset_parameters()
 
 
 class Linear(nn.Linear):
@@ -117,7 +127,7 @@ class MLP(nn.Module):
         self.gate_proj = Linear(size, inner, bias=bias)
         self.up_proj = Linear(size, inner, bias=bias)
         self.down_proj = Linear(inner, size, bias=bias)
-        self.act_fn = ACT2FN[config.hidden_act]
+        self.act_fn = activation(config.hidden_act)
         self.group: Group | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -154,7 +164,7 @@ class DecoderStack(nn.Module):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

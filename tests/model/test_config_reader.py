@@ -1,0 +1,141 @@
+"""pagedserve reads a plain config.json itself (a worker then starts without importing
+transformers, ~2 s sooner); what it reads must be what transformers' AutoConfig reads, field for
+field, defaults and quirks included. Scaled rope still goes through transformers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers.activations import ACT2FN
+
+from pagedserve.model import config as config_module
+from pagedserve.model.activations import ACTIVATIONS
+from pagedserve.model.config import load_model_config
+
+ROOT = Path(__file__).resolve().parents[2]
+LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
+MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
+QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+SMALL = {
+    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
+}  # fmt: skip
+
+CONFIGS = {
+    "llama-all-defaults": LLAMA,
+    "mistral-all-defaults": MISTRAL,
+    "qwen2-all-defaults": QWEN2,
+    "llama-top-level-rope-theta": {**LLAMA, **SMALL, "rope_theta": 500000.0},
+    "llama-rope-parameters": {
+        **LLAMA, **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}
+    },
+    "llama-legacy-default-rope-scaling": {
+        **LLAMA, **SMALL, "rope_scaling": {"type": "default"}, "rope_theta": 20000.0
+    },
+    "llama-scaling-wins-over-parameters": {
+        **LLAMA, **SMALL, "rope_scaling": {"rope_type": "default", "rope_theta": 3e4},
+        "rope_parameters": {"rope_type": "default", "rope_theta": 7e4},
+    },
+    "llama-null-kv-heads-explicit-head-dim": {
+        **LLAMA, **SMALL, "num_key_value_heads": None, "head_dim": 32,
+    },
+    "llama-biases-tied-eos-list": {
+        **LLAMA, **SMALL, "attention_bias": True, "mlp_bias": True,
+        "tie_word_embeddings": True, "eos_token_id": [2, 7], "bos_token_id": None,
+    },
+    "llama-gelu-tanh": {**LLAMA, **SMALL, "hidden_act": "gelu_pytorch_tanh"},
+    "mistral-null-window": {**MISTRAL, **SMALL, "sliding_window": None, "num_key_value_heads": 2},
+    "mistral-window": {
+        **MISTRAL, **SMALL, "sliding_window": 64, "attention_bias": True, "num_key_value_heads": 1,
+    },
+    "qwen2-window-off": {**QWEN2, **SMALL, "sliding_window": 64},
+    "qwen2-window-on": {
+        **QWEN2, **SMALL, "use_sliding_window": True, "sliding_window": 64,
+        "max_window_layers": 1,
+    },
+    "qwen2-layer-types": {
+        **QWEN2, **SMALL, "use_sliding_window": True, "sliding_window": 64,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    },
+    "qwen2-bf16-null-kv-heads": {
+        **QWEN2, **SMALL, "num_key_value_heads": None, "dtype": "bfloat16",
+        "eos_token_id": 151645,
+    },
+}  # fmt: skip
+
+
+def write(tmp_path: Path, raw: dict) -> Path:
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    return tmp_path
+
+
+def through_transformers(monkeypatch: pytest.MonkeyPatch, model_dir: Path, **kwargs):
+    """`load_model_config` as it reads a config with scaled rope: through AutoConfig."""
+    with monkeypatch.context() as patch:
+        patch.setattr(config_module, "_plain_rope", lambda raw: None)
+        return load_model_config(model_dir, **kwargs)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_a_plain_config_reads_as_transformers_reads_it(name, tmp_path, monkeypatch):
+    model_dir = write(tmp_path, CONFIGS[name])
+    ours = load_model_config(model_dir)
+    assert ours == through_transformers(monkeypatch, model_dir)
+    assert ours.hidden_act in ACTIVATIONS
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+def test_the_tiny_models_read_as_transformers_reads_them(make_tiny, arch, monkeypatch):
+    model_dir = make_tiny(arch)
+    assert load_model_config(model_dir) == through_transformers(monkeypatch, model_dir)
+    assert load_model_config(model_dir, dtype="bfloat16") == through_transformers(
+        monkeypatch, model_dir, dtype="bfloat16"
+    )
+
+
+def test_the_rope_frequencies_of_a_plain_config_are_transformers(tmp_path, monkeypatch):
+    model_dir = write(tmp_path, CONFIGS["llama-top-level-rope-theta"])
+    ours = config_module.rope_frequencies(load_model_config(model_dir))
+    with monkeypatch.context() as patch:
+        patch.setattr(config_module, "_plain_rope", lambda raw: None)
+        theirs = config_module.rope_frequencies(load_model_config(model_dir))
+    assert torch.equal(ours[0], theirs[0]) and ours[1] == theirs[1] == 1.0
+
+
+def test_scaled_rope_is_read_by_transformers(tmp_path):
+    raw = {**LLAMA, **SMALL, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+    assert config_module._plain_rope(raw) is None
+    assert load_model_config(write(tmp_path, raw)).rope_type == "linear"
+
+
+def test_an_unknown_activation_is_refused_at_load_naming_hidden_act(tmp_path):
+    with pytest.raises(ValueError, match="hidden_act 'xielu'"):
+        load_model_config(write(tmp_path, {**LLAMA, **SMALL, "hidden_act": "xielu"}))
+
+
+@pytest.mark.parametrize("name", list(ACTIVATIONS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_each_activation_is_transformers_bit_for_bit(name, dtype):
+    x = torch.randn(4, 257, generator=torch.Generator().manual_seed(0)).to(dtype) * 4
+    assert torch.equal(ACTIVATIONS[name](x), ACT2FN[name](x))
+
+
+def test_a_worker_loads_a_plain_model_without_importing_transformers(tiny_llama):
+    """The start-up this reader buys: both workers' modules, the config and the weights."""
+    code = (
+        "import sys\n"
+        "import pagedserve.decode_worker.server, pagedserve.prefill_worker.server\n"
+        "from pagedserve.model.config import load_model_config\n"
+        "from pagedserve.model.loader import load_model\n"
+        f"load_model(load_model_config({str(tiny_llama)!r}))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('transformers', 'sympy')))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
