@@ -282,7 +282,7 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
     up_arguments(p)
     p.set_defaults(func=_run_up)
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP API in front of a router")
-    from pagedserve.gateway.server import add_arguments as gateway_arguments
+    from pagedserve.gateway.cli_args import add_arguments as gateway_arguments
 
     gateway_arguments(p)
     p.set_defaults(func=_run_gateway)
