@@ -89,10 +89,14 @@ def swap_space_gib(flag: float | None, kv_pool_bytes: int) -> float:
     return min(DEFAULT_MAX_SWAP_GIB, kv_pool_bytes / GIB)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
+    """Run a decode worker until `stop` (made here, set by SIGTERM / SIGINT, when not given)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    stop = threading.Event()
-    stop_on_signals(stop)
+    if stop is None:
+        stop = threading.Event()
+        stop_on_signals(stop)
+    if stop.is_set():  # NOTE: stopped while starting: nothing is loaded yet
+        return 0
     engine = DecodeEngine.from_model_dir(args.model, engine_config(args), revision=args.revision)
     if stop.is_set():  # NOTE: stopped while loading: nothing is bound or registered yet
         engine.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -381,10 +382,11 @@ def _add_prefill(sub: argparse._SubParsersAction) -> None:
 def _run_prefill(args: argparse.Namespace) -> int:
     from pagedserve.model.host_memory import reuse_freed_memory
 
+    stop = _stop_on_signals()
     reuse_freed_memory()  # NOTE: before torch is imported, or it does not pay
     from pagedserve.prefill_worker.server import main as serve
 
-    return serve(args)
+    return serve(args, stop)
 
 
 def _add_decode(sub: argparse._SubParsersAction) -> None:
@@ -398,10 +400,21 @@ def _add_decode(sub: argparse._SubParsersAction) -> None:
 def _run_decode(args: argparse.Namespace) -> int:
     from pagedserve.model.host_memory import reuse_freed_memory
 
+    stop = _stop_on_signals()
     reuse_freed_memory()  # NOTE: before torch is imported, or it does not pay
     from pagedserve.decode_worker.server import main as serve
 
-    return serve(args)
+    return serve(args, stop)
+
+
+def _stop_on_signals() -> threading.Event:
+    """A worker's stop event, set by SIGTERM / SIGINT from here on: before torch is imported
+    (most of a worker's start-up), so a worker stopped while it starts exits cleanly at once."""
+    from pagedserve.signals import stop_on_signals
+
+    stop = threading.Event()
+    stop_on_signals(stop)
+    return stop
 
 
 def build_parser() -> argparse.ArgumentParser:

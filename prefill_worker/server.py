@@ -106,10 +106,14 @@ def build_engine(args: argparse.Namespace) -> PrefillEngine:
     return PrefillEngine(model_config, model, config, device=args.device, revision=args.revision)
 
 
-def main(args: argparse.Namespace) -> int:
+def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
+    """Run a prefill worker until `stop` (made here, set by SIGTERM / SIGINT, when not given)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    stop = threading.Event()
-    stop_on_signals(stop)
+    if stop is None:
+        stop = threading.Event()
+        stop_on_signals(stop)
+    if stop.is_set():  # NOTE: stopped while starting: nothing is loaded yet
+        return 0
     if args.heartbeat_interval is not None and not 0 < args.heartbeat_interval < args.worker_ttl:
         raise ValueError("heartbeat-interval: must be in (0, --worker-ttl)")
     warmup = load_warmup_prompts(args.warmup_prompts, args.model) if args.warmup_prompts else []
