@@ -271,9 +271,8 @@ class WorkerClients:
                 try:
                     part = await call.read()
                 except asyncio.CancelledError:
-                    task = asyncio.current_task()
                     # NOTE: a client that left as well keeps its cancel
-                    if stalled and task is not None and task.uncancel() == 0:
+                    if stalled and reader is not None and reader.uncancel() == 0:
                         self.workers.mark_failed(worker)
                         raise WorkerLost("decode worker stalled") from None
                     raise
