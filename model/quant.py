@@ -11,7 +11,7 @@ modes do). Two formats:
 - **int8 in groups**: only as a GGUF file stores it (Q8_0: `w = d * q` per 32 weights), read
   from the file's blocks (`load_int8_groups`, model/gguf_weights.py), for decoder linears and
   for the embedding and tied LM head (`QuantizedEmbedding`). On CPU a native kernel
-  (kernels/csrc/linear_i8g_avx512.c) widens the codes in registers for decode-sized batches.
+  (kernels/csrc/linear_i8g.c) widens the codes in registers for decode-sized batches.
 
 With bf16 activations on CPU the matmuls are ATen's packed kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`), which read the small weights and dequantize inside the GEMM.
@@ -307,31 +307,42 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
     return q.view(out_features, -1).to(torch.uint8), scale, low + 8 * scale
 
 
-_BLOCK_N = 64
+_BLOCK_SIZES = (64, 32)  # output rows per block: 4 vectors of floats, AVX-512 / AVX2
 
 
 @cache
-def _blocked_layout() -> bool:
-    """Whether ATen packs int4 as [out / 64, in, 32] bytes, the low nibble from the first 32
-    rows of each block of 64 and the high nibble from the other 32 (its AVX-512 layout)."""
-    q = torch.arange(_BLOCK_N * 32, dtype=torch.int32).view(_BLOCK_N, 32) % 13
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-    return torch.equal(_unpack_blocked(packed, _BLOCK_N, 32), q)
+def _block_n() -> int | None:
+    """Output rows per block of ATen's CPU int4 packing, probed once: [out / B, in, B / 2]
+    bytes, the low nibble from the first B / 2 rows of each block and the high nibble from the
+    others. B is 4 vectors of torch's float width: 64 with AVX-512, 32 with AVX2. None for a
+    layout this does not know (another CPU capability)."""
+    for block in _BLOCK_SIZES:
+        q = torch.arange(block * 32, dtype=torch.int32).view(block, 32) % 13
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        if torch.equal(_unpack_blocked(packed, block, 32, block), q):
+            return block
+    return None
 
 
-def _unpack_blocked(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
-    blocks = packed.reshape(out_features // _BLOCK_N, in_features, _BLOCK_N // 2)
+def _unpack_blocked(
+    packed: torch.Tensor, out_features: int, in_features: int, block: int
+) -> torch.Tensor:
+    blocks = packed.reshape(out_features // block, in_features, block // 2)
     low, high = (blocks & 0xF).to(torch.int32), (blocks >> 4).to(torch.int32)
     return torch.cat([low, high], dim=2).transpose(1, 2).reshape(out_features, in_features)
 
 
 def unpack_int4(packed: torch.Tensor, out_features: int, in_features: int) -> torch.Tensor:
     """The codes [out, in] (int32) of a `_convert_weight_to_int4pack_for_cpu` tensor: by its
-    layout where ATen uses the blocked one, else by running its matmul against the identity
+    layout where ATen uses a blocked one, else by running its matmul against the identity
     with unit scales (layout-agnostic, exact: small integers in fp32, but slow)."""
-    blocked = out_features % _BLOCK_N == 0 and packed.numel() * 2 == out_features * in_features
-    if blocked and _blocked_layout():
-        return _unpack_blocked(packed, out_features, in_features)
+    block = _block_n()
+    if (
+        block is not None
+        and out_features % block == 0
+        and packed.numel() * 2 == out_features * in_features
+    ):
+        return _unpack_blocked(packed, out_features, in_features, block)
     eye = torch.eye(in_features, dtype=torch.float32)
     ones = torch.stack(
         [

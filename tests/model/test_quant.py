@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from oracle import GREEDY, hf_dequantized, hf_greedy_on, make_prompts, run_engine
 
 from pagedserve.kvstore.hashing import model_fingerprint
+from pagedserve.model import quant as quant_module
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import QuantizedLinear, WeightQuant, quantize_int4, weight_quant
@@ -84,6 +85,18 @@ def test_gguf_style_codes_load_exactly():
     q.load_int4(codes, d, m + 8 * d)
     want = codes.view(out_features, -1, group) * d[..., None] + m[..., None]
     torch.testing.assert_close(q.dequantize(), want.view(out_features, in_features))
+
+
+@pytest.mark.parametrize("out_features", [64, 96, 32, 48, 16])
+def test_int4_codes_read_back_exactly_from_the_layout_this_cpu_packs(out_features, monkeypatch):
+    """ATen packs int4 in blocks of 64 output rows with AVX-512 and 32 with AVX2. Both the fast
+    read-back (where the block fits) and the slow layout-agnostic one give back the codes."""
+    assert quant_module._block_n() in (64, 32)  # every x86-64 CPU torch runs vectorized code on
+    codes = torch.randint(0, 16, (out_features, 64), generator=torch.Generator().manual_seed(3))
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes.int(), 1)
+    assert torch.equal(quant_module.unpack_int4(packed, out_features, 64), codes.int())
+    monkeypatch.setattr(quant_module, "_block_n", lambda: None)  # another layout: the fallback
+    assert torch.equal(quant_module.unpack_int4(packed, out_features, 64), codes.int())
 
 
 def test_bad_settings_name_their_flag():
