@@ -2,16 +2,18 @@
 
 The torch-only path (`cpu_attention`) gathers each sequence's blocks into a workspace and then
 runs SDPA over the copy: K/V are read twice and written once per layer. This kernel
-(`csrc/paged_decode_avx512.c`, AVX-512 + OpenMP) reads them once, straight from the pool. On
+(`csrc/paged_decode.c`, AVX-512 or AVX2 + FMA, OpenMP) reads them once, straight from the pool. On
 SmolLM2's shape (9 query / 3 KV heads, head_dim 64, 48 sequences of ~230 tokens, 30 layers) it
 took 65 ms per step's attention against 140 ms for the gather + SDPA path, both threads of this
 project's VM (docs/kernels.md).
 
 It is built on first use with the host's C compiler (`cc -O3 -march=native -fopenmp`), into a
-per-user cache keyed by the source, the flags and the CPU, and loaded with ctypes (the GIL is
-released during the call). Where it cannot be had — no compiler, no AVX-512, another dtype or
-head size — `unavailable_reason()` says why, `supports()` says no, and attention takes the torch
-path; nothing else changes.
+per-user cache keyed by the sources, the flags and the CPU, and loaded with ctypes (the GIL is
+released during the call). Its vector width is torch's own (`vector_width()`: 16 floats where
+torch runs AVX-512 code, 8 where it runs AVX2), so the bf16 kernel takes its exponentials where
+torch's flash attention takes them. Where it cannot be had — no compiler, neither AVX-512 nor
+AVX2 + FMA, another dtype or head size — `unavailable_reason()` says why, `supports()` says no,
+and attention takes the torch path; nothing else changes.
 fp32 differs from SDPA by ~1e-6 relative (another summation order), as the bucketed SDPA path
 already does. bf16 computes what torch's CPU flash attention computes, step for step (its fast
 exponential, the weights rounded to bf16 before P.V, keys in blocks of 512), so that greedy
@@ -39,9 +41,9 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name
-    for name in ("paged_decode_avx512.c", "linear_i8g_avx512.c")
+    Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "linear_i8g.c")
 )
+HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lmvec", "-lm")
 MAX_HEADS = 64  # the kernel's per-sequence scratch of row sums
@@ -75,12 +77,25 @@ def _compiler() -> str | None:
     return os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
 
 
+def vector_width() -> int | None:
+    """Floats per vector of the kernel built here: 16 (AVX-512) where torch itself runs its
+    AVX-512 code, 8 (AVX2 + FMA) where torch runs AVX2 (AMD Zen 1-3, Intel before Skylake-X, or
+    `ATEN_CPU_CAPABILITY=avx2`); None where the CPU has neither."""
+    flags = set(_cpu_flags().split())
+    capability = torch.backends.cpu.get_cpu_capability()
+    if capability.startswith("AVX512") and "avx512f" in flags:
+        return 16
+    if capability.startswith(("AVX2", "AVX512")) and {"avx2", "fma"} <= flags:
+        return 8
+    return None
+
+
 def build_blocker() -> str | None:
     """Why this host cannot build the kernel at all (CPU, compiler), or None if it can try."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return f"not an x86-64 CPU ({platform.machine()})"
-    if "avx512f" not in _cpu_flags().split():
-        return "the CPU has no AVX-512"
+    if vector_width() is None:
+        return "the CPU has neither AVX-512 nor AVX2 + FMA (or torch runs neither)"
     if _compiler() is None:
         return "no C compiler (cc) on PATH"
     return None
@@ -91,13 +106,14 @@ def _build() -> ctypes.CDLL:
     blocker = build_blocker()
     if blocker is not None:
         raise RuntimeError(blocker)
-    compiler, flags = _compiler(), _cpu_flags()
+    compiler, cpu = _compiler(), _cpu_flags()
     assert compiler is not None
-    sources = [path.read_bytes() for path in SOURCES]
+    flags = (*FLAGS, f"-DPS_VEC={vector_width()}")
+    sources = [path.read_bytes() for path in SOURCES + HEADERS]
     key = hashlib.sha256(
-        b"\0".join([*sources, " ".join(FLAGS + LIBS).encode(), compiler.encode(), flags.encode()])
+        b"\0".join([*sources, " ".join(flags + LIBS).encode(), compiler.encode(), cpu.encode()])
     ).hexdigest()[:16]
-    target = _cache_dir() / f"paged_decode_avx512-{key}.so"
+    target = _cache_dir() / f"paged_decode-{key}.so"
     if not target.is_file():
         target.parent.mkdir(parents=True, exist_ok=True)
         # NOTE: several workers may build at once: each writes its own file, the rename is atomic
@@ -105,7 +121,7 @@ def _build() -> ctypes.CDLL:
         os.close(fd)
         try:
             done = subprocess.run(
-                [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp, *LIBS],
+                [compiler, *flags, *map(str, SOURCES), "-o", tmp, *LIBS],
                 capture_output=True,
                 text=True,
                 timeout=120,

@@ -1,5 +1,5 @@
-/* Paged decode attention for fp32 on x86-64 CPUs with AVX-512 (kernels/cpu_native.py builds
- * and loads it; docs/kernels.md has the measurements).
+/* Paged decode attention for fp32, bf16 and 8-bit caches on x86-64 CPUs with AVX-512 or AVX2 +
+ * FMA (simd.h; kernels/cpu_native.py builds and loads it; docs/kernels.md has the measurements).
  *
  * One query token per sequence, read straight from the paged cache: no gather into a
  * workspace, K and V read once. One OpenMP task per sequence (torch's libgomp: one runtime in
@@ -15,13 +15,12 @@
  * bf16 (paged_decode_bf16) computes what torch's CPU flash attention computes, step for step,
  * so that it stays within fp32 summation-order noise of the SDPA transformers runs (see there).
  */
-#include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-__m512 _ZGVeN16v_expf(__m512); /* libmvec */
+#include "simd.h"
 
 /* Each query head's row of scores [hq][padded] (len used) -> exp(score - row max) in place,
  * the padding -> 0; sums[r] = the row's total. */
@@ -30,13 +29,13 @@ static void softmax_rows(float *scores, int hq, int64_t len, int64_t padded, flo
         float *sr = scores + r * padded, m = -INFINITY;
         for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
         for (int64_t j = len; j < padded; j++) sr[j] = -INFINITY; /* exp -> 0 */
-        __m512 mv = _mm512_set1_ps(m), total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < padded; j += 16) {
-            __m512 e = _ZGVeN16v_expf(_mm512_sub_ps(_mm512_load_ps(sr + j), mv));
-            _mm512_store_ps(sr + j, e);
-            total = _mm512_add_ps(total, e);
+        vf mv = vf_set1(m), total = vf_zero();
+        for (int64_t j = 0; j < padded; j += PS_VEC) {
+            vf e = vf_expf(vf_sub(vf_load(sr + j), mv));
+            vf_store(sr + j, e);
+            total = vf_add(total, e);
         }
-        sums[r] = _mm512_reduce_add_ps(total);
+        sums[r] = vf_sum(total);
     }
 }
 
@@ -63,18 +62,14 @@ static inline float bf16_round(float f) {
     return r;
 }
 
-/* 16 consecutive elements of K or V, as floats: fp32 values, or int8 / e4m3 codes (e4m3 decoded
- * through the 256-entry table lut). `at` counts elements (bytes for codes). */
-static inline __attribute__((always_inline)) __m512 load16(const void *base, int64_t at,
-                                                           int kind, const float *lut) {
-    if (kind == F32) return _mm512_loadu_ps((const float *)base + at);
-    if (kind == BF16)
-        return _mm512_castsi512_ps(_mm512_slli_epi32(
-            _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)((const uint16_t *)base + at))),
-            16));
-    __m128i bytes = _mm_loadu_si128((const __m128i *)((const uint8_t *)base + at));
-    if (kind == E4M3) return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(bytes), lut, 4);
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+/* PS_VEC consecutive elements of K or V, as floats: fp32 values, bf16 bits, or int8 / e4m3 codes
+ * (e4m3 decoded through the 256-entry table lut). `at` counts elements (bytes for codes). */
+static inline __attribute__((always_inline)) vf loadv(const void *base, int64_t at, int kind,
+                                                      const float *lut) {
+    if (kind == F32) return vf_loadu((const float *)base + at);
+    if (kind == BF16) return vf_from_bf16((const uint16_t *)base + at);
+    if (kind == E4M3) return vf_from_e4m3((const uint8_t *)base + at, lut);
+    return vf_from_i8((const int8_t *)base + at);
 }
 
 /* The fp32 and 8-bit entry points' body; `kind` is a constant at each call, so each is compiled on its own.
@@ -86,11 +81,11 @@ static inline __attribute__((always_inline)) int decode(
     const int64_t *qrow, const int64_t *trow, const int64_t *first, const int64_t *end,
     float *out, int64_t o_tok, int n, int hq, int hkv, int d, int bs, float scale, int threads,
     int kind, const float *lut) {
-    const int groups = hq / hkv, chunks = d / 16;
+    const int groups = hq / hkv, chunks = d / PS_VEC;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int s = 0; s < n; s++) {
-        const int64_t lo = first[s], hi = end[s], len = hi - lo, padded = (len + 15) & ~15;
+        const int64_t lo = first[s], hi = end[s], len = hi - lo, padded = (len + PS_VEC - 1) & ~(int64_t)(PS_VEC - 1);
         if (len <= 0) continue;
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)(hq * padded + hq * d));
         if (scores == NULL) {
@@ -107,11 +102,10 @@ static inline __attribute__((always_inline)) int decode(
                 const int h = r / groups;
                 const float *qr = qs + r * d;
                 const int64_t kh = kp + h * d;
-                __m512 a = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(k, kh, kind, lut));
+                vf a = vf_mul(vf_loadu(qr), loadv(k, kh, kind, lut));
                 for (int c = 1; c < chunks; c++)
-                    a = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c),
-                                        load16(k, kh + 16 * c, kind, lut), a);
-                const float dot = _mm512_reduce_add_ps(a);
+                    a = vf_fmadd(vf_loadu(qr + PS_VEC * c), loadv(k, kh + PS_VEC * c, kind, lut), a);
+                const float dot = vf_sum(a);
                 scores[r * padded + (p - lo)] =
                     kind == F32 ? dot * scale : dot * ks[b * sblk + h] * scale;
             }
@@ -126,10 +120,10 @@ static inline __attribute__((always_inline)) int decode(
                 const int64_t vh = vp + h * d;
                 float *ar = acc + r * d;
                 const float weight = scores[r * padded + (p - lo)];
-                __m512 w = _mm512_set1_ps(kind == F32 ? weight : weight * vs[b * sblk + h]);
+                vf w = vf_set1(kind == F32 ? weight : weight * vs[b * sblk + h]);
                 for (int c = 0; c < chunks; c++)
-                    _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, load16(v, vh + 16 * c, kind, lut),
-                                                                  _mm512_loadu_ps(ar + 16 * c)));
+                    vf_storeu(ar + PS_VEC * c,
+                              vf_fmadd(w, loadv(v, vh + PS_VEC * c, kind, lut), vf_loadu(ar + PS_VEC * c)));
             }
         }
         normalize(out + qrow[s] * o_tok, acc, sums, hq, d);
@@ -152,66 +146,45 @@ int paged_decode_f32(
                   end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL);
 }
 
-/* exp of 16 lanes by the arithmetic of torch's Vectorized<float>::fexp_u20, which torch's CPU
- * flash attention applies to whole vectors of bf16 scores (Malossi et al., "Fast exponential
- * computation on SIMD architectures": 2^(x log2 e) with the fraction's 2^f - f by a cubic,
- * the result assembled in the exponent bits by a truncating conversion). The same bits as
- * torch, so that a softmax weight rounds to bf16 as SDPA's does; ~1e-5 relative from exp. */
-static inline __m512 exp_sdpa(__m512 x) {
-    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50)), _CMP_LT_OS);
-    const __mmask16 over = _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218)), _CMP_GT_OS);
-    __m512 t = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b))); /* x log2 e */
-    const __m512 f = _mm512_sub_ps(t, _mm512_floor_ps(t));
-    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(-0.079204240219773236f), _mm512_set1_ps(-0.22433836478672356f));
-    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.30354260500649682f));
-    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.00010703434948458272f));
-    t = _mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), _mm512_sub_ps(t, p), _mm512_set1_ps(8388608.0f * 127.0f));
-    __m512i bits = _mm512_cvttps_epi32(t);
-    bits = _mm512_mask_mov_epi32(bits, under, _mm512_setzero_si512());
-    bits = _mm512_mask_mov_epi32(bits, over, _mm512_set1_epi32(0x7f800000));
-    return _mm512_castsi512_ps(bits);
-}
-
 enum { KV_SPLIT = 512 }; /* torch's CPU flash attention: keys in blocks of 512, online softmax */
 
 /* One bf16 sequence as torch's CPU flash attention computes one query row: per block of up to
  * KV_SPLIT keys, scores = (q . k) * scale in fp32 (bf16 products are exact), the running max
- * m' = max(m, block max), weights exp(score - m') (exp_sdpa on whole vectors of 16, expf on
- * the rest), the row sum s' = s * expf(m - m') + block sum (of unrounded weights, the tail added in
- * order), acc' = acc * expf(m - m') + sum_p bf16(weight) * V (the weights rounded to bf16, as
+ * m' = max(m, block max), weights exp(score - m') (vf_exp_sdpa, torch's fexp_u20, on whole
+ * vectors of PS_VEC, expf on the rest), the row sum s' = s * expf(m - m') + block sum (of
+ * unrounded weights, the tail added in order), acc' = acc * expf(m - m') + sum_p bf16(weight) * V (the weights rounded to bf16, as
  * SDPA stores them before its P.V GEMM); at the end bf16(acc * (1 / s)). */
 static void decode_bf16_seq(const float *qs, const uint16_t *k, const uint16_t *v, int64_t blk,
                             int64_t pos, const int64_t *table, int64_t lo, int64_t hi,
                             uint16_t *os, int hq, int hkv, int d, int bs, float scale,
                             float *scores, float *acc, float *maxes, float *sums) {
-    const int groups = hq / hkv, chunks = d / 16;
+    const int groups = hq / hkv, chunks = d / PS_VEC;
     for (int r = 0; r < hq; r++) maxes[r] = -INFINITY, sums[r] = 0.0f;
     memset(acc, 0, sizeof(float) * hq * d);
     for (int64_t a = lo; a < hi; a += KV_SPLIT) {
-        const int64_t len = hi - a < KV_SPLIT ? hi - a : KV_SPLIT, whole = len & ~15;
+        const int64_t len = hi - a < KV_SPLIT ? hi - a : KV_SPLIT, whole = len & ~(int64_t)(PS_VEC - 1);
         for (int64_t p = a; p < a + len; p++) {
             const int64_t kp = table[p / bs] * blk + (p % bs) * pos;
             for (int r = 0; r < hq; r++) {
                 const float *qr = qs + r * d;
                 const int64_t kh = kp + (r / groups) * d;
-                __m512 dot = _mm512_mul_ps(_mm512_loadu_ps(qr), load16(k, kh, BF16, NULL));
+                vf dot = vf_mul(vf_loadu(qr), loadv(k, kh, BF16, NULL));
                 for (int c = 1; c < chunks; c++)
-                    dot = _mm512_fmadd_ps(_mm512_loadu_ps(qr + 16 * c),
-                                          load16(k, kh + 16 * c, BF16, NULL), dot);
-                scores[r * KV_SPLIT + (p - a)] = _mm512_reduce_add_ps(dot) * scale;
+                    dot = vf_fmadd(vf_loadu(qr + PS_VEC * c), loadv(k, kh + PS_VEC * c, BF16, NULL), dot);
+                scores[r * KV_SPLIT + (p - a)] = vf_sum(dot) * scale;
             }
         }
         for (int r = 0; r < hq; r++) {
             float *sr = scores + r * KV_SPLIT, m = maxes[r];
             for (int64_t j = 0; j < len; j++) m = sr[j] > m ? sr[j] : m;
-            const __m512 mv = _mm512_set1_ps(m);
-            __m512 total = _mm512_setzero_ps();
-            for (int64_t j = 0; j < whole; j += 16) {
-                const __m512 e = exp_sdpa(_mm512_sub_ps(_mm512_loadu_ps(sr + j), mv));
-                _mm512_storeu_ps(sr + j, e);
-                total = _mm512_add_ps(total, e);
+            const vf mv = vf_set1(m);
+            vf total = vf_zero();
+            for (int64_t j = 0; j < whole; j += PS_VEC) {
+                const vf e = vf_exp_sdpa(vf_sub(vf_loadu(sr + j), mv));
+                vf_storeu(sr + j, e);
+                total = vf_add(total, e);
             }
-            float block_sum = _mm512_reduce_add_ps(total);
+            float block_sum = vf_sum(total);
             for (int64_t j = whole; j < len; j++) {
                 sr[j] = expf(sr[j] - m);
                 block_sum += sr[j];
@@ -220,10 +193,9 @@ static void decode_bf16_seq(const float *qs, const uint16_t *k, const uint16_t *
             sums[r] = block_sum + shrink * sums[r];
             maxes[r] = m;
             if (a > lo) {
-                const __m512 sv = _mm512_set1_ps(shrink);
+                const vf sv = vf_set1(shrink);
                 for (int c = 0; c < chunks; c++)
-                    _mm512_storeu_ps(acc + r * d + 16 * c,
-                                     _mm512_mul_ps(_mm512_loadu_ps(acc + r * d + 16 * c), sv));
+                    vf_storeu(acc + r * d + PS_VEC * c, vf_mul(vf_loadu(acc + r * d + PS_VEC * c), sv));
             }
             for (int64_t j = 0; j < len; j++) sr[j] = bf16_round(sr[j]);
         }
@@ -232,10 +204,10 @@ static void decode_bf16_seq(const float *qs, const uint16_t *k, const uint16_t *
             for (int r = 0; r < hq; r++) {
                 const int64_t vh = vp + (r / groups) * d;
                 float *ar = acc + r * d;
-                const __m512 w = _mm512_set1_ps(scores[r * KV_SPLIT + (p - a)]);
+                const vf w = vf_set1(scores[r * KV_SPLIT + (p - a)]);
                 for (int c = 0; c < chunks; c++)
-                    _mm512_storeu_ps(ar + 16 * c, _mm512_fmadd_ps(w, load16(v, vh + 16 * c, BF16, NULL),
-                                                                  _mm512_loadu_ps(ar + 16 * c)));
+                    vf_storeu(ar + PS_VEC * c,
+                              vf_fmadd(w, loadv(v, vh + PS_VEC * c, BF16, NULL), vf_loadu(ar + PS_VEC * c)));
             }
         }
     }

@@ -1,0 +1,56 @@
+/* y = x @ W.T for int8 weights with one float scale per group of input features (GGUF Q8_0's
+ * layout: groups of 32), on x86-64 CPUs with AVX-512 or AVX2 + FMA (simd.h; kernels/cpu_native.py
+ * builds and loads it beside the paged decode kernel; model/quant.py calls it for decode-sized
+ * batches).
+ *
+ *     W[n][k] = q[n][k] * s[n][k / group]        q int8 [N, K], s float32 [N, K / group]
+ *     y[m][n] = sum_k x[m][k] * W[n][k]          x, y float32, accumulated in float32
+ *
+ * The codes are read once per tile of TILE_N output rows and widened to float32 in registers;
+ * one OpenMP task per tile (torch's libgomp). TILE_M x rows at a time (fewer with AVX2's 16
+ * registers): tails of M and N repeat their last row and write nothing twice. `group` is a
+ * multiple of 16.
+ */
+#include <stdint.h>
+
+#include "simd.h"
+
+#define TILE_N 4
+#define TILE_M (PS_VEC == 16 ? 4 : 2)
+
+void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
+                    int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
+                    int threads) {
+    const int64_t groups = k / group, tiles = (n_rows + TILE_N - 1) / TILE_N;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t tile = 0; tile < tiles; tile++) {
+        int64_t n[TILE_N];
+        for (int r = 0; r < TILE_N; r++) {
+            int64_t at = tile * TILE_N + r;
+            n[r] = at < n_rows ? at : n_rows - 1;
+        }
+        for (int64_t m0 = 0; m0 < m_rows; m0 += TILE_M) {
+            const float *xs[TILE_M];
+            for (int i = 0; i < TILE_M; i++)
+                xs[i] = x + (m0 + i < m_rows ? m0 + i : m_rows - 1) * ldx;
+            vf acc[TILE_M][TILE_N];
+            for (int i = 0; i < TILE_M; i++)
+                for (int r = 0; r < TILE_N; r++) acc[i][r] = vf_zero();
+            for (int64_t g = 0; g < groups; g++) {
+                vf sv[TILE_N];
+                for (int r = 0; r < TILE_N; r++) sv[r] = vf_set1(s[n[r] * groups + g]);
+                for (int64_t j = g * group; j < (g + 1) * group; j += PS_VEC) {
+                    vf w[TILE_N];
+                    for (int r = 0; r < TILE_N; r++) w[r] = vf_mul(vf_from_i8(q + n[r] * k + j), sv[r]);
+                    for (int i = 0; i < TILE_M; i++) {
+                        vf xv = vf_loadu(xs[i] + j);
+                        for (int r = 0; r < TILE_N; r++) acc[i][r] = vf_fmadd(xv, w[r], acc[i][r]);
+                    }
+                }
+            }
+            for (int i = 0; i < TILE_M && m0 + i < m_rows; i++)
+                for (int r = 0; r < TILE_N && tile * TILE_N + r < n_rows; r++)
+                    y[(m0 + i) * ldy + n[r]] = vf_sum(acc[i][r]);
+        }
+    }
+}

@@ -1,0 +1,126 @@
+/* The vector layer of the native CPU kernels (paged_decode.c, linear_i8g.c): one width per
+ * build, which kernels/cpu_native.py chooses to match torch's own CPU capability:
+ *
+ *     PS_VEC == 16   AVX-512F   (torch's "AVX512")
+ *     PS_VEC == 8    AVX2 + FMA (torch's "AVX2": AMD Zen 1-3, Intel before Skylake-X)
+ *
+ * The bf16 attention follows torch's CPU flash attention step for step, and that code takes
+ * its fast exponential on whole vectors of torch's width and `exp` on the rest: the same width
+ * here keeps the same weights. Every function below is what the kernels need, no more.
+ */
+#ifndef PAGEDSERVE_SIMD_H
+#define PAGEDSERVE_SIMD_H
+
+#include <immintrin.h>
+#include <stdint.h>
+
+#if PS_VEC == 16
+
+typedef __m512 vf;
+__m512 _ZGVeN16v_expf(__m512); /* libmvec, <= 4 ulp */
+
+static inline vf vf_load(const float *p) { return _mm512_load_ps(p); }
+static inline vf vf_loadu(const float *p) { return _mm512_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm512_store_ps(p, a); }
+static inline void vf_storeu(float *p, vf a) { _mm512_storeu_ps(p, a); }
+static inline vf vf_set1(float x) { return _mm512_set1_ps(x); }
+static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
+static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a*b + c */
+static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
+static inline vf vf_expf(vf a) { return _ZGVeN16v_expf(a); }
+
+/* PS_VEC consecutive bf16 values (their bits), widened exactly */
+static inline vf vf_from_bf16(const uint16_t *p) {
+    return _mm512_castsi512_ps(
+        _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+static inline vf vf_from_i8(const int8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* float8 e4m3 codes, decoded through their 256-entry table */
+static inline vf vf_from_e4m3(const uint8_t *p, const float *lut) {
+    return _mm512_i32gather_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)), lut, 4);
+}
+
+/* torch's Vectorized<float>::fexp_u20 (vec512_float.h), the same arithmetic */
+static inline vf vf_exp_sdpa(vf x) {
+    const __mmask16 under =
+        _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0xc2aeac50)), _CMP_LT_OS);
+    const __mmask16 over =
+        _mm512_cmp_ps_mask(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x42b17218)), _CMP_GT_OS);
+    __m512 t = _mm512_mul_ps(x, _mm512_castsi512_ps(_mm512_set1_epi32(0x3fb8aa3b))); /* x log2 e */
+    const __m512 f = _mm512_sub_ps(t, _mm512_floor_ps(t));
+    __m512 p = _mm512_fmadd_ps(f, _mm512_set1_ps(-0.079204240219773236f),
+                               _mm512_set1_ps(-0.22433836478672356f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.30354260500649682f));
+    p = _mm512_fmadd_ps(f, p, _mm512_set1_ps(0.00010703434948458272f));
+    t = _mm512_fmadd_ps(_mm512_set1_ps(8388608.0f), _mm512_sub_ps(t, p),
+                        _mm512_set1_ps(8388608.0f * 127.0f));
+    __m512i bits = _mm512_cvttps_epi32(t);
+    bits = _mm512_mask_mov_epi32(bits, under, _mm512_setzero_si512());
+    bits = _mm512_mask_mov_epi32(bits, over, _mm512_set1_epi32(0x7f800000));
+    return _mm512_castsi512_ps(bits);
+}
+
+#elif PS_VEC == 8
+
+typedef __m256 vf;
+__m256 _ZGVdN8v_expf(__m256); /* libmvec, <= 4 ulp */
+
+static inline vf vf_load(const float *p) { return _mm256_load_ps(p); }
+static inline vf vf_loadu(const float *p) { return _mm256_loadu_ps(p); }
+static inline void vf_store(float *p, vf a) { _mm256_store_ps(p, a); }
+static inline void vf_storeu(float *p, vf a) { _mm256_storeu_ps(p, a); }
+static inline vf vf_set1(float x) { return _mm256_set1_ps(x); }
+static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
+static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
+static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
+static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
+/* halves, then pairs, then neighbours: the order of torch's vec_reduce_all on AVX2 */
+static inline float vf_sum(vf a) {
+    a = _mm256_add_ps(a, _mm256_permute2f128_ps(a, a, 0x1));
+    a = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0x4e));
+    a = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0xb1));
+    return _mm256_cvtss_f32(a);
+}
+static inline vf vf_expf(vf a) { return _ZGVdN8v_expf(a); }
+
+static inline vf vf_from_bf16(const uint16_t *p) {
+    return _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+static inline vf vf_from_i8(const int8_t *p) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+static inline vf vf_from_e4m3(const uint8_t *p, const float *lut) {
+    return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4);
+}
+
+/* torch's Vectorized<float>::fexp_u20 (vec256_float.h), the same arithmetic */
+static inline vf vf_exp_sdpa(vf x) {
+    const __m256 under =
+        _mm256_cmp_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0xc2aeac50)), _CMP_LT_OS);
+    const __m256 over =
+        _mm256_cmp_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x42b17218)), _CMP_GT_OS);
+    __m256 t = _mm256_mul_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x3fb8aa3b)));
+    const __m256 f = _mm256_sub_ps(t, _mm256_floor_ps(t));
+    __m256 p = _mm256_fmadd_ps(f, _mm256_set1_ps(-0.079204240219773236f),
+                               _mm256_set1_ps(-0.22433836478672356f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.30354260500649682f));
+    p = _mm256_fmadd_ps(f, p, _mm256_set1_ps(0.00010703434948458272f));
+    t = _mm256_fmadd_ps(_mm256_set1_ps(8388608.0f), _mm256_sub_ps(t, p),
+                        _mm256_set1_ps(8388608.0f * 127.0f));
+    __m256 bits = _mm256_castsi256_ps(_mm256_cvttps_epi32(t));
+    bits = _mm256_blendv_ps(bits, _mm256_setzero_ps(), under);
+    return _mm256_blendv_ps(bits, _mm256_set1_ps(__builtin_inff()), over);
+}
+
+#else
+#error "PS_VEC must be 16 (AVX-512) or 8 (AVX2 + FMA); kernels/cpu_native.py sets it"
+#endif
+
+#endif /* PAGEDSERVE_SIMD_H */
