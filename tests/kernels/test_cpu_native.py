@@ -10,9 +10,10 @@ from oracle import hf_greedy, make_prompts, run_engine
 from pagedserve.kernels import cpu_native, dispatch, reference
 
 BLOCKER = cpu_native.build_blocker()
-# NOTE: the kernel is x86-64 AVX-512 C; a host without that CPU or a C compiler cannot run it
-# (its attention takes the torch path, tested in test_cpu_attention.py). CI and the project's
-# machines have both, and there `test_the_kernel_builds_...` fails if it is missing.
+# NOTE: the kernel is x86-64 C for AVX-512 or AVX2 + FMA; a host with neither, or without a C
+# compiler, cannot run it (its attention takes the torch path, tested in test_cpu_attention.py).
+# CI and the project's machines (Xeons with AVX-512, AMD EPYCs with AVX2) have both, and there
+# `test_the_kernel_builds_...` fails if it is missing.
 needs_kernel = pytest.mark.skipif(BLOCKER is not None, reason=f"no native kernel: {BLOCKER}")
 
 
@@ -30,7 +31,7 @@ def native(case, sliding_window=None):
 
 
 def test_the_kernel_builds_where_the_machine_can_build_it():
-    # NOTE: not a skip: on an AVX-512 host with a C compiler (this project's machines and CI)
+    # NOTE: not a skip: on an AVX-512 or AVX2 host with a C compiler (this project's machines, CI)
     # the kernel must be there, else decode silently runs the slower torch path
     reason = cpu_native.unavailable_reason()
     if BLOCKER is None:
