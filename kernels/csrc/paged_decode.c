@@ -85,7 +85,8 @@ static inline __attribute__((always_inline)) int decode(
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
     for (int s = 0; s < n; s++) {
-        const int64_t lo = first[s], hi = end[s], len = hi - lo, padded = (len + PS_VEC - 1) & ~(int64_t)(PS_VEC - 1);
+        const int64_t lo = first[s], hi = end[s], len = hi - lo;
+        const int64_t padded = (len + PS_VEC - 1) & ~(int64_t)(PS_VEC - 1);
         if (len <= 0) continue;
         float *scores = aligned_alloc(64, sizeof(float) * (size_t)(hq * padded + hq * d));
         if (scores == NULL) {
