@@ -37,7 +37,7 @@ import torch
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.convert import KvHandleInfo
 from pagedserve.decode_worker.engine import DecodeEngine
-from pagedserve.grpcutil import ClientTLS, make_channel
+from pagedserve.grpcutil import RECONNECT_OPTIONS, ClientTLS, make_channel
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.kv_cache import KVCache
@@ -144,7 +144,9 @@ class ProducerClients:
         self._tls = tls
         self._stubs: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
         self._channels: list[grpc.Channel] = []
-        self._options = [("grpc.max_receive_message_length", max_message_bytes)]
+        # NOTE: a restarted prefill worker comes back at its address: pulls from it fail while
+        # the channel waits out gRPC's default back-off (up to 120 s)
+        self._options = [("grpc.max_receive_message_length", max_message_bytes), *RECONNECT_OPTIONS]
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillWorkerStub:
         with self._lock:
@@ -499,16 +501,24 @@ class KvImporter:
             return reader
 
     def _release_quietly(self, handle: KvHandleInfo) -> None:
-        """Best effort: the producer frees the lease at expiry anyway."""
+        """End the lease without waiting for the answer (the producer frees it at expiry anyway).
+
+        NOTE: wait_for_ready: the call waits (up to RELEASE_TIMEOUT_S) for a channel that is
+        reconnecting, as it is to a prefill worker just restarted at the same address; failing
+        fast there left the lease's blocks held until it expired (30 s). Not waited for, so a
+        dead producer does not hold up the recompute that usually follows."""
         address = handle.producer_address or handle.grpc_address
         if not address:
             return
-        try:
-            self.producers.stub(address).ReleaseKv(
-                convert.release_request(handle), timeout=RELEASE_TIMEOUT_S
-            )
-        except grpc.RpcError as exc:
-            log.info("ReleaseKv %s at %s failed: %s", handle.handle_id, address, exc.code())
+        call = self.producers.stub(address).ReleaseKv.future(
+            convert.release_request(handle), timeout=RELEASE_TIMEOUT_S, wait_for_ready=True
+        )
+
+        def done(call: grpc.Future) -> None:
+            if not call.cancelled() and call.exception() is not None:
+                log.info("ReleaseKv %s at %s failed: %s", handle.handle_id, address, call.code())
+
+        call.add_done_callback(done)
 
     # -- publish and finish --------------------------------------------------------------------
 

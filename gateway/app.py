@@ -36,7 +36,7 @@ from pagedserve.gateway import responses as out
 from pagedserve.gateway.errors import GatewayError, from_rpc_error
 from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from pagedserve.grpcutil import ClientTLS, make_channel
+from pagedserve.grpcutil import RECONNECT_OPTIONS, ClientTLS, make_channel
 from pagedserve.telemetry import Tracing, context_from, metadata, span_context
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -72,6 +72,7 @@ class RouterConnection:
             # NOTE: with `--router dns:///<headless service>:50051`, calls spread over every
             # router the name resolves to (a plain address is one backend either way)
             ("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})),
+            *RECONNECT_OPTIONS,  # NOTE: `pagedserve up` restarts a router at its address
         ]
         self.channel = make_channel(self.settings.router, self.settings.tls, options, aio=True)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)

@@ -397,6 +397,17 @@ class ClientTLS:
         return grpc.ssl_channel_credentials(self.root_ca, self.private_key, self.cert_chain)
 
 
+# NOTE: a restarted worker (or router) comes back at the same address within seconds, but gRPC's
+# reconnect back-off grows to 120 s by default, and a call without wait_for_ready fails at once
+# (UNAVAILABLE) while its channel waits out the back-off, even with the peer up again
+RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+)
+"""Channel options for a peer inside the cluster: at most a second between reconnects."""
+
+
 def make_channel(
     address: str,
     tls: ClientTLS | None,

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pagedserve.grpcutil import ClientTLS, make_channel
+from pagedserve.grpcutil import RECONNECT_OPTIONS, ClientTLS, make_channel
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
 from pagedserve.kvstore.worker_registry import (
@@ -153,11 +153,7 @@ class WorkerSet:
         self._options = [
             ("grpc.max_receive_message_length", max_message_bytes),
             ("grpc.max_send_message_length", max_message_bytes),
-            # NOTE: a restarted worker comes back at the same address within seconds; gRPC's
-            # default reconnect back-off grows to 120 s and would keep it out of routing
-            ("grpc.initial_reconnect_backoff_ms", 100),
-            ("grpc.min_reconnect_backoff_ms", 100),
-            ("grpc.max_reconnect_backoff_ms", 1000),
+            *RECONNECT_OPTIONS,  # NOTE: else a restarted worker stays out of routing for long
         ]
         self._workers: dict[str, Worker] = {}
         self._closing: set[asyncio.Task] = set()  # retired channels waiting for their calls
