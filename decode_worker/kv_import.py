@@ -144,8 +144,7 @@ class ProducerClients:
         self._tls = tls
         self._stubs: dict[str, prefill_pb2_grpc.PrefillWorkerStub] = {}
         self._channels: list[grpc.Channel] = []
-        # NOTE: a restarted prefill worker comes back at its address: pulls from it fail while
-        # the channel waits out gRPC's default back-off (up to 120 s)
+        # NOTE: `pagedserve up` restarts a prefill worker at its address
         self._options = [("grpc.max_receive_message_length", max_message_bytes), *RECONNECT_OPTIONS]
 
     def stub(self, address: str) -> prefill_pb2_grpc.PrefillWorkerStub:
@@ -514,9 +513,9 @@ class KvImporter:
             convert.release_request(handle), timeout=RELEASE_TIMEOUT_S, wait_for_ready=True
         )
 
-        def done(call: grpc.Future) -> None:
-            if not call.cancelled() and call.exception() is not None:
-                log.info("ReleaseKv %s at %s failed: %s", handle.handle_id, address, call.code())
+        def done(ended: grpc.Future) -> None:
+            if not ended.cancelled() and ended.exception() is not None:
+                log.info("ReleaseKv %s at %s failed: %s", handle.handle_id, address, ended.code())
 
         call.add_done_callback(done)
 
