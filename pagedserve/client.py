@@ -16,7 +16,7 @@ from typing import Any
 
 import grpc
 
-from pagedserve.grpcutil import client_tls_from_files, make_channel
+from pagedserve.grpcutil import RECONNECT_OPTIONS, client_tls_from_files, make_channel
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -34,11 +34,18 @@ class Client:
         tls_client_key: str | None = None,
         tls_server_name: str | None = None,
         api_key: str | None = None,
+        channel_options: Sequence[tuple[str, Any]] = (),
     ) -> None:
         """TLS arguments are PEM paths (ValueError when only one of cert and key is given,
-        OSError when one cannot be read). The key is kept only inside the channel's metadata."""
+        OSError when one cannot be read). The key is kept only inside the channel's metadata.
+
+        The channel tries a router that went away again at least once a second
+        (`grpcutil.RECONNECT_OPTIONS`: a restarted router is used within a second of its
+        return, not after gRPC's default back-off of up to 120 s); `channel_options`, gRPC
+        channel arguments, are applied over these."""
         tls = client_tls_from_files(tls_ca, tls_client_cert, tls_client_key, tls_server_name)
-        self.channel = make_channel(address, tls)
+        options = dict(RECONNECT_OPTIONS) | dict(channel_options)
+        self.channel = make_channel(address, tls, list(options.items()))
         if api_key:
             if tls is None and not is_loopback(address):
                 # NOTE: the address only: the key itself never reaches a log
