@@ -332,6 +332,7 @@ _MICRO_BENCHES = {
     "decode-step": ("decode_step", "decode steps: the native CPU attention kernel vs torch's"),
     "prefill": ("prefill", "PrefillEngine vs transformers forward, prompt tok/s"),
     "router-hop": ("router_hop", "TTFT and tokens/s through the router vs direct to workers"),
+    "grpc-messages": ("grpc_messages", "CPU per gRPC message: a stream per request vs one"),
     "quant": ("quant", "weight quantization: memory, decode speed and perplexity per mode"),
 }
 

@@ -5,6 +5,7 @@ tested)."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import pytest
 
@@ -72,3 +73,26 @@ def test_decode_step_ab_runs_both_arms_and_restores_the_kernel(capsys, dtype):
     torch_ms, native_ms = (float(cell) for cell in row.split("|")[2:4])
     assert torch_ms > 0 and native_ms > 0
     assert cpu_native.enabled  # left on for whatever runs next
+
+
+def test_grpc_messages_reads_every_message_both_ways_and_stops_its_server(capsys):
+    from pagedserve.cli import main as cli
+
+    rc = cli(["bench", "grpc-messages", "--requests", "3", "--steps", "4", "--period-ms", "1",
+              "--reps", "2"])  # fmt: skip
+    printed = capsys.readouterr().out
+    assert rc == 0
+    # NOTE: the bench itself asserts that each way delivered requests x steps DecodeResponses
+    rows = [line for line in printed.splitlines() if line.startswith("| one stream")]
+    assert len(rows) == 2
+    for row in rows:
+        server, client, both = (float(cell.split()[0]) for cell in row.split("|")[2:5])
+        assert server > 0 and client > 0 and both > 0
+    assert not [p for p in pathlib.Path("/proc").glob("[0-9]*/cmdline") if _serves(p)]
+
+
+def _serves(cmdline: pathlib.Path) -> bool:
+    try:
+        return b"grpc_messages\x00--serve" in cmdline.read_bytes()
+    except OSError:
+        return False  # NOTE: the process ended meanwhile
