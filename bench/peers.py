@@ -162,6 +162,7 @@ class ClusterPeer:
             otlp_traces_endpoint=None, metrics=False, start_timeout=180.0, log_dir=None,
             max_local_prefill_tokens=args.max_local_prefill_tokens,
             local_prefill_queue_tokens=args.local_prefill_queue_tokens,
+            decode_delivery=args.decode_delivery,
         )  # fmt: skip
         self.cluster = start_cluster(launch, self.log_dir)
 
@@ -233,6 +234,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "block size, so both run with the same KV budget)",
     )  # fmt: skip
     add_local_prefill_arguments(p)  # NOTE: the cluster peer's, `pagedserve up`'s defaults
+    p.add_argument(
+        "--decode-delivery", action=argparse.BooleanOptionalAction, default=True,
+        help="cluster: the router's (one Deliver stream per decode worker)",
+    )  # fmt: skip
     p.add_argument("--batch-sizes", type=int, nargs="+", default=[8, 32], help="hf-static sweep")
     p.add_argument("--threads", type=int, default=None, help="torch threads")
     return p.parse_args(argv)

@@ -154,6 +154,7 @@ async def serve(
         await asyncio.sleep(0.05)
     if member is not None:
         await asyncio.to_thread(member.leave)
+    servicer.end_deliveries()  # NOTE: else each router's Deliver stream holds the grace period
     await handle.server.stop(grace=1.0)
     servicer.close()
     worker.close()

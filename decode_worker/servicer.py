@@ -21,6 +21,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import grpc
 
 from pagedserve.decode_worker import convert
+from pagedserve.decode_worker.delivery import Deliveries
 from pagedserve.decode_worker.worker import AsyncRequestStream, DecodeWorker
 from pagedserve.model.core_share import one_torch_thread
 from pagedserve.model.sequence import FinishReason
@@ -39,12 +40,16 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
             RPC_THREADS, thread_name_prefix="decode-rpc", initializer=one_torch_thread
         )
         self.load_delay_s = test_load_delay_s()
+        self.deliveries = Deliveries()
 
     async def Decode(self, request, context) -> AsyncIterator[decode_pb2.DecodeResponse]:  # noqa: N802
         call = convert.decode_call(request)
         loop = asyncio.get_running_loop()
-        stream = AsyncRequestStream(loop)
         parent = context_from(context.invocation_metadata())
+        if request.delivery_id:
+            await self._decode_delivered(call, request.delivery_id, parent, context)
+            return
+        stream = AsyncRequestStream(loop)
         submitted = self.executor.submit(self.worker.submit, call, parent, stream)
         finished = False
         # NOTE: the worker holds a delta back until its stream_interval is full; the first
@@ -71,6 +76,41 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
                 submitted.add_done_callback(
                     lambda f: self._abort_submitted(f, call.request_id, stream)
                 )
+
+    async def _decode_delivered(self, call, delivery_id: str, parent, context) -> None:
+        """`Decode` whose responses go on the Deliver stream `delivery_id` (delivery.py): wait
+        for the request's end, then end the call the same way."""
+        loop = asyncio.get_running_loop()
+        stream = self.deliveries.stream(delivery_id, loop, call.request_id, call.num_outputs)
+        submitted = self.executor.submit(self.worker.submit, call, parent, stream)
+        finished = False
+        try:
+            await asyncio.wrap_future(submitted)
+            error = await stream.ended
+            finished = True
+            if error is not None:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, error)
+        finally:
+            stream.close()
+            if not finished:
+                submitted.add_done_callback(
+                    lambda f: self._abort_submitted(f, call.request_id, stream)
+                )
+
+    async def Deliver(self, request, context) -> AsyncIterator[decode_pb2.DecodeBatch]:  # noqa: N802
+        delivery = self.deliveries.open(request.delivery_id)
+        try:
+            yield decode_pb2.DecodeBatch()  # NOTE: open: Decode calls may name it from now on
+            async for batch, callbacks in delivery.batches():
+                yield batch
+                for sent in callbacks:
+                    sent()
+        finally:
+            self.deliveries.end(request.delivery_id)
+
+    def end_deliveries(self) -> None:
+        """End every Deliver stream (the worker stops): requests still on one fail over."""
+        self.deliveries.end_all()
 
     def _abort_submitted(self, submitted: Future, request_id: str, stream) -> None:
         if not submitted.cancelled() and submitted.exception() is None:

@@ -353,6 +353,8 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
     for name in passed:
         if getattr(args, name, None) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
+    if getattr(args, "decode_delivery", None) is False:
+        flags.append("--no-decode-delivery")
     for child in workers:
         flags += [f"--{child.name.split('-')[0]}", child.address]
     return flags
@@ -597,6 +599,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stream-interval", type=int, default=None, help="passed to the router")
     parser.add_argument("--max-n", type=int, default=None, help="passed to the router")
     parser.add_argument("--stall-timeout", type=float, default=None, help="passed to the router")
+    parser.add_argument(
+        "--decode-delivery", action=argparse.BooleanOptionalAction, default=None,
+        help="passed to the router (default: on)",
+    )  # fmt: skip
     add_local_prefill_arguments(parser)
     parser.add_argument(
         "--http-port", type=int, default=None,

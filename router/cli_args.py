@@ -67,6 +67,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "queues the request is waited for)",
     )  # fmt: skip
     parser.add_argument(
+        "--decode-delivery", action=argparse.BooleanOptionalAction, default=True,
+        help="each decode worker sends this router one stream carrying every request's tokens, "
+        "a step's in one message (DecodeWorker.Deliver); --no-decode-delivery: a stream per "
+        "request (more CPU per token on both ends; what a worker without Deliver gets anyway)",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-migrations", type=int, default=2,
         help="times one stream may move to another (prefill, decode) pair when its decode "
         "worker is lost; then UNAVAILABLE",

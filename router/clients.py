@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import grpc
 
 from pagedserve.errors import Unavailable
+from pagedserve.router.delivery import Delivered, DeliverStream
 from pagedserve.router.routing import Decision, Worker, WorkerSet
 from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
@@ -91,6 +92,22 @@ class ActiveRequest:
             self.cancel_current()
 
 
+def _decode_request(
+    request: common_pb2.WorkerRequest, prefilled: prefill_pb2.PrefillResponse | None
+) -> decode_pb2.DecodeRequest:
+    """What the decode worker is sent: `prefilled`'s first token(s) and lease, or (None)
+    the request alone, to prefill there."""
+    if prefilled is None:
+        return decode_pb2.DecodeRequest(request=request, prefill_here=True)
+    return decode_pb2.DecodeRequest(
+        request=request,
+        first_token=prefilled.first_token,
+        first_logprobs=prefilled.logprobs if prefilled.HasField("logprobs") else None,
+        kv_handle=prefilled.kv_handle,
+        samples=prefilled.samples,
+    )
+
+
 def _client_left() -> bool:
     """True when this task itself is being cancelled (the client left), as opposed to a worker
     call we cancelled (an Abort)."""
@@ -102,12 +119,30 @@ class WorkerClients:
     """Worker RPCs of every request; counts the calls it makes and the workers' in-flight."""
 
     def __init__(
-        self, workers: WorkerSet, prefill_retries: int, stall_timeout_s: float = 10.0
+        self,
+        workers: WorkerSet,
+        prefill_retries: int,
+        stall_timeout_s: float = 10.0,
+        delivery: bool = True,
     ) -> None:
         self.workers = workers
         self.prefill_retries = prefill_retries
         self.stall_timeout_s = stall_timeout_s
+        self.delivery = delivery  # Decode responses on a Deliver stream per worker
         self.requests_to_workers = 0
+        self._deliver: dict[str, DeliverStream] = {}  # by decode worker id
+        self._tasks: set[asyncio.Task] = set()
+
+    def _background(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def close(self) -> None:
+        """End the Deliver streams (the router stops)."""
+        streams, self._deliver = list(self._deliver.values()), {}
+        for stream in streams:
+            await stream.close()
 
     async def prefill(
         self,
@@ -187,24 +222,14 @@ class WorkerClients:
         call (the worker frees at once). Raises Aborted, WorkerLost (the worker's connection
         failed, or it sent nothing for `stall_timeout_s` while failing its load polls: marked
         failed) or WorkerError."""
-        stub = decode_pb2_grpc.DecodeWorkerStub(decision.decode.channel)
-        if prefilled is None:
-            message = decode_pb2.DecodeRequest(request=request, prefill_here=True)
-        else:
-            message = decode_pb2.DecodeRequest(
-                request=request,
-                first_token=prefilled.first_token,
-                first_logprobs=prefilled.logprobs if prefilled.HasField("logprobs") else None,
-                kv_handle=prefilled.kv_handle,
-                samples=prefilled.samples,
-            )
-        call = stub.Decode(message, timeout=time_left(), metadata=metadata)
-        active.set_call(call.cancel)
+        message = _decode_request(request, prefilled)
+        source = await self._decode_call(message, decision.decode, time_left, metadata)
+        active.set_call(source.cancel)
         decision.decode.in_flight += 1
         self.requests_to_workers += 1
         finished = False
         try:
-            async with aclosing(self._watched(call, decision.decode)) as parts:
+            async with aclosing(self._watched(source, decision.decode)) as parts:
                 async for part in parts:
                     # NOTE: a response proves the decode worker took the request, and with it
                     # the lease (it releases it). Until then the router still releases it
@@ -231,12 +256,43 @@ class WorkerClients:
             raise WorkerError(err) from None
         finally:
             if not finished:
-                call.cancel()  # NOTE: e.g. a stop string matched; the worker frees at once
+                source.cancel()  # NOTE: e.g. a stop string matched; the worker frees at once
+            if isinstance(source, Delivered):
+                source.close()
             decision.decode.in_flight -= 1
             active.set_call(None)
 
+    async def _decode_call(
+        self,
+        message: decode_pb2.DecodeRequest,
+        worker: Worker,
+        time_left: TimeLeft,
+        metadata: Metadata,
+    ) -> Delivered | grpc.aio.UnaryStreamCall:
+        """The Decode call, its responses on the worker's Deliver stream when it has one."""
+        deliver = self._deliver_stream(worker) if self.delivery else None
+        message.delivery_id = (await deliver.delivery_id() if deliver else None) or ""
+        call = decode_pb2_grpc.DecodeWorkerStub(worker.channel).Decode(
+            message, timeout=time_left(), metadata=metadata
+        )
+        if deliver is None or not message.delivery_id:
+            return call
+        return Delivered(deliver, message.request.request_id, call)
+
+    def _deliver_stream(self, worker: Worker) -> DeliverStream:
+        """The Deliver stream on `worker`'s channel (a new one for a new channel)."""
+        assert worker.channel is not None
+        stream = self._deliver.get(worker.worker_id)
+        if stream is None or stream.channel is not worker.channel:
+            if stream is not None:
+                self._background(stream.close())
+            stream = self._deliver[worker.worker_id] = DeliverStream(
+                worker.channel, worker.worker_id
+            )
+        return stream
+
     async def _watched(
-        self, call: grpc.aio.UnaryStreamCall, worker: Worker
+        self, call: Delivered | grpc.aio.UnaryStreamCall, worker: Worker
     ) -> AsyncGenerator[decode_pb2.DecodeResponse, None]:
         """The call's messages; WorkerLost when none came for `stall_timeout_s` and the worker
         does not answer its load polls either (a worker that answers may just queue the

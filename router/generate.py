@@ -69,6 +69,7 @@ class RouterSettings:
     stall_timeout_s: float = 10.0  # no message and no load poll answered: the worker is lost
     move_wait_s: float = 30.0  # how long a retry or a moved stream waits for a ready pair
     max_migrations: int = 2  # moves of one stream to another pair when its decode worker is lost
+    decode_delivery: bool = True  # a Deliver stream per decode worker (router/delivery.py)
 
 
 class Orchestrator:
@@ -88,7 +89,9 @@ class Orchestrator:
         self.settings = settings
         self.tracing = tracing
         self.metrics = metrics
-        self.clients = WorkerClients(workers, settings.prefill_retries, settings.stall_timeout_s)
+        self.clients = WorkerClients(
+            workers, settings.prefill_retries, settings.stall_timeout_s, settings.decode_delivery
+        )
         self.active: dict[tuple[str, str], ActiveRequest] = {}  # (tenant, request_id) -> it
         self.last_decision: Decision | None = None  # for tests and debugging
         self._tasks: set[asyncio.Task] = set()  # fire-and-forget calls, kept until done

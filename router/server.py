@@ -102,6 +102,7 @@ def build_servicer(
         max_n=getattr(args, "max_n", DEFAULT_MAX_N),
         stall_timeout_s=getattr(args, "stall_timeout", 10.0),
         max_migrations=getattr(args, "max_migrations", 2),
+        decode_delivery=getattr(args, "decode_delivery", True),
     )
     servicer = GenerationServicer(
         tokenizer, card, workers, policy, settings, tracing=tracing, metrics=metrics
@@ -144,6 +145,7 @@ class RunningRouter:
         if self.poller is not None:
             self.poller.cancel()
         await self.handle.server.stop(grace_s)
+        await self.servicer.orchestrator.clients.close()
         await self.workers.close()
         self.servicer.tracing.shutdown()
 

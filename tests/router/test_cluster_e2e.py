@@ -69,11 +69,32 @@ def wait_until(predicate, timeout_s=5.0):
 
 def test_sixteen_concurrent_requests_equal_transformers(cluster):
     started, model_dir = cluster
+    sixteen_concurrent_requests_equal_transformers(started.router_address, model_dir)
+    # NOTE: their tokens came on one Deliver stream (router/delivery.py), opened once
+    assert router_log(started).count("Deliver stream ") == 1, router_log(started)[-2000:]
+
+
+def test_without_delivery_each_decode_call_streams_its_own_tokens(make_tiny, tmp_path):
+    model_dir = make_tiny("llama")
+    started = start_cluster(up_args(model_dir, decode_delivery=False), tmp_path)
+    try:
+        sixteen_concurrent_requests_equal_transformers(started.router_address, model_dir)
+        cancel_and_deadline_free_every_block(started.router_address)
+        assert "Deliver stream " not in router_log(started)
+    finally:
+        started.stop()
+
+
+def router_log(started) -> str:
+    return next(c for c in started.children if c.name == "router").log_path.read_text()
+
+
+def sixteen_concurrent_requests_equal_transformers(router: str, model_dir: Path) -> None:
     prompts = make_prompts((1, 5, 16, 17, 30, 47, 64, 80, 3, 9, 33, 100, 12, 20, 2, 70), seed=31)
     results: dict[int, tuple] = {}
 
     def run(i: int) -> None:
-        with Client(started.router_address) as client:
+        with Client(router) as client:
             results[i] = collect(client.generate(prompts[i], GREEDY, timeout=120))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
@@ -180,9 +201,13 @@ def test_bench_offline_client_gets_the_first_token_then_the_rest(cluster):
 
 def test_cancel_mid_stream_and_short_deadline_free_every_block(cluster):
     started, _ = cluster
+    cancel_and_deadline_free_every_block(started.router_address)
+
+
+def cancel_and_deadline_free_every_block(router: str) -> None:
     long = SamplingParams(temperature=0.0, max_tokens=400, ignore_eos=True)
     prompt = make_prompts((40,), seed=34)[0]
-    with Client(started.router_address) as client:
+    with Client(router) as client:
         stream = client.generate(prompt, long, timeout=60)
         next(stream)
         next(stream)

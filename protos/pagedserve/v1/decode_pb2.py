@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/decode.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\xf3\x01\n\rDecodeRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.pagedserve.v1.WorkerRequest\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.Logprobs\x12*\n\tkv_handle\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.KvHandle\x12+\n\x07samples\x18\x05 \x03(\x0b\x32\x1a.pagedserve.v1.SampleStart\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\"\xcc\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.Logprobs\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\"\n\x15matched_stop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x19\n\x11recomputed_prompt\x18\x08 \x01(\x08\x12\r\n\x05index\x18\t \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\rB\x18\n\x16_matched_stop_token_id2\xe0\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.pagedserve.v1.DecodeRequest\x1a\x1d.pagedserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.pagedserve.v1.GetLoadRequest\x1a\x19.pagedserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/decode.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\x88\x02\n\rDecodeRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.pagedserve.v1.WorkerRequest\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12/\n\x0e\x66irst_logprobs\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.Logprobs\x12*\n\tkv_handle\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.KvHandle\x12+\n\x07samples\x18\x05 \x03(\x0b\x32\x1a.pagedserve.v1.SampleStart\x12\x14\n\x0cprefill_here\x18\x06 \x01(\x08\x12\x13\n\x0b\x64\x65livery_id\x18\x07 \x01(\t\"%\n\x0e\x44\x65liverRequest\x12\x13\n\x0b\x64\x65livery_id\x18\x01 \x01(\t\"?\n\x0b\x44\x65\x63odeBatch\x12\x30\n\tresponses\x18\x01 \x03(\x0b\x32\x1d.pagedserve.v1.DecodeResponse\"\xcc\x02\n\x0e\x44\x65\x63odeResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12)\n\x08logprobs\x18\x03 \x03(\x0b\x32\x17.pagedserve.v1.Logprobs\x12\x15\n\rnum_generated\x18\x04 \x01(\r\x12\x32\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\"\n\x15matched_stop_token_id\x18\x06 \x01(\rH\x00\x88\x01\x01\x12\x17\n\x0fnum_preemptions\x18\x07 \x01(\r\x12\x19\n\x11recomputed_prompt\x18\x08 \x01(\x08\x12\r\n\x05index\x18\t \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\rB\x18\n\x16_matched_stop_token_id2\xa8\x02\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.pagedserve.v1.DecodeRequest\x1a\x1d.pagedserve.v1.DecodeResponse0\x01\x12\x46\n\x07\x44\x65liver\x12\x1d.pagedserve.v1.DeliverRequest\x1a\x1a.pagedserve.v1.DecodeBatch0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12\x43\n\x07GetLoad\x12\x1d.pagedserve.v1.GetLoadRequest\x1a\x19.pagedserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.decode_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=74
-  _globals['_DECODEREQUEST']._serialized_end=317
-  _globals['_DECODERESPONSE']._serialized_start=320
-  _globals['_DECODERESPONSE']._serialized_end=652
-  _globals['_DECODEWORKER']._serialized_start=655
-  _globals['_DECODEWORKER']._serialized_end=879
+  _globals['_DECODEREQUEST']._serialized_end=338
+  _globals['_DELIVERREQUEST']._serialized_start=340
+  _globals['_DELIVERREQUEST']._serialized_end=377
+  _globals['_DECODEBATCH']._serialized_start=379
+  _globals['_DECODEBATCH']._serialized_end=442
+  _globals['_DECODERESPONSE']._serialized_start=445
+  _globals['_DECODERESPONSE']._serialized_end=777
+  _globals['_DECODEWORKER']._serialized_start=780
+  _globals['_DECODEWORKER']._serialized_end=1076
 # @@protoc_insertion_point(module_scope)

@@ -8,20 +8,34 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request", "first_token", "first_logprobs", "kv_handle", "samples", "prefill_here")
+    __slots__ = ("request", "first_token", "first_logprobs", "kv_handle", "samples", "prefill_here", "delivery_id")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     KV_HANDLE_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
+    DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
     request: _common_pb2.WorkerRequest
     first_token: int
     first_logprobs: _common_pb2.Logprobs
     kv_handle: _common_pb2.KvHandle
     samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleStart]
     prefill_here: bool
-    def __init__(self, request: _Optional[_Union[_common_pb2.WorkerRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ..., prefill_here: _Optional[bool] = ...) -> None: ...
+    delivery_id: str
+    def __init__(self, request: _Optional[_Union[_common_pb2.WorkerRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ..., prefill_here: _Optional[bool] = ..., delivery_id: _Optional[str] = ...) -> None: ...
+
+class DeliverRequest(_message.Message):
+    __slots__ = ("delivery_id",)
+    DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
+    delivery_id: str
+    def __init__(self, delivery_id: _Optional[str] = ...) -> None: ...
+
+class DecodeBatch(_message.Message):
+    __slots__ = ("responses",)
+    RESPONSES_FIELD_NUMBER: _ClassVar[int]
+    responses: _containers.RepeatedCompositeFieldContainer[DecodeResponse]
+    def __init__(self, responses: _Optional[_Iterable[_Union[DecodeResponse, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "logprobs", "num_generated", "finish_reason", "matched_stop_token_id", "num_preemptions", "recomputed_prompt", "index", "cached_prompt_tokens")

@@ -41,6 +41,11 @@ class DecodeWorkerStub:
                 request_serializer=pagedserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.Deliver = channel.unary_stream(
+                '/pagedserve.v1.DecodeWorker/Deliver',
+                request_serializer=pagedserve_dot_v1_dot_decode__pb2.DeliverRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_decode__pb2.DecodeBatch.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/pagedserve.v1.DecodeWorker/Abort',
                 request_serializer=pagedserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
@@ -61,6 +66,18 @@ class DecodeWorkerServicer:
         """Imports (or recomputes) the prompt's KV and streams the generated tokens. Stop strings are
         the router's business: it cancels the call (or calls Abort) when one matches. Cancelling
         the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Deliver(self, request, context):
+        """One stream per caller (a router's connection) that carries the DecodeResponses of every
+        Decode call naming it in DecodeRequest.delivery_id: each engine step's responses for all
+        of them in one DecodeBatch, where a Decode call streams one message per request and step.
+        The first DecodeBatch is empty: from then on Decode calls may name the stream. The Decode
+        call keeps the request's life (cancel, deadline, errors). The stream ends when the caller
+        cancels it or the worker stops; Decode calls naming it then fail with UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -87,6 +104,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pagedserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+            ),
+            'Deliver': grpc.unary_stream_rpc_method_handler(
+                    servicer.Deliver,
+                    request_deserializer=pagedserve_dot_v1_dot_decode__pb2.DeliverRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_decode__pb2.DecodeBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -127,6 +149,33 @@ class DecodeWorker:
             '/pagedserve.v1.DecodeWorker/Decode',
             pagedserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
             pagedserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deliver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pagedserve.v1.DecodeWorker/Deliver',
+            pagedserve_dot_v1_dot_decode__pb2.DeliverRequest.SerializeToString,
+            pagedserve_dot_v1_dot_decode__pb2.DecodeBatch.FromString,
             options,
             channel_credentials,
             insecure,
