@@ -30,6 +30,7 @@ from pagedserve.model.sequence import FinishReason
 from pagedserve.v1 import decode_pb2
 
 MAX_ID_CHARS = 128
+MAX_BATCH_BYTES = 1 << 20  # NOTE: far below a router's --max-message-bytes (64 MiB)
 
 
 class Delivery:
@@ -49,15 +50,18 @@ class Delivery:
             self._after_send.append(then)
         self._wake.set()
 
-    async def batches(self) -> AsyncIterator[tuple[decode_pb2.DecodeBatch, list[Callable]]]:
-        """Each wake-up's batch and the callbacks to run once it is sent, until `close`."""
+    async def batches(
+        self,
+    ) -> AsyncIterator[tuple[list[decode_pb2.DecodeBatch], list[Callable[[], None]]]]:
+        """Each wake-up's batches (one, unless its responses pass `MAX_BATCH_BYTES`) and the
+        callbacks to run once they are sent, until `close`."""
         while True:
             await self._wake.wait()
             self._wake.clear()
             if self._pending:
-                batch = decode_pb2.DecodeBatch(responses=self._pending)
+                batches = _split(self._pending)
                 callbacks, self._pending, self._after_send = self._after_send, [], []
-                yield batch, callbacks
+                yield batches, callbacks
             if self._closed:
                 return
 
@@ -68,6 +72,20 @@ class Delivery:
         self._wake.set()
         for stream in list(self._streams):
             stream.lost()
+
+
+def _split(responses: list[decode_pb2.DecodeResponse]) -> list[decode_pb2.DecodeBatch]:
+    """`responses` in order, in batches of at most MAX_BATCH_BYTES (a response larger than
+    that alone: a router lagging many steps behind must not get one message it refuses)."""
+    batches, size = [decode_pb2.DecodeBatch()], 0
+    for response in responses:
+        n = response.ByteSize()
+        if size + n > MAX_BATCH_BYTES and batches[-1].responses:
+            batches.append(decode_pb2.DecodeBatch())
+            size = 0
+        batches[-1].responses.append(response)
+        size += n
+    return batches
 
 
 class Deliveries:

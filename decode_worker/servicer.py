@@ -101,8 +101,9 @@ class DecodeServicer(decode_pb2_grpc.DecodeWorkerServicer):
         delivery = self.deliveries.open(request.delivery_id)
         try:
             yield decode_pb2.DecodeBatch()  # NOTE: open: Decode calls may name it from now on
-            async for batch, callbacks in delivery.batches():
-                yield batch
+            async for batches, callbacks in delivery.batches():
+                for batch in batches:
+                    yield batch
                 for sent in callbacks:
                     sent()
         finally:

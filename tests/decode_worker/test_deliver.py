@@ -157,3 +157,18 @@ def test_unknown_empty_and_duplicate_delivery_ids_are_refused(decode):
     assert err.value.code() is grpc.StatusCode.ALREADY_EXISTS
     first.call.cancel()
     assert used_blocks(stub) == 0
+
+
+def test_a_backlog_goes_in_batches_below_the_cap_in_order(monkeypatch):
+    from pagedserve.decode_worker import delivery
+
+    monkeypatch.setattr(delivery, "MAX_BATCH_BYTES", 100)
+    responses = [
+        decode_pb2.DecodeResponse(request_id=f"r{i}", token_ids=[7] * n)
+        for i, n in enumerate((10, 10, 10, 200, 10, 30, 30, 30))
+    ]
+    batches = delivery._split(responses)
+    assert [r.request_id for b in batches for r in b.responses] == [f"r{i}" for i in range(8)]
+    for batch in batches:  # NOTE: 16, 16, 16 | 207 (alone) | 16, 36, 36 | 36 bytes
+        assert sum(r.ByteSize() for r in batch.responses) <= 100 or len(batch.responses) == 1
+    assert [len(b.responses) for b in batches] == [3, 1, 3, 1]
