@@ -55,6 +55,8 @@ class DeliverStream:
         if self._opened is None:
             self._opened = asyncio.get_running_loop().create_future()
             self._task = asyncio.get_running_loop().create_task(self._run(self._opened))
+        if self._opened.done():
+            return self._opened.result()  # NOTE: the common case: no wait, no task per request
         try:
             return await asyncio.wait_for(asyncio.shield(self._opened), OPEN_TIMEOUT_S)
         except TimeoutError:
