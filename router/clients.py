@@ -131,9 +131,11 @@ class WorkerClients:
         self.delivery = delivery  # Decode responses on a Deliver stream per worker
         self.requests_to_workers = 0
         self._deliver: dict[str, DeliverStream] = {}  # by decode worker id
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task] = set()  # fire-and-forget calls, kept until done
 
-    def _background(self, coro: Awaitable[None]) -> None:
+    def background(self, coro: Awaitable[None]) -> None:
+        """Run `coro` without waiting for it (a best-effort worker call); the task is kept
+        referenced until it ends (the event loop holds only a weak reference)."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -285,7 +287,7 @@ class WorkerClients:
         stream = self._deliver.get(worker.worker_id)
         if stream is None or stream.channel is not worker.channel:
             if stream is not None:
-                self._background(stream.close())
+                self.background(stream.close())
             stream = self._deliver[worker.worker_id] = DeliverStream(
                 worker.channel, worker.worker_id
             )

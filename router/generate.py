@@ -94,13 +94,6 @@ class Orchestrator:
         )
         self.active: dict[tuple[str, str], ActiveRequest] = {}  # (tenant, request_id) -> it
         self.last_decision: Decision | None = None  # for tests and debugging
-        self._tasks: set[asyncio.Task] = set()  # fire-and-forget calls, kept until done
-
-    def _background(self, coro: Awaitable[None]) -> None:
-        """Run `coro` without waiting for it (a best-effort worker call)."""
-        task = asyncio.ensure_future(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
 
     def admit(self, tenant: str, request_id: str) -> ActiveRequest:
         """Register `(tenant, request_id)`; a duplicate is the same tenant's own mistake.
@@ -339,7 +332,7 @@ class Orchestrator:
         """Samples whose stop string matched here: the decode worker stops making them."""
         for index in set(streams.stopped_here()) - stopped:
             stopped.add(index)
-            self._background(self.clients.abort_sample(decision.decode, worker_id, index))
+            self.clients.background(self.clients.abort_sample(decision.decode, worker_id, index))
 
     async def _migrate(
         self,
