@@ -24,6 +24,7 @@ def _int8_kernel(
     x_ptr, w_ptr, scale_ptr, y_ptr, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     # GROUP 0: one scale per output channel, applied once at the end
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -38,9 +39,10 @@ def _int8_kernel(
                     mask=(cols[None, :] < N) & (k[:, None] < K), other=0)  # fmt: skip
         if GROUP > 0:
             scale = tl.load(scale_ptr + cols * stride_sn + k0 // GROUP, mask=cols < N, other=0.0)
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32) * scale[None, :])
+            w_scaled = w.to(tl.float32) * scale[None, :]
+            acc += tl.dot(x.to(tl.float32), w_scaled, input_precision=DOT_PRECISION)
         else:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32))
+            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision=DOT_PRECISION)
     if GROUP == 0:
         acc = acc * tl.load(scale_ptr + cols, mask=cols < N, other=0.0)[None, :]
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
@@ -52,6 +54,7 @@ def _int4_kernel(
     x_ptr, w_ptr, scale_ptr, zero_ptr, y_ptr, M, N, K,
     stride_xm, stride_wn, stride_sn, stride_ym,
     GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):  # fmt: skip
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -72,10 +75,16 @@ def _int4_kernel(
         zero = tl.load(zero_ptr + cols * stride_sn + group, mask=cols < N, other=0.0)
         lo = ((packed & 15) - 8).to(tl.float32) * scale[None, :] + zero[None, :]
         hi = ((packed >> 4) - 8).to(tl.float32) * scale[None, :] + zero[None, :]
-        acc += tl.dot(x_even, lo)
-        acc += tl.dot(x_odd, hi)
+        acc += tl.dot(x_even, lo, input_precision=DOT_PRECISION)
+        acc += tl.dot(x_odd, hi, input_precision=DOT_PRECISION)
     tl.store(y_ptr + rows[:, None] * stride_ym + cols[None, :], acc.to(y_ptr.dtype.element_ty),
              mask=row_ok & col_ok)  # fmt: skip
+
+
+def _dot_precision(x: torch.Tensor) -> str:
+    # NOTE: an fp32 dot on NVIDIA tensor cores defaults to TF32 (10-bit mantissa): fp32
+    # activations get IEEE fp32 products, so the result is F.linear's on the dequantized weight.
+    return "ieee" if x.dtype == torch.float32 else "tf32"
 
 
 def _block_m(m: int) -> int:
@@ -97,6 +106,7 @@ def int8_linear(x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor) -> to
     _int8_kernel[grid](
         x, codes, scale, y, m, n, k, x.stride(0), codes.stride(0), scale.stride(0), y.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(x),
     )  # fmt: skip
     return y
 
@@ -119,6 +129,7 @@ def int4_linear(
         x, packed, scale, zero, y, m, n, k,
         x.stride(0), packed.stride(0), scale.stride(0), y.stride(0),
         GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        DOT_PRECISION=_dot_precision(x),
     )  # fmt: skip
     return y
 

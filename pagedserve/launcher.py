@@ -364,6 +364,8 @@ def _worker_flags(role: str, args: argparse.Namespace) -> list[str]:
     """Flags of `up` that a prefill or decode worker takes (its KV memory, its eviction, its
     tensor-parallel ranks)."""
     flags = _memory_flags(role, args)
+    if getattr(args, "device", "cpu") != "cpu":
+        flags += ["--device", args.device]
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
         flags += ["--kv-cache-dtype", args.kv_cache_dtype]
     if getattr(args, "tensor_parallel_size", 1) != 1:
@@ -551,6 +553,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--redis-url", default=None, help="use this Redis instead of a private one")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    parser.add_argument(
+        "--device", default="cpu", help="passed to every prefill and decode worker (cpu, cuda)"
+    )
     add_quantization_arguments(parser)  # NOTE: passed to the router and every worker
     add_kv_cache_dtype_argument(parser)  # NOTE: passed to every worker
     add_tensor_parallel_argument(parser)  # NOTE: passed to every worker, not the router

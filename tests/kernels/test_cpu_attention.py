@@ -98,8 +98,12 @@ def test_dispatch_picks_the_backend_by_device_unless_forced():
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton", "reference"])
-def test_every_backend_agrees_through_dispatch(triton_modules, make_case, tolerance, backend):
-    case = make_case(seq_lens=[20, 64, 9], query_lens=[20, 3, 1])
+def test_every_backend_agrees_through_dispatch(
+    triton_modules, make_case, make_cpu_case, tolerance, backend
+):
+    # NOTE: the CPU path takes CPU tensors (on a GPU machine too); dispatch never sends it others
+    make = make_cpu_case if backend == "cpu" else make_case
+    case = make(seq_lens=[20, 64, 9], query_lens=[20, 3, 1])
     with dispatch.use_backend(backend):
         got = dispatch.paged_attention(
             case.query, case.k_cache, case.v_cache, make_meta(case), case.scale
