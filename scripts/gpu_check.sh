@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared check for a CUDA machine (DESIGN §4), under 5 minutes on one H100/H200:
+# One prepared check for a CUDA machine (docs/kernels.md), under 5 minutes on one H100/H200:
 #   1. find or create a virtualenv and install pagedserve (.[dev]) into it, keeping whatever
 #      CUDA torch is already installed;
 #   2. run the kernel tests and the tensor-parallel CUDA test on CUDA (natively compiled Triton,
