@@ -230,7 +230,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="write the results as JSON here")
     args = p.parse_args(argv)
     if args.reps < 3:
-        p.error("--reps: at least 3 (BENCHMARKS.md)")
+        p.error("--reps: at least 3 (docs/benchmarks/method.md)")
     return args
 
 

@@ -19,7 +19,7 @@ repetition), each timing one pass over every prompt:
 Throughput = prompt tokens / seconds of the pass (`--clock wall`, or `--clock cpu`: the peer
 process's CPU seconds, which a shared, noisy machine disturbs far less; use it with --threads
 1). Ratios are per repetition (pagedserve's tok/s over the peer's); the table gives medians and
-min-max spreads. Correctness gate (BENCHMARKS S10): every peer's first tokens must equal
+min-max spreads. Correctness gate (S10): every peer's first tokens must equal
 pagedserve's (greedy), else the run fails (exit 1).
 """
 

@@ -1,10 +1,13 @@
-"""Reports: results.json (everything, raw per-request data), results.md (the ratio table with
-spread), and PNG plots, all in one output directory."""
+"""Reports: results.md (the ratio table with spread), summary.json (ratios, per-peer aggregates,
+machine and probes) and PNG plots in the report directory, which is committed; raw.json (the
+same plus every raw per-request record and KV timeline) in a raw directory outside git
+(docs/benchmarks/README.md, "Report files")."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from pagedserve.bench.driver import ScenarioResult
 
@@ -63,12 +66,35 @@ def _concurrency_table(res: ScenarioResult) -> list[str]:
     return lines
 
 
-def write(results: list[ScenarioResult], header: dict, out: Path) -> list[Path]:
+# Keys whose values are raw samples, not aggregates: per-request records and the KV timeline.
+RAW_KEYS = frozenset({"requests", "timeline"})
+
+
+def summary(data: Any) -> Any:
+    """`data` without the values of `RAW_KEYS`, at any depth (a new object; `data` is unchanged).
+    What is left is what results.md and every reader of a report use: ratios, gates, notes and
+    each peer's aggregates (tok/s, TTFT/TPOT/ITL/E2E percentiles, KV, processes)."""
+    if isinstance(data, dict):
+        return {k: summary(v) for k, v in data.items() if k not in RAW_KEYS}
+    if isinstance(data, list):
+        return [summary(v) for v in data]
+    return data
+
+
+def write(
+    results: list[ScenarioResult], header: dict, out: Path, raw: Path | None = None
+) -> list[Path]:
+    """Write results.md, summary.json and the plots into `out`, and raw.json into `raw`
+    (None: not written). Returns the paths written."""
     out.mkdir(parents=True, exist_ok=True)
     data = {**header, "scenarios": [r.to_json() for r in results]}
-    paths = [out / "results.json", out / "results.md"]
-    paths[0].write_text(json.dumps(data, indent=1, default=str))
-    paths[1].write_text(markdown(results, header))
+    paths = [out / "results.md", out / "summary.json"]
+    paths[0].write_text(markdown(results, header))
+    paths[1].write_text(json.dumps(summary(data), indent=1, default=str) + "\n")
+    if raw is not None:
+        raw.mkdir(parents=True, exist_ok=True)
+        paths.append(raw / "raw.json")
+        paths[-1].write_text(json.dumps(data, default=str))
     return paths + plot(results, out)
 
 

@@ -1,4 +1,4 @@
-"""Scenarios S1-S9 of BENCHMARKS.md; every one runs the S10 gate on a sample of its requests.
+"""Scenarios S1-S9 (docs/benchmarks/method.md); each runs the S10 gate on a sample of its requests.
 
 Each takes the shared `Context` and returns a `ScenarioResult` (ratios per interleaved
 repetition, the gate, raw per-request data). Peers that cannot run here are skipped with a note.

@@ -1,4 +1,4 @@
-"""S11 concurrency (BENCHMARKS.md): 10 / 100 / 1,000 concurrent streams through one router.
+"""S11 concurrency (docs/benchmarks/method.md): 10 / 100 / 1,000 streams through one router.
 
 One cluster (router, one prefill and one decode worker, each its own process, `start_cluster`),
 driven by one asyncio client on one thread, so the client holds 1,000 streams without being the

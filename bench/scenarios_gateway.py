@@ -1,4 +1,4 @@
-"""S12 gateway (BENCHMARKS.md): the price of the OpenAI-compatible HTTP gateway.
+"""S12 gateway (docs/benchmarks/method.md): the price of the OpenAI-compatible HTTP gateway.
 
 One cluster (`start_cluster` with the gateway: router, one prefill and one decode worker, the
 gateway, each its own process). The same workload — N streamed requests at once, token-id

@@ -1,4 +1,4 @@
-"""`pagedserve bench SCENARIO`: the scenarios of BENCHMARKS.md, side by side with peers.
+"""`pagedserve bench SCENARIO`: the scenarios of docs/benchmarks/method.md, side by side with peers.
 
     pagedserve bench throughput|serve|kv-efficiency|prefix|shared-prefix-memory|oversubscribe|
                      priority|disagg|roofline|concurrency|gateway|samples|all [--quick]
@@ -6,8 +6,9 @@
     pagedserve bench serve --rate 2
 
 Probes (memory bandwidth, GEMM FLOP/s) run first; tiny Llama models are written to a scratch
-directory (`--model` uses yours for all but S9). Reports go to `--out`: results.json,
-results.md, PNG plots. The exit status is 1 when any scenario's correctness gate failed.
+directory (`--model` uses yours for all but S9). Reports go to `--out`: results.md,
+summary.json, PNG plots; the raw per-request data to `--raw` (raw.json, outside git). The exit
+status is 1 when any scenario's correctness gate failed.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ SCENARIOS: dict[str, Callable[[Context], ScenarioResult]] = {
 VOCAB = 512
 MODEL = {"layers": 4, "hidden": 256, "heads": 4, "kv_heads": 2, "vocab": VOCAB, "dtype": "float32"}
 BIG_MODEL = {"layers": 4, "hidden": 1024, "heads": 8, "kv_heads": 4, "vocab": VOCAB}
+RAW_ROOT = Path(".cache/bench")  # ignored by git: raw per-request data stays on the machine
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
@@ -71,6 +73,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         help="every peer's and the correctness gate's (default: the checkpoint's)",
     )  # fmt: skip
     p.add_argument("--out", default="docs/benchmarks", help="report directory")
+    p.add_argument(
+        "--raw", default=None,
+        help="where raw.json (every per-request record) goes (default: .cache/bench/<--out name>)",
+    )  # fmt: skip
     p.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
     return p.parse_args(argv)
 
@@ -126,7 +132,9 @@ def run(args: argparse.Namespace) -> tuple[list[ScenarioResult], list[Path]]:
         "reps": args.reps, "quick": args.quick, "models": configs, "probes": probes,
         "seconds": time.perf_counter() - ctx.started,
     }  # fmt: skip
-    return results, report.write(results, header, Path(args.out))
+    out = Path(args.out)
+    raw = Path(args.raw) if args.raw else RAW_ROOT / out.resolve().name
+    return results, report.write(results, header, out, raw)
 
 
 def main(argv: list[str] | None = None) -> int:

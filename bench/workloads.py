@@ -1,4 +1,4 @@
-"""Seeded workloads of token-id prompts with exact output lengths (BENCHMARKS.md, "Workloads").
+"""Seeded workloads of token-id prompts with exact output lengths (docs/benchmarks/method.md).
 
 Every request is run with `ignore_eos` and `max_tokens = output_len`, so each peer produces
 exactly `output_len` useful tokens. Token ids are drawn from `[FIRST_ID, vocab)` so that no

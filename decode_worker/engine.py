@@ -10,7 +10,7 @@ One `step()`::
     scheduler.update(plan, output)                   tokens, stops, frees
 
 It is the one generation loop in pagedserve: `DecodeWorker` (worker.py) drives it from one loop
-thread and feeds it imported prompts (kv_import.py, DESIGN §3.5) through `add_prefilled`;
+thread and feeds it imported prompts (kv_import.py, docs/leases.md) through `add_prefilled`;
 `pagedserve generate --model`, the oracle tests and the in-process benchmark peer call
 `add_request` / `generate` / `step` directly.
 """

@@ -1,4 +1,4 @@
-"""`KvImporter`: brings a prefilled prompt's KV into the decode worker's pool (DESIGN §3.5).
+"""`KvImporter`: brings a prefilled prompt's KV into the decode worker's pool (docs/leases.md).
 
 One import, on an import thread (never the engine loop)::
 

@@ -34,7 +34,7 @@ class KVPolicy(enum.Enum):
     PAGED = "paged"  # blocks are allocated as tokens arrive (PagedAttention)
     # Every sequence holds slots for its worst case (prompt + max_tokens, capped at
     # max_model_len) from admission on: the traditional reservation, kept so that benchmarks
-    # compare paged and reserved KV on the same code (BENCHMARKS.md S3).
+    # compare paged and reserved KV on the same code (docs/benchmarks/method.md S3).
     RESERVE_MAX = "reserve-max"
 
 

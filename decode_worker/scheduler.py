@@ -1,4 +1,4 @@
-"""`Scheduler`: continuous batching with priority preemption by swap or recompute (DESIGN §3.6).
+"""`Scheduler`: continuous batching, priority preemption by swap or recompute (docs/scheduling.md).
 
 Three queues, each sequence in exactly one::
 

@@ -1,4 +1,4 @@
-"""Block hashing: the one spec (DESIGN §3.3) shared by router, prefill and decode workers.
+"""Block hashing: the one spec (docs/hashing.md) shared by router, prefill and decode workers.
 
 Torch-free on purpose: the router imports this module and must start without torch. Only the
 standard library is used. The byte layout is specified in ``docs/hashing.md`` and pinned by golden

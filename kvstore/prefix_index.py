@@ -1,4 +1,4 @@
-"""PrefixIndex: which worker holds which block hash, cluster-wide (DESIGN §3.4).
+"""PrefixIndex: which worker holds which block hash, cluster-wide (docs/prefix_index.md).
 
 Torch-free: the router imports this module (``docs/prefix_index.md`` tells the whole story).
 Two implementations behind one interface:

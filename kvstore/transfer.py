@@ -10,7 +10,7 @@ K page then the V page), which is exactly one block of our block-major page tens
 
 NOTE: nothing here checks leases. Bytes read are only trustworthy if the lease was still held
 after the copy finished; the consumer confirms that with the producer (ReleaseKv) and otherwise
-recomputes (DESIGN §3.5, fail closed).
+recomputes (docs/leases.md, fail closed).
 """
 
 from __future__ import annotations

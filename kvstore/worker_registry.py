@@ -1,4 +1,4 @@
-"""WorkerRegistry: who is alive in the cluster, at which address, with which load (DESIGN §3.4).
+"""WorkerRegistry: who is alive in the cluster, where, with which load (docs/prefix_index.md).
 
 Torch-free: the router reads it to build its load view. Redis layout (prefix ``ps:{model}:``)::
 

@@ -1,4 +1,4 @@
-"""The contracts between a scheduler and the model runner: plain data, no tensors (DESIGN §2).
+"""The contracts between a scheduler and the model runner: plain data, no tensors (architecture.md).
 
     scheduler ── StepPlan (scheduled chunks, copy-on-write pairs) ──► ModelRunner
     scheduler ◄── RunnerOutput (one SampledToken or None per scheduled chunk) ──┘

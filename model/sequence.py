@@ -1,6 +1,6 @@
 """`Sequence`: one request's tokens, progress and blocks, shared by every scheduler.
 
-Progress is two counters (STYLE §4):
+Progress is two counters (docs/style.md):
 
     token_ids:  | prompt ............ | output ... |
                 |<- num_computed_tokens ->|        (K/V in the cache)

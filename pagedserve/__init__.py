@@ -7,7 +7,7 @@ __version__ = "0.1.0"
 
 
 def _leave_the_checkout_off_sys_path() -> None:
-    """Drop a source checkout's root from `sys.path` (DESIGN §2, docs/architecture.md).
+    """Drop a source checkout's root from `sys.path` (docs/architecture.md).
 
     The checkout's top-level folders (`kernels/`, `model/`, `router/` ...) are sub-packages of
     `pagedserve`, never import roots. `python -m pagedserve...` or `python -c` started in the

@@ -338,7 +338,7 @@ _MICRO_BENCHES = {
 
 
 def _add_bench(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("bench", help="benchmarks (see BENCHMARKS.md)")
+    p = sub.add_parser("bench", help="benchmarks (see docs/benchmarks/method.md)")
     kinds = p.add_subparsers(dest="bench", required=True)
     for name, (module, text) in _MICRO_BENCHES.items():
         micro = kinds.add_parser(
@@ -347,7 +347,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
         micro.set_defaults(func=_run_micro_bench, passthrough=True, module=module)
     for name in (*_SCENARIOS, "all"):
         scenario = kinds.add_parser(
-            name, help="scenario of BENCHMARKS.md (pagedserve bench all -h)", add_help=False
+            name, help="scenario (benchmarks/method.md; pagedserve bench all -h)", add_help=False
         )
         scenario.set_defaults(func=_run_bench_scenario, passthrough=True, scenario=name)
 

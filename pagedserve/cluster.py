@@ -1,4 +1,4 @@
-"""Joining the cluster (DESIGN §3.4): the one join-the-cluster code of both workers.
+"""Joining the cluster (docs/prefix_index.md): the one join-the-cluster code of both workers.
 
 A worker joins with its id, address, role and this process's incarnation: its record goes into
 the Redis registry (``worker:{id}``) and a heartbeat thread keeps it alive, carrying the load the

@@ -1,4 +1,4 @@
-"""Exceptions that cross component boundaries and become gRPC status codes (DESIGN §3.1).
+"""Exceptions that cross component boundaries and become gRPC status codes (docs/architecture.md).
 
 Torch-free: the router imports this. One interceptor per server maps them:
 
@@ -21,7 +21,7 @@ class InvalidArgument(ValueError):
     `field` is the path of the offending field as the caller spelled it (e.g. `"temperature"`;
     the router prefixes the enclosing message, see `with_prefix`). It becomes
     `BadRequest.FieldViolation.field`, and `description` (which names the bad value) becomes
-    `FieldViolation.description`. A `ValueError`, so code that only knows STYLE's rule
+    `FieldViolation.description`. A `ValueError`, so code that only knows style.md's rule
     ("a caller's mistake raises ValueError") still catches it.
     """
 

@@ -1,6 +1,6 @@
 """gRPC server plumbing shared by every pagedserve service (router, prefill, decode).
 
-`build_server` gives each server the same shape, an asyncio `grpc.aio` server (DESIGN §3.8)
+`build_server` gives each server the same shape, an asyncio `grpc.aio` server (docs/architecture.md)
 with explicit message size limits (never unlimited), `grpc.health.v1.Health` (service `""` =
 alive, the service's full name = ready), server reflection, and `ErrorInterceptor`, the one
 place where exceptions become status codes (`pagedserve/errors.py` has the table). Servicers
@@ -48,7 +48,7 @@ def _status(code: int, message: str, *details: Any) -> status_pb2.Status:
 
 
 def status_for(exc: BaseException) -> status_pb2.Status:
-    """The `google.rpc.Status` an exception maps to (DESIGN §3.1)."""
+    """The `google.rpc.Status` an exception maps to (docs/architecture.md)."""
     if isinstance(exc, InvalidArgument):
         violation = error_details_pb2.BadRequest.FieldViolation(
             field=exc.field, description=exc.description
@@ -221,7 +221,7 @@ async def build_server(
     tls: ServerTLS | None = None,
 ) -> ServerHandle:
     """Create (not start) an asyncio server with health, reflection and `ErrorInterceptor`, on
-    the running event loop (DESIGN §3.8: no thread per stream or request).
+    the running event loop (docs/architecture.md: no thread per stream or request).
 
     `register` are callables like `lambda s: add_FooServicer_to_server(servicer, s)` with
     `async` servicer methods; `service_names` are their full names (`pagedserve.v1.Generation`).

@@ -5,7 +5,7 @@ publisher thread writes what was submitted, in order; the heartbeat thread calls
 One lock orders the publisher thread's writes and the heartbeat's refreshes, so a refresh
 snapshot never re-adds a hash whose REMOVED was already written.
 
-Degradation (DESIGN §3.4, the index is a hint): a failed write marks the index *stale*, counts
+Degradation (the index is a hint, prefix_index.md): a failed write marks the index *stale*, counts
 the events it dropped and remembers the REMOVED hashes among them (bounded). The next write that
 gets through first deletes those hashes, then re-asserts every hash the pool holds. Entries are
 also re-asserted every `refresh_interval_s` (half the entry TTL), because prefix hits keep

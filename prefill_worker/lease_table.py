@@ -1,4 +1,4 @@
-"""LeaseTable: the one owner of KV leases on a prefill worker (DESIGN §3.5, docs/leases.md).
+"""LeaseTable: the one owner of KV leases on a prefill worker (docs/leases.md).
 
 A lease pins a prefilled request's blocks until the decode worker has pulled them::
 

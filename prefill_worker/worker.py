@@ -1,5 +1,5 @@
 """`PrefillWorker`: the prefill worker's threads, leases and failure isolation around one
-`PrefillEngine` (DESIGN §3.5).
+`PrefillEngine` (docs/leases.md).
 
 Lifecycle of a prompt's blocks on this side:
 

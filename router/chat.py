@@ -1,7 +1,7 @@
 """Chat templates: a conversation -> the prompt text the model was trained on.
 
 Renders the model's own Jinja chat template the way transformers' `apply_chat_template` does,
-without transformers or torch (DESIGN §3.9): the same sandboxed environment (immutable sandbox,
+without transformers or torch (docs/chat.md): the same sandboxed environment (immutable sandbox,
 `trim_blocks`, `lstrip_blocks`, the loop-controls extension, a pass-through `{% generation %}`
 tag, `raise_exception`, `strftime_now`, a `tojson` that keeps non-ASCII and does not escape
 HTML, and a `namespace`/`dict` that refuse underscore names) and the same template variables

@@ -1,6 +1,6 @@
 """The router's edge: public `pagedserve.v1.Generation` messages <-> validated requests.
 
-Every check happens here, before any worker sees the request (DESIGN §3.1): a bad field raises
+Every check happens here, before any worker sees the request (docs/router.md): a bad field raises
 `InvalidArgument` naming it (`sampling.top_p`, `token_ids`, ...), which the interceptor turns
 into INVALID_ARGUMENT with a `BadRequest.FieldViolation`.
 """

@@ -1,4 +1,4 @@
-"""Where a request goes: the (prefill, decode) pair of lowest cost (DESIGN §3.7).
+"""Where a request goes: the (prefill, decode) pair of lowest cost (docs/router.md).
 
     cost(p) = w_overlap * uncached_prefill_blocks(p) + w_load * queued_prefill_tokens(p) / bs
     cost(d) = w_decode * kv_usage(d) + w_queue * (running + waiting + in_flight)(d) / max_num_seqs

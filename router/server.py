@@ -5,7 +5,7 @@ router starts degraded and recovers), bind, poll worker loads, mark ready when a
 prefill and one decode worker answer, print `READY router <address>`. SIGTERM: NOT_SERVING,
 in-flight streams get `--drain-timeout` to finish, then stop.
 
-It serves on one asyncio event loop (`grpc.aio`, DESIGN §3.8): every stream is a coroutine,
+It serves on one asyncio event loop (`grpc.aio`, docs/architecture.md): every stream is a coroutine,
 so streams cost no threads, every waiting request is in the router's own table (admission
 control sees it), and health checks never wait behind generation. Blocking work (tokenizing,
 Redis lookups) runs on the loop's default executor, a bounded pool.

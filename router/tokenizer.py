@@ -1,5 +1,5 @@
 """The router's tokenizer: `tokenizers` only (no torch, no transformers), so the router starts
-in well under a second (DESIGN §1).
+in well under a second (docs/router.md).
 
 Reads `tokenizer.json` of a Hugging Face model directory; special token ids come from the
 tokenizer's added tokens, eos ids from `config.json` and `generation_config.json`

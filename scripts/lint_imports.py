@@ -1,7 +1,7 @@
-"""Check DESIGN §2's import rules with import-linter (`lint-imports`, what `make lint` runs).
+"""Check the import rules (docs/architecture.md) with import-linter (`lint-imports`, `make lint`).
 
 The contracts live in pyproject.toml (`[tool.importlinter]`). The sub-packages live in top-level
-folders (DESIGN §2); the committed symlinks `pagedserve/<sub-package>` -> `../<folder>` lay them out
+folders; the committed symlinks `pagedserve/<sub-package>` -> `../<folder>` lay them out
 under `pagedserve/` on disk, where import-linter (which walks the package's directory) finds them,
 so a plain `lint-imports` at the repository root checks the same contracts as this script.
 """

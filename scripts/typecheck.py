@@ -1,6 +1,6 @@
 """Run mypy over the `pagedserve` import tree.
 
-The packages live in top-level folders mapped by `[tool.setuptools.package-dir]` (DESIGN §2),
+The packages live in top-level folders mapped by `[tool.setuptools.package-dir]` (architecture.md),
 which mypy cannot follow through the editable install's import hook. This lays the import tree
 out as symlinks under .cache/typecheck/ (e.g. pagedserve/kvstore -> ../../../kvstore) and checks
 that, so every `from pagedserve.kvstore ...` resolves to the real source.

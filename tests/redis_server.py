@@ -1,4 +1,4 @@
-"""A real `redis-server` on a free 127.0.0.1 port, for tests (DESIGN §7).
+"""A real `redis-server` on a free 127.0.0.1 port, for tests (docs/architecture.md).
 
 No persistence (`--save "" --appendonly no`), its files in a temp dir, killed at teardown.
 `stop()` kills it (a crash, as far as clients can tell); `start()` brings a fresh, empty server

@@ -1,4 +1,4 @@
-"""DESIGN §2: schedulers, step plans and `Sequence` import no torch (each module checked in a
+"""architecture.md: schedulers, step plans and `Sequence` import no torch (each module checked in a
 fresh interpreter, so nothing imported by another test hides a violation)."""
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def _run_in_checkout(code: str) -> str:
 
 
 def test_the_checkout_root_never_hides_a_package_once_pagedserve_is_imported() -> None:
-    """DESIGN §2: `kernels/` is `pagedserve.kernels`, never the `kernels` that transformers imports
+    """`kernels/` is `pagedserve.kernels`, never the `kernels` that transformers imports
     (Hugging Face's; a dependency of transformers >= 5.25), even in a process started in the
     checkout, as `pagedserve up` starts its workers."""
     ours = str(CHECKOUT / "kernels" / "__init__.py")

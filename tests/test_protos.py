@@ -273,7 +273,7 @@ EXPECTED_SERVICES = {
     },
     (decode_pb2, "DecodeWorker"): {
         "Decode": ("DecodeRequest", "DecodeResponse", True),
-        # NOTE: an addition to DESIGN §3.2 (docs/architecture.md, "One Deliver stream")
+        # NOTE: an addition to the internal API (docs/architecture.md, "One Deliver stream")
         "Deliver": ("DeliverRequest", "DecodeBatch", True),
         "Abort": ("AbortRequest", "AbortResponse", False),
         "GetLoad": ("GetLoadRequest", "LoadReport", False),

@@ -1,6 +1,6 @@
 """`pagedserve bench` end to end on a tiny model (shared-prefix-memory, concurrency): reports exist,
-parse, and the correctness gate passed. No timing asserts (BENCHMARKS.md: speed is measured, not
-tested)."""
+parse, and the correctness gate passed. No timing asserts (docs/benchmarks/method.md: speed is
+measured, not tested)."""
 
 from __future__ import annotations
 
@@ -9,17 +9,19 @@ import pathlib
 
 import pytest
 
-from pagedserve.bench import suite
+from pagedserve.bench import report, suite
 
 
 def run_quick(tmp_path, scenario: str) -> dict:
-    """`pagedserve bench SCENARIO --quick --reps 1`; its exit status must be 0; results.json."""
-    out = tmp_path / "report"
-    rc = suite.main(
-        [scenario, "--quick", "--reps", "1", "--out", str(out), "--work", str(tmp_path / "work")]
-    )
+    """`pagedserve bench SCENARIO --quick --reps 1`; its exit status must be 0; summary.json."""
+    out, raw = tmp_path / "report", tmp_path / "raw"
+    argv = ["--quick", "--reps", "1", "--out", str(out), "--raw", str(raw)]
+    rc = suite.main([scenario, *argv, "--work", str(tmp_path / "work")])
     assert rc == 0
-    return json.loads((out / "results.json").read_text())
+    summary = json.loads((out / "summary.json").read_text())
+    assert not (out / "raw.json").exists() and not (out / "results.json").exists()
+    assert report.summary(json.loads((raw / "raw.json").read_text())) == summary
+    return summary
 
 
 def test_shared_prefix_scenario_writes_valid_reports_and_passes_the_gate(tmp_path):

@@ -1,7 +1,7 @@
 """S14 samples (`pagedserve bench samples --quick`) on the tiny model: n = 8 against 8 separate
 requests, in the scenario's own peer process. The gate (every sample equal to the single request
 seeded sample_seed(seed, i), the samples distinct) passes and every ratio is reported. No timing
-asserts (BENCHMARKS.md): tok/s ratios are only checked to exist."""
+asserts (docs/benchmarks/method.md): tok/s ratios are only checked to exist."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Block hashing spec (DESIGN §3.3, docs/hashing.md): golden vectors and properties."""
+"""Block hashing spec (docs/hashing.md): golden vectors and properties."""
 
 import hashlib
 import json

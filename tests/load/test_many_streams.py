@@ -1,5 +1,5 @@
 """200 concurrent streams through a real cluster (router, prefill and decode worker processes)
-on asyncio servers (DESIGN §3.8): no thread per stream, health and status answer while the
+on asyncio servers (docs/architecture.md): no thread per stream, health and status answer while the
 streams run, priority reaches the queue that matters, and admission control answers at once.
 
     200 low-priority streams ─┐
