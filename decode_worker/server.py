@@ -15,8 +15,8 @@ import sys
 import threading
 import time
 
+from pagedserve.cli_options import default_worker_id
 from pagedserve.cluster import ClusterMember, join, model_key
-from pagedserve.config import default_worker_id
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB, add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.kv_import import ProducerClients

@@ -31,7 +31,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.config import (
+from pagedserve.cli_options import (
     add_kv_cache_dtype_argument,
     add_quantization_arguments,
     add_tensor_parallel_argument,

@@ -21,8 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve.cli_options import default_worker_id
 from pagedserve.cluster import ClusterMember, join, model_key
-from pagedserve.config import default_worker_id
 from pagedserve.grpcutil import (
     DEFAULT_MAX_MESSAGE_BYTES,
     EngineLoop,

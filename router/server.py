@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from pagedserve.config import quantization_name
+from pagedserve.cli_options import quantization_name
 from pagedserve.grpcutil import (
     ServerHandle,
     ServerTLS,

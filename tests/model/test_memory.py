@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from pagedserve.config import add_model_arguments
+from pagedserve.cli_options import add_model_arguments
 from pagedserve.model import runner
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
