@@ -26,7 +26,7 @@ from oracle import make_prompts
 from processes import alive, children_of, wait_until
 
 from pagedserve.client import Client
-from pagedserve.launcher import shm_segments
+from pagedserve.supervisor import shm_segments
 from pagedserve.sampling_params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
