@@ -89,8 +89,9 @@ class PagedPeer:
             max_num_seqs=len(prompts),
             enable_prefix_caching=False,
             use_shm=False,
+            device=args.device,
         )
-        self.engine = PrefillEngine.from_model_dir(model_dir, config, device=args.device)
+        self.engine = PrefillEngine.from_model_dir(model_dir, config)
         self.params = SamplingParams(temperature=0.0, max_tokens=1)  # no lease: blocks freed
         self.prompts = prompts
         self.passes = 0

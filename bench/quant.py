@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 
 from pagedserve.bench.decode_step import decoding_engine, model_or_tiny
-from pagedserve.config import parse_bytes
+from pagedserve.cli_options import parse_bytes
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.model.config import load_model_config
 from pagedserve.model.quant import WeightQuant, dequantize_into

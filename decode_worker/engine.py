@@ -53,8 +53,9 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True, slots=True)
 class DecodeEngineConfig:
-    """The pool, batch limits, model and device of one engine, its swap space, preemption and
-    scheduling policy. Validated once, here."""
+    """The pool, batch limits, model and device of one engine (the fields the prefill engine's
+    config shares: engine_sizing.EngineFields), its swap space, preemption and scheduling
+    policy. Validated once, here."""
 
     block_size: int = 16
     num_blocks: int = 512
@@ -179,6 +180,19 @@ class DecodeEngine:
         model_config = load_model_config(
             model_dir, config.dtype, config.quantization, config.kv_cache_dtype
         )
+        return cls.from_model_config(model_config, config, copy_fn=copy_fn, revision=revision)
+
+    @classmethod
+    def from_model_config(
+        cls,
+        model_config: ModelConfig,
+        config: DecodeEngineConfig,
+        *,
+        copy_fn: CopyFn | None = None,
+        revision: str = "",
+    ) -> DecodeEngine:
+        """Load the weights (with more than one rank: start the rank processes, each loading
+        its shard, model/tp_ranks.py) and build the engine over them."""
         if config.tensor_parallel_size > 1:
             runner, num_swap = cls._tensor_parallel_runner(model_config, config)
             config = replace(config, num_swap_blocks=num_swap)

@@ -13,69 +13,42 @@ import asyncio
 import logging
 import sys
 import threading
-import time
+from collections.abc import Callable
+from typing import Any
 
-from pagedserve.cluster import ClusterMember, join, model_key
-from pagedserve.config import default_worker_id
+from pagedserve import worker_server
+from pagedserve.cluster import ClusterMember, join
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB, add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.kv_import import ProducerClients
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
-from pagedserve.grpcutil import (
-    EngineLoop,
-    ServerHandle,
-    build_server,
-    client_tls_from_args,
-    server_tls_from_args,
-)
-from pagedserve.kvstore.eviction import EvictionPolicy
+from pagedserve.engine_sizing import EngineSizing, size_engine
+from pagedserve.grpcutil import EngineLoop, client_tls_from_args
 from pagedserve.kvstore.swap_space import GIB
-from pagedserve.kvstore.worker_registry import Role, compat_tag, connect
+from pagedserve.kvstore.worker_registry import Role, compat_tag
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
-from pagedserve.model.config import load_model_config
-from pagedserve.model.core_share import one_torch_thread, open_core_share
-from pagedserve.model.quant import weight_quant_from_args
-from pagedserve.model.runner import kv_cache_spec, rank_kv_cache_bytes
-from pagedserve.model.tp_ranks import RankLost, shard_model
-from pagedserve.signals import stop_on_signals
+from pagedserve.model.core_share import open_core_share
+from pagedserve.model.tp_ranks import RankLost
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc
+from pagedserve.worker_hooks import WorkerHooks
 
 log = logging.getLogger("pagedserve.decode")
 SERVICE_NAME = "pagedserve.v1.DecodeWorker"
 
 
-def engine_config(args: argparse.Namespace) -> DecodeEngineConfig:
-    """The engine's config from the flags; ValueError naming the flag if they do not fit."""
+def engine_config(args: argparse.Namespace, sizing: EngineSizing) -> DecodeEngineConfig:
+    """The engine's config: the sized fields both workers share, then the decode worker's;
+    ValueError naming the flag if they do not fit."""
     if args.swap_space is not None and args.swap_space < 0:
         raise ValueError(f"swap-space: must be >= 0 GiB, got {args.swap_space}")
     if args.import_threads < 1:
         raise ValueError(f"import-threads: must be >= 1, got {args.import_threads}")
-    quantization = weight_quant_from_args(args)
-    model_config = load_model_config(args.model, args.dtype, quantization, args.kv_cache_dtype)
-    ranks = args.tensor_parallel_size
-    rank_config = shard_model(model_config, 0, ranks) if ranks > 1 else model_config
-    spec = kv_cache_spec(rank_config, args.block_size)
-    memory = rank_kv_cache_bytes(rank_config, args, ranks)
-    num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(memory)
-    if num_blocks < 1:
-        raise ValueError("kv-cache-memory: too small for one block")
     return DecodeEngineConfig(
-        block_size=args.block_size,
-        num_blocks=num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        eviction_policy=EvictionPolicy(args.eviction_policy),
-        dtype=args.dtype,
-        quantization=quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        device=args.device,
-        tensor_parallel_size=ranks,
-        swap_space_gib=swap_space_gib(args.swap_space, num_blocks * spec.bytes_per_block),
+        **sizing.fields,
+        swap_space_gib=swap_space_gib(args.swap_space, sizing.kv_pool_bytes),
         preemption_mode=PreemptionMode(args.preemption_mode),
         scheduling_policy=SchedulingPolicy(args.scheduling_policy),
         kv_policy=KVPolicy(args.kv_policy),
@@ -89,20 +62,26 @@ def swap_space_gib(flag: float | None, kv_pool_bytes: int) -> float:
     return min(DEFAULT_MAX_SWAP_GIB, kv_pool_bytes / GIB)
 
 
+def build_engine(args: argparse.Namespace) -> DecodeEngine:
+    """Load the model and build the engine the flags size (engine_sizing.py)."""
+    sizing = size_engine(args)
+    config = engine_config(args, sizing)
+    return DecodeEngine.from_model_config(sizing.model_config, config, revision=args.revision)
+
+
 def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Run a decode worker until `stop` (made here, set by SIGTERM / SIGINT, when not given)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if stop is None:
-        stop = threading.Event()
-        stop_on_signals(stop)
-    if stop.is_set():  # NOTE: stopped while starting: nothing is loaded yet
-        return 0
-    engine = DecodeEngine.from_model_dir(args.model, engine_config(args), revision=args.revision)
+    return worker_server.run("decode", stop, lambda stop, loop: _start(args, stop, loop))
+
+
+def _start(
+    args: argparse.Namespace, stop: threading.Event, engine_loop: EngineLoop
+) -> worker_server.Serve | None:
+    engine = build_engine(args)
     if stop.is_set():  # NOTE: stopped while loading: nothing is bound or registered yet
         engine.close()
-        return 0
-    loop = EngineLoop("decode-loop", on_main_thread=True)
-    return loop.serve_on_side_thread(lambda: serve(args, engine, stop, loop), one_torch_thread)
+        return None
+    return lambda: serve(args, engine, stop, engine_loop)
 
 
 async def serve(
@@ -115,60 +94,42 @@ async def serve(
     tracing = setup_tracing(
         "pagedserve-decode", args.otlp_traces_endpoint, include_text=args.trace_include_text
     )
+    death = worker_server.LoopDeath(stop)
+    core_share = open_core_share(args.core_share, set_threads=engine.runner.set_threads)
     worker = DecodeWorker(
         engine,
         import_threads=args.import_threads,
         producers=ProducerClients(args.max_message_bytes, client_tls_from_args(args)),
         tracing=tracing,
+        hooks=WorkerHooks(engine_loop, core_share, death),
     )
     _register_metrics(worker)
     start_metrics_server(args.metrics_port, args.host)
     servicer = DecodeServicer(worker)
-    handle = await build_server(
-        [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s)],
-        [SERVICE_NAME],
-        address=f"{args.host}:{args.port}",
-        max_message_bytes=args.max_message_bytes,
-        tls=server_tls_from_args(args),
-    )
-    address = args.advertise_address or f"{args.host}:{handle.port}"
-    worker.worker_id = args.worker_id or default_worker_id("decode", handle.port)
-    member = await asyncio.to_thread(_join_cluster, args, worker, address)
-    worker.core_share = open_core_share(
-        args.core_share, set_threads=worker.engine.runner.set_threads
-    )
-    if engine_loop is not None:
-        worker.engine_loop = engine_loop
-    worker.on_loop_death = lambda: _on_loop_death(handle, worker.death, stop)
+    bound = await worker_server.bind(args, "decode", [_servicer_adder(servicer)], [SERVICE_NAME])
+    death.handle = bound.handle
+    worker.worker_id = bound.worker_id  # NOTE: known once bound (`--port 0`)
+    member = await asyncio.to_thread(_join_cluster, args, worker, bound.address)
     worker.start()
-    await handle.server.start()
-    await handle.set_ready(True)
-    print(f"READY {worker.worker_id} {address}", flush=True)
+    await worker_server.announce_ready(bound)
     await asyncio.to_thread(stop.wait)
 
     log.info("draining: %d requests in flight", worker.num_in_flight)
-    await handle.set_ready(False)
+    await bound.handle.set_ready(False)
     worker.draining = True
-    deadline = time.monotonic() + args.drain_timeout
-    while worker.num_in_flight and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await worker_server.wait_drained(lambda: worker.num_in_flight, args.drain_timeout)
     if member is not None:
         await asyncio.to_thread(member.leave)
     servicer.end_deliveries()  # NOTE: else each router's Deliver stream holds the grace period
-    await handle.server.stop(grace=1.0)
+    await bound.handle.server.stop(grace=1.0)
     servicer.close()
     worker.close()
     tracing.shutdown()
     return 1 if isinstance(worker.death, RankLost) else 0
 
 
-def _on_loop_death(handle: ServerHandle, death: BaseException | None, stop: threading.Event):
-    """Health NOT_SERVING; a lost tensor-parallel rank also stops the worker (it cannot step
-    again: exiting lets `pagedserve up` or Kubernetes start it afresh)."""
-    handle.set_ready_threadsafe(False)
-    if isinstance(death, RankLost):
-        log.error("stopping: %s", death)
-        stop.set()
+def _servicer_adder(servicer: DecodeServicer) -> Callable[[Any], None]:
+    return lambda server: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
 
 
 def _register_metrics(worker: DecodeWorker) -> None:
@@ -208,9 +169,10 @@ def _register_metrics(worker: DecodeWorker) -> None:
 def _join_cluster(
     args: argparse.Namespace, worker: DecodeWorker, address: str
 ) -> ClusterMember | None:
-    if not args.redis_url:
+    registry = worker_server.connect_registry(args)
+    if registry is None:
         return None
-    client, model = connect(args.redis_url), model_key(args.served_model_name, args.model)
+    client, model = registry
     compat = compat_tag(worker.engine.fingerprint, worker.engine.config.block_size)
     return join(client, model, worker.worker_id, address, Role.DECODE, worker.load, compat=compat)
 

@@ -33,7 +33,6 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
@@ -51,10 +50,11 @@ from pagedserve.decode_worker.kv_import import (
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
 from pagedserve.model.batch import ScheduledSequence
-from pagedserve.model.core_share import CoreShare, one_torch_thread
+from pagedserve.model.core_share import one_torch_thread
 from pagedserve.model.sequence import FinishReason, Sequence, fork_samples
 from pagedserve.model.tp_ranks import RankLost
 from pagedserve.telemetry import Tracing, setup_tracing
+from pagedserve.worker_hooks import NO_HOOKS, WorkerHooks
 from pagedserve.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
@@ -183,6 +183,7 @@ class DecodeWorker:
         import_threads: int = 4,
         producers: ProducerClients | None = None,
         tracing: Tracing | None = None,
+        hooks: WorkerHooks = NO_HOOKS,
     ) -> None:
         self.engine = engine
         self.tracing = tracing or setup_tracing("pagedserve-decode", None)
@@ -201,12 +202,13 @@ class DecodeWorker:
         self._imports = ThreadPoolExecutor(
             import_threads, thread_name_prefix="kv-import", initializer=one_torch_thread
         )
-        self.engine_loop = EngineLoop("decode-loop")  # NOTE: a server runs it on the main thread
+        # NOTE: a server runs the loop on the main thread (WorkerHooks.engine_loop)
+        self.engine_loop = hooks.engine_loop or EngineLoop("decode-loop")
+        self.core_share = hooks.core_share
+        self.on_loop_death = hooks.on_loop_death
         self._stop = False
         self.dead = False  # the loop thread died: this worker can serve nothing more
         self.death: BaseException | None = None  # what killed the loop
-        self.on_loop_death: Callable[[], None] | None = None
-        self.core_share: CoreShare | None = None  # the host's cores, lent between workers
         with self.lock:
             self._last_load = self._load_locked()
 
@@ -495,7 +497,7 @@ class DecodeWorker:
         except BaseException as exc:
             log.exception("decode loop died; failing every request")
             self.death = exc
-            self._die()
+            self._die(exc)
 
     def _step_isolated(self) -> bool:
         """`step()`; a step that raises is isolated (`_isolate_failure`). Lock held."""
@@ -548,10 +550,10 @@ class DecodeWorker:
             runner.sampler.restore(states)
         return True
 
-    def _die(self) -> None:
+    def _die(self, death: BaseException) -> None:
         self.dead = True
         if self.on_loop_death is not None:
-            self.on_loop_death()
+            self.on_loop_death(death)
         self._fail_all()
 
     def step(self) -> bool:

@@ -236,7 +236,7 @@ class Endpoints:
             context=context_from(dict(request.headers)),
             kind=trace.SpanKind.SERVER,
         )
-        done = Outcome(self.metrics, span, endpoint)
+        done = ResponseRecorder(self.metrics, span, endpoint)
         try:
             response = await self._answer(request, body, endpoint, done)
         except GatewayError as exc:
@@ -252,7 +252,9 @@ class Endpoints:
             done.finish(200)
         return response
 
-    async def _answer(self, request: Request, body: Body, endpoint: str, done: Outcome) -> Response:
+    async def _answer(
+        self, request: Request, body: Body, endpoint: str, done: ResponseRecorder
+    ) -> Response:
         span, started = done.span, done.started
         request_id = f"{'chatcmpl' if endpoint == 'chat' else 'cmpl'}-{uuid.uuid4().hex}"
         span.set_attribute("pagedserve.request_id", request_id)
@@ -289,8 +291,9 @@ class Endpoints:
         return EventStream(stream, done)
 
 
-class Outcome:
-    """How one request ended, recorded once: metrics, and the gateway span's end."""
+class ResponseRecorder:
+    """Records how one HTTP request ended (its status), once: the gateway's metrics and the end
+    of its span. Not the router's `Outcome` (generation stats of one request)."""
 
     def __init__(self, metrics: GatewayMetrics, span: trace.Span, endpoint: str) -> None:
         self.metrics, self.span, self.endpoint = metrics, span, endpoint
@@ -314,34 +317,34 @@ class Outcome:
 class EventStream(StreamingResponse):
     """A streamed answer (SSE). Whatever ends the response — the last chunk, a router error
     (sent as OpenAI's error event), the client leaving, even before the first byte — cancels
-    the router calls and records the outcome."""
+    the router calls and records the response's status."""
 
-    def __init__(self, stream: Stream, outcome: Outcome) -> None:
+    def __init__(self, stream: Stream, recorder: ResponseRecorder) -> None:
         super().__init__(
-            self._events(stream, outcome),
+            self._events(stream, recorder),
             media_type="text/event-stream",
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
-        self.stream, self.outcome = stream, outcome
+        self.stream, self.recorder = stream, recorder
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
             self.stream.cancel()
-            self.outcome.finish(499, "client disconnected")
+            self.recorder.finish(499, "client disconnected")
 
     @staticmethod
-    async def _events(stream: Stream, outcome: Outcome) -> AsyncIterator[bytes]:
+    async def _events(stream: Stream, recorder: ResponseRecorder) -> AsyncIterator[bytes]:
         try:
             async for chunk in stream.chunks():
                 yield chunk
         except GatewayError as exc:  # NOTE: after the 200: an error event, as vLLM sends
-            outcome.finish(exc.status, exc.message)
+            recorder.finish(exc.status, exc.message)
             yield out.sse(exc.body())
             yield out.sse("[DONE]")
             return
-        outcome.finish(200)
+        recorder.finish(200)
 
 
 def choices_of(

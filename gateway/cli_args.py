@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import add_client_tls_arguments, add_serving_arguments
+from pagedserve.cli_options import add_client_tls_arguments, add_serving_arguments
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

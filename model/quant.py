@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from pagedserve.config import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
-from pagedserve.config import QUANTIZATION_METHODS as METHODS
-from pagedserve.config import quantization_name
+from pagedserve.cli_options import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
+from pagedserve.cli_options import QUANTIZATION_METHODS as METHODS
+from pagedserve.cli_options import quantization_name
 
 if TYPE_CHECKING:
     from pagedserve.model.llama import LlamaForCausalLM

@@ -8,7 +8,8 @@ import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from pagedserve.config import (
+from pagedserve.cli_options import (
+    add_client_tls_arguments,
     add_kv_cache_dtype_argument,
     add_quantization_arguments,
     add_tensor_parallel_argument,
@@ -153,8 +154,6 @@ def _run_chat(args: argparse.Namespace) -> int:
 def _add_client_arguments(p: argparse.ArgumentParser) -> None:
     """How the client commands reach a router: TLS (the shared outgoing-channel flags) and the
     API key."""
-    from pagedserve.config import add_client_tls_arguments
-
     add_client_tls_arguments(p.add_argument_group("TLS to the router (PEM files)"))
     p.add_argument(
         "--api-key", default=None, metavar="KEY",

@@ -1,4 +1,5 @@
-"""`pagedserve up`: a whole cluster on one machine as child processes.
+"""`pagedserve up`: a whole cluster on one machine as child processes; this module builds their
+command lines and starts them in order, supervisor.py keeps them running.
 
     redis-server (private, free port; skipped with --redis-url, or when no binary exists)
     N x `pagedserve prefill`   M x `pagedserve decode`   1 x `pagedserve router`
@@ -8,8 +9,8 @@ for the router's readiness (health of `pagedserve.v1.Generation`), prints the en
 waits. Ctrl-C / SIGTERM stops the router first (it drains), then the workers, then Redis, and
 kills whatever has not exited in time; during start-up it stops the children started so far
 (each exits as soon as its model is loaded) without waiting for the others to be ready.
-Children are tied to the launcher's life (PR_SET_PDEATHSIG), so even a killed launcher leaves no
-process behind.
+Children are tied to the launcher's life (PR_SET_PDEATHSIG, supervisor.py), so even a killed
+launcher leaves no process behind.
 """
 
 from __future__ import annotations
@@ -18,20 +19,17 @@ import argparse
 import contextlib
 import os
 import shutil
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.config import (
+from pagedserve.cli_options import (
     add_kv_cache_dtype_argument,
     add_quantization_arguments,
     add_tensor_parallel_argument,
@@ -43,118 +41,26 @@ from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.model import core_share
 from pagedserve.signals import stop_on_signals
-
-_PR_SET_PDEATHSIG = 1
-GIB = 1 << 30
-
-
-# NOTE: a shim the child runs before it becomes the real program: it asks for SIGTERM when its
-# parent dies (PR_SET_PDEATHSIG, kept across exec), leaves if the parent is already gone, then
-# execs. Not a `preexec_fn`: that makes subprocess fork() instead of vfork(), and a fork() of a
-# process running gRPC's event engine can abort the child before exec ("epoll_wait error: Bad
-# file descriptor"; grpc/grpc#43055), which a test process or a bench driver is.
-_ORPHAN_GUARD = (
-    "import ctypes, os, signal, sys\n"
-    "try:\n"
-    f"    ctypes.CDLL('libc.so.6', use_errno=True).prctl({_PR_SET_PDEATHSIG}, signal.SIGTERM)\n"
-    "except (OSError, AttributeError):\n"
-    "    pass\n"
-    "if os.getppid() != int(sys.argv[1]):\n"
-    "    sys.exit(1)\n"
-    "os.execvp(sys.argv[2], sys.argv[2:])\n"
+from pagedserve.supervisor import (
+    DEFAULT_POLICY,
+    Child,
+    Cluster,
+    CrashLoop,
+    RestartPolicy,
+    StartInterrupted,
+    Supervisor,
+    await_ready,
+    remove_segments,
+    spawn,
 )
 
-
-def _guarded(argv: list[str]) -> list[str]:
-    """`argv`, started through the orphan guard: it dies with this process."""
-    return [sys.executable, "-c", _ORPHAN_GUARD, str(os.getpid()), *argv]
-
-
-def _pin_port(child: Child) -> None:
-    """A child started with `--port 0` restarts at the port it bound (its READY address)."""
-    port_at = child.argv.index("--port") + 1
-    child.argv[port_at] = child.address.rsplit(":", 1)[1]
+GIB = 1 << 30
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-@dataclass(slots=True)
-class Child:
-    """One supervised process: what started it (to start it again) and where it serves."""
-
-    name: str
-    proc: subprocess.Popen
-    log_path: Path
-    address: str = ""
-    metrics_port: int | None = None
-    argv: list[str] = field(default_factory=list)
-    env: dict[str, str] | None = None
-    segments: list[str] = field(default_factory=list)  # /dev/shm KV pools it owns (prefill)
-
-    def note_segments(self) -> None:
-        """Remember the KV segments a worker created (a prefill worker's pool, and with
-        tensor parallelism its other ranks' pools). NOTE: called when it says READY, before a
-        decode worker has mapped any prefill worker's segment (which it must not remove)."""
-        if self.name.startswith(("prefill", "decode")):
-            self.segments = shm_segments(self.proc.pid)
-
-
-@dataclass(slots=True)
-class Cluster:
-    children: list[Child] = field(default_factory=list)
-    redis_url: str | None = None
-    router_address: str = ""
-    http_url: str = ""  # the gateway's, when `--http-port` started one
-
-    def stop(self, timeout_s: float = 15.0) -> None:
-        """Gateway and router first (they drain), then workers, then Redis; kill what
-        lingers."""
-        for child in self.children:
-            if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-            if child.name in ("gateway", "router"):
-                _wait(child.proc, timeout_s)
-        deadline = time.monotonic() + timeout_s
-        for child in self.children:
-            _wait(child.proc, max(0.1, deadline - time.monotonic()))
-
-
-class StartInterrupted(Exception):
-    """A stop was requested (SIGTERM / SIGINT) before the cluster was ready."""
-
-
-def _check_stop(stop: threading.Event | None) -> None:
-    if stop is not None and stop.is_set():
-        raise StartInterrupted("stopped during start-up")
-
-
-def _wait(proc: subprocess.Popen, timeout_s: float) -> None:
-    try:
-        proc.wait(timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(5)
-
-
-def _spawn(name: str, argv: list[str], log_dir: Path, env: dict[str, str] | None = None) -> Child:
-    log_path = log_dir / f"{name}.log"
-    child = Child(name, _popen(argv, log_path, env, "w"), log_path, argv=argv, env=env)
-    child.metrics_port = _metrics_port(argv)
-    return child
-
-
-def _popen(argv: list[str], log_path: Path, env: dict[str, str] | None, mode: str):
-    """Start one child. NOTE: call from the main thread only: PR_SET_PDEATHSIG fires when the
-    *thread* that forked the child exits, so a child forked by a short-lived thread would be
-    stopped with it."""
-    with open(log_path, mode) as log:
-        return subprocess.Popen(
-            _guarded(argv), stdout=subprocess.PIPE, stderr=log, text=True, env=env
-        )
 
 
 def _with_metrics(argv: list[str], args: argparse.Namespace) -> list[str]:
@@ -164,57 +70,12 @@ def _with_metrics(argv: list[str], args: argparse.Namespace) -> list[str]:
     return [*argv, "--metrics-port", str(free_port())]
 
 
-def _metrics_port(argv: list[str]) -> int | None:
-    return int(argv[argv.index("--metrics-port") + 1]) if "--metrics-port" in argv else None
-
-
-def _await_ready(child: Child, timeout_s: float, stop: threading.Event | None = None) -> None:
-    """Read the child's stdout until `READY <id> <address>` (in a thread, to bound the wait);
-    StartInterrupted as soon as `stop` is set."""
-    result: list[str] = []
-    stdout = child.proc.stdout
-    assert stdout is not None
-    reader = threading.Thread(target=lambda: result.append(stdout.readline()))
-    reader.daemon = True
-    reader.start()
-    deadline = time.monotonic() + timeout_s
-    while reader.is_alive() and time.monotonic() < deadline:
-        _check_stop(stop)
-        reader.join(0.1)
-    line = result[0] if result else ""
-    if not line.startswith("READY"):
-        tail = child.log_path.read_text()[-3000:]
-        raise RuntimeError(f"{child.name} did not start (see {child.log_path}):\n{tail}")
-    child.address = line.split()[2]
-    child.note_segments()
-
-
-def shm_segments(pid: int) -> list[str]:
-    """The pagedserve KV segments (/dev/shm files) process `pid` maps: a prefill worker's pool,
-    a tensor-parallel worker's ranks' pools, which a SIGKILL leaves behind for whoever restarts
-    it to remove."""
-    try:
-        maps = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return []
-    paths = {line.split(maxsplit=5)[-1] for line in maps.splitlines() if "/dev/shm/" in line}
-    return sorted(p for p in paths if Path(p).name.startswith("pagedserve-kv-"))
-
-
-def remove_segments(child: Child) -> None:
-    """Unlink the segments a dead child left (an exiting worker unlinks its own first)."""
-    for path in child.segments:
-        with contextlib.suppress(OSError):
-            os.unlink(path)
-    child.segments = []
-
-
 def _start_redis(log_dir: Path) -> Child | None:
     binary = shutil.which("redis-server")
     if binary is None:
         return None
     port = free_port()
-    child = _spawn(
+    child = spawn(
         "redis",
         [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
          "--dir", str(log_dir)],
@@ -287,18 +148,18 @@ def _start_all(
             argv += ["--core-share", f"{share}:{slot}"]
         print(f"  {name:<10} memory: {memory_plan(role, args)}", flush=True)
         started.append(
-            _spawn(name, _with_metrics(argv + _worker_flags(role, args), args), log_dir, env)
+            spawn(name, _with_metrics(argv + _worker_flags(role, args), args), log_dir, env)
         )
     cluster.children[:0] = started  # NOTE: before waiting, so that a failed start stops them
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
-        _await_ready(child, args.start_timeout, stop)
-        _pin_port(child)
+        await_ready(child, args.start_timeout, stop)
+        child.pin_port()
     router_argv = [*cli, "router", *common, *redis_args, *_router_flags(args, started)]
-    router = _spawn("router", _with_metrics(router_argv, args), log_dir)
+    router = spawn("router", _with_metrics(router_argv, args), log_dir)
     cluster.children.insert(0, router)
-    _await_ready(router, args.start_timeout, stop)
+    await_ready(router, args.start_timeout, stop)
     cluster.router_address = router.address
-    _pin_port(router)
+    router.pin_port()
     wait_healthy(
         router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
     )
@@ -335,11 +196,11 @@ def _start_gateway(
     for name in ("tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name"):
         if getattr(args, name, None):
             argv += [f"--{name.replace('_', '-')}", getattr(args, name)]
-    gateway = _spawn("gateway", argv, log_dir)
+    gateway = spawn("gateway", argv, log_dir)
     cluster.children.insert(0, gateway)
-    _await_ready(gateway, args.start_timeout, stop)
+    await_ready(gateway, args.start_timeout, stop)
     cluster.http_url = gateway.address
-    gateway.argv[gateway.argv.index("--port") + 1] = gateway.address.rsplit(":", 1)[1]
+    gateway.pin_port()
 
 
 def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
@@ -432,92 +293,6 @@ def _tls_flags(args: argparse.Namespace) -> list[str]:
         if getattr(args, name, None):
             flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
     return flags
-
-
-@dataclass(frozen=True, slots=True)
-class RestartPolicy:
-    """Kubernetes' `restartPolicy: Always` with its back-off: a child that exits is started
-    again after `backoff_s`, doubled per restart still inside the window, at most
-    `max_backoff_s`; more than `max_restarts` exits within `window_s` is a crash loop."""
-
-    max_restarts: int = 5
-    window_s: float = 60.0
-    backoff_s: float = 0.5
-    max_backoff_s: float = 10.0
-
-    def __post_init__(self) -> None:
-        if self.max_restarts < 0:
-            raise ValueError(f"max-restarts: must be >= 0, got {self.max_restarts}")
-        if self.window_s <= 0 or self.backoff_s < 0:
-            raise ValueError("restart-window / restart-backoff: must be > 0 / >= 0")
-
-
-DEFAULT_POLICY = RestartPolicy()
-
-
-class CrashLoop(Exception):
-    """A child exited more often than the restart policy allows."""
-
-
-class Supervisor:
-    """Restarts the children of a running cluster on the same argv, port and log (appended).
-
-    Call `poll()` from the main thread (see `_popen`); it raises CrashLoop. A restarted child
-    is back when it prints READY again (a reader thread logs it); Redis restarts on its port,
-    empty: the workers re-register and re-publish, the router routes by load meanwhile.
-    """
-
-    def __init__(self, cluster: Cluster, policy: RestartPolicy, out=sys.stderr) -> None:
-        self.cluster = cluster
-        self.policy = policy
-        self.restarts: dict[str, list[float]] = {}  # name -> exit times inside the window
-        self._due: dict[str, float] = {}  # name -> when to start it again (monotonic)
-        self._out = out
-
-    def poll(self) -> None:
-        now = time.monotonic()
-        for child in self.cluster.children:
-            if child.name in self._due:
-                if now >= self._due[child.name]:
-                    self._restart(child)
-            elif (rc := child.proc.poll()) is not None:
-                self._exited(child, rc, now)
-
-    def _exited(self, child: Child, rc: int, now: float) -> None:
-        remove_segments(child)
-        recent = [t for t in self.restarts.get(child.name, []) if now - t < self.policy.window_s]
-        if len(recent) >= self.policy.max_restarts:
-            raise CrashLoop(
-                f"{child.name} is crash-looping: it exited {len(recent) + 1} times within "
-                f"{self.policy.window_s:g} s (last: {describe_exit(rc)}); see {child.log_path}"
-            )
-        delay = min(self.policy.max_backoff_s, self.policy.backoff_s * 2 ** len(recent))
-        self.restarts[child.name] = [*recent, now]
-        self._due[child.name] = now + delay
-        self._say(f"{child.name} exited ({describe_exit(rc)}); restarting in {delay:g} s")
-
-    def _restart(self, child: Child) -> None:
-        del self._due[child.name]
-        child.proc = _popen(child.argv, child.log_path, child.env, "a")
-        self._say(f"{child.name} restarted (pid {child.proc.pid})")
-        if child.name != "redis":  # NOTE: redis prints no READY line; its port is the same
-            threading.Thread(target=self._await_back, args=(child, child.proc), daemon=True).start()
-
-    def _await_back(self, child: Child, proc: subprocess.Popen) -> None:
-        line = proc.stdout.readline() if proc.stdout else ""
-        if line.startswith("READY") and proc is child.proc:
-            child.note_segments()
-            self._say(f"{child.name} is back at {line.split()[2]}")
-
-    def _say(self, message: str) -> None:
-        print(f"pagedserve up: {message}", file=self._out, flush=True)
-
-
-def describe_exit(rc: int) -> str:
-    if rc < 0:
-        with contextlib.suppress(ValueError):
-            return f"killed by {signal.Signals(-rc).name}"
-    return f"exit status {rc}"
 
 
 # NOTE: on one host the prefill and decode workers share the same cores, so a hand-off buys

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import add_model_arguments, add_server_arguments
+from pagedserve.cli_options import add_model_arguments, add_server_arguments
 from pagedserve.kvstore.eviction import add_eviction_argument
 
 

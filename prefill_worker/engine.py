@@ -30,7 +30,6 @@ from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import ShmKVPool, ShmOffer, layout_compat_hash
 from pagedserve.model.batch import RunnerOutput, StepPlan
 from pagedserve.model.config import ModelConfig, load_model_config
-from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
@@ -42,18 +41,25 @@ from pagedserve.sampling_params import SamplingParams
 
 @dataclass(frozen=True, slots=True)
 class PrefillEngineConfig:
+    """The pool, batch limits, model and device of one engine (the fields the decode engine's
+    config shares: engine_sizing.EngineFields), its leases and admission limit."""
+
     block_size: int = 16
     num_blocks: int = 1024
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 64
-    max_model_len: int | None = None
+    max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
+    dtype: str | None = None  # default: the checkpoint's
+    quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
+    kv_cache_dtype: str | None = None  # "int8" / "fp8_e4m3" for an 8-bit KV cache; None: dtype's
+    device: str = "cpu"
+    tensor_parallel_size: int = 1  # rank processes holding a shard each (model/tp_ranks.py)
     lease_seconds: float = 30.0  # the worker's lease defaults
     max_lease_seconds: float = 300.0
     use_shm: bool = True  # allocate the pool in shared memory (offer the shm transport)
     max_queued_requests: int = 1024  # the worker's admission limit
-    tensor_parallel_size: int = 1  # rank processes holding a shard each (model/tp_ranks.py)
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
@@ -76,31 +82,25 @@ class PrefillEngine:
     def __init__(
         self,
         model_config: ModelConfig,
-        model: LlamaForCausalLM | None,
+        runner: ModelRunner,
         config: PrefillEngineConfig,
         *,
-        device: str = "cpu",
+        shm_pool: ShmKVPool | None = None,
         revision: str = "",
     ) -> None:
-        """`model` None: built here as `config.tensor_parallel_size` rank processes, each
-        loading its shard (model/tp_ranks.py)."""
+        """`runner` (rank 0's, model/tp_ranks.py, with more than one rank) owns the KV
+        cache; `shm_pool`: the shared-memory segment that cache lies in (the engine closes it)."""
         self.model_config = model_config
         self.config = config
+        self.runner = runner
+        self.shm_pool = shm_pool
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        # NOTE: computed exactly as the decode worker does, so block hashes and the layout
+        # compat hash agree across the two (docs/hashing.md).
         self.fingerprint = model_config.fingerprint(revision)
-        size = config.tensor_parallel_size
-        rank_config = model.config if model is not None else shard_model(model_config, 0, size)
-        spec = kv_cache_spec(rank_config, config.block_size)
-        # NOTE: shared memory is host memory; on CUDA the pool stays on the device (cuda_ipc later)
-        self.shm_pool = ShmKVPool(spec, config.num_blocks) if config.use_shm else None
-        own_cache = self.shm_pool.cache if self.shm_pool else None
-        if model is not None:
-            self.runner = ModelRunner(rank_config, model, config.num_blocks, config.block_size,
-                                      device, kv_cache=own_cache)  # fmt: skip
-        else:
-            ranks = RankSpec(model_config, config.num_blocks, config.block_size, 0, device, size)
-            self.runner = start_runner(ranks, kv_cache=own_cache)
-        self.compat_hash = layout_compat_hash(spec, self.fingerprint, size)
+        self.compat_hash = layout_compat_hash(
+            runner.spec, self.fingerprint, config.tensor_parallel_size
+        )
         self.pool = BlockPool(
             config.num_blocks, config.block_size, eviction_policy=config.eviction_policy
         )
@@ -118,19 +118,33 @@ class PrefillEngine:
 
     @classmethod
     def from_model_dir(
-        cls,
-        model_dir: str,
-        config: PrefillEngineConfig,
-        *,
-        dtype: str | None = None,
-        device: str = "cpu",
-        revision: str = "",
-        quantization: WeightQuant | None = None,
-        kv_cache_dtype: str | None = None,
+        cls, model_dir: str, config: PrefillEngineConfig, *, revision: str = ""
     ) -> PrefillEngine:
-        model_config = load_model_config(model_dir, dtype, quantization, kv_cache_dtype)
-        model = load_model(model_config, device) if config.tensor_parallel_size == 1 else None
-        return cls(model_config, model, config, device=device, revision=revision)
+        model_config = load_model_config(
+            model_dir, config.dtype, config.quantization, config.kv_cache_dtype
+        )
+        return cls.from_model_config(model_config, config, revision=revision)
+
+    @classmethod
+    def from_model_config(
+        cls, model_config: ModelConfig, config: PrefillEngineConfig, *, revision: str = ""
+    ) -> PrefillEngine:
+        """Load the weights (with more than one rank: start the rank processes, each loading
+        its shard, model/tp_ranks.py) and build the engine over them."""
+        size, device = config.tensor_parallel_size, config.device
+        rank_config = shard_model(model_config, 0, size) if size > 1 else model_config
+        spec = kv_cache_spec(rank_config, config.block_size)
+        # NOTE: shared memory is host memory; on CUDA the pool stays on the device (cuda_ipc later)
+        shm_pool = ShmKVPool(spec, config.num_blocks) if config.use_shm else None
+        own_cache = shm_pool.cache if shm_pool else None
+        if size == 1:
+            model = load_model(model_config, device)
+            runner = ModelRunner(rank_config, model, config.num_blocks, config.block_size,
+                                 device, kv_cache=own_cache)  # fmt: skip
+        else:
+            ranks = RankSpec(model_config, config.num_blocks, config.block_size, 0, device, size)
+            runner = start_runner(ranks, kv_cache=own_cache)
+        return cls(model_config, runner, config, shm_pool=shm_pool, revision=revision)
 
     # ---- requests -------------------------------------------------------------------------
 

@@ -17,36 +17,26 @@ import asyncio
 import logging
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-from pagedserve.cluster import ClusterMember, join, model_key
-from pagedserve.config import default_worker_id
+from pagedserve import worker_server
+from pagedserve.cluster import ClusterMember, join
+from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import (
     DEFAULT_MAX_MESSAGE_BYTES,
     EngineLoop,
     ServerHandle,
     ServerTLS,
     build_server,
-    server_tls_from_args,
 )
-from pagedserve.kvstore.eviction import EvictionPolicy
+from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
-from pagedserve.kvstore.worker_registry import (
-    Role,
-    WorkerLoad,
-    compat_tag,
-    connect,
-    new_incarnation,
-)
+from pagedserve.kvstore.worker_registry import Role, WorkerLoad, compat_tag, new_incarnation
 from pagedserve.metrics import CounterSource, Gauge, PrefixCacheCounts, register_state
-from pagedserve.model.config import load_model_config
-from pagedserve.model.core_share import one_torch_thread, open_core_share
-from pagedserve.model.loader import load_model
-from pagedserve.model.quant import weight_quant_from_args
-from pagedserve.model.runner import kv_cache_spec, rank_kv_cache_bytes
-from pagedserve.model.tp_ranks import RankLost, shard_model
+from pagedserve.model.core_share import open_core_share
+from pagedserve.model.tp_ranks import RankLost
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, worker_load
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
@@ -54,9 +44,9 @@ from pagedserve.prefill_worker.index_publisher import IndexPublisher
 from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.warmup import load_warmup_prompts
 from pagedserve.prefill_worker.worker import PrefillWorker
-from pagedserve.signals import stop_on_signals
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import prefill_pb2_grpc
+from pagedserve.worker_hooks import WorkerHooks
 
 log = logging.getLogger("pagedserve.prefill")
 SERVICE_NAME = "pagedserve.v1.PrefillWorker"
@@ -79,59 +69,72 @@ class _Cluster:
         self.publisher.clear()
 
 
-def build_engine(args: argparse.Namespace) -> PrefillEngine:
-    model_config = load_model_config(
-        args.model, args.dtype, weight_quant_from_args(args), args.kv_cache_dtype
-    )
-    ranks = args.tensor_parallel_size
-    rank_config = shard_model(model_config, 0, ranks) if ranks > 1 else model_config
-    spec = kv_cache_spec(rank_config, args.block_size)
-    memory = rank_kv_cache_bytes(rank_config, args, ranks)
-    num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(memory)
-    if num_blocks < 1:
-        raise ValueError("kv-cache-memory: too small for one block")
-    config = PrefillEngineConfig(
-        block_size=args.block_size,
-        num_blocks=num_blocks,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_num_seqs=args.max_num_seqs,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        eviction_policy=EvictionPolicy(args.eviction_policy),
+def engine_config(args: argparse.Namespace, sizing: EngineSizing) -> PrefillEngineConfig:
+    """The engine's config: the sized fields both workers share, then the prefill worker's."""
+    return PrefillEngineConfig(
+        **sizing.fields,
         lease_seconds=args.kv_lease_seconds,
         use_shm=not args.no_shm and args.device == "cpu",
-        tensor_parallel_size=ranks,
     )
-    model = load_model(model_config, args.device) if ranks == 1 else None
-    return PrefillEngine(model_config, model, config, device=args.device, revision=args.revision)
+
+
+def build_engine(args: argparse.Namespace) -> PrefillEngine:
+    """Load the model and build the engine the flags size (engine_sizing.py)."""
+    sizing = size_engine(args)
+    config = engine_config(args, sizing)
+    return PrefillEngine.from_model_config(sizing.model_config, config, revision=args.revision)
 
 
 def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Run a prefill worker until `stop` (made here, set by SIGTERM / SIGINT, when not given)."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if stop is None:
-        stop = threading.Event()
-        stop_on_signals(stop)
-    if stop.is_set():  # NOTE: stopped while starting: nothing is loaded yet
-        return 0
     if args.heartbeat_interval is not None and not 0 < args.heartbeat_interval < args.worker_ttl:
         raise ValueError("heartbeat-interval: must be in (0, --worker-ttl)")
+    return worker_server.run("prefill", stop, lambda stop, loop: _start(args, stop, loop))
+
+
+def _start(
+    args: argparse.Namespace, stop: threading.Event, engine_loop: EngineLoop
+) -> worker_server.Serve | None:
     warmup = load_warmup_prompts(args.warmup_prompts, args.model) if args.warmup_prompts else []
-    worker = PrefillWorker(build_engine(args))
-    worker.core_share = open_core_share(
-        args.core_share, borrow=False, set_threads=worker.engine.runner.set_threads
+    engine = build_engine(args)
+    death, events = worker_server.LoopDeath(stop), _IndexEvents()
+    core_share = open_core_share(
+        args.core_share, borrow=False, set_threads=engine.runner.set_threads
     )
-    if stop.is_set():
+    hooks = WorkerHooks(engine_loop, core_share, death)
+    worker = PrefillWorker(engine, hooks, on_events=events.submit)
+    if stop.is_set():  # NOTE: stopped while loading: nothing is bound or registered yet
         worker.close()
-        return 0
-    worker.engine_loop = EngineLoop("prefill-loop", on_main_thread=True)
-    return worker.engine_loop.serve_on_side_thread(
-        lambda: serve(args, worker, warmup, stop), one_torch_thread
-    )
+        return None
+    return lambda: serve(args, worker, warmup, stop, _Wiring(death, events))
+
+
+@dataclass(slots=True)
+class _IndexEvents:
+    """The worker's `on_events`: to the index publisher once the worker has joined Redis;
+    dropped before that, and without Redis (nothing to publish to)."""
+
+    publisher: IndexPublisher | None = None
+
+    def submit(self, events: list[BlockEvent]) -> None:
+        if self.publisher is not None:
+            self.publisher.submit(events)
+
+
+@dataclass(frozen=True, slots=True)
+class _Wiring:
+    """Where the worker's hooks lead; `serve` points them at the server and the publisher."""
+
+    death: worker_server.LoopDeath
+    events: _IndexEvents
 
 
 async def serve(
-    args: argparse.Namespace, worker: PrefillWorker, warmup: list[list[int]], stop: threading.Event
+    args: argparse.Namespace,
+    worker: PrefillWorker,
+    warmup: list[list[int]],
+    stop: threading.Event,
+    wiring: _Wiring,
 ) -> int:
     """Serve `worker` on a `grpc.aio` server until `stop` is set, then drain and stop."""
     tracing = setup_tracing(
@@ -140,19 +143,11 @@ async def serve(
     servicer = PrefillServicer(worker, Identity("", "", ""), tracing)
     _register_metrics(worker)
     start_metrics_server(args.metrics_port, args.host)
-    handle = await build_grpc_server(
-        servicer,
-        address=f"{args.host}:{args.port}",
-        max_message_bytes=args.max_message_bytes,
-        tls=server_tls_from_args(args),
-    )
-    address = args.advertise_address or f"{args.host}:{handle.port}"
-    worker_id = args.worker_id or default_worker_id("prefill", handle.port)
-    me = Identity(worker_id, new_incarnation(), address)
+    bound = await worker_server.bind(args, "prefill", [_servicer_adder(servicer)], [SERVICE_NAME])
+    wiring.death.handle = bound.handle
+    me = Identity(bound.worker_id, new_incarnation(), bound.address)
     servicer.me = me
-    cluster = await asyncio.to_thread(_join_cluster, args, worker, me)
-    ready_hook = worker.on_loop_death
-    worker.on_loop_death = lambda: _on_loop_death(ready_hook, worker.death, stop)
+    cluster = await asyncio.to_thread(_join_cluster, args, worker, me, wiring.events)
     worker.start()
     try:
         await asyncio.to_thread(_warm_up, worker, warmup, cluster)
@@ -161,36 +156,25 @@ async def serve(
             cluster.leave()
         worker.close()
         raise
-    await handle.server.start()
-    await handle.set_ready(not worker.dead)  # NOTE: the loop may have died before we turned ready
-    print(f"READY {worker_id} {address}", flush=True)
+    # NOTE: the loop may have died before we turned ready
+    await worker_server.announce_ready(bound, ready=not worker.dead)
     await asyncio.to_thread(stop.wait)
 
     log.info("draining: %d leases outstanding", len(worker.leases))
-    await handle.set_ready(False)
+    await bound.handle.set_ready(False)
     servicer.draining = True
-    deadline = time.monotonic() + args.drain_timeout
-    while len(worker.leases) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
+    await worker_server.wait_drained(lambda: len(worker.leases), args.drain_timeout)
     worker.stop()  # NOTE: no step may publish after the index entries are cleared
     if cluster is not None:
         await asyncio.to_thread(cluster.leave)
-    await handle.server.stop(grace=1.0)
+    await bound.handle.server.stop(grace=1.0)
     worker.close()
     tracing.shutdown()
     return 1 if isinstance(worker.death, RankLost) else 0
 
 
-def _on_loop_death(
-    ready_hook: Callable[[], None] | None, death: BaseException | None, stop: threading.Event
-) -> None:
-    """Health NOT_SERVING; a lost tensor-parallel rank also stops the worker (it cannot step
-    again: exiting lets `pagedserve up` or Kubernetes start it afresh)."""
-    if ready_hook is not None:
-        ready_hook()
-    if isinstance(death, RankLost):
-        log.error("stopping: %s", death)
-        stop.set()
+def _servicer_adder(servicer: PrefillServicer) -> Callable[[Any], None]:
+    return lambda server: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
 
 
 async def build_grpc_server(
@@ -200,20 +184,15 @@ async def build_grpc_server(
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     tls: ServerTLS | None = None,
 ) -> ServerHandle:
-    """The worker's gRPC server (not started, NOT_SERVING until `set_ready(True)`), on the
-    running event loop.
-
-    Health follows the worker: if its loop thread dies, every service turns NOT_SERVING.
-    """
-    handle = await build_server(
-        [lambda s: prefill_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, s)],
+    """A prefill gRPC server over `servicer` (not started, NOT_SERVING until
+    `set_ready(True)`), on the running event loop (tests serve a worker with it)."""
+    return await build_server(
+        [_servicer_adder(servicer)],
         [SERVICE_NAME],
         address=address,
         max_message_bytes=max_message_bytes,
         tls=tls,
     )
-    servicer.worker.on_loop_death = lambda: handle.set_ready_threadsafe(False)
-    return handle
 
 
 def _warm_up(worker: PrefillWorker, prompts: list[list[int]], cluster: _Cluster | None) -> None:
@@ -226,17 +205,20 @@ def _warm_up(worker: PrefillWorker, prompts: list[list[int]], cluster: _Cluster 
         log.warning("warm-up blocks not yet published to Redis")
 
 
-def _join_cluster(args: argparse.Namespace, worker: PrefillWorker, me: Identity) -> _Cluster | None:
-    if not args.redis_url:
+def _join_cluster(
+    args: argparse.Namespace, worker: PrefillWorker, me: Identity, events: _IndexEvents
+) -> _Cluster | None:
+    registry = worker_server.connect_registry(args)
+    if registry is None:
         return None
-    client, model = connect(args.redis_url), model_key(args.served_model_name, args.model)
+    client, model = registry
     publisher = IndexPublisher(
         RedisPrefixIndex(client, model, block_size=args.block_size),
         me.worker_id,
         me.incarnation,
         worker,
     )
-    worker.on_events = publisher.submit
+    events.publisher = publisher
     publisher.start()
 
     def load() -> WorkerLoad:

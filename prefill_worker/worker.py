@@ -36,13 +36,13 @@ from pagedserve.grpcutil import EngineLoop
 from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.model.batch import RunnerOutput, StepPlan
-from pagedserve.model.core_share import CoreShare
 from pagedserve.model.sampler import GeneratorStates
 from pagedserve.model.sequence import RequestId, Sequence, sample_request_ids
 from pagedserve.model.tp_ranks import RankLost
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker_hooks import NO_HOOKS, WorkerHooks
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,15 @@ class _Pending:
 class PrefillWorker:
     """Owns the prompts in flight, the leases of finished ones and the loop thread."""
 
-    def __init__(self, engine: PrefillEngine) -> None:
+    def __init__(
+        self,
+        engine: PrefillEngine,
+        hooks: WorkerHooks = NO_HOOKS,
+        *,
+        on_events: Callable[[list[BlockEvent]], None] | None = None,
+    ) -> None:
+        """`on_events`: gets each step's block events (the prefix index's publisher); called
+        on the loop thread without the lock, it must not block."""
         self.engine = engine
         self.config = engine.config
         self.leases: LeaseTable[BlockTable] = LeaseTable(self._free_leased)
@@ -91,12 +99,13 @@ class PrefillWorker:
         self._wake = threading.Condition(self.lock)
         self._pending: dict[str, _Pending] = {}
         self._stop = False
-        self.engine_loop = EngineLoop("prefill-loop")  # NOTE: a server runs it on the main thread
+        # NOTE: a server runs the loop on the main thread (WorkerHooks.engine_loop)
+        self.engine_loop = hooks.engine_loop or EngineLoop("prefill-loop")
+        self.core_share = hooks.core_share
+        self.on_loop_death = hooks.on_loop_death
+        self.on_events = on_events
         self.dead = False  # the loop thread died: this worker can prefill nothing more
         self.death: BaseException | None = None  # what killed the loop
-        self.on_loop_death: Callable[[], None] | None = None
-        self.core_share: CoreShare | None = None  # the host's cores, lent between workers
-        self.on_events: Callable[[list[BlockEvent]], None] | None = None
 
     # ---- requests -------------------------------------------------------------------------
 
@@ -256,13 +265,13 @@ class PrefillWorker:
         except BaseException as exc:
             log.exception("prefill loop died; failing every prompt in flight")
             self.death = exc
-            self._die()
+            self._die(exc)
 
-    def _die(self) -> None:
+    def _die(self, death: BaseException) -> None:
         with self.lock:
             self.dead = True  # NOTE: first, so that no submit slips in after the failing below
         if self.on_loop_death is not None:
-            self.on_loop_death()
+            self.on_loop_death(death)
         self._fail_all(lambda rid: Unavailable(f"{rid}: prefill engine stopped"))
 
     def step(self) -> int:

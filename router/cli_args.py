@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.config import (
+from pagedserve.cli_options import (
     add_quantization_arguments,
     add_server_arguments,
     non_negative_int,

@@ -24,7 +24,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -50,7 +50,6 @@ from pagedserve.router.outcome import Outcome, reason_name, record
 from pagedserve.router.routing import Decision, RoutingPolicy, WorkerSet
 from pagedserve.router.stream import ClientStream, SampleStreams, merge, merge_samples
 from pagedserve.router.tokenizer import RouterTokenizer
-from pagedserve.sampling_params import DEFAULT_MAX_N
 from pagedserve.v1 import common_pb2, generation_pb2, prefill_pb2
 
 log = logging.getLogger(__name__)
@@ -59,17 +58,36 @@ ROUTE_POLL_S = 0.05  # how often a request waiting for a ready pair looks again
 
 @dataclass(frozen=True, slots=True)
 class RouterSettings:
+    """The orchestrator's settings; the flag-backed ones are built by `RouterOptions.settings`
+    (router/server.py), their defaults are the parser's."""
+
     block_size: int
     model_fingerprint: bytes
-    max_queued_requests: int = 256
+    max_queued_requests: int  # --max-queued-requests
+    route_wait_s: float  # how long a request waits for a ready pair (within its deadline)
+    stream_interval: int  # --stream-interval: a request's default
+    max_n: int  # --max-n: most samples per request
+    stall_timeout_s: float  # no message and no load poll answered: the worker is lost
+    max_migrations: int  # moves of one stream to another pair when its decode worker is lost
+    decode_delivery: bool  # a Deliver stream per decode worker (router/delivery.py)
     prefill_retries: int = 1
-    route_wait_s: float = 5.0  # how long a request waits for a ready pair (within its deadline)
-    stream_interval: int = 1  # --stream-interval: a request's default
-    max_n: int = DEFAULT_MAX_N  # --max-n: most samples per request
-    stall_timeout_s: float = 10.0  # no message and no load poll answered: the worker is lost
     move_wait_s: float = 30.0  # how long a retry or a moved stream waits for a ready pair
-    max_migrations: int = 2  # moves of one stream to another pair when its decode worker is lost
-    decode_delivery: bool = True  # a Deliver stream per decode worker (router/delivery.py)
+
+
+@dataclass(frozen=True, slots=True)
+class _Call:
+    """What every stage of one request's run passes on: its entry in `active`, its deadline,
+    and the trace context its worker calls carry."""
+
+    active: ActiveRequest
+    time_left: TimeLeft
+    parent: Context
+    metadata: Metadata
+
+    @classmethod
+    def of(cls, span: Span, active: ActiveRequest, time_left: TimeLeft) -> _Call:
+        parent = telemetry.span_context(span)
+        return cls(active, time_left, parent, telemetry.metadata(parent))
 
 
 class Orchestrator:
@@ -185,8 +203,7 @@ class Orchestrator:
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         """Prefill, first token, decode; a decode worker lost mid-stream (or stalled) moves the
         rest of the stream to another pair (`_migrate`), at most `max_migrations` times."""
-        parent = telemetry.span_context(span)
-        metadata = telemetry.metadata(parent)
+        call = _Call.of(span, active, time_left)
         stream: ClientStream | None = None
         current = req
         for attempt in range(1 + self.settings.max_migrations):
@@ -195,45 +212,26 @@ class Orchestrator:
                 f"~{attempt}" if attempt else ""
             )
             request = convert.worker_request(current, worker_id)
-            hashes = hash_blocks(
-                current.prompt_token_ids,
-                self.settings.block_size,
-                model_fingerprint=self.settings.model_fingerprint,
-                cache_salt=current.cache_salt,
+            prefilled, decision = await self._place(
+                current, request, call, moved=attempt > 0, decode_may_prefill=True
             )
-
-            def route(tried: list[str], h=hashes, moved=attempt > 0) -> Awaitable[Decision]:
-                return self._route(h, tried, parent, active, time_left, retry=moved or bool(tried))
-
-            # NOTE: the first route may let the decode worker prefill (a retry never does)
-            decision = await self._route(
-                hashes, [], parent, active, time_left, retry=attempt > 0,
-                num_tokens=len(current.prompt_token_ids),
-            )  # fmt: skip
-            self.last_decision = decision
-            prefilled = None
-            if not decision.prefill_here:
-                prefilled, decision = await self._prefill(
-                    request, decision, route, active, time_left, metadata
-                )
+            if prefilled is not None:
                 outcome.first_token()
                 stream = stream or ClientStream(req, self.tokenizer, prefilled.cached_tokens)
                 first = stream.from_prefill(prefilled)
-                outcome.generated = stream.completion_tokens
-                outcome.cached = stream.cached_tokens
+                outcome.count(stream.completion_tokens, stream.cached_tokens)
                 if stream.finished:
                     outcome.reason = reason_name(first.finish_reason)
                     yield stream.finish(first)
                     return
                 yield first
             stream = stream or ClientStream(req, self.tokenizer, 0)
-            decode = self._decode(request, prefilled, decision, stream, active, time_left, metadata)
+            decode = self._decode(request, prefilled, decision, stream, call)
             try:
                 async with aclosing(decode):
                     async for out in decode:
                         outcome.first_token()  # NOTE: prefilled here: the first message
-                        outcome.generated = stream.completion_tokens
-                        outcome.cached = stream.cached_tokens
+                        outcome.count(stream.completion_tokens, stream.cached_tokens)
                         if out.finish_reason:
                             outcome.reason = reason_name(out.finish_reason)
                         yield out
@@ -243,22 +241,38 @@ class Orchestrator:
                     raise Unavailable(f"{lost}; no moves left") from None
                 current = await self._migrate(req, stream, active, span, decision, str(lost))
 
-    async def _prefill(
+    async def _place(
         self,
+        req: convert.RouterRequest,
         request: common_pb2.WorkerRequest,
-        first: Decision,
-        route: Callable[[list[str]], Awaitable[Decision]],
-        active: ActiveRequest,
-        time_left: TimeLeft,
-        metadata: Metadata,
-    ) -> tuple[prefill_pb2.PrefillResponse, Decision]:
-        """Prefill on `first`'s pair; a retry goes where `route` sends it."""
+        call: _Call,
+        *,
+        moved: bool,
+        decode_may_prefill: bool,
+    ) -> tuple[prefill_pb2.PrefillResponse | None, Decision]:
+        """Route `req` (its prompt's block hashes) to a pair and prefill it there; a prefill
+        retry goes where a new route sends it. Prefill None: the decode worker prefills the
+        prompt itself, which only `decode_may_prefill` (on the first route) allows. `moved`:
+        a migrated stream, whose routes wait as long as retries do."""
+        hashes = hash_blocks(
+            req.prompt_token_ids,
+            self.settings.block_size,
+            model_fingerprint=self.settings.model_fingerprint,
+            cache_salt=req.cache_salt,
+        )
+        num_tokens = len(req.prompt_token_ids) if decode_may_prefill else None
+        decision = await self._route(hashes, [], call, retry=moved, num_tokens=num_tokens)
+        self.last_decision = decision
+        if decision.prefill_here:
+            return None, decision
 
         async def first_then_route(tried: list[str]) -> Decision:
-            return first if not tried else await route(tried)
+            if not tried:
+                return decision
+            return await self._route(hashes, tried, call, retry=True)
 
         prefilled, decision = await self.clients.prefill(
-            request, first_then_route, active, time_left, metadata
+            request, first_then_route, call.active, call.time_left, call.metadata
         )
         self.last_decision = decision
         return prefilled, decision
@@ -277,35 +291,24 @@ class Orchestrator:
 
         NOTE: a lost decode worker ends the request with UNAVAILABLE: the samples are not
         moved (a move would re-prefill each sample's own continuation)."""
-        parent = telemetry.span_context(span)
-        metadata = telemetry.metadata(parent)
+        call = _Call.of(span, active, time_left)
         request = convert.worker_request(req, worker_request_id(tenant, req.request_id))
-        hashes = hash_blocks(
-            req.prompt_token_ids,
-            self.settings.block_size,
-            model_fingerprint=self.settings.model_fingerprint,
-            cache_salt=req.cache_salt,
+        prefilled, decision = await self._place(
+            req, request, call, moved=False, decode_may_prefill=False
         )
-
-        def route(tried: list[str]) -> Awaitable[Decision]:
-            return self._route(hashes, tried, parent, active, time_left, retry=bool(tried))
-
-        prefilled, decision = await self.clients.prefill(
-            request, route, active, time_left, metadata
-        )
-        self.last_decision = decision
-        outcome.ttft_s = time.monotonic() - outcome.started
+        if prefilled is None:  # NOTE: the decode worker prefills only a single-sample prompt
+            raise RuntimeError("router: a request with several samples was routed to prefill here")
+        outcome.first_token()
         streams = SampleStreams(req, self.tokenizer, prefilled.cached_tokens)
         for out in streams.from_prefill(prefilled):
             yield out
-        outcome.generated = streams.completion_tokens
-        outcome.cached = streams.cached_tokens
+        outcome.count(streams.completion_tokens, streams.cached_tokens)
         if not req.params.use_beam_search and (
             streams.finished or prefilled.HasField("finish_reason")
         ):
             outcome.reason = "stop" if streams.finished else reason_name(prefilled.finish_reason)
             return
-        parts = self.clients.decode(request, prefilled, decision, active, time_left, metadata)
+        parts = self.clients.decode(request, prefilled, decision, active, time_left, call.metadata)
         stopped: set[int] = set()
         try:
             async with aclosing(parts):
@@ -313,8 +316,7 @@ class Orchestrator:
                     for out in streams.from_decode(part):
                         yield out
                     self._stop_samples(streams, stopped, decision, request.request_id)
-                    outcome.generated = streams.completion_tokens
-                    outcome.cached = streams.cached_tokens
+                    outcome.count(streams.completion_tokens, streams.cached_tokens)
                     if streams.finished:
                         outcome.reason = reason_name(part.finish_reason or 1)
                         return
@@ -363,9 +365,7 @@ class Orchestrator:
         self,
         hashes: Sequence[BlockHash],
         exclude: list[str],
-        parent: Context,
-        active: ActiveRequest,
-        time_left: TimeLeft,
+        call: _Call,
         *,
         retry: bool = False,
         num_tokens: int | None = None,
@@ -375,9 +375,9 @@ class Orchestrator:
         `route_wait_s`. `num_tokens` (the prompt's length): the decode worker may prefill it
         (`RoutingPolicy.choose`)."""
         wait_s = self.settings.move_wait_s if retry else self.settings.route_wait_s
-        with self.tracing.tracer.start_span("router.route", context=parent) as route:
+        with self.tracing.tracer.start_span("router.route", context=call.parent) as route:
             decision = await self._choose_or_wait(
-                hashes, exclude, active, time_left, wait_s, num_tokens
+                hashes, exclude, call.active, call.time_left, wait_s, num_tokens
             )
             route.set_attributes({f"pagedserve.route.{k}": v for k, v in decision.terms.items()})
             route.set_attribute("pagedserve.prefill_worker", decision.prefill.worker_id)
@@ -420,11 +420,11 @@ class Orchestrator:
         prefilled: prefill_pb2.PrefillResponse | None,
         decision: Decision,
         stream: ClientStream,
-        active: ActiveRequest,
-        time_left: TimeLeft,
-        metadata: Metadata,
+        call: _Call,
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
-        parts = self.clients.decode(request, prefilled, decision, active, time_left, metadata)
+        parts = self.clients.decode(
+            request, prefilled, decision, call.active, call.time_left, call.metadata
+        )
         async with aclosing(parts):
             try:
                 async for part in parts:

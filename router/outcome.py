@@ -36,6 +36,10 @@ class Outcome:
         if self.ttft_s is None:
             self.ttft_s = time.monotonic() - self.started
 
+    def count(self, generated: int, cached: int) -> None:
+        """The tokens the client got so far, and the prompt tokens a prefix cache served."""
+        self.generated, self.cached = generated, cached
+
 
 def reason_name(finish_reason: int) -> str:
     """`FINISH_REASON_STOP` -> "stop"."""

@@ -20,8 +20,9 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from pagedserve.config import quantization_name
+from pagedserve.cli_options import quantization_name
 from pagedserve.grpcutil import (
+    ClientTLS,
     ServerHandle,
     ServerTLS,
     build_server,
@@ -34,10 +35,9 @@ from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, compat_tag,
 from pagedserve.metrics import CounterSource, Gauge, RequestMetrics, register_state
 from pagedserve.router.auth import ApiKeys, AuthInterceptor, load_api_keys
 from pagedserve.router.cli_args import add_arguments
-from pagedserve.router.routing import DEFAULT_LOCAL_PREFILL, LocalPrefill, RoutingPolicy, WorkerSet
+from pagedserve.router.routing import LocalPrefill, RoutingPolicy, WorkerSet
 from pagedserve.router.servicer import GenerationServicer, RouterSettings
 from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
-from pagedserve.sampling_params import DEFAULT_MAX_N
 from pagedserve.signals import stop_on_signals
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import generation_pb2_grpc
@@ -46,67 +46,142 @@ log = logging.getLogger("pagedserve.router")
 SERVICE_NAME = "pagedserve.v1.Generation"
 
 
+@dataclass(frozen=True, slots=True)
+class RouterOptions:
+    """Everything `pagedserve router` takes from its flags, typed, built once (`from_args`);
+    the defaults are the parser's (router/cli_args.py), written there only."""
+
+    model: str
+    served_model_name: str | None
+    revision: str
+    dtype: str | None
+    weights: str  # quantized weights' name in block hashes (cli_options.quantization_name)
+    block_size: int
+    max_model_len: int | None
+    use_generation_config: bool
+    host: str
+    port: int
+    advertise_address: str | None
+    static_prefill: list[str]
+    static_decode: list[str]
+    redis_url: str | None
+    index_timeout_s: float
+    max_message_bytes: int
+    load_poll_interval_s: float
+    drain_timeout_s: float
+    metrics_port: int | None
+    otlp_traces_endpoint: str | None
+    trace_include_text: bool
+    api_key_file: str | None
+    server_tls: ServerTLS | None
+    client_tls: ClientTLS | None
+    local_prefill: LocalPrefill
+    max_queued_requests: int
+    route_wait_s: float
+    stream_interval: int
+    max_n: int
+    stall_timeout_s: float
+    max_migrations: int
+    decode_delivery: bool
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> RouterOptions:
+        """ValueError (or OSError reading a TLS file) naming the flag when they do not fit."""
+        return cls(
+            model=args.model,
+            served_model_name=args.served_model_name,
+            revision=args.revision,
+            dtype=args.dtype,
+            weights=quantization_name(args.quantization, args.quantization_group_size),
+            block_size=args.block_size,
+            max_model_len=args.max_model_len,
+            use_generation_config=args.generation_config != "none",
+            host=args.host,
+            port=args.port,
+            advertise_address=args.advertise_address,
+            static_prefill=list(args.prefill),
+            static_decode=list(args.decode),
+            redis_url=args.redis_url,
+            index_timeout_s=args.index_timeout,
+            max_message_bytes=args.max_message_bytes,
+            load_poll_interval_s=args.load_poll_interval,
+            drain_timeout_s=args.drain_timeout,
+            metrics_port=args.metrics_port,
+            otlp_traces_endpoint=args.otlp_traces_endpoint,
+            trace_include_text=args.trace_include_text,
+            api_key_file=args.api_key_file,
+            server_tls=server_tls_from_args(args),
+            client_tls=client_tls_from_args(args),
+            local_prefill=LocalPrefill(
+                args.max_local_prefill_tokens, args.local_prefill_queue_tokens
+            ),
+            max_queued_requests=args.max_queued_requests,
+            route_wait_s=args.route_wait_timeout,
+            stream_interval=args.stream_interval,
+            max_n=args.max_n,
+            stall_timeout_s=args.stall_timeout,
+            max_migrations=args.max_migrations,
+            decode_delivery=args.decode_delivery,
+        )
+
+    def settings(self, fingerprint: bytes) -> RouterSettings:
+        """The orchestrator's settings, for a model of this block-hash `fingerprint`."""
+        return RouterSettings(
+            block_size=self.block_size,
+            model_fingerprint=fingerprint,
+            max_queued_requests=self.max_queued_requests,
+            route_wait_s=self.route_wait_s,
+            stream_interval=self.stream_interval,
+            max_n=self.max_n,
+            stall_timeout_s=self.stall_timeout_s,
+            max_migrations=self.max_migrations,
+            decode_delivery=self.decode_delivery,
+        )
+
+
 def build_servicer(
-    args: argparse.Namespace, metrics: RequestMetrics | None = None
+    options: RouterOptions, metrics: RequestMetrics | None = None
 ) -> tuple[GenerationServicer, WorkerSet]:
     """The router's servicer and worker set (on the event loop that will serve them: the
     worker channels are asyncio channels). `metrics` None: a private registry (tests)."""
     card = read_model_card(
-        args.model,
-        args.served_model_name,
-        max_model_len=getattr(args, "max_model_len", None),
-        use_generation_config=getattr(args, "generation_config", "auto") != "none",
+        options.model,
+        options.served_model_name,
+        max_model_len=options.max_model_len,
+        use_generation_config=options.use_generation_config,
     )
-    tokenizer = RouterTokenizer.from_model_dir(args.model)
+    tokenizer = RouterTokenizer.from_model_dir(options.model)
     registry = index = None
-    if args.redis_url:
-        client = connect(args.redis_url)
+    if options.redis_url:
+        client = connect(options.redis_url)
         registry = WorkerRegistry(client, card.name)
         # NOTE: its own client with a short timeout: a lookup is on every request's path
-        lookup_client = connect(args.redis_url, timeout_s=getattr(args, "index_timeout", 0.04))
-        index = RedisPrefixIndex(lookup_client, card.name, block_size=args.block_size)
+        lookup_client = connect(options.redis_url, timeout_s=options.index_timeout_s)
+        index = RedisPrefixIndex(lookup_client, card.name, block_size=options.block_size)
     fingerprint = model_fingerprint(
-        card.config, dtype=args.dtype or card.dtype, revision=args.revision,
-        weights=quantization_name(
-            getattr(args, "quantization", None), getattr(args, "quantization_group_size", 32)
-        ),
+        card.config, dtype=options.dtype or card.dtype, revision=options.revision,
+        weights=options.weights,
     )  # fmt: skip
     workers = WorkerSet(
-        args.prefill,
-        args.decode,
+        options.static_prefill,
+        options.static_decode,
         registry,
-        max_message_bytes=args.max_message_bytes,
-        tls=client_tls_from_args(args),
-        compat=compat_tag(fingerprint, args.block_size),
+        max_message_bytes=options.max_message_bytes,
+        tls=options.client_tls,
+        compat=compat_tag(fingerprint, options.block_size),
     )
     policy = RoutingPolicy(
-        workers,
-        index,
-        block_size=args.block_size,
-        local_prefill=LocalPrefill(
-            getattr(args, "max_local_prefill_tokens", DEFAULT_LOCAL_PREFILL.max_tokens),
-            getattr(args, "local_prefill_queue_tokens", DEFAULT_LOCAL_PREFILL.queue_tokens),
-        ),
+        workers, index, block_size=options.block_size, local_prefill=options.local_prefill
     )
     tracing = setup_tracing(
         "pagedserve-router",
-        getattr(args, "otlp_traces_endpoint", None),
-        include_text=getattr(args, "trace_include_text", False),
-    )
-    settings = RouterSettings(
-        block_size=args.block_size,
-        model_fingerprint=fingerprint,
-        max_queued_requests=args.max_queued_requests,
-        route_wait_s=getattr(args, "route_wait_timeout", 5.0),
-        stream_interval=getattr(args, "stream_interval", 1),
-        max_n=getattr(args, "max_n", DEFAULT_MAX_N),
-        stall_timeout_s=getattr(args, "stall_timeout", 10.0),
-        max_migrations=getattr(args, "max_migrations", 2),
-        decode_delivery=getattr(args, "decode_delivery", True),
+        options.otlp_traces_endpoint,
+        include_text=options.trace_include_text,
     )
     servicer = GenerationServicer(
-        tokenizer, card, workers, policy, settings, tracing=tracing, metrics=metrics
-    )
+        tokenizer, card, workers, policy, options.settings(fingerprint),
+        tracing=tracing, metrics=metrics,
+    )  # fmt: skip
     return servicer, workers
 
 
@@ -151,25 +226,25 @@ class RunningRouter:
 
 
 async def start_router(
-    args: argparse.Namespace,
+    options: RouterOptions,
     metrics: RequestMetrics | None = None,
     *,
     keys: ApiKeys | None = None,
     tls: ServerTLS | None = None,
 ) -> RunningRouter:
-    """Build the router of `args`, bind and start its server and its load poller, on the
+    """Build the router of `options`, bind and start its server and its load poller, on the
     running event loop; ready (health SERVING) once a prefill and a decode worker answer."""
-    servicer, workers = build_servicer(args, metrics)
+    servicer, workers = build_servicer(options, metrics)
     handle = await build_server(
         [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
         [SERVICE_NAME],
-        address=f"{args.host}:{args.port}",
-        max_message_bytes=args.max_message_bytes,
+        address=f"{options.host}:{options.port}",
+        max_message_bytes=options.max_message_bytes,
         interceptors=[AuthInterceptor(keys)] if keys is not None else [],
         tls=tls,
     )
     await handle.server.start()
-    router = RunningRouter(servicer, workers, handle, args.load_poll_interval)
+    router = RunningRouter(servicer, workers, handle, options.load_poll_interval_s)
     await router.refresh()
     router.poller = asyncio.create_task(router.poll_forever(), name="load-poller")
     return router
@@ -177,18 +252,19 @@ async def start_router(
 
 def main(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    options = RouterOptions.from_args(args)
     stop = threading.Event()
     stop_on_signals(stop)
-    return asyncio.run(_serve(args, stop))
+    return asyncio.run(_serve(options, stop))
 
 
-async def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
-    keys = load_api_keys(getattr(args, "api_key_file", None))  # NOTE: read at start, not import
-    tls = server_tls_from_args(args)
-    router = await start_router(args, RequestMetrics(), keys=keys, tls=tls)
+async def _serve(options: RouterOptions, stop: threading.Event) -> int:
+    keys = load_api_keys(options.api_key_file)  # NOTE: read at start, not import
+    tls = options.server_tls
+    router = await start_router(options, RequestMetrics(), keys=keys, tls=tls)
     _register_state_metrics(router.servicer)
-    metrics_port = start_metrics_server(args.metrics_port, args.host)
-    address = args.advertise_address or f"{args.host}:{router.handle.port}"
+    metrics_port = start_metrics_server(options.metrics_port, options.host)
+    address = options.advertise_address or f"{options.host}:{router.handle.port}"
     if metrics_port is not None:
         log.info("metrics on :%d/metrics", metrics_port)
     log.info(
@@ -200,7 +276,7 @@ async def _serve(args: argparse.Namespace, stop: threading.Event) -> int:
     )
     print(f"READY router {address}", flush=True)
     await asyncio.to_thread(stop.wait)
-    await router.stop(args.drain_timeout)
+    await router.stop(options.drain_timeout_s)
     return 0
 
 

@@ -14,7 +14,7 @@ import grpc
 from pagedserve.grpcutil import LoopThread, ServerHandle
 from pagedserve.router.cli_args import add_arguments
 from pagedserve.router.routing import WorkerSet
-from pagedserve.router.server import RunningRouter, start_router
+from pagedserve.router.server import RouterOptions, RunningRouter, start_router
 from pagedserve.router.servicer import GenerationServicer
 from pagedserve.v1 import generation_pb2_grpc
 
@@ -61,7 +61,7 @@ def serve_router(args: argparse.Namespace, **server_options) -> Iterator[InProce
     if "max_message_bytes" in server_options:
         args.max_message_bytes = server_options.pop("max_message_bytes")
     loop = LoopThread("router-loop")
-    running = loop.run(start_router(args, **server_options))
+    running = loop.run(start_router(RouterOptions.from_args(args), **server_options))
     channel = grpc.insecure_channel(f"127.0.0.1:{running.handle.port}")
     try:
         yield InProcessRouter(running, loop, channel)

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 
-from pagedserve.config import parse_bytes
+from pagedserve.cli_options import parse_bytes
 
 
 @pytest.mark.parametrize(

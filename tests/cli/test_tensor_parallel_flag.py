@@ -1,5 +1,6 @@
-"""`--tensor-parallel-size` / `-tp` (pagedserve/config.py): both workers, `generate --model` and
-`up` take it; `up` passes it to every prefill and decode worker and never to the router."""
+"""`--tensor-parallel-size` / `-tp` (pagedserve/cli_options.py): both workers,
+`generate --model` and `up` take it; `up` passes it to every prefill and decode worker and never
+to the router."""
 
 from __future__ import annotations
 

@@ -41,6 +41,8 @@ from pagedserve.prefill_worker.worker import PrefillFailed, PrefillResult, Prefi
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pagedserve.worker_hooks import NO_HOOKS, WorkerHooks
+from pagedserve.worker_server import LoopDeath
 
 BLOCK = 16
 CONFIG = PrefillEngineConfig(
@@ -54,8 +56,8 @@ PARAMS = {rid: SEEDED if rid == "a" else GREEDY for rid in IDS}  # a completes i
 DECODE_STEPS = 6
 
 
-def make_worker(model_dir) -> PrefillWorker:
-    return PrefillWorker(PrefillEngine.from_model_dir(str(model_dir), CONFIG))
+def make_worker(model_dir, hooks: WorkerHooks = NO_HOOKS) -> PrefillWorker:
+    return PrefillWorker(PrefillEngine.from_model_dir(str(model_dir), CONFIG), hooks)
 
 
 def workload() -> dict[str, list[int]]:
@@ -235,7 +237,9 @@ def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
 
 @pytest.fixture
 def server(tiny_llama) -> Iterator[Server]:
-    server = Server(make_worker(tiny_llama))
+    death = LoopDeath(threading.Event())  # NOTE: as the server process wires it
+    server = Server(make_worker(tiny_llama, WorkerHooks(on_loop_death=death)))
+    death.handle = server.handle
     yield server
     server.close()
     server.worker.engine.pool.check_integrity()

@@ -81,7 +81,7 @@ def test_a_request_whose_sampling_raises_fails_alone(worker, tiny_llama, monkeyp
 
 def test_a_dead_loop_flips_health_and_fails_every_request(worker, tiny_llama, monkeypatch):
     flipped = threading.Event()
-    worker.on_loop_death = flipped.set
+    worker.on_loop_death = lambda death: flipped.set()
 
     def explode(*_):
         raise SystemExit("the loop thread is gone")  # not an Exception: the loop cannot go on

@@ -26,8 +26,8 @@ from oracle import make_prompts
 from processes import alive, children_of, wait_until
 
 from pagedserve.client import Client
-from pagedserve.launcher import shm_segments
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.supervisor import shm_segments
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
 LONG = SamplingParams(temperature=0.0, max_tokens=160, ignore_eos=True)

@@ -4,6 +4,7 @@ from pagedserve import launcher
 from pagedserve.cli import build_parser
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.server import engine_config
+from pagedserve.engine_sizing import size_engine
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.prefill_worker.engine import PrefillEngineConfig
 from pagedserve.prefill_worker.server import build_engine
@@ -22,7 +23,7 @@ def test_both_workers_default_to_the_default_policy(tiny_llama):
 
 def test_the_decode_flag_reaches_the_engine_pool(tiny_llama):
     args = parse("decode", "--model", str(tiny_llama), "--eviction-policy", "lru")
-    config = engine_config(args)
+    config = engine_config(args, size_engine(args))
     assert config.eviction_policy is EvictionPolicy.LRU
     engine = DecodeEngine.from_model_dir(
         str(tiny_llama), DecodeEngineConfig(num_blocks=8, eviction_policy=config.eviction_policy)

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from pagedserve.config import add_model_arguments
+from pagedserve.cli_options import add_model_arguments
 from pagedserve.model import runner
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
@@ -54,6 +54,7 @@ def test_the_fraction_flag_is_in_zero_one(bad):
 def test_a_decode_worker_sizes_its_pool_from_the_fraction(tiny_llama, monkeypatch):
     from pagedserve.decode_worker.cli_args import add_arguments
     from pagedserve.decode_worker.server import engine_config
+    from pagedserve.engine_sizing import size_engine
 
     monkeypatch.setattr(runner, "device_memory_bytes", lambda device: 1 << 30)
     parser = argparse.ArgumentParser()
@@ -62,4 +63,4 @@ def test_a_decode_worker_sizes_its_pool_from_the_fraction(tiny_llama, monkeypatc
     config = load_model_config(tiny_llama, None)
     spec = runner.kv_cache_spec(config, args.block_size)
     budget = (1 << 28) - runner.weight_bytes(config)
-    assert engine_config(args).num_blocks == spec.num_blocks_for(budget)
+    assert engine_config(args, size_engine(args)).num_blocks == spec.num_blocks_for(budget)

@@ -10,7 +10,7 @@ from aio_servers import serving
 from certs import make_certs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pagedserve.config import add_server_arguments
+from pagedserve.cli_options import add_server_arguments
 from pagedserve.grpcutil import ClientTLS, build_server, make_channel, server_tls_from_args
 
 

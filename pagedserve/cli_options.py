@@ -1,4 +1,5 @@
-"""Config helpers shared by every service's command line (flags named like vLLM's)."""
+"""Argparse helpers shared by every service's command line (flags named like vLLM's): flag
+groups, argument types, byte sizes."""
 
 from __future__ import annotations
 
