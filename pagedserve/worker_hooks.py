@@ -1,5 +1,5 @@
 """`WorkerHooks`: what a worker's server hands the worker at construction, alike for the prefill
-and the decode worker (DESIGN §2, "one shape per worker")."""
+and the decode worker (docs/architecture.md, "one shape per worker")."""
 
 from __future__ import annotations
 
