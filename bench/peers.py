@@ -24,7 +24,7 @@ from typing import Any
 
 if __name__ == "__main__" and sys.argv[1:2] == ["engine"]:
     # NOTE: our engine as `pagedserve prefill|decode` run it: before torch is imported
-    from pagedserve.model.host_memory import reuse_freed_memory
+    from pagedserve.host_memory import reuse_freed_memory
 
     reuse_freed_memory()
 

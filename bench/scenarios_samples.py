@@ -20,7 +20,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":
     # NOTE: as the engine peer: glibc's malloc settings pay only when applied before torch
-    from pagedserve.model.host_memory import reuse_freed_memory
+    from pagedserve.host_memory import reuse_freed_memory
 
     reuse_freed_memory()
 

@@ -17,6 +17,7 @@ import time
 
 from pagedserve.cluster import ClusterMember, join, model_key
 from pagedserve.config import default_worker_id
+from pagedserve.core_share import one_torch_thread, open_core_share
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB, add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.kv_import import ProducerClients
@@ -35,7 +36,6 @@ from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
 from pagedserve.model.config import load_model_config
-from pagedserve.model.core_share import one_torch_thread, open_core_share
 from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.model.runner import kv_cache_spec, rank_kv_cache_bytes
 from pagedserve.model.tp_ranks import RankLost, shard_model

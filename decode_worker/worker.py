@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
 
+from pagedserve.core_share import CoreShare, one_torch_thread
 from pagedserve.decode_worker.convert import DecodeCall, Delta
 from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.decode_worker.kv_import import (
@@ -51,7 +52,6 @@ from pagedserve.decode_worker.kv_import import (
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
 from pagedserve.model.batch import ScheduledSequence
-from pagedserve.model.core_share import CoreShare, one_torch_thread
 from pagedserve.model.sequence import FinishReason, Sequence, fork_samples
 from pagedserve.model.tp_ranks import RankLost
 from pagedserve.telemetry import Tracing, setup_tracing

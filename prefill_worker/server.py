@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from pagedserve.cluster import ClusterMember, join, model_key
 from pagedserve.config import default_worker_id
+from pagedserve.core_share import one_torch_thread, open_core_share
 from pagedserve.grpcutil import (
     DEFAULT_MAX_MESSAGE_BYTES,
     EngineLoop,
@@ -42,7 +43,6 @@ from pagedserve.kvstore.worker_registry import (
 )
 from pagedserve.metrics import CounterSource, Gauge, PrefixCacheCounts, register_state
 from pagedserve.model.config import load_model_config
-from pagedserve.model.core_share import one_torch_thread, open_core_share
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.model.runner import kv_cache_spec, rank_kv_cache_bytes

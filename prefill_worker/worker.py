@@ -31,12 +31,12 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
+from pagedserve.core_share import CoreShare
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
 from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.model.batch import RunnerOutput, StepPlan
-from pagedserve.model.core_share import CoreShare
 from pagedserve.model.sampler import GeneratorStates
 from pagedserve.model.sequence import RequestId, Sequence, sample_request_ids
 from pagedserve.model.tp_ranks import RankLost
