@@ -38,7 +38,8 @@ from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_st
 from pagedserve.model.config import load_model_config
 from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.model.runner import kv_cache_spec, rank_kv_cache_bytes
-from pagedserve.model.tp_ranks import RankLost, shard_model
+from pagedserve.model.tp_pipes import RankLost
+from pagedserve.model.tp_ranks import shard_model
 from pagedserve.signals import stop_on_signals
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc

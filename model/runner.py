@@ -27,7 +27,7 @@ from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import quantized_bytes
 from pagedserve.model.sampler import Sampler, SamplingRow
 from pagedserve.model.sequence import Sequence, sample_request_id
-from pagedserve.model.tp_ranks import RankLost, Ranks, StepPlan
+from pagedserve.model.tp_pipes import RankLost, Ranks, RankStepMessage
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
@@ -144,7 +144,7 @@ class ModelRunner:
         ranks: Ranks | None = None,
     ) -> None:
         """`kv_cache`, when given (e.g. a shared-memory pool), must match the model's spec.
-        `ranks`: on rank 0 of a tensor-parallel worker, the other ranks (model/tp_ranks.py),
+        `ranks`: on rank 0 of a tensor-parallel worker, the other ranks (model/tp_pipes.py),
         sent every step before this rank runs it."""
         self.config = config
         self.ranks = ranks
@@ -228,7 +228,7 @@ class ModelRunner:
         if self.ranks is not None:
             if not self._threads_set:
                 self.set_threads(torch.get_num_threads())
-            self.ranks.send(StepPlan(
+            self.ranks.send(RankStepMessage(
                 forward=True, token_ids=input_ids.tolist(), positions=positions.tolist(),
                 slots=meta.slot_mapping.tolist(), block_tables=meta.block_tables.tolist(),
                 logit_rows=last_rows[sample_idx].tolist(), query_lens=meta.query_lens,

@@ -46,7 +46,8 @@ from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.model.runner import kv_cache_spec, rank_kv_cache_bytes
-from pagedserve.model.tp_ranks import RankLost, shard_model
+from pagedserve.model.tp_pipes import RankLost
+from pagedserve.model.tp_ranks import shard_model
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, worker_load
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig

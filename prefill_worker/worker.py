@@ -39,7 +39,7 @@ from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.model.batch import RunnerOutput, StepPlan
 from pagedserve.model.sampler import GeneratorStates
 from pagedserve.model.sequence import RequestId, Sequence, sample_request_ids
-from pagedserve.model.tp_ranks import RankLost
+from pagedserve.model.tp_pipes import RankLost
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
 from pagedserve.sampling_params import SamplingParams
