@@ -22,7 +22,7 @@ from pagedserve.bench.workloads import BenchRequest
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
 from pagedserve.kvstore.eviction import EvictionPolicy
-from pagedserve.model.sequence import Sequence
+from pagedserve.model.requests.sequence import Sequence
 from pagedserve.sampling_params import SamplingParams
 
 

@@ -50,7 +50,7 @@ from pagedserve.kvstore.transfer import (
     host_id,
     layout_compat_hash,
 )
-from pagedserve.model.sequence import Sequence
+from pagedserve.model.requests.sequence import Sequence
 from pagedserve.model.tensor_parallel import Shard
 from pagedserve.v1 import prefill_pb2_grpc
 

@@ -51,8 +51,8 @@ from pagedserve.decode_worker.kv_import import (
 )
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
-from pagedserve.model.batch import ScheduledSequence
-from pagedserve.model.sequence import FinishReason, Sequence, fork_samples
+from pagedserve.model.requests.batch import ScheduledSequence
+from pagedserve.model.requests.sequence import FinishReason, Sequence, fork_samples
 from pagedserve.model.tp_pipes import RankLost
 from pagedserve.telemetry import Tracing, setup_tracing
 from pagedserve.worker_load import WorkerLoad
