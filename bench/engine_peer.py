@@ -16,13 +16,12 @@ import json
 import time
 from dataclasses import dataclass, field
 
-from pagedserve.bench.metrics import RequestResult
-from pagedserve.bench.peers import _package, _result
+from pagedserve.bench.metrics import RequestResult, peer_report, request_result
 from pagedserve.bench.workloads import BenchRequest
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
 from pagedserve.kvstore.eviction import EvictionPolicy
-from pagedserve.model.sequence import Sequence
+from pagedserve.model.requests.sequence import Sequence
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -99,7 +98,7 @@ class EnginePeer:
         self.done: list[Sequence] = []
         stats0 = _stats(self.engine)
         pending = sorted(requests, key=lambda r: r.arrival)
-        results = {r.request_id: _result(r) for r in requests}
+        results = {r.request_id: request_result(r) for r in requests}
         live: dict[str, Sequence] = {}
         track, steps = KVTrack(), list[tuple[float, int, int]]()
         start = time.perf_counter()
@@ -122,7 +121,7 @@ class EnginePeer:
         duration = time.perf_counter() - start
         prompt = sum(len(r.prompt) for r in requests)
         cached = sum(s.num_cached_prompt_tokens for s in self.done)
-        return _package(
+        return peer_report(
             list(results.values()),
             duration,
             kv=track.to_json(),

@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import Any
+
+from pagedserve.bench.workloads import BenchRequest
 
 
 @dataclass(slots=True)
@@ -118,3 +121,17 @@ def summarize(results: list[RequestResult], duration_s: float, slo: SLO | None =
         "itl": percentiles([x for r in ok for x in r.itl]),
         "e2e": percentiles([r.e2e for r in ok if r.e2e is not None]),
     }
+
+
+def request_result(req: BenchRequest) -> RequestResult:
+    """An empty result for `req` (no token yet), which an in-process peer fills as it runs."""
+    return RequestResult(req.request_id, len(req.prompt), req.output_len, req.priority, req.arrival)
+
+
+def peer_report(results: list[RequestResult], duration_s: float, **extra: Any) -> dict:
+    """What an in-process peer prints for one run (bench/peers.py): the summary, every request's
+    timings and tokens, and the peer's own `extra` fields."""
+    summary = summarize(results, duration_s)
+    summary["requests"] = [r.to_json() for r in results]
+    summary["tokens"] = {r.request_id: r.tokens for r in results}
+    return {**summary, **extra}

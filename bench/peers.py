@@ -24,28 +24,16 @@ from typing import Any
 
 if __name__ == "__main__" and sys.argv[1:2] == ["engine"]:
     # NOTE: our engine as `pagedserve prefill|decode` run it: before torch is imported
-    from pagedserve.model.host_memory import reuse_freed_memory
+    from pagedserve.host_memory import reuse_freed_memory
 
     reuse_freed_memory()
 
 import torch  # noqa: E402
 
-from pagedserve.bench.metrics import RequestResult, summarize
+from pagedserve.bench.metrics import peer_report, request_result
 from pagedserve.bench.workloads import BenchRequest, load_requests
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.launcher import add_local_prefill_arguments
-
-
-def _result(req: BenchRequest) -> RequestResult:
-    return RequestResult(req.request_id, len(req.prompt), req.output_len, req.priority, req.arrival)
-
-
-def _package(results: list[RequestResult], duration_s: float, **extra: Any) -> dict:
-    summary = summarize(results, duration_s)
-    summary["requests"] = [r.to_json() for r in results]
-    summary["tokens"] = {r.request_id: r.tokens for r in results}
-    return {**summary, **extra}
-
 
 # -- transformers static ------------------------------------------------------------------------
 
@@ -75,7 +63,7 @@ class HFStatic:
         return [out[i, width : width + r.output_len].tolist() for i, r in enumerate(batch)]
 
     def _run_with(self, requests: list[BenchRequest], size: int) -> tuple[list, float]:
-        results = [_result(r) for r in requests]
+        results = [request_result(r) for r in requests]
         start = time.perf_counter()
         for i in range(0, len(requests), size):
             for res, toks in zip(
@@ -93,7 +81,7 @@ class HFStatic:
                 self.sweep[size] = sum(r.useful_tokens for r in res) / secs
             self.best = max(self.sweep, key=lambda s: self.sweep[s])
         results, duration = self._run_with(requests, self.best)
-        return _package(results, duration, batch_size=self.best, sweep_tok_s=self.sweep)
+        return peer_report(results, duration, batch_size=self.best, sweep_tok_s=self.sweep)
 
 
 # -- transformers continuous batching -------------------------------------------------------------
@@ -123,7 +111,7 @@ class HFContinuous:
             eos_token_id=-1,
             pad_token_id=2,
         )
-        results = {r.request_id: _result(r) for r in requests}
+        results = {r.request_id: request_result(r) for r in requests}
         with self.model.continuous_batching_context_manager(
             generation_config=config,
             continuous_batching_config=cb_config,
@@ -145,7 +133,7 @@ class HFContinuous:
                     res.tokens = list(out.generated_tokens)
                     res.token_times = [time.perf_counter() - start]
             duration = time.perf_counter() - start
-        return _package(list(results.values()), duration)
+        return peer_report(list(results.values()), duration)
 
 
 # -- pagedserve cluster ---------------------------------------------------------------------------
@@ -204,6 +192,7 @@ def _dtype(name: str | None) -> torch.dtype | str:
 
 def _make_peer(args: argparse.Namespace) -> Any:
     if args.name == "engine":
+        # NOTE: imported here so that a transformers peer's process never loads pagedserve's engine
         from pagedserve.bench.engine_peer import EnginePeer
 
         return EnginePeer(args)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":
     # NOTE: as the engine peer: glibc's malloc settings pay only when applied before torch
-    from pagedserve.model.host_memory import reuse_freed_memory
+    from pagedserve.host_memory import reuse_freed_memory
 
     reuse_freed_memory()
 
@@ -38,7 +38,7 @@ from pagedserve.bench.scenarios import BLOCK, _blocks, _interleave, _ratio, _tok
 from pagedserve.bench.workloads import FIRST_ID, BenchRequest
 from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.decode_worker.plan import DecodePlan
-from pagedserve.model.sequence import Sequence
+from pagedserve.model.requests.sequence import Sequence
 from pagedserve.sampling_params import SamplingParams, sample_seed
 
 N = 8

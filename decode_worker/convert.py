@@ -11,9 +11,13 @@ from dataclasses import dataclass, fields
 from pagedserve.errors import InvalidArgument
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
-from pagedserve.model.batch import TokenLogprobs
-from pagedserve.model.convert import finish_reason_to_proto, logprobs_from_proto, logprobs_to_proto
-from pagedserve.model.sequence import FinishReason
+from pagedserve.model.requests.batch import TokenLogprobs
+from pagedserve.model.requests.convert import (
+    finish_reason_to_proto,
+    logprobs_from_proto,
+    logprobs_to_proto,
+)
+from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, decode_pb2, prefill_pb2

@@ -26,7 +26,7 @@ from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.convert import Delta
 from pagedserve.decode_worker.worker import AsyncRequestStream
 from pagedserve.errors import AlreadyExists, InvalidArgument, Unavailable
-from pagedserve.model.sequence import FinishReason
+from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.v1 import decode_pb2
 
 MAX_ID_CHARS = 128

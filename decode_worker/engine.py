@@ -39,12 +39,12 @@ from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model import tp_ranks
-from pagedserve.model.batch import RunnerOutput
 from pagedserve.model.config import ModelConfig, load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
+from pagedserve.model.requests.batch import RunnerOutput
+from pagedserve.model.requests.sequence import RequestId, Sequence, make_sequence
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
-from pagedserve.model.sequence import RequestId, Sequence, make_sequence
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 import grpc
 import torch
 
+from pagedserve.core_share import one_torch_thread
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.convert import KvHandleInfo
 from pagedserve.decode_worker.engine import DecodeEngine
@@ -49,8 +50,7 @@ from pagedserve.kvstore.transfer import (
     host_id,
     layout_compat_hash,
 )
-from pagedserve.model.core_share import one_torch_thread
-from pagedserve.model.sequence import Sequence
+from pagedserve.model.requests.sequence import Sequence
 from pagedserve.model.tensor_parallel import Shard
 from pagedserve.v1 import prefill_pb2_grpc
 

@@ -1,8 +1,8 @@
 """What the decode scheduler decides for one step (`DecodePlan`) and counts (`SchedulerStats`).
 
 Plain data: no tensors (no torch import). `DecodePlan` is the runner's `StepPlan`
-(model/batch.py: chunks and copy-on-write pairs) plus the decode worker's own decisions: swaps,
-preemptions, failures. The engine executes a plan in this order (docs/scheduling.md)::
+(model/requests/batch.py: chunks and copy-on-write pairs) plus the decode worker's own decisions:
+swaps, preemptions, failures. The engine executes a plan in this order (docs/scheduling.md)::
 
     swaps              ─► Swapper (one FIFO queue: this plan's copies in the order decided)
     copies             ─► ModelRunner.copy_blocks   (after pending swap-outs of their dst blocks)
@@ -15,8 +15,8 @@ import enum
 from dataclasses import dataclass, field
 
 from pagedserve.kvstore.block_pool import BlockId
-from pagedserve.model.batch import StepPlan
-from pagedserve.model.sequence import Sequence
+from pagedserve.model.requests.batch import StepPlan
+from pagedserve.model.requests.sequence import Sequence
 
 
 class SchedulingPolicy(enum.Enum):

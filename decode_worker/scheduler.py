@@ -56,10 +56,14 @@ from pagedserve.decode_worker.preemption import (
 )
 from pagedserve.kvstore.block_pool import BlockId, BlockPool
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.batch import RunnerOutput, SampledToken, ScheduledSequence
-from pagedserve.model.beam_search import BeamSearch, hypothesis_finish_is_stop, new_beam_search
-from pagedserve.model.progress import admit, advance
-from pagedserve.model.sequence import (
+from pagedserve.model.requests.batch import RunnerOutput, SampledToken, ScheduledSequence
+from pagedserve.model.requests.beam_search import (
+    BeamSearch,
+    hypothesis_finish_is_stop,
+    new_beam_search,
+)
+from pagedserve.model.requests.progress import admit, advance
+from pagedserve.model.requests.sequence import (
     FinishReason,
     RequestId,
     SampleGroup,

@@ -18,6 +18,7 @@ from typing import Any
 
 from pagedserve import worker_server
 from pagedserve.cluster import ClusterMember, join
+from pagedserve.core_share import open_core_share
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB, add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.kv_import import ProducerClients
@@ -29,8 +30,7 @@ from pagedserve.grpcutil import EngineLoop, client_tls_from_args
 from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag
 from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
-from pagedserve.model.core_share import open_core_share
-from pagedserve.model.tp_ranks import RankLost
+from pagedserve.model.tp_pipes import RankLost
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc
 from pagedserve.worker_hooks import WorkerHooks

@@ -20,11 +20,11 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import grpc
 
+from pagedserve.core_share import one_torch_thread
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.delivery import Deliveries
 from pagedserve.decode_worker.worker import AsyncRequestStream, DecodeWorker
-from pagedserve.model.core_share import one_torch_thread
-from pagedserve.model.sequence import FinishReason
+from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import context_from
 from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc

@@ -36,10 +36,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.core_share import one_torch_thread
 from pagedserve.decode_worker.plan import SwapCopies, SwapDirection
 from pagedserve.kernels import dispatch
 from pagedserve.kvstore.block_pool import BlockId
-from pagedserve.model.core_share import one_torch_thread
 
 Pairs = Seq[tuple[int, int]]
 CopyFn = Callable[[torch.Tensor, torch.Tensor, Pairs], None]

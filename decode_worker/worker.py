@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from opentelemetry.context import Context
 from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
 
+from pagedserve.core_share import one_torch_thread
 from pagedserve.decode_worker.convert import DecodeCall, Delta
 from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.decode_worker.kv_import import (
@@ -49,10 +50,9 @@ from pagedserve.decode_worker.kv_import import (
 )
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
-from pagedserve.model.batch import ScheduledSequence
-from pagedserve.model.core_share import one_torch_thread
-from pagedserve.model.sequence import FinishReason, Sequence, fork_samples
-from pagedserve.model.tp_ranks import RankLost
+from pagedserve.model.requests.batch import ScheduledSequence
+from pagedserve.model.requests.sequence import FinishReason, Sequence, fork_samples
+from pagedserve.model.tp_pipes import RankLost
 from pagedserve.telemetry import Tracing, setup_tracing
 from pagedserve.worker_hooks import NO_HOOKS, WorkerHooks
 from pagedserve.worker_load import WorkerLoad

@@ -1,10 +1,10 @@
 """The CPU fast path for paged attention (the winner of the candidates in docs/kernels.md).
 
-Decode is batched: a `DecodePlan` (built once per step, shared by every layer) sorts the decode
-sequences into buckets of similar length, each small enough (`_BUCKET_BYTES` of K+V) for SDPA to
-read its gather back from cache. Per bucket and layer: one `index_select` of all its blocks into
-a reused per-thread workspace, then one 4-D `scaled_dot_product_attention` with a key mask. Each
-KV head's query heads are packed as query rows, so K/V are read once per GQA group:
+Decode is batched: `DecodeBuckets` (planned once per step, shared by every layer) sorts the
+decode sequences into buckets of similar length, each small enough (`_BUCKET_BYTES` of K+V) for
+SDPA to read its gather back from cache. Per bucket and layer: one `index_select` of all its
+blocks into a reused per-thread workspace, then one 4-D `scaled_dot_product_attention` with a key
+mask. Each KV head's query heads are packed as query rows, so K/V are read once per GQA group:
 
     query [n, num_heads, D] -> [n, num_kv_heads, R, D]        (R = num_heads // num_kv_heads)
     gathered [n * cols, block_size, num_kv_heads, D]
@@ -96,7 +96,7 @@ class _Bucket:
 
 
 @dataclass(frozen=True, slots=True)
-class DecodePlan:
+class DecodeBuckets:
     """How the decode sequences of one step read the paged cache; valid for every layer.
 
     Build it with `plan_decode` once per step (dispatch caches it on `AttentionMetadata`); it
@@ -114,7 +114,7 @@ def plan_decode(
     seq_lens: Sequence[int],
     k_cache: torch.Tensor,
     sliding_window: int | None = None,
-) -> DecodePlan:
+) -> DecodeBuckets:
     """Plan the sequences with one query token (`query_lens[i] == 1`) of a flattened batch.
 
     `k_cache` is any layer's view: only its block size, K/V row size and dtype are read (a
@@ -145,7 +145,7 @@ def plan_decode(
         )
         for group in groups
     )
-    return DecodePlan(buckets, num_rows)
+    return DecodeBuckets(buckets, num_rows)
 
 
 def _split_by_span(
@@ -261,7 +261,7 @@ def _attend_bucket(
 
 
 def _run_plan(
-    plan: DecodePlan,
+    plan: DecodeBuckets,
     query: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
@@ -291,7 +291,7 @@ def paged_decode_attention(
     seq_lens: Sequence[int],
     scale: float,
     sliding_window: int | None = None,
-    plan: DecodePlan | None = None,
+    plan: DecodeBuckets | None = None,
 ) -> torch.Tensor:
     """One query per sequence: query [num_seqs, num_heads, head_dim] -> same shape.
 
@@ -312,7 +312,7 @@ def paged_attention(
     seq_lens: Sequence[int],
     scale: float,
     sliding_window: int | None = None,
-    plan: DecodePlan | None = None,
+    plan: DecodeBuckets | None = None,
     *,
     native: cpu_native.NativePlan | None = None,
 ) -> torch.Tensor:

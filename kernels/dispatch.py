@@ -46,7 +46,7 @@ class AttentionMetadata:
     # NOTE: device copies of the lengths for the Triton kernels, made once per step on demand.
     _device_lens: tuple[torch.Tensor, torch.Tensor] | None = field(default=None, repr=False)
     # NOTE: the CPU decode plans, one per cache layout and window, shared by every layer.
-    _cpu_plans: dict[tuple[object, ...], cpu_attention.DecodePlan] = field(
+    _cpu_plans: dict[tuple[object, ...], cpu_attention.DecodeBuckets] = field(
         default_factory=dict, repr=False
     )
     _native_plans: dict[int | None, cpu_native.NativePlan] = field(default_factory=dict, repr=False)
@@ -70,7 +70,7 @@ class AttentionMetadata:
 
     def cpu_decode_plan(
         self, k_cache: torch.Tensor, sliding_window: int | None
-    ) -> cpu_attention.DecodePlan:
+    ) -> cpu_attention.DecodeBuckets:
         """The batched CPU plan of this step's single-token sequences (built on first use).
 
         The plan holds block ids read from `block_tables` then: the tables must not change

@@ -24,7 +24,10 @@ from __future__ import annotations
 import torch
 
 from pagedserve.kernels import cpu_native
-from pagedserve.kvstore.kv_cache import KV_QUANT_MAX
+
+# 8-bit KV element types -> the largest code magnitude a scale maps absmax to (kvstore's
+# `KVCacheSpec.quantized` reads it too: the kernels own the code range)
+KV_QUANT_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 
 
 def encode(values: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

@@ -24,10 +24,10 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.kernels.kv_quant import KV_QUANT_MAX
+
 KV_DIM = 2  # K and V
 
-# 8-bit KV element types -> the largest code magnitude a scale maps absmax to
-KV_QUANT_MAX: dict[torch.dtype, float] = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
 KV_CACHE_DTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn, "fp8": torch.float8_e4m3fn}
 SCALE_DTYPE = torch.float32
 SCALE_LAYOUT = "float32[layer][kv][kv_head] after the codes"  # KvLayout.scale_layout

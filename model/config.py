@@ -244,6 +244,7 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
         base = hf.rope_parameters["rope_theta"]
         exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
         return 1.0 / (base**exponents), 1.0
+    # NOTE: imported here, for scaled ropes only: transformers costs a worker ~2 s of start-up
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, "cpu")

@@ -142,6 +142,8 @@ def block_method(quant: WeightQuant | None) -> str | None:
 def block_kinds(gguf: Path, method: str) -> dict[str, str]:
     """{checkpoint name: GGUF type} of the tensors `quantized_tensors` yields for `method`
     (read from the file's header only: what the loader and the memory plan count on)."""
+    # NOTE: here, not at the top: gguf is an optional dependency (`pagedserve[models]`), needed
+    # only by a model whose GGUF source is at hand
     from gguf import GGUFReader
 
     found = {}
@@ -158,7 +160,7 @@ def quantized_tensors(
     """(checkpoint name, payload) of every tensor the file holds in blocks we compute with under
     `--quantization method`, rows in Hugging Face order: Q4_0 / Q4_1 (codes, scale, zero) for
     int4's decoder linears, Q8_0 (codes, scale) for int8's and for the embedding and head."""
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # NOTE: optional dependency, as in `block_kinds`
 
     for tensor in GGUFReader(str(gguf)).tensors:
         named = _checkpoint_name(tensor.name)

@@ -12,13 +12,8 @@ from safetensors import safe_open
 from pagedserve.kernels.cpu_native import has_bf16_arithmetic
 from pagedserve.model import gguf_weights
 from pagedserve.model.config import ModelConfig
-from pagedserve.model.llama import LlamaForCausalLM, RotaryEmbedding
-from pagedserve.model.quant import (
-    QuantizedEmbedding,
-    QuantizedLinear,
-    WeightQuant,
-    quantize_linears,
-)
+from pagedserve.model.llama import Linear, LlamaForCausalLM, RotaryEmbedding
+from pagedserve.model.quant import QuantizedEmbedding, QuantizedLinear, WeightQuant
 
 logger = logging.getLogger(__name__)
 
@@ -74,6 +69,20 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     if missing:
         raise ValueError(f"model: tensors missing from the checkpoint: {missing[:8]}")
     return model.eval()
+
+
+def quantize_linears(model: LlamaForCausalLM, quant: WeightQuant) -> None:
+    """Replace every `Linear` of the decoder layers (q/k/v/o, gate/up/down) by a
+    `QuantizedLinear` of the same shape; the embedding and the LM head stay as they are. Call
+    on a model built on the meta device, before its weights are loaded."""
+    for layer in model.model.layers:
+        for parent in layer.children():  # self_attn, mlp (the norms have no children)
+            for name, child in list(parent.named_children()):
+                if isinstance(child, Linear):
+                    q = QuantizedLinear(
+                        child.in_features, child.out_features, child.bias is not None, quant
+                    )
+                    setattr(parent, name, q)
 
 
 def _materialize(model: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> None:

@@ -19,13 +19,17 @@ Those kernels have a fast path for bf16 only: with fp32 activations they were 13
 than `F.linear` on this project's machine (AVX-512, torch 2.13; docs/quantization.md), so fp32
 and fp16 activations, and CUDA, multiply by the dequantized weight instead: exactly what
 transformers computes on the dequantized weights, and a memory saving, not a speed-up.
+
+NOTE: the Triton kernels (kernels/triton_quant.py) are imported on first use on CUDA, as
+kernels/dispatch.py imports its own: Triton reads `TRITON_INTERPRET` when the kernels are
+defined, and a CPU-only host need not import it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import cache
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -34,9 +38,7 @@ from torch import nn
 from pagedserve.cli_options import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
 from pagedserve.cli_options import QUANTIZATION_METHODS as METHODS
 from pagedserve.cli_options import quantization_name
-
-if TYPE_CHECKING:
-    from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.kernels import cpu_native
 
 INT4_MAX = 15
 INT8_MAX = 127
@@ -220,8 +222,6 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         out = None
         if x2.shape[0] <= NATIVE_ROWS:
-            from pagedserve.kernels import cpu_native
-
             out = cpu_native.linear_int8_groups(x2, self.qweight, self.scales)
         if out is None:
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
@@ -353,22 +353,6 @@ def unpack_int4(packed: torch.Tensor, out_features: int, in_features: int) -> to
     )
     codes = torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, 32, ones)  # [in, out]
     return codes.t().round().to(torch.int32)
-
-
-def quantize_linears(model: LlamaForCausalLM, quant: WeightQuant) -> None:
-    """Replace every `Linear` of the decoder layers (q/k/v/o, gate/up/down) by a
-    `QuantizedLinear` of the same shape; the embedding and the LM head stay as they are. Call
-    on a model built on the meta device, before its weights are loaded."""
-    from pagedserve.model.llama import Linear
-
-    for layer in model.model.layers:
-        for parent in layer.children():  # self_attn, mlp (the norms have no children)
-            for name, child in list(parent.named_children()):
-                if isinstance(child, Linear):
-                    q = QuantizedLinear(
-                        child.in_features, child.out_features, child.bias is not None, quant
-                    )
-                    setattr(parent, name, q)
 
 
 @torch.no_grad()

@@ -1,9 +1,9 @@
 """`ModelRunner`: turns a plan (which sequences compute how many tokens) into tensors and back.
 
 The runner never decides anything: schedulers hand it `ScheduledSequence`s whose blocks are
-already allocated (model/batch.py), and it returns what the model produced. It mutates nothing
-but the KV cache (the slots of this step's tokens and any copy-on-write destination blocks) and
-its sampler's generators (one draw per seeded, sampled row).
+already allocated (model/requests/batch.py), and it returns what the model produced. It mutates
+nothing but the KV cache (the slots of this step's tokens and any copy-on-write destination
+blocks) and its sampler's generators (one draw per seeded, sampled row).
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from pagedserve.kernels import dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
 from pagedserve.model import gguf_weights
-from pagedserve.model.batch import RunnerOutput, SampledToken, ScheduledSequence
-from pagedserve.model.beam_search import beam_candidates_per_row
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gguf_weights import GROUP as GGUF_GROUP
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import quantized_bytes
+from pagedserve.model.requests.batch import RunnerOutput, SampledToken, ScheduledSequence
+from pagedserve.model.requests.beam_search import beam_candidates_per_row
+from pagedserve.model.requests.sequence import Sequence, sample_request_id
 from pagedserve.model.sampler import Sampler, SamplingRow
-from pagedserve.model.sequence import Sequence, sample_request_id
-from pagedserve.model.tp_ranks import RankLost, Ranks, StepPlan
+from pagedserve.model.tp_pipes import RankLost, Ranks, RankStepMessage
 
 
 def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
@@ -144,7 +144,7 @@ class ModelRunner:
         ranks: Ranks | None = None,
     ) -> None:
         """`kv_cache`, when given (e.g. a shared-memory pool), must match the model's spec.
-        `ranks`: on rank 0 of a tensor-parallel worker, the other ranks (model/tp_ranks.py),
+        `ranks`: on rank 0 of a tensor-parallel worker, the other ranks (model/tp_pipes.py),
         sent every step before this rank runs it."""
         self.config = config
         self.ranks = ranks
@@ -228,7 +228,7 @@ class ModelRunner:
         if self.ranks is not None:
             if not self._threads_set:
                 self.set_threads(torch.get_num_threads())
-            self.ranks.send(StepPlan(
+            self.ranks.send(RankStepMessage(
                 forward=True, token_ids=input_ids.tolist(), positions=positions.tolist(),
                 slots=meta.slot_mapping.tolist(), block_tables=meta.block_tables.tolist(),
                 logit_rows=last_rows[sample_idx].tolist(), query_lens=meta.query_lens,

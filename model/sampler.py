@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.model.batch import TokenLogprobs
+from pagedserve.model.requests.batch import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 _NEG_INF = float("-inf")

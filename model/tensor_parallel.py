@@ -21,7 +21,7 @@ allocator, on rank 0), so block hashes, leases and the scheduler do not change.
 The ranks talk through a gloo process group built from its own TCP store on loopback (no
 global `torch.distributed` state: several engines may live in one process, as tests do); on
 CUDA the same collectives would take NCCL. Rank 0 is the engine; it sends every other rank
-each step's plan over a pipe (decode_worker/tp_ranks.py) before running the step itself, so
+each step's `RankStepMessage` over a pipe (model/tp_pipes.py) before running the step itself, so
 every rank enters the same collectives in the same order.
 """
 

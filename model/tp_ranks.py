@@ -1,13 +1,14 @@
 """The rank processes of a tensor-parallel worker (model/tensor_parallel.py has the sharding).
 
 Rank 0 is the engine's own process: it schedules, owns the block tables and samples. It starts
-ranks 1..N-1 (`Ranks.start`, spawned processes), and before each step it runs it sends them the
-step's plan over a pipe: the block copies and swap copies issued since the last step, then the
-forward's inputs (token ids, positions, slots, block tables, the rows to compute logits for).
-Every rank applies the copies to its own KV shard and swap space, in order, then runs the same
-forward; the collectives inside it (tensor_parallel.Group) line up because every rank runs the
-same plan. The pipe, not a collective, carries the plan, so an idle rank waits without a
-timeout, and a rank whose engine dies sees the pipe close and exits.
+ranks 1..N-1 (`start_ranks`, spawned processes), and before each step it runs it sends them the
+step's `RankStepMessage` over a pipe (model/tp_pipes.py holds rank 0's end): the block copies and
+swap copies issued since the last step, then the forward's inputs (token ids, positions, slots,
+block tables, the rows to compute logits for). Every rank applies the copies to its own KV shard
+and swap space, in order, then runs the same forward; the collectives inside it
+(tensor_parallel.Group) line up because every rank runs the same message. The pipe, not a
+collective, carries it, so an idle rank waits without a timeout, and a rank whose engine dies
+sees the pipe close and exits.
 
 A rank that dies makes the next collective on the others fail (gloo: the peer closed the
 connection, or the group's timeout), so the step raises on rank 0 instead of hanging.
@@ -15,37 +16,28 @@ connection, or the group's timeout), so the step raises on rank 0 instead of han
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import multiprocessing as mp
 import os
 import traceback
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from multiprocessing import shared_memory
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
 
 import torch
 
 from pagedserve.kernels import dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
+from pagedserve.kvstore.swap_space import SwapSpace
 from pagedserve.kvstore.transfer import ShmKVPool
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.loader import load_model
+from pagedserve.model.runner import ModelRunner, kv_cache_spec
 from pagedserve.model.tensor_parallel import Group, Shard, host_store, rank_device
-
-if TYPE_CHECKING:
-    from pagedserve.model.runner import ModelRunner
+from pagedserve.model.tp_pipes import Ranks, RankStepMessage
 
 log = logging.getLogger(__name__)
-
-START_TIMEOUT_S = 300.0  # a rank loads its shard of the weights before it says ready
-STOP_TIMEOUT_S = 10.0
-
-
-class RankLost(RuntimeError):
-    """A tensor-parallel rank process is gone: the worker cannot step again (its loop dies,
-    health turns NOT_SERVING). Not a failure of the step's requests."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,25 +50,8 @@ class RankSpec:
     num_swap_blocks: int
     device: str
     size: int
-    port: int = 0  # rank 0's store (set by `Ranks.start`)
+    port: int = 0  # rank 0's store (set by `start_ranks`)
     segments: tuple[str, ...] = ()  # ranks 1..N-1's KV pools in shared memory (CPU), by rank 0
-
-
-@dataclass(slots=True)
-class StepPlan:
-    """One step as every rank runs it: plain ints, so it pickles small (no tensor goes over
-    the pipe: torch's multiprocessing pickler would share each through a new segment)."""
-
-    copies: list[tuple[str, list[tuple[int, int]]]] = field(default_factory=list)
-    forward: bool = False  # False: only the copies (no forward this step)
-    token_ids: list[int] = field(default_factory=list)
-    positions: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    block_tables: list[list[int]] = field(default_factory=list)
-    logit_rows: list[int] = field(default_factory=list)  # hidden rows to compute logits for
-    query_lens: list[int] = field(default_factory=list)
-    seq_lens: list[int] = field(default_factory=list)
-    threads: int = 0  # torch threads per rank from now on (0: as before; `set_threads`)
 
 
 def shard_model(config: ModelConfig, rank: int, size: int) -> ModelConfig:
@@ -89,108 +64,30 @@ def _threads(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-class Ranks:
-    """Rank 0's side: the other ranks' processes and pipes, and the group they share."""
-
-    def __init__(
-        self, processes: list[Any], pipes: list[Connection], group: Group, pools: list[ShmKVPool]
-    ) -> None:
-        self.processes, self.pipes, self.group = processes, pipes, group
-        self.pools = pools  # ranks 1..N-1's KV caches, in shared memory rank 0 owns (CPU)
-        self.pending: list[tuple[str, list[tuple[int, int]]]] = []
-        self.threads = 0  # a new thread count per rank, for the next plan (0: none)
-        self.closed = False
-
-    @property
-    def size(self) -> int:
-        """Ranks in the group, this one (rank 0) included."""
-        return len(self.pipes) + 1
-
-    @property
-    def kv_caches(self) -> list[KVCache] | None:
-        """Ranks 1..N-1's KV caches as rank 0 sees them (shared memory), or None where they
-        are each rank's own device memory (CUDA)."""
-        return [p.cache for p in self.pools] if self.pools else None
-
-    @classmethod
-    def start(cls, spec: RankSpec, pools: list[ShmKVPool]) -> Ranks:
-        """Spawn ranks 1..size-1 and join the group as rank 0; `wait_ready` then waits until
-        each holds its shard. `pools`: their KV caches (owned by the returned object)."""
-        store = host_store(spec.size)
-        spec = replace(spec, port=store.port)
-        ctx = mp.get_context("spawn")
-        processes, pipes = [], []
-        for rank in range(1, spec.size):
-            ours, theirs = ctx.Pipe()
-            proc = ctx.Process(
-                target=rank_main, args=(theirs, spec, rank), name=f"pagedserve-tp{rank}",
-                daemon=True,
-            )  # fmt: skip
-            proc.start()
-            theirs.close()
-            processes.append(proc)
-            pipes.append(ours)
-        try:
-            group = Group(0, spec.size, spec.port, store=store, device=spec.device)
-        except BaseException:
-            for proc in processes:
-                proc.kill()
-            raise
-        return cls(processes, pipes, group, pools)
-
-    def wait_ready(self) -> None:
-        for rank, pipe in enumerate(self.pipes, start=1):
-            if not pipe.poll(START_TIMEOUT_S):
-                self.close()
-                raise RuntimeError(f"tensor parallel rank {rank} did not start")
-            kind, detail = pipe.recv()
-            if kind != "ready":
-                self.close()
-                raise RuntimeError(f"tensor parallel rank {rank} failed to start: {detail}")
-
-    def alive(self) -> bool:
-        return not self.closed and all(p.is_alive() for p in self.processes)
-
-    def check(self) -> None:
-        """RankLost naming the first rank that is gone (exit code), if any."""
-        for rank, proc in enumerate(self.processes, start=1):
-            if not proc.is_alive():
-                raise RankLost(f"tensor parallel rank {rank} exited (code {proc.exitcode})")
-        if self.closed:
-            raise RankLost("tensor parallel ranks were stopped")
-
-    def copy(self, kind: str, pairs: list[tuple[int, int]]) -> None:
-        """Queue block copies (`copy`, `swap_in`, `swap_out`) for the next step's plan."""
-        if pairs:
-            self.pending.append((kind, list(pairs)))
-
-    def send(self, plan: StepPlan) -> None:
-        """Send every other rank this step (with the copies queued since the last)."""
-        plan.copies, self.pending = self.pending, []
-        plan.threads, self.threads = self.threads, 0
-        for rank, pipe in enumerate(self.pipes, start=1):
-            try:
-                pipe.send(("step", plan))
-            except (BrokenPipeError, EOFError, OSError) as exc:
-                raise RankLost(f"tensor parallel rank {rank} is gone: {exc}") from None
-
-    def close(self) -> None:
-        """Stop the other ranks (they exit when their pipe closes, too)."""
-        if self.closed:
-            return
-        self.closed = True
-        for pipe in self.pipes:
-            with contextlib.suppress(BrokenPipeError, EOFError, OSError):
-                pipe.send(("stop", None))
-            pipe.close()
-        for proc in self.processes:
-            proc.join(STOP_TIMEOUT_S)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(STOP_TIMEOUT_S)
-        for pool in self.pools:
-            pool.close()
-        self.pools = []
+def start_ranks(spec: RankSpec, pools: list[ShmKVPool]) -> Ranks:
+    """Spawn ranks 1..size-1 and join the group as rank 0; `wait_ready` then waits until
+    each holds its shard. `pools`: their KV caches (owned by the returned object)."""
+    store = host_store(spec.size)
+    spec = replace(spec, port=store.port)
+    ctx = mp.get_context("spawn")
+    processes, pipes = [], []
+    for rank in range(1, spec.size):
+        ours, theirs = ctx.Pipe()
+        proc = ctx.Process(
+            target=rank_main, args=(theirs, spec, rank), name=f"pagedserve-tp{rank}",
+            daemon=True,
+        )  # fmt: skip
+        proc.start()
+        theirs.close()
+        processes.append(proc)
+        pipes.append(ours)
+    try:
+        group = Group(0, spec.size, spec.port, store=store, device=spec.device)
+    except BaseException:
+        for proc in processes:
+            proc.kill()
+        raise
+    return Ranks(processes, pipes, group, pools)
 
 
 def start_runner(spec: RankSpec, *, kv_cache: KVCache | None = None) -> ModelRunner:
@@ -198,9 +95,6 @@ def start_runner(spec: RankSpec, *, kv_cache: KVCache | None = None) -> ModelRun
     rank loads its shard of the weights at the same time. On CPU the other ranks' KV caches
     are shared-memory segments rank 0 creates (so its transfers read and write every shard);
     `kv_cache`: rank 0's own, if the caller provides it (a prefill worker's shm pool)."""
-    from pagedserve.model.loader import load_model
-    from pagedserve.model.runner import ModelRunner, kv_cache_spec
-
     shard = shard_model(spec.model_config, 0, spec.size)  # ValueError naming the flag
     device = rank_device(spec.device, 0, spec.size)
     pools: list[ShmKVPool] = []
@@ -208,7 +102,7 @@ def start_runner(spec: RankSpec, *, kv_cache: KVCache | None = None) -> ModelRun
         kv_spec = kv_cache_spec(shard, spec.block_size)
         pools = [ShmKVPool(kv_spec, spec.num_blocks) for _ in range(1, spec.size)]
     spec = replace(spec, segments=tuple(p.segment_name for p in pools))
-    ranks = Ranks.start(spec, pools)
+    ranks = start_ranks(spec, pools)
     try:
         model = load_model(shard, device)
         model.join(ranks.group)
@@ -223,10 +117,6 @@ def start_runner(spec: RankSpec, *, kv_cache: KVCache | None = None) -> ModelRun
 def rank_main(pipe: Connection, spec: RankSpec, rank: int) -> None:
     """A rank process: join the group, load this rank's shard, then run each step rank 0
     sends until it says stop or its pipe closes."""
-    from pagedserve.kvstore.swap_space import SwapSpace
-    from pagedserve.model.loader import load_model
-    from pagedserve.model.runner import ModelRunner, kv_cache_spec
-
     torch.set_num_threads(_threads(spec.size))
     try:
         group = Group(rank, spec.size, spec.port, device=spec.device)
@@ -244,13 +134,13 @@ def rank_main(pipe: Connection, spec: RankSpec, rank: int) -> None:
     pipe.send(("ready", None))
     while True:
         try:
-            kind, plan = pipe.recv()
+            kind, message = pipe.recv()
         except (EOFError, OSError):
             return  # rank 0 is gone
         if kind != "step":
             return
         try:
-            _run(runner, swap, plan)
+            _run(runner, swap, message)
         except Exception:  # noqa: BLE001 - the others see this rank leave the group
             log.error("tensor parallel rank %d failed:\n%s", rank, traceback.format_exc())
             os._exit(1)
@@ -273,24 +163,27 @@ def _attach(kv_spec: KVCacheSpec, spec: RankSpec, rank: int) -> KVCache | None:
 _segments: list[shared_memory.SharedMemory] = []  # a rank process's mapped pool, kept open
 
 
-def _run(runner: Any, swap: Any, plan: StepPlan) -> None:
-    if plan.threads and plan.threads != torch.get_num_threads():
-        torch.set_num_threads(plan.threads)
+def _run(runner: ModelRunner, swap: SwapSpace | None, message: RankStepMessage) -> None:
+    if message.threads and message.threads != torch.get_num_threads():
+        torch.set_num_threads(message.threads)
     cache = runner.kv_cache.tensor
-    for kind, pairs in plan.copies:
+    for kind, pairs in message.copies:
         if kind == "copy":
             dispatch.copy_blocks(cache, pairs)
-        elif kind == "swap_in":
+            continue
+        if swap is None:
+            raise RuntimeError(f"tensor parallel rank: {kind} copies but no swap space")
+        if kind == "swap_in":
             dispatch.swap_blocks(swap.tensor, cache, pairs)
         else:
             dispatch.swap_blocks(cache, swap.tensor, pairs)
-    if not plan.forward:
+    if not message.forward:
         return
     ints = lambda values: torch.tensor(values, dtype=torch.int64, device=runner.device)  # noqa: E731
     meta = AttentionMetadata(
-        slot_mapping=ints(plan.slots), block_tables=ints(plan.block_tables),
-        query_lens=plan.query_lens, seq_lens=plan.seq_lens,
+        slot_mapping=ints(message.slots), block_tables=ints(message.block_tables),
+        query_lens=message.query_lens, seq_lens=message.seq_lens,
     )  # fmt: skip
-    hidden = runner.model(ints(plan.token_ids), ints(plan.positions), runner.kv_cache, meta)
-    if plan.logit_rows:
-        runner.model.compute_logits(hidden[ints(plan.logit_rows)])
+    hidden = runner.model(ints(message.token_ids), ints(message.positions), runner.kv_cache, meta)
+    if message.logit_rows:
+        runner.model.compute_logits(hidden[ints(message.logit_rows)])

@@ -380,7 +380,7 @@ def _add_prefill(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_prefill(args: argparse.Namespace) -> int:
-    from pagedserve.model.host_memory import reuse_freed_memory
+    from pagedserve.host_memory import reuse_freed_memory
 
     stop = _stop_on_signals()
     reuse_freed_memory()  # NOTE: before torch is imported, or it does not pay
@@ -398,7 +398,7 @@ def _add_decode(sub: argparse._SubParsersAction) -> None:
 
 
 def _run_decode(args: argparse.Namespace) -> int:
-    from pagedserve.model.host_memory import reuse_freed_memory
+    from pagedserve.host_memory import reuse_freed_memory
 
     stop = _stop_on_signals()
     reuse_freed_memory()  # NOTE: before torch is imported, or it does not pay

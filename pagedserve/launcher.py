@@ -29,6 +29,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from pagedserve import core_share
 from pagedserve.cli_options import (
     add_kv_cache_dtype_argument,
     add_quantization_arguments,
@@ -39,7 +40,6 @@ from pagedserve.cli_options import (
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
-from pagedserve.model import core_share
 from pagedserve.signals import stop_on_signals
 from pagedserve.supervisor import (
     DEFAULT_POLICY,
@@ -267,7 +267,7 @@ def _worker_env(
     cores, and OpenMP threads that wait for each other then slow every step several times over.
     An explicit `--worker-threads` wins (fixed), then an `OMP_NUM_THREADS` already set (fixed,
     inherited); otherwise the workers share the host's cores: each takes cores / busy workers
-    threads before a step (model/core_share.py), so a decode worker gets every core while the
+    threads before a step (pagedserve/core_share.py), so a decode worker gets every core while the
     prefill worker has nothing to do. Without a `log_dir` for the file, they split the cores.
     """
     if threads is None and "OMP_NUM_THREADS" in os.environ:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from pagedserve.core_share import CoreShare
 from pagedserve.grpcutil import EngineLoop
-from pagedserve.model.core_share import CoreShare
 
 
 @dataclass(frozen=True, slots=True)

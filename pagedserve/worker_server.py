@@ -25,10 +25,10 @@ import redis
 
 from pagedserve.cli_options import default_worker_id
 from pagedserve.cluster import model_key
+from pagedserve.core_share import one_torch_thread
 from pagedserve.grpcutil import EngineLoop, ServerHandle, build_server, server_tls_from_args
 from pagedserve.kvstore.worker_registry import connect
-from pagedserve.model.core_share import one_torch_thread
-from pagedserve.model.tp_ranks import RankLost
+from pagedserve.model.tp_pipes import RankLost
 from pagedserve.signals import stop_on_signals
 
 log = logging.getLogger("pagedserve.worker")

@@ -7,7 +7,7 @@ from dataclasses import asdict, dataclass
 
 from pagedserve.kvstore.kv_cache import SCALE_LAYOUT
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
-from pagedserve.model.convert import finish_reason_to_proto, logprobs_to_proto
+from pagedserve.model.requests.convert import finish_reason_to_proto, logprobs_to_proto
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.worker import PrefillResult
 from pagedserve.protoconv import worker_request_fields

@@ -28,12 +28,12 @@ from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import ShmKVPool, ShmOffer, layout_compat_hash
-from pagedserve.model.batch import RunnerOutput, StepPlan
 from pagedserve.model.config import ModelConfig, load_model_config
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
+from pagedserve.model.requests.batch import RunnerOutput, StepPlan
+from pagedserve.model.requests.sequence import Sequence, make_sequence, sample_request_ids
 from pagedserve.model.runner import ModelRunner, kv_cache_spec
-from pagedserve.model.sequence import Sequence, make_sequence, sample_request_ids
 from pagedserve.model.tp_ranks import RankSpec, shard_model, start_runner
 from pagedserve.prefill_worker.scheduler import PrefillScheduler, PrefillSchedulerConfig
 from pagedserve.sampling_params import SamplingParams

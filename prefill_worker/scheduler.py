@@ -8,7 +8,8 @@ waiting prompts in heap order while the token budget, the seat limit and the poo
 
 A prompt is done when its last token has been computed and the first output token sampled; its
 blocks then belong to whoever takes the `Sequence` from `update()` (the worker leases them). The
-scheduler never touches tensors (nor imports torch): it plans with model/batch.py's `StepPlan`.
+scheduler never touches tensors (nor imports torch): it plans with model/requests/batch.py's
+`StepPlan`.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import itertools
 from dataclasses import dataclass
 
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.batch import RunnerOutput, ScheduledSequence, StepPlan
-from pagedserve.model.progress import admit, advance
-from pagedserve.model.sequence import FinishReason, Sequence, SequenceStatus
+from pagedserve.model.requests.batch import RunnerOutput, ScheduledSequence, StepPlan
+from pagedserve.model.requests.progress import admit, advance
+from pagedserve.model.requests.sequence import FinishReason, Sequence, SequenceStatus
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,7 @@ from typing import Any
 
 from pagedserve import worker_server
 from pagedserve.cluster import ClusterMember, join
+from pagedserve.core_share import open_core_share
 from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -35,8 +36,7 @@ from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerLoad, compat_tag, new_incarnation
 from pagedserve.metrics import CounterSource, Gauge, PrefixCacheCounts, register_state
-from pagedserve.model.core_share import open_core_share
-from pagedserve.model.tp_ranks import RankLost
+from pagedserve.model.tp_pipes import RankLost
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, worker_load
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig

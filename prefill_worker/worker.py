@@ -35,10 +35,10 @@ from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
 from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.block_table import BlockTable
-from pagedserve.model.batch import RunnerOutput, StepPlan
+from pagedserve.model.requests.batch import RunnerOutput, StepPlan
+from pagedserve.model.requests.sequence import RequestId, Sequence, sample_request_ids
 from pagedserve.model.sampler import GeneratorStates
-from pagedserve.model.sequence import RequestId, Sequence, sample_request_ids
-from pagedserve.model.tp_ranks import RankLost
+from pagedserve.model.tp_pipes import RankLost
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.lease_table import Lease, LeaseReaper, LeaseState, LeaseTable
 from pagedserve.sampling_params import SamplingParams

@@ -10,15 +10,18 @@ from pathlib import Path
 import pytest
 
 TORCH_FREE = (
-    "pagedserve.model.batch",
-    "pagedserve.model.sequence",
-    "pagedserve.model.progress",
+    "pagedserve.model.requests.batch",
+    "pagedserve.model.requests.sequence",
+    "pagedserve.model.requests.progress",
+    "pagedserve.model.requests.beam_search",
+    "pagedserve.model.requests.convert",
     "pagedserve.decode_worker.scheduler",
     "pagedserve.decode_worker.plan",
     "pagedserve.decode_worker.preemption",
     "pagedserve.prefill_worker.scheduler",
     "pagedserve.gateway.server",  # the gateway: a client of the public API, torch-free
     "pagedserve.gateway.app",
+    "pagedserve.core_share",  # the launcher creates the core-share file without torch
 )
 
 

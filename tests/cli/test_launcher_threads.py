@@ -1,5 +1,5 @@
 """`pagedserve up` shares the host's cores among its model workers (OMP_NUM_THREADS and a
-core-share file, model/core_share.py)."""
+core-share file, pagedserve/core_share.py)."""
 
 from __future__ import annotations
 

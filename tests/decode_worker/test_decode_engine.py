@@ -20,8 +20,8 @@ from pagedserve.decode_worker.kv_import import HANDLE_VERSION, KvImporter
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SwapDirection
 from pagedserve.kernels.dispatch import swap_blocks
 from pagedserve.kvstore.transfer import layout_compat_hash
+from pagedserve.model.requests.sequence import FinishReason, Sequence, SequenceStatus
 from pagedserve.model.runner import ScheduledSequence
-from pagedserve.model.sequence import FinishReason, Sequence, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
 
 NEW_TOKENS = 32

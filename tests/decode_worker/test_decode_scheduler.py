@@ -20,8 +20,8 @@ from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.batch import RunnerOutput, SampledToken
-from pagedserve.model.sequence import FinishReason, RequestId, Sequence, SequenceStatus
+from pagedserve.model.requests.batch import RunnerOutput, SampledToken
+from pagedserve.model.requests.sequence import FinishReason, RequestId, Sequence, SequenceStatus
 from pagedserve.sampling_params import SamplingParams
 
 BLOCK_SIZE = 4

@@ -13,7 +13,7 @@ from oracle import hf_beams, hf_greedy
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.plan import PreemptionMode
-from pagedserve.model.sequence import FinishReason, Sequence, sample_request_id
+from pagedserve.model.requests.sequence import FinishReason, Sequence, sample_request_id
 from pagedserve.sampling_params import SamplingParams, sample_seed
 
 BLOCK_SIZE = 4

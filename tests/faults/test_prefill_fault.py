@@ -31,8 +31,8 @@ from pagedserve.kvstore.hashing import hash_blocks
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import BlockAssembler, BlockChunk
+from pagedserve.model.requests.sequence import RequestId, Sequence
 from pagedserve.model.runner import ModelRunner, ScheduledSequence
-from pagedserve.model.sequence import RequestId, Sequence
 from pagedserve.prefill_worker.convert import Identity
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.server import SERVICE_NAME, build_grpc_server

@@ -12,8 +12,8 @@ from oracle import hf_greedy, make_prompts
 from pagedserve.decode_worker.convert import DecodeCall
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.worker import DecodeWorker
+from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.model.sampler import Sampler
-from pagedserve.model.sequence import FinishReason
 from pagedserve.sampling_params import SamplingParams
 
 POISON = 13  # a prompt starting with this token makes the sampler raise

@@ -11,7 +11,8 @@ import torch
 
 from pagedserve.kernels import cpu_native, dispatch, kv_quant, reference
 from pagedserve.kernels.dispatch import AttentionMetadata
-from pagedserve.kvstore.kv_cache import KV_QUANT_MAX, KVCache, KVCacheSpec
+from pagedserve.kernels.kv_quant import KV_QUANT_MAX
+from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
 
 DTYPES = (torch.int8, torch.float8_e4m3fn)
 BLOCK, HEADS, DIM = 4, 2, 8

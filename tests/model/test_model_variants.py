@@ -13,7 +13,7 @@ from oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
 
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
-from pagedserve.model.sequence import FinishReason
+from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.sampling_params import SamplingParams
 
 VARIANTS = {

@@ -1,7 +1,7 @@
-"""Tensor parallelism (model/tensor_parallel.py, model/tp_ranks.py) on CPU with gloo: a decode
-engine of 2 rank processes gives transformers' greedy tokens, with 2 KV heads (split) and 1
-(replicated), under swap and recompute preemption too; shapes that do not split are refused
-naming the flag; a rank that dies fails the step instead of hanging, and nothing is left
+"""Tensor parallelism (model/tensor_parallel.py, model/tp_ranks.py, model/tp_pipes.py) on CPU
+with gloo: a decode engine of 2 rank processes gives transformers' greedy tokens, with 2 KV heads
+(split) and 1 (replicated), under swap and recompute preemption too; shapes that do not split are
+refused naming the flag; a rank that dies fails the step instead of hanging, and nothing is left
 running."""
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.model.config import load_model_config
 from pagedserve.model.tensor_parallel import Shard
-from pagedserve.model.tp_ranks import StepPlan, _run
+from pagedserve.model.tp_pipes import RankStepMessage
+from pagedserve.model.tp_ranks import _run
 from pagedserve.sampling_params import SamplingParams
 
 NEW_TOKENS = 16
@@ -101,9 +102,9 @@ def test_the_ranks_share_the_workers_thread_count(make_tiny):
             seen["sent"] = sent
             # what a rank process runs per plan, here on rank 0's runner (no forward)
             torch.set_num_threads(3)
-            _run(eng.runner, None, StepPlan(threads=1))
+            _run(eng.runner, None, RankStepMessage(threads=1))
             seen["a rank, told 1"] = torch.get_num_threads()
-            _run(eng.runner, None, StepPlan())
+            _run(eng.runner, None, RankStepMessage())
             seen["then no count"] = torch.get_num_threads()
         finally:
             eng.close()

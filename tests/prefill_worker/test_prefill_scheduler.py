@@ -5,8 +5,8 @@ from __future__ import annotations
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.batch import RunnerOutput, SampledToken, StepPlan
-from pagedserve.model.sequence import RequestId, Sequence
+from pagedserve.model.requests.batch import RunnerOutput, SampledToken, StepPlan
+from pagedserve.model.requests.sequence import RequestId, Sequence
 from pagedserve.prefill_worker.scheduler import (
     PrefillScheduler,
     PrefillSchedulerConfig,

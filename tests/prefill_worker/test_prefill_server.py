@@ -39,8 +39,8 @@ from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
+from pagedserve.model.requests.sequence import RequestId, Sequence
 from pagedserve.model.runner import ModelRunner, ScheduledSequence
-from pagedserve.model.sequence import RequestId, Sequence
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, prefill_pb2
 

@@ -7,14 +7,14 @@ import sys
 
 import pytest
 
-from pagedserve.model import host_memory
+from pagedserve import host_memory
 
 
 def test_it_applies_once_and_imports_no_torch():
     """It must run before torch is imported (`pagedserve prefill|decode` call it first)."""
     code = (
         "import sys\n"
-        "from pagedserve.model.host_memory import reuse_freed_memory\n"
+        "from pagedserve.host_memory import reuse_freed_memory\n"
         "print(reuse_freed_memory(), reuse_freed_memory(), 'torch' in sys.modules)\n"
     )
     out = subprocess.run(

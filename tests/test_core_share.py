@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pagedserve.model import core_share
-from pagedserve.model.core_share import CoreShare, one_torch_thread, open_core_share, parse_spec
+from pagedserve import core_share
+from pagedserve.core_share import CoreShare, one_torch_thread, open_core_share, parse_spec
 
 
 def _share(path, slot, cores=4, borrow=True):

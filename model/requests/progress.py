@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.batch import SampledToken, ScheduledSequence
-from pagedserve.model.sequence import Sequence, SequenceStatus
+from pagedserve.model.requests.batch import SampledToken, ScheduledSequence
+from pagedserve.model.requests.sequence import Sequence, SequenceStatus
 
 
 def admit(

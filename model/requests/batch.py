@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 from pagedserve.kvstore.block_pool import BlockId
 
 if TYPE_CHECKING:
-    from pagedserve.model.sequence import Sequence
+    from pagedserve.model.requests.sequence import Sequence
 
 
 @dataclass(slots=True)

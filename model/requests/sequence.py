@@ -32,12 +32,12 @@ from pagedserve.errors import InvalidArgument
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash, extend_block_hashes
-from pagedserve.model.batch import TokenLogprobs
+from pagedserve.model.requests.batch import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from pagedserve.model.beam_search import BeamSearch
     from pagedserve.model.config import ModelConfig
+    from pagedserve.model.requests.beam_search import BeamSearch
 
 RequestId = NewType("RequestId", str)
 

@@ -5,8 +5,8 @@ Shared by both workers' `convert.py`; nothing else in `model/` touches protobuf.
 
 from __future__ import annotations
 
-from pagedserve.model.batch import TokenLogprobs
-from pagedserve.model.sequence import FinishReason
+from pagedserve.model.requests.batch import TokenLogprobs
+from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.v1 import common_pb2
 
 FINISH_REASONS: dict[FinishReason, common_pb2.FinishReason] = {

@@ -19,6 +19,9 @@ NOTE: torch's intra-op thread count is per calling thread (OpenMP's nthreads ICV
 must call `busy()` from the thread that runs its forwards. Thread count changes only when the
 number of busy workers does; when it does, a step already running elsewhere keeps its threads
 until it ends (a short overlap, measured in docs/benchmarks).
+
+NOTE: torch is imported inside the two functions that call it, not at the top: `pagedserve up`
+(the launcher) creates the share file and must start without torch's import cost.
 """
 
 from __future__ import annotations
