@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.trace import INVALID_SPAN, Span, Tracer, set_span_in_context
 
+from pagedserve.decode_worker.convert import DecodeCall
 from pagedserve.decode_worker.kv_import import ImportCancel
 from pagedserve.decode_worker.plan import DecodePlan
 from pagedserve.decode_worker.streams import AnyStream, Delta
@@ -41,6 +42,19 @@ class TrackedRequest:
     interval: int = 1  # stream_interval: the least new tokens per delta (but the first, last)
     ended: set[int] = field(default_factory=set)  # samples whose last delta was sent
     num_preemptions: int = 0
+
+    @classmethod
+    def for_call(
+        cls, call: DecodeCall, seq: Sequence, stream: AnyStream, span: Span
+    ) -> TrackedRequest:
+        """The request `call` (sample 0: `seq`), streamed to `stream`, its life in `span`."""
+        # NOTE: several samples interleave on one stream: their deltas are not held back
+        interval = call.stream_interval if call.num_outputs == 1 else 1
+        tracked = cls(seq, stream, span, num_samples=call.num_outputs, interval=interval)
+        if call.params.use_beam_search or call.prefill_here:
+            # NOTE: the beams' tokens are all sent at the end; a prefill here sends its first
+            tracked.num_sent = dict.fromkeys(range(call.num_outputs), 0)
+        return tracked
 
     @property
     def members(self) -> list[Sequence]:

@@ -118,12 +118,7 @@ class DecodeWorker:
                 "pagedserve.worker_id": self.worker_id,
             },
         )
-        # NOTE: several samples interleave on one stream: their deltas are not held back
-        interval = call.stream_interval if call.num_outputs == 1 else 1
-        tracked = TrackedRequest(seq, stream, span, num_samples=call.num_outputs, interval=interval)
-        if call.params.use_beam_search or call.prefill_here:
-            # NOTE: the beams' tokens are all sent at the end; a prefill here sends its first
-            tracked.num_sent = dict.fromkeys(range(call.num_outputs), 0)
+        tracked = TrackedRequest.for_call(call, seq, stream, span)
         with self._ids_lock:
             if call.request_id in self._queued or call.request_id in self._tracked:
                 span.end()
