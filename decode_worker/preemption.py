@@ -347,7 +347,7 @@ class Preemptor:
         """Take `entry` out of the running set by swap or recompute (see `_choose_mode`), and
         with it every other running sample of its request: a group is preempted as one unit,
         all swapped (each block only the group holds copied once) or all recomputed."""
-        members = [entry, *reversed(self.queues.mates(entry, self.queues.running))]  # worst first
+        members = [entry, *reversed(self.queues.mates(entry, self.queues.running))]  # last first
         had_copies = False
         for member in members:
             had_copies |= bool(draft.remove(member))
