@@ -1,4 +1,5 @@
-"""The decode worker's edge: `pagedserve.v1` messages <-> our dataclasses.
+"""The decode worker's edge: `pagedserve.v1` messages <-> our dataclasses, and a `DecodeCall`'s
+validation (`new_sequence`: every field checked, named as in the `DecodeRequest`).
 
 Only this module (and the gRPC client in kv_import.py) touches the generated classes.
 """
@@ -8,7 +9,9 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, fields
 
-from pagedserve.errors import InvalidArgument
+from pagedserve.decode_worker.engine import DecodeEngine
+from pagedserve.decode_worker.streams import Delta
+from pagedserve.errors import InvalidArgument, ResourceExhausted
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
 from pagedserve.model.requests.batch import TokenLogprobs
@@ -17,7 +20,7 @@ from pagedserve.model.requests.convert import (
     logprobs_from_proto,
     logprobs_to_proto,
 )
-from pagedserve.model.requests.sequence import FinishReason
+from pagedserve.model.requests.sequence import Sequence
 from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, decode_pb2, prefill_pb2
@@ -78,36 +81,6 @@ class DecodeCall:
         return self.params.n if self.params.use_beam_search else self.params.num_samples
 
 
-@dataclass(slots=True)
-class Delta:
-    """What is new for one request since its previous delta (one `DecodeResponse`)."""
-
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs | None]
-    num_generated: int  # cumulative, first token included
-    num_preemptions: int
-    recomputed_prompt: bool
-    finish_reason: FinishReason | None = None
-    matched_stop_token_id: int | None = None
-    error: str | None = None  # set with FinishReason.ERROR: the status message
-    index: int = 0  # the sample it is about
-    cached_prompt_tokens: int = 0  # prefill here: prompt tokens its prefix cache served
-
-    def merge(self, later: Delta) -> None:
-        """Fold a later delta of the same request and sample into this one."""
-        if later.index != self.index:
-            raise ValueError(f"merge: sample {later.index} into sample {self.index}")
-        self.token_ids += later.token_ids
-        self.logprobs += later.logprobs
-        self.num_generated = later.num_generated
-        self.num_preemptions = later.num_preemptions
-        self.recomputed_prompt = later.recomputed_prompt
-        self.finish_reason = later.finish_reason
-        self.matched_stop_token_id = later.matched_stop_token_id
-        self.error = later.error
-        self.cached_prompt_tokens = later.cached_prompt_tokens
-
-
 def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
     """Raises InvalidArgument naming the field when `prefill_here` comes with what only a
     prefill worker gives (a first token, a KV handle, samples)."""
@@ -133,6 +106,61 @@ def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
         ),
         prefill_here=msg.prefill_here,
     )
+
+
+def new_sequence(call: DecodeCall, engine: DecodeEngine) -> Sequence:
+    """The call's sequence for `engine`, its first token appended (unless a beam search or a
+    prefill here chooses it). InvalidArgument naming the field as in the `DecodeRequest`,
+    ResourceExhausted for a request `engine` can never hold."""
+    if call.prefill_here and (call.num_samples > 1 or call.params.use_beam_search):
+        raise InvalidArgument("prefill_here", "only for one sample without beam search")
+    try:
+        seq = engine.new_sequence(
+            call.prompt_token_ids,
+            call.params,
+            request_id=call.request_id,
+            priority=call.priority,
+            cache_salt=call.cache_salt,
+        )
+    except InvalidArgument as exc:
+        prefix = "request" if exc.field == "prompt_token_ids" else "request.sampling"
+        raise exc.with_prefix(prefix) from None
+    check_first_tokens(call, engine.model_config.vocab_size)
+    if not engine.would_fit(seq.num_prompt_tokens, call.params.max_tokens, call.num_samples):
+        raise ResourceExhausted(
+            f"request needs more than this decode worker's {engine.pool.num_blocks} KV "
+            f"blocks of {engine.pool.block_size}; lower max_tokens or use a larger worker"
+        )
+    if not (call.params.use_beam_search or call.prefill_here):
+        # NOTE: the first beam step chooses the tokens; a prefill here samples the first
+        seq.append_token(call.first_token, call.first_logprobs)
+    return seq
+
+
+def check_first_tokens(call: DecodeCall, vocab_size: int) -> None:
+    """InvalidArgument naming the field: `first_token` and `samples` (every sample's first
+    token, or a beam search's first candidates) must be in the vocabulary and match the
+    sampling params."""
+    if call.first_token >= vocab_size:
+        raise InvalidArgument("first_token", f"{call.first_token} is not < {vocab_size}")
+    params, samples = call.params, call.samples
+    if any(token >= vocab_size for token, _ in samples):
+        raise InvalidArgument("samples", f"a token is not < {vocab_size}")
+    if params.use_beam_search:
+        if len(samples) < min(params.beam_size, vocab_size) or any(lp is None for _, lp in samples):
+            raise InvalidArgument(
+                "samples", f"a beam search of {params.beam_size} beams needs at least as "
+                "many candidates (token, logprob)"
+            )  # fmt: skip
+        return
+    if call.num_samples > 1 and len(samples) != call.num_samples:
+        raise InvalidArgument(
+            "samples", f"{call.num_samples} samples asked, {len(samples)} first tokens given"
+        )
+    if call.num_samples == 1 and samples:
+        raise InvalidArgument("samples", "given for a request with one sample")
+    if samples and samples[0][0] != call.first_token:
+        raise InvalidArgument("samples", "samples[0] must repeat first_token")
 
 
 def shm_offer(msg: common_pb2.ShmTransport) -> ShmOffer:

@@ -23,8 +23,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 
 from pagedserve.decode_worker import convert
-from pagedserve.decode_worker.convert import Delta
-from pagedserve.decode_worker.worker import AsyncRequestStream
+from pagedserve.decode_worker.streams import AsyncRequestStream, Delta
 from pagedserve.errors import AlreadyExists, InvalidArgument, Unavailable
 from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.v1 import decode_pb2

@@ -27,12 +27,13 @@ from pagedserve.decode_worker.plan import (
     DecodePlan,
     KVPolicy,
     PreemptionMode,
+    SchedulerConfig,
     SchedulerStats,
     SchedulingPolicy,
     SwapDirection,
 )
 from pagedserve.decode_worker.preemption import PreemptionCostModel
-from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig, worst_case_blocks
+from pagedserve.decode_worker.scheduler import Scheduler, worst_case_blocks
 from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy

@@ -1,8 +1,10 @@
-"""What the decode scheduler decides for one step (`DecodePlan`) and counts (`SchedulerStats`).
+"""The decode scheduler's plain data: its limits (`SchedulerConfig`), what it decides for one
+step (`DecodePlan`) and what it counts (`SchedulerStats`).
 
-Plain data: no tensors (no torch import). `DecodePlan` is the runner's `StepPlan`
-(model/requests/batch.py: chunks and copy-on-write pairs) plus the decode worker's own decisions:
-swaps, preemptions, failures. The engine executes a plan in this order (docs/scheduling.md)::
+No tensors (no torch import). `DecodePlan` is the runner's `StepPlan`
+(model/requests/batch.py: chunks and copy-on-write pairs) plus the decode worker's own
+decisions: swaps, preemptions, failures. The engine executes a plan in this order
+(docs/scheduling.md)::
 
     swaps              ─► Swapper (one FIFO queue: this plan's copies in the order decided)
     copies             ─► ModelRunner.copy_blocks   (after pending swap-outs of their dst blocks)
@@ -41,6 +43,31 @@ class KVPolicy(enum.Enum):
 class SwapDirection(enum.Enum):
     IN = "in"  # swap space -> device: (host, device) pairs
     OUT = "out"  # device -> swap space: (device, host) pairs
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Limits and policy of one decode scheduler; validated here, once."""
+
+    max_model_len: int
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    policy: SchedulingPolicy = SchedulingPolicy.PRIORITY
+    preemption_mode: PreemptionMode = PreemptionMode.AUTO
+    min_priority_gap: int = 1  # a waiting/swapped sequence displaces running ones this much worse
+    # A sequence preempted this often is no longer picked as a victim (0: each only yields itself).
+    max_preemptions: int = 4
+    bytes_per_block: int = 0  # for the swap byte counters and the cost model
+    eos_token_ids: tuple[int, ...] = ()
+    kv_policy: KVPolicy = KVPolicy.PAGED
+
+    def __post_init__(self) -> None:
+        for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "min_priority_gap"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: must be >= 1, got {getattr(self, name)}")
+        for name in ("max_preemptions", "bytes_per_block"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name}: must be >= 0, got {getattr(self, name)}")
 
 
 @dataclass(slots=True)

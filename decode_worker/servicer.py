@@ -23,7 +23,8 @@ import grpc
 from pagedserve.core_share import one_torch_thread
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.delivery import Deliveries
-from pagedserve.decode_worker.worker import AsyncRequestStream, DecodeWorker
+from pagedserve.decode_worker.streams import AsyncRequestStream
+from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import context_from

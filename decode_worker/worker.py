@@ -26,29 +26,24 @@ in flight ends with ERROR.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import dataclasses
 import logging
 import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
-from opentelemetry.trace import INVALID_SPAN, Span, set_span_in_context
+from opentelemetry.trace import set_span_in_context
 
 from pagedserve.core_share import one_torch_thread
-from pagedserve.decode_worker.convert import DecodeCall, Delta
+from pagedserve.decode_worker import convert
+from pagedserve.decode_worker.convert import DecodeCall
 from pagedserve.decode_worker.engine import DecodeEngine
-from pagedserve.decode_worker.kv_import import (
-    ImportCancel,
-    KvImporter,
-    ProducerClients,
-    TransferReport,
-)
-from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
+from pagedserve.decode_worker.kv_import import KvImporter, ProducerClients, TransferReport
+from pagedserve.decode_worker.streams import AnyStream, Delta, RequestStream, publish
+from pagedserve.decode_worker.tracked import TrackedRequest, request_of, trace_plan
+from pagedserve.errors import InvalidArgument, Unavailable
 from pagedserve.grpcutil import EngineLoop
 from pagedserve.model.requests.batch import ScheduledSequence
 from pagedserve.model.requests.sequence import FinishReason, Sequence, fork_samples
@@ -58,118 +53,6 @@ from pagedserve.worker_hooks import NO_HOOKS, WorkerHooks
 from pagedserve.worker_load import WorkerLoad
 
 log = logging.getLogger(__name__)
-
-
-class RequestStream:
-    """The deltas of one request, in order, read by a thread (`get`); the last one has
-    `finish_reason` set."""
-
-    def __init__(self) -> None:
-        self._queue: queue.SimpleQueue[Delta] = queue.SimpleQueue()
-        self._held: Delta | None = None  # read ahead: another sample's
-
-    def put(self, delta: Delta) -> None:
-        self._queue.put(delta)
-
-    def get(self, timeout_s: float) -> Delta | None:
-        """The next delta merged with any others of its sample already queued; None after
-        `timeout_s`."""
-        delta, self._held = self._held, None
-        if delta is None:
-            try:
-                delta = self._queue.get(timeout=timeout_s)
-            except queue.Empty:
-                return None
-        while delta.finish_reason is None:
-            try:
-                later = self._queue.get_nowait()
-            except queue.Empty:
-                break
-            if later.index != delta.index:
-                self._held = later
-                break
-            delta.merge(later)
-        return delta
-
-
-class AsyncRequestStream:
-    """The deltas of one request, read on an asyncio event loop (`await get()`). The worker
-    hands a step's deltas for every such stream of one loop to that loop in one call
-    (`publish`), never one wake-up per stream."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self._queue: asyncio.Queue[Delta] = asyncio.Queue()
-        self._held: Delta | None = None  # read ahead: another sample's
-
-    def put(self, delta: Delta) -> None:
-        """On the loop's thread only (`publish` gets it there)."""
-        self._queue.put_nowait(delta)
-
-    async def get(self, merge: bool = True) -> Delta:
-        """The next delta merged with any others of its sample already queued (`merge`)."""
-        delta, self._held = self._held, None
-        if delta is None:
-            delta = await self._queue.get()
-        while merge and delta.finish_reason is None and not self._queue.empty():
-            later = self._queue.get_nowait()
-            if later.index != delta.index:
-                self._held = later
-                break
-            delta.merge(later)
-        return delta
-
-
-AnyStream = RequestStream | AsyncRequestStream
-
-
-def publish(items: list[tuple[AnyStream, Delta]]) -> None:
-    """Deliver deltas from the engine's thread: thread streams at once, asyncio streams in one
-    `call_soon_threadsafe` per event loop."""
-    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[AnyStream, Delta]]] = {}
-    for stream, delta in items:
-        if isinstance(stream, AsyncRequestStream):
-            by_loop.setdefault(stream.loop, []).append((stream, delta))
-        else:
-            stream.put(delta)
-    for loop, batch in by_loop.items():
-        # NOTE: a closed loop raises RuntimeError: the server is gone, nobody reads these
-        with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(_put_all, batch)
-
-
-def _request_of(seq: Sequence) -> str:
-    """The request a sequence belongs to: its group's, or its own id."""
-    return seq.group.request_id if seq.group is not None else seq.request_id
-
-
-def _put_all(batch: list[tuple[AnyStream, Delta]]) -> None:
-    for stream, delta in batch:
-        stream.put(delta)
-
-
-@dataclass(slots=True, eq=False)
-class _Tracked:
-    seq: Sequence
-    stream: AnyStream
-    span: Span = INVALID_SPAN  # decode.run: the request's life on this worker
-    queue_span: Span | None = None  # decode.queue: KV ready until first scheduled
-    importing: bool = True
-    cancel: ImportCancel = field(default_factory=ImportCancel)  # stops the import's pull
-    recomputed: bool = False
-    prefill_here: bool = False  # no prefill worker: the prompt and first token are made here
-    generator_restarted: bool = False  # prefill here, seeded: restarted after the first token
-    aborted: bool = False
-    num_samples: int = 1
-    num_sent: dict[int, int] = field(default_factory=dict)  # by sample: output tokens reported
-    interval: int = 1  # stream_interval: the least new tokens per delta (but the first, last)
-    ended: set[int] = field(default_factory=set)  # samples whose last delta was sent
-    num_preemptions: int = 0
-
-    @property
-    def members(self) -> list[Sequence]:
-        """Every sample's sequence, by index (sample 0 alone until the fork)."""
-        return self.seq.group.members if self.seq.group is not None else [self.seq]
 
 
 class DecodeWorker:
@@ -192,11 +75,11 @@ class DecodeWorker:
         self.importer = KvImporter(engine, self.lock, producers or ProducerClients())
         self.draining = False
         self._work = threading.Event()  # set by submit, imports and close: the loop looks again
-        self._inbox: queue.SimpleQueue[tuple[_Tracked, DecodeCall]] = queue.SimpleQueue()
+        self._inbox: queue.SimpleQueue[tuple[TrackedRequest, DecodeCall]] = queue.SimpleQueue()
         self._ids_lock = threading.Lock()  # NOTE: guards `_queued` and additions to `_tracked`
         self._queued: set[str] = set()  # request ids submitted and still in the inbox
         self._stepping = False  # a step holds the lock (submit leaves its request in the inbox)
-        self._tracked: dict[str, _Tracked] = {}
+        self._tracked: dict[str, TrackedRequest] = {}
         self._outbox: list[tuple[AnyStream, Delta]] = []  # deltas to publish (lock held)
         self._last_load: WorkerLoad  # as of the last flush (each step's end) or load() that ran
         self._imports = ThreadPoolExecutor(
@@ -226,7 +109,7 @@ class DecodeWorker:
         """
         if self.draining or self.dead:
             raise Unavailable("decode worker is draining" if not self.dead else "engine stopped")
-        seq = self._new_sequence(call)
+        seq = convert.new_sequence(call, self.engine)
         stream = stream if stream is not None else RequestStream()
         span = self.tracing.tracer.start_span(
             "decode.run",
@@ -237,12 +120,7 @@ class DecodeWorker:
                 "pagedserve.worker_id": self.worker_id,
             },
         )
-        # NOTE: several samples interleave on one stream: their deltas are not held back
-        interval = call.stream_interval if call.num_outputs == 1 else 1
-        tracked = _Tracked(seq, stream, span, num_samples=call.num_outputs, interval=interval)
-        if call.params.use_beam_search or call.prefill_here:
-            # NOTE: the beams' tokens are all sent at the end; a prefill here sends its first
-            tracked.num_sent = dict.fromkeys(range(call.num_outputs), 0)
+        tracked = TrackedRequest.for_call(call, seq, stream, span)
         with self._ids_lock:
             if call.request_id in self._queued or call.request_id in self._tracked:
                 span.end()
@@ -271,7 +149,7 @@ class DecodeWorker:
         if started:
             self._work.set()  # NOTE: an abort may have taken them while the loop sleeps
 
-    def _start(self, tracked: _Tracked, call: DecodeCall) -> None:
+    def _start(self, tracked: TrackedRequest, call: DecodeCall) -> None:
         """Import the prompt's KV on the import pool, or queue its prefill here (lock held)."""
         seq = tracked.seq
         if call.prefill_here:
@@ -290,18 +168,16 @@ class DecodeWorker:
             self._end_all(tracked, FinishReason.ERROR, "decode worker is stopping")
             self._flush()
 
-    def _prefill_here(self, tracked: _Tracked) -> None:
+    def _prefill_here(self, tracked: TrackedRequest) -> None:
         """Queue a request no prefill worker ran: its prompt is computed by this engine's
         steps (chunked, beside the running decodes) like a recompute (lock held)."""
         tracked.importing = False
         tracked.prefill_here = True
         tracked.span.add_event("prefill-here", {"prompt_tokens": tracked.seq.num_prompt_tokens})
-        tracked.queue_span = self.tracing.tracer.start_span(
-            "decode.queue", context=set_span_in_context(tracked.span)
-        )
+        tracked.start_queue_span(self.tracing.tracer)
         self.engine.add_sequence(tracked.seq)
 
-    def _restart_generators(self, tracked: _Tracked, seq: Sequence) -> None:
+    def _restart_generators(self, tracked: TrackedRequest, seq: Sequence) -> None:
         """A seeded request prefilled here draws its second token from a generator restarted
         from the seed, as when a prefill worker drew the first: its tokens do not depend on
         the route (lock held)."""
@@ -310,58 +186,7 @@ class DecodeWorker:
             if seq.params.seed is not None:
                 self.engine.runner.sampler.remove(seq.request_id)
 
-    def _new_sequence(self, call: DecodeCall) -> Sequence:
-        engine = self.engine
-        if call.prefill_here and (call.num_samples > 1 or call.params.use_beam_search):
-            raise InvalidArgument("prefill_here", "only for one sample without beam search")
-        try:
-            seq = engine.new_sequence(
-                call.prompt_token_ids,
-                call.params,
-                request_id=call.request_id,
-                priority=call.priority,
-                cache_salt=call.cache_salt,
-            )
-        except InvalidArgument as exc:
-            prefix = "request" if exc.field == "prompt_token_ids" else "request.sampling"
-            raise exc.with_prefix(prefix) from None
-        vocab = engine.model_config.vocab_size
-        if call.first_token >= vocab:
-            raise InvalidArgument("first_token", f"{call.first_token} is not < {vocab}")
-        self._check_samples(call, vocab)
-        if not engine.would_fit(seq.num_prompt_tokens, call.params.max_tokens, call.num_samples):
-            raise ResourceExhausted(
-                f"request needs more than this decode worker's {engine.pool.num_blocks} KV "
-                f"blocks of {engine.pool.block_size}; lower max_tokens or use a larger worker"
-            )
-        if not (call.params.use_beam_search or call.prefill_here):
-            # NOTE: the first beam step chooses the tokens; a prefill here samples the first
-            seq.append_token(call.first_token, call.first_logprobs)
-        return seq
-
-    @staticmethod
-    def _check_samples(call: DecodeCall, vocab: int) -> None:
-        """`samples`: every sample's first token, or a beam search's first candidates."""
-        params, samples = call.params, call.samples
-        if any(token >= vocab for token, _ in samples):
-            raise InvalidArgument("samples", f"a token is not < {vocab}")
-        if params.use_beam_search:
-            if len(samples) < min(params.beam_size, vocab) or any(lp is None for _, lp in samples):
-                raise InvalidArgument(
-                    "samples", f"a beam search of {params.beam_size} beams needs at least as "
-                    "many candidates (token, logprob)"
-                )  # fmt: skip
-            return
-        if call.num_samples > 1 and len(samples) != call.num_samples:
-            raise InvalidArgument(
-                "samples", f"{call.num_samples} samples asked, {len(samples)} first tokens given"
-            )
-        if call.num_samples == 1 and samples:
-            raise InvalidArgument("samples", "given for a request with one sample")
-        if samples and samples[0][0] != call.first_token:
-            raise InvalidArgument("samples", "samples[0] must repeat first_token")
-
-    def _import(self, tracked: _Tracked, call: DecodeCall) -> None:
+    def _import(self, tracked: TrackedRequest, call: DecodeCall) -> None:
         report = TransferReport()
         with self.tracing.tracer.start_span(
             "kv.transfer", context=set_span_in_context(tracked.span)
@@ -390,9 +215,7 @@ class DecodeWorker:
             if reason is not None:
                 tracked.span.add_event("recompute", {"reason": reason})
             tracked.recomputed = reason is not None
-            tracked.queue_span = self.tracing.tracer.start_span(
-                "decode.queue", context=set_span_in_context(tracked.span)
-            )
+            tracked.start_queue_span(self.tracing.tracer)
             if reason is not None:
                 self.engine.kv.free(tracked.seq.block_table)  # NOTE: a no-op unless partial
                 tracked.seq.num_computed_tokens = 0
@@ -453,7 +276,9 @@ class DecodeWorker:
         self._flush()
         return True
 
-    def _end_all(self, tracked: _Tracked, reason: FinishReason, error: str | None = None) -> None:
+    def _end_all(
+        self, tracked: TrackedRequest, reason: FinishReason, error: str | None = None
+    ) -> None:
         """Finish every sample of `tracked` not yet ended with `reason` (lock held)."""
         for index in range(tracked.num_samples):
             if index in tracked.ended:
@@ -524,7 +349,7 @@ class DecodeWorker:
             self.engine.abort(seq.request_id)
             seq.finish(FinishReason.ERROR)
             self.engine.errors[seq.request_id] = f"{seq.request_id}: decode step failed"
-            tracked = self._tracked.get(_request_of(seq))
+            tracked = self._tracked.get(request_of(seq))
             if tracked is not None:
                 self._finish(tracked, seq)
         self._flush()
@@ -567,98 +392,44 @@ class DecodeWorker:
                 out = self.engine.step()
             finally:
                 self._stepping = False
-            self._trace_plan(out.plan)
+            trace_plan(out.plan, self._tracked)
             for seq in out.finished:
-                tracked = self._tracked.get(_request_of(seq))
+                tracked = self._tracked.get(request_of(seq))
                 if tracked is not None:
                     self._finish(tracked, seq)
             for item in out.plan.scheduled:
                 seq = item.seq
-                tracked = self._tracked.get(_request_of(seq))
+                tracked = self._tracked.get(request_of(seq))
                 if tracked is None or seq.sample_index in tracked.ended:
                     continue
                 if seq.params.use_beam_search:
                     continue  # NOTE: beams change until the search ends: sent at the end
                 if tracked.prefill_here and not tracked.generator_restarted:
                     self._restart_generators(tracked, seq)
-                sent = tracked.num_sent.get(seq.sample_index, 1)
-                new = seq.num_output_tokens - sent
-                # NOTE: stream_interval: a delta (and a wake-up of its reader) only once the
-                # interval is full; the first token computed here goes alone, at once (TTFT)
-                if new >= tracked.interval or (new > 0 and sent == 0):
+                # NOTE: stream_interval: a delta (and a wake-up of its reader) only once due
+                if tracked.is_due(seq):
                     self._outbox.append((tracked.stream, self._delta(tracked, seq)))
             self._flush()
             return not out.plan.is_empty
 
-    def _trace_plan(self, plan) -> None:
-        """Span events for what the step did to each request (preempt, swap, recompute)."""
-        for item in plan.scheduled:
-            tracked = self._tracked.get(_request_of(item.seq))
-            if tracked is not None and tracked.queue_span is not None:
-                tracked.queue_span.end()
-                tracked.queue_span = None
-        events = [("preempt", p.seq, {"mode": p.mode.value, "blocks": p.num_blocks})
-                  for p in plan.preempted]  # fmt: skip
-        events += [("swap-in", seq, {}) for seq in plan.swapped_in]
-        events += [("recompute", seq, {"reason": "preempted"}) for seq in plan.recomputed]
-        for name, seq, attributes in events:
-            tracked = self._tracked.get(_request_of(seq))
-            if tracked is not None:
-                tracked.span.add_event(name, attributes)
-                if name == "preempt" and attributes["mode"] == "swap":
-                    tracked.span.add_event("swap-out", {"blocks": attributes["blocks"]})
-
-    def _delta(self, tracked: _Tracked, seq: Sequence, index: int | None = None) -> Delta:
+    def _delta(self, tracked: TrackedRequest, seq: Sequence, index: int | None = None) -> Delta:
         """What `seq` (sample `index`, default its own) made since its last delta."""
-        index = seq.sample_index if index is None else index
-        new = slice(tracked.num_sent.get(index, 1), seq.num_output_tokens)
-        tracked.num_sent[index] = seq.num_output_tokens
-        tracked.num_preemptions = max(
-            tracked.num_preemptions, self.engine.scheduler.num_preemptions_of(seq.request_id)
-        )
-        return Delta(
-            token_ids=seq.output_token_ids[new],
-            logprobs=seq.output_logprobs[new],
-            num_generated=seq.num_output_tokens,
-            num_preemptions=tracked.num_preemptions,
-            recomputed_prompt=tracked.recomputed,
-            index=index,
-            cached_prompt_tokens=seq.num_cached_prompt_tokens if tracked.prefill_here else 0,
-        )
+        return tracked.delta(seq, index, self.engine.scheduler.num_preemptions_of(seq.request_id))
 
-    def _finish(self, tracked: _Tracked, seq: Sequence, index: int | None = None) -> None:
+    def _finish(self, tracked: TrackedRequest, seq: Sequence, index: int | None = None) -> None:
         """Send sample `seq`'s last delta; forget the request once every sample has ended
         (lock held)."""
         index = seq.sample_index if index is None else index
-        if index in tracked.ended or index >= tracked.num_samples:
+        if not tracked.is_open(index):
             return  # NOTE: a beam search's beams past the n best are not returned
-        tracked.ended.add(index)
-        delta = self._delta(tracked, seq, index)
-        delta.finish_reason = seq.finish_reason
-        if (
-            seq.finish_reason is FinishReason.STOP
-            and seq.token_ids[-1] in seq.params.stop_token_ids
-        ):
-            delta.matched_stop_token_id = seq.token_ids[-1]
+        error = None
         if seq.finish_reason is FinishReason.ERROR:
-            delta.error = self.engine.errors.pop(seq.request_id, "decode failed")
-        self._outbox.append((tracked.stream, delta))
-        if len(tracked.ended) < tracked.num_samples:
-            return
-        del self._tracked[_request_of(tracked.seq)]
-        if tracked.queue_span is not None:
-            tracked.queue_span.end()
-        members = tracked.members
-        output_tokens = sum(m.num_output_tokens for m in members)
-        seq = tracked.seq
-        tracked.span.set_attribute("gen_ai.usage.output_tokens", output_tokens)
-        tracked.span.set_attribute("gen_ai.usage.input_tokens", seq.num_prompt_tokens)
-        tracked.span.set_attribute("pagedserve.num_preemptions", tracked.num_preemptions)
-        tracked.span.set_attribute("pagedserve.recomputed_prompt", tracked.recomputed)
-        tracked.span.set_attribute("pagedserve.prefill_here", tracked.prefill_here)
-        reasons = [m.finish_reason.value if m.finish_reason else "unknown" for m in members]
-        tracked.span.set_attribute("gen_ai.response.finish_reasons", reasons)
-        tracked.span.end()
+            error = self.engine.errors.pop(seq.request_id, "decode failed")
+        preemptions = self.engine.scheduler.num_preemptions_of(seq.request_id)
+        self._outbox.append((tracked.stream, tracked.last_delta(seq, index, preemptions, error)))
+        if tracked.all_ended:
+            del self._tracked[request_of(tracked.seq)]
+            tracked.end_spans()
 
     def _flush(self) -> None:
         """Publish the deltas queued so far (lock held): one hand-over per step.

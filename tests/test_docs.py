@@ -22,11 +22,7 @@ PACKAGES = (
     "gateway", "bench",
 )  # fmt: skip
 MAX_LINES = 600
-# NOTE: being split in this change (issue 47); remove each entry once its split is merged.
-OVER_MAX_ALLOWED = {
-    "decode_worker/scheduler.py",
-    "decode_worker/worker.py",
-}
+OVER_MAX_ALLOWED: frozenset[str] = frozenset()  # NOTE: a file over the limit is split, not listed
 # Written in pieces so that this file does not match itself.
 OUTSIDE_POINTERS = ("../" + "shared", "DES" + "IGN.md", "DES" + "IGN §", "BENCH" + "MARKS.md")
 

@@ -13,10 +13,11 @@ from pagedserve.decode_worker.plan import (
     DecodePlan,
     KVPolicy,
     PreemptionMode,
+    SchedulerConfig,
     SchedulingPolicy,
 )
 from pagedserve.decode_worker.preemption import PreemptionCostModel
-from pagedserve.decode_worker.scheduler import Scheduler, SchedulerConfig
+from pagedserve.decode_worker.scheduler import Scheduler
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager

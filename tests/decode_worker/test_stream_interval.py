@@ -11,7 +11,7 @@ import torch
 from oracle import hf_greedy, make_prompts
 from processes import wait_until
 
-from pagedserve.decode_worker import convert
+from pagedserve.decode_worker import convert, streams
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.protoconv import sampling_to_proto
@@ -25,9 +25,9 @@ class RecordingStream:
     """Every delta as the worker hands it over: nothing merged on the reader's side."""
 
     def __init__(self) -> None:
-        self.deltas: list[convert.Delta] = []
+        self.deltas: list[streams.Delta] = []
 
-    def put(self, delta: convert.Delta) -> None:
+    def put(self, delta: streams.Delta) -> None:
         self.deltas.append(delta)
 
 
