@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_server import RedisServer, running_redis
+from support.redis_server import RedisServer, running_redis
 
 from pagedserve.kvstore.block_pool import BlockPool
 

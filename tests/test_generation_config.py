@@ -11,7 +11,7 @@ import shutil
 import grpc
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
+from support.oracle import hf_greedy, make_prompts
 
 from pagedserve.client import Client
 from pagedserve.generation_config import eos_token_ids, sampling_defaults

@@ -9,8 +9,8 @@ import urllib.request
 
 import grpc
 import pytest
-from oracle import make_prompts
-from otlp_receiver import OtlpReceiver
+from support.oracle import make_prompts
+from support.otlp_receiver import OtlpReceiver
 
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster

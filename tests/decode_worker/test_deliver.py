@@ -10,8 +10,9 @@ import uuid
 import grpc
 import pytest
 import torch
-from oracle import NEW_TOKENS, hf_greedy, make_prompts
-from worker_processes import spawn, wait_ready, wait_until
+from support.oracle import NEW_TOKENS, hf_greedy, make_prompts
+from support.waits import wait_until
+from support.worker_processes import spawn, wait_ready
 
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams

@@ -12,8 +12,9 @@ import threading
 import grpc
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
-from worker_processes import spawn, wait_ready, wait_until
+from support.oracle import hf_greedy, make_prompts
+from support.waits import wait_until
+from support.worker_processes import spawn, wait_ready
 
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams

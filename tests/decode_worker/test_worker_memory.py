@@ -7,7 +7,7 @@ import argparse
 import pathlib
 
 import torch
-from worker_processes import spawn, wait_ready
+from support.worker_processes import spawn, wait_ready
 
 from pagedserve.decode_worker.server import swap_space_gib
 from pagedserve.kvstore.kv_cache import KVCacheSpec

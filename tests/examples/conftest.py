@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from aio_servers import serving
-from chat_templates import CHATML, model_with_template
-from security.certs import make_certs
+from support.aio_servers import serving
+from support.certs import make_certs
+from support.chat_templates import CHATML, model_with_template
 
 from pagedserve.client import Client
 from pagedserve.errors import ResourceExhausted

@@ -15,9 +15,9 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from in_process_router import serve_router
-from oracle import make_prompts
 from proxy import DROP, PASS, RESET, FaultProxy, delay
+from support.in_process_router import serve_router
+from support.oracle import make_prompts
 
 from pagedserve.client import Client
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect

@@ -21,12 +21,13 @@ from pathlib import Path
 
 import openai
 import pytest
-from chat_templates import CHATML, model_with_template
-from otlp_receiver import OtlpReceiver
-from processes import wait_until
+from support.chat_templates import CHATML, model_with_template
+from support.otlp_receiver import OtlpReceiver
+from support.ports import free_port
+from support.waits import wait_until
 
 from pagedserve.client import Client
-from pagedserve.launcher import free_port, start_cluster
+from pagedserve.launcher import start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
 

@@ -17,12 +17,12 @@ from contextlib import ExitStack
 import grpc
 import pytest
 import torch
-from chat_templates import CHATML, model_with_template
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from in_process_router import serve_router
-from oracle import hf_greedy
-from processes import wait_until
+from support.chat_templates import CHATML, model_with_template
+from support.in_process_router import serve_router
+from support.oracle import hf_greedy
+from support.waits import wait_until
 from transformers import AutoTokenizer
 
 from pagedserve.client import Client

@@ -17,8 +17,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from oracle import hf_greedy, make_prompts
-from processes import alive, children_of
+from support.oracle import hf_greedy, make_prompts
+from support.processes import alive, children_of
+from support.waits import wait_until
 
 from pagedserve.bench.loadgen import run_load
 from pagedserve.bench.scenarios import OFFLINE_STREAM_INTERVAL
@@ -58,13 +59,6 @@ def collect(stream):
 def blocks_in_use(client: Client) -> dict[str, int]:
     return {w.worker_id: w.load.kv_blocks_total - w.load.kv_blocks_free - w.load.kv_blocks_cached
             for w in client.status().workers}  # fmt: skip
-
-
-def wait_until(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_sixteen_concurrent_requests_equal_transformers(cluster):
@@ -142,7 +136,9 @@ def test_stop_string_ends_the_stream_with_matched_stop(cluster):
         assert parts[-1].stop_string == stop
         assert parts[-1].finish_reason == common_pb2.FINISH_REASON_STOP
         assert text == full_text[: full_text.index(stop)]
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 5.0), (
+            "condition not met in time"
+        )
 
 
 @pytest.mark.parametrize("interval", [1, 4])
@@ -212,11 +208,15 @@ def cancel_and_deadline_free_every_block(router: str) -> None:
         next(stream)
         next(stream)
         stream.cancel()
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.0)
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 1.0), (
+            "condition not met in time"
+        )
         with pytest.raises(grpc.RpcError) as info:
             collect(client.generate(prompt, long, timeout=0.3))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.0)
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 1.0), (
+            "condition not met in time"
+        )
 
 
 def test_health_and_reflection_on_every_server(cluster):

@@ -7,7 +7,7 @@ worker), so the transfer is exact; the pages that moved are 8-bit ones; no block
 from __future__ import annotations
 
 import pytest
-from oracle import make_prompts
+from support.oracle import make_prompts
 from test_prefill_here_e2e import generate_each, up_args
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig

@@ -6,14 +6,14 @@ block held, and a seeded request draws the same tokens whichever path it takes."
 from __future__ import annotations
 
 import argparse
-import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
+from support.oracle import hf_greedy, make_prompts
+from support.waits import wait_until
 
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
@@ -85,16 +85,11 @@ def generate_each(started, prompts, params) -> tuple[list[list[int]], dict[str, 
     before = scrape(decode_port)
     with Client(started.router_address) as client:
         got = [tokens_of(client.generate(p, params, timeout=60)) for p in prompts]
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10.0), (
+            "condition not met in time"
+        )
     after = scrape(decode_port)
     return got, {name: value - before.get(name, 0) for name, value in after.items()}
-
-
-def wait_until(predicate, timeout_s=10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_short_prompts_prefilled_on_the_decode_worker_equal_transformers(clusters):
@@ -131,7 +126,9 @@ def test_short_prompts_prefilled_on_the_decode_worker_equal_transformers(cluster
     computed = prefill["pagedserve:prompt_tokens_computed"]
     assert computed - prefill_before["pagedserve:prompt_tokens_computed"] == sum(lens) - sum(short)
     with Client(here.router_address) as client:
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10.0), (
+            "condition not met in time"
+        )
 
 
 def test_a_seeded_request_draws_the_same_tokens_on_either_path(clusters):

@@ -12,8 +12,9 @@ import sys
 
 import grpc
 import pytest
-from oracle import hf_dequantized, hf_greedy_on, make_prompts
-from test_prefill_here_e2e import blocks_in_use, child, scrape, tokens_of, up_args, wait_until
+from support.oracle import hf_dequantized, hf_greedy_on, make_prompts
+from support.waits import wait_until
+from test_prefill_here_e2e import blocks_in_use, child, scrape, tokens_of, up_args
 
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
@@ -46,7 +47,9 @@ def test_quantized_cluster_greedy_equals_transformers_on_dequantized_weights(clu
         for prompt in prompts:
             got = tokens_of(client.generate(prompt, GREEDY, timeout=60))
             assert got == hf_greedy_on(model, prompt, GREEDY.max_tokens), len(prompt)
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10.0), (
+            "condition not met in time"
+        )
     after = scrape(child(started, "router").metrics_port)
     routed = {
         path: after[f"pagedserve:routes_{path}_total"]

@@ -13,9 +13,9 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from in_process_router import serve_router
-from oracle import make_prompts
-from processes import wait_until
+from support.in_process_router import serve_router
+from support.oracle import make_prompts
+from support.waits import wait_until
 
 from pagedserve.launcher import start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer

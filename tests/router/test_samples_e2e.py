@@ -11,8 +11,9 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from oracle import hf_beams, hf_greedy, make_prompts
-from test_cluster_e2e import blocks_in_use, up_args, wait_until
+from support.oracle import hf_beams, hf_greedy, make_prompts
+from support.waits import wait_until
+from test_cluster_e2e import blocks_in_use, up_args
 
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
@@ -52,7 +53,9 @@ def test_greedy_samples_equal_transformers_each(cluster) -> None:
     tokenizer = RouterTokenizer.from_model_dir(model_dir)
     with Client(started.router_address) as client:
         parts = list(client.generate(prompt, dataclasses.replace(GREEDY, n=3), timeout=120))
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 5.0), (
+            "condition not met in time"
+        )
     samples = by_index(parts)
     assert sorted(samples) == [0, 1, 2]
     for index, mine in samples.items():
@@ -142,7 +145,9 @@ def test_cancel_mid_stream_frees_every_sample(cluster) -> None:
             if seen >= 12:
                 break
         stream.cancel()
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=10)
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10), (
+            "condition not met in time"
+        )
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -155,7 +160,9 @@ def test_beam_search_through_the_cluster_equals_transformers(cluster, k: int) ->
     request.token_ids.ids.extend(prompt)
     with Client(started.router_address) as client:
         parts = list(client.stub.Generate(request, timeout=120))
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 5.0), (
+            "condition not met in time"
+        )
     want = hf_beams(model_dir, prompt, k, 16, 1.0, 2)
     samples = by_index(parts)
     assert sorted(samples) == [0, 1]
@@ -197,7 +204,9 @@ def test_a_stop_string_ends_each_sample(cluster) -> None:
     with Client(started.router_address) as client:
         parts = list(client.generate(prompt, params, timeout=60))
         # NOTE: every sample ended here: the router cancels the decode call, blocks are freed
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=5)
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 5), (
+            "condition not met in time"
+        )
     for index, mine in by_index(parts).items():
         assert "".join(p.text for p in mine) == full_text[: full_text.index(stop)], index
         assert mine[-1].stop_string == stop

@@ -16,8 +16,9 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from oracle import hf_greedy_on, hf_model, make_prompts
-from test_prefill_here_e2e import child, generate_each, up_args, wait_until
+from support.oracle import hf_greedy_on, hf_model, make_prompts
+from support.waits import wait_until
+from test_prefill_here_e2e import child, generate_each, up_args
 
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
@@ -130,7 +131,9 @@ def test_a_dead_rank_turns_its_worker_not_serving(cluster, role):
     os.kill(rank, signal.SIGKILL)
     start = time.monotonic()
     not_serving = (health_pb2.HealthCheckResponse.NOT_SERVING, GONE)
-    wait_until(lambda: readiness(worker.address, role) in not_serving, timeout_s=10)
+    assert wait_until(lambda: readiness(worker.address, role) in not_serving, 10), (
+        "condition not met in time"
+    )
     assert time.monotonic() - start < 10
     # then it stops (so that `up` or Kubernetes starts it afresh), failing loudly
     assert worker.proc.wait(timeout=30) == 1

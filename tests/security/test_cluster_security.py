@@ -17,9 +17,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from certs import make_certs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from oracle import make_prompts
+from support.certs import make_certs
+from support.oracle import make_prompts
 
 from pagedserve.grpcutil import ClientTLS, make_channel
 from pagedserve.launcher import start_cluster

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from processes import wait_until  # noqa: F401 - re-exported to the decode tests
 
 START_TIMEOUT_S = 60.0
 

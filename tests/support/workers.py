@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from processes import wait_until  # noqa: F401 - re-exported to the fault tests
 
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
