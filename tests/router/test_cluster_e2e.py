@@ -3,7 +3,6 @@ started by the same code as `pagedserve up`, driven over the public gRPC API."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -17,7 +16,9 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+from support.clusters import SAMPLES_MAX_N
 from support.oracle import hf_greedy, make_prompts
+from support.probes import blocks_in_use
 from support.processes import alive, children_of
 from support.waits import wait_until
 
@@ -25,7 +26,6 @@ from pagedserve.bench.loadgen import run_load
 from pagedserve.bench.scenarios import OFFLINE_STREAM_INTERVAL
 from pagedserve.bench.workloads import make_workload
 from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2
@@ -33,32 +33,19 @@ from pagedserve.v1 import common_pb2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-def up_args(model_dir, **overrides) -> argparse.Namespace:
-    values = dict(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
-    )  # fmt: skip
-    return argparse.Namespace(**(values | overrides))
-
-
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
+def cluster(make_tiny, clusters):
+    """The shared tiny cluster (stopped, and checked, at the end of the session).
+    NOTE: `max_n` as test_samples_e2e asks, so that the two share one cluster; no test here
+    asks for more than one sample."""
     model_dir = make_tiny("llama")
-    started = start_cluster(up_args(model_dir), tmp_path_factory.mktemp("cluster-logs"))
-    yield started, model_dir
-    started.stop()
-    assert all(c.proc.poll() is not None for c in started.children)
+    return clusters.get(model_dir, max_n=SAMPLES_MAX_N), model_dir
 
 
 def collect(stream):
     parts = list(stream)
     tokens = [t for p in parts for t in p.token_ids]
     return parts, tokens
-
-
-def blocks_in_use(client: Client) -> dict[str, int]:
-    return {w.worker_id: w.load.kv_blocks_total - w.load.kv_blocks_free - w.load.kv_blocks_cached
-            for w in client.status().workers}  # fmt: skip
 
 
 def test_sixteen_concurrent_requests_equal_transformers(cluster):
@@ -68,15 +55,12 @@ def test_sixteen_concurrent_requests_equal_transformers(cluster):
     assert router_log(started).count("Deliver stream ") == 1, router_log(started)[-2000:]
 
 
-def test_without_delivery_each_decode_call_streams_its_own_tokens(make_tiny, tmp_path):
+def test_without_delivery_each_decode_call_streams_its_own_tokens(make_tiny, clusters):
     model_dir = make_tiny("llama")
-    started = start_cluster(up_args(model_dir, decode_delivery=False), tmp_path)
-    try:
+    with clusters.private(model_dir, decode_delivery=False) as started:
         sixteen_concurrent_requests_equal_transformers(started.router_address, model_dir)
         cancel_and_deadline_free_every_block(started.router_address)
         assert "Deliver stream " not in router_log(started)
-    finally:
-        started.stop()
 
 
 def router_log(started) -> str:

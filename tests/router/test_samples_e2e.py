@@ -11,12 +11,12 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
+from support.clusters import SAMPLES_MAX_N
 from support.oracle import hf_beams, hf_greedy, make_prompts
+from support.probes import blocks_in_use, tokens_of
 from support.waits import wait_until
-from test_cluster_e2e import blocks_in_use, up_args
 
 from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
@@ -26,13 +26,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
 
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
+def cluster(make_tiny, clusters):
+    """The shared tiny cluster, with `max_n` raised to `SAMPLES_MAX_N` (6)."""
     model_dir = make_tiny("llama")
-    started = start_cluster(
-        up_args(model_dir, max_n=6), tmp_path_factory.mktemp("samples-cluster-logs")
-    )
-    yield started, model_dir
-    started.stop()
+    return clusters.get(model_dir, max_n=SAMPLES_MAX_N), model_dir
 
 
 def by_index(parts) -> dict[int, list]:
@@ -40,10 +37,6 @@ def by_index(parts) -> dict[int, list]:
     for part in parts:
         out.setdefault(part.index, []).append(part)
     return out
-
-
-def tokens_of(parts) -> list[int]:
-    return [t for p in parts for t in p.token_ids]
 
 
 def test_greedy_samples_equal_transformers_each(cluster) -> None:

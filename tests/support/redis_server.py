@@ -17,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import redis
+
 from support.ports import free_port
 
 START_TIMEOUT_S = 10.0
