@@ -18,7 +18,7 @@ from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 from support.oracle import hf_greedy, make_prompts
 from support.waits import wait_until
-from support.worker_processes import spawn, wait_ready
+from support.workers import start, wait_ready
 
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
@@ -40,10 +40,10 @@ def cluster(tiny_llama, module_redis, tmp_path_factory):
     common = ["--model", str(tiny_llama), "--block-size", str(BLOCK_SIZE)]
     prefill = [*common, "--num-gpu-blocks-override", "1024", "--drain-timeout", "1"]
     procs = {
-        "prefill-shm": spawn("prefill", prefill, logs / "prefill-shm.log"),
-        "prefill-grpc": spawn("prefill", [*prefill, "--no-shm"], logs / "prefill-grpc.log"),
-        "prefill-doomed": spawn("prefill", prefill, logs / "prefill-doomed.log"),
-        "decode": spawn(
+        "prefill-shm": start("prefill", prefill, logs / "prefill-shm.log"),
+        "prefill-grpc": start("prefill", [*prefill, "--no-shm"], logs / "prefill-grpc.log"),
+        "prefill-doomed": start("prefill", prefill, logs / "prefill-doomed.log"),
+        "decode": start(
             "decode",
             [
                 *common, "--num-gpu-blocks-override", "1024", "--swap-space", "0.01",
@@ -61,7 +61,7 @@ def cluster(tiny_llama, module_redis, tmp_path_factory):
         yield procs, channels
     finally:
         for proc in procs.values():
-            proc.stop()
+            proc.kill()
 
 
 def prefill_stub(cluster, name):
