@@ -85,5 +85,5 @@ def wait_ready(process: Process, timeout_s: float = START_TIMEOUT_S) -> Process:
     if not line.startswith("READY"):
         process.stop()
         raise RuntimeError(f"{process.role} did not start: {process.log_tail()}")
-    _, process.worker_id, process.address = line.split()
+    _, process.worker_id, process.address = line.split()[:3]
     return process
