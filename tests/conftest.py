@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny models built once per session, and the block-pool integrity guard."""
+"""Shared fixtures: tiny models built once per session, the session's clusters, real
+redis-servers, and the block-pool integrity guard."""
 
 from __future__ import annotations
 
@@ -7,7 +8,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from redis_server import RedisServer, running_redis
+from support.chat_templates import CHATML, model_with_template
+from support.clusters import Clusters
+from support.redis_server import RedisServer, running_redis
 
 from pagedserve.kvstore.block_pool import BlockPool
 
@@ -64,3 +67,20 @@ def make_tiny(tmp_path_factory: pytest.TempPathFactory):
 @pytest.fixture(scope="session")
 def tiny_llama(make_tiny) -> Path:
     return make_tiny("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_chat_model(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny llama with the ChatML chat template (one directory for the session, so that the
+    clusters of every test that serves it can be one)."""
+    return model_with_template(tiny_llama, tmp_path_factory.mktemp("tiny-chat") / "model", CHATML)
+
+
+@pytest.fixture(scope="session")
+def clusters(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Clusters]:
+    """The session's cluster factory (tests/support/clusters.py): `clusters.get(model, **flags)`
+    shares one running cluster per configuration; `clusters.private(...)` gives a fresh one.
+    Every shared cluster is stopped, and checked, at the end of the session."""
+    factory = Clusters(tmp_path_factory.mktemp("clusters"))
+    yield factory
+    factory.close()

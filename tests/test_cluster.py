@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
-from redis_server import RedisServer
+from support.redis_server import RedisServer
+from support.waits import wait_until
 
 from pagedserve.cluster import join, model_key
 from pagedserve.kvstore.worker_registry import Role, WorkerLoad, WorkerRegistry, connect
@@ -15,13 +15,6 @@ from pagedserve.kvstore.worker_registry import Role, WorkerLoad, WorkerRegistry,
 MODEL = "tiny"
 TIMEOUT_S = 0.2
 BOUND_S = 3.0  # a wait that must end well within this (a bound, not a speed check)
-
-
-def wait_until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + BOUND_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.01)
 
 
 def reader(server: RedisServer) -> WorkerRegistry:
@@ -41,7 +34,9 @@ def test_joined_worker_is_alive_with_its_incarnation_and_its_heartbeat_load(
         assert member.registered
         registry = reader(redis_server)
         assert registry.live_incarnations(["d0"]) == {"d0": "inc-1"}
-        wait_until(lambda: member.heartbeater.beats >= 2, "two beats")
+        assert wait_until(lambda: member.heartbeater.beats >= 2, BOUND_S), (
+            "timed out waiting until two beats"
+        )
         info = registry.get("d0")
         assert info is not None
         assert (info.address, info.role, info.compat) == ("10.0.0.2:7002", Role.DECODE, "ab/16")
@@ -80,9 +75,13 @@ def test_worker_joins_when_redis_returns_after_an_outage_at_start(
     )  # fmt: skip
     try:
         assert not member.registered
-        wait_until(lambda: member.heartbeater.failures >= 1, "a failed beat")
+        assert wait_until(lambda: member.heartbeater.failures >= 1, BOUND_S), (
+            "timed out waiting until a failed beat"
+        )
         redis_server.start()
-        wait_until(lambda: recreated, "the record is re-created")
+        assert wait_until(lambda: recreated, BOUND_S), (
+            "timed out waiting until the record is re-created"
+        )
         assert reader(redis_server).live_incarnations(["p0"]) == {"p0": "inc-1"}
     finally:
         member.leave()

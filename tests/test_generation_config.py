@@ -4,14 +4,14 @@ router's max_model_len is the workers' `--max-model-len`."""
 
 from __future__ import annotations
 
-import argparse
 import json
 import shutil
 
 import grpc
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
+from support.clusters import up_args
+from support.oracle import hf_greedy, make_prompts
 
 from pagedserve.client import Client
 from pagedserve.generation_config import eos_token_ids, sampling_defaults
@@ -89,11 +89,7 @@ def test_cluster_stops_at_an_eos_id_only_generation_config_lists(tiny_copy, tmp_
     extra_eos = free_run[step]
     write_generation_config(tiny_copy, eos_token_id=[CONFIG_EOS, extra_eos])
     assert json.loads((tiny_copy / "config.json").read_text())["eos_token_id"] == CONFIG_EOS
-    args = argparse.Namespace(
-        model=str(tiny_copy), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
-        max_model_len=64, generation_config="auto",
-    )  # fmt: skip
+    args = up_args(tiny_copy, max_model_len=64, generation_config="auto")
     cluster = start_cluster(args, tmp_path)
     try:
         with Client(cluster.router_address) as client:

@@ -3,14 +3,14 @@ collector on loopback; Prometheus metrics that move; a dead collector never hurt
 
 from __future__ import annotations
 
-import argparse
 import threading
 import urllib.request
 
 import grpc
 import pytest
-from oracle import make_prompts
-from otlp_receiver import OtlpReceiver
+from support.clusters import up_args
+from support.oracle import make_prompts
+from support.otlp_receiver import OtlpReceiver
 
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
@@ -19,24 +19,14 @@ from pagedserve.sampling_params import SamplingParams
 LONG = SamplingParams(temperature=0.0, max_tokens=90, ignore_eos=True)
 
 
-def up_args(model_dir, endpoint, **overrides) -> argparse.Namespace:
-    values = dict(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="512KiB", start_timeout=120.0, log_dir=None,
-        otlp_traces_endpoint=endpoint, metrics=True,
-    )  # fmt: skip
-    return argparse.Namespace(**(values | overrides))
-
-
 @pytest.fixture(scope="module")
-def traced(make_tiny, tmp_path_factory):
+def traced(make_tiny, clusters):
     receiver = OtlpReceiver().start()
     # NOTE: 512 KiB of KV is 64 blocks of 16 tokens for the tiny model: four requests of
     # 200 + 90 tokens need 76, so the decode worker must preempt.
-    args = up_args(make_tiny("llama"), receiver.endpoint)
-    cluster = start_cluster(args, tmp_path_factory.mktemp("traced-logs"))
-    yield cluster, receiver
-    cluster.stop()
+    flags = dict(kv_cache_memory="512KiB", otlp_traces_endpoint=receiver.endpoint, metrics=True)
+    with clusters.private(make_tiny("llama"), **flags) as cluster:
+        yield cluster, receiver
     receiver.stop()
 
 
@@ -167,7 +157,9 @@ def test_metrics_endpoints_expose_names_that_move(traced):
 
 
 def test_an_unreachable_collector_does_not_hurt_serving_or_stopping(make_tiny, tmp_path_factory):
-    args = up_args(make_tiny("llama"), "http://127.0.0.1:9", metrics=False, kv_cache_memory="4MiB")
+    args = up_args(
+        make_tiny("llama"), otlp_traces_endpoint="http://127.0.0.1:9", kv_cache_memory="4MiB"
+    )
     cluster = start_cluster(args, tmp_path_factory.mktemp("dead-collector-logs"))
     try:
         with Client(cluster.router_address) as client:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 
-from otlp_receiver import OtlpReceiver
+from support.otlp_receiver import OtlpReceiver
 
 from pagedserve.telemetry import context_from, current_carrier, setup_tracing
 

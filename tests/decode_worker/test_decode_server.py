@@ -16,8 +16,9 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from oracle import hf_greedy, make_prompts
-from worker_processes import spawn, wait_ready, wait_until
+from support.oracle import hf_greedy, make_prompts
+from support.waits import wait_until
+from support.workers import start, wait_ready
 
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
@@ -34,19 +35,19 @@ TIMEOUT_S = 60
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, redis_server, tmp_path_factory):
+def cluster(tiny_llama, module_redis, tmp_path_factory):
     logs = tmp_path_factory.mktemp("logs")
     common = ["--model", str(tiny_llama), "--block-size", str(BLOCK_SIZE)]
     prefill = [*common, "--num-gpu-blocks-override", "1024", "--drain-timeout", "1"]
     procs = {
-        "prefill-shm": spawn("prefill", prefill, logs / "prefill-shm.log"),
-        "prefill-grpc": spawn("prefill", [*prefill, "--no-shm"], logs / "prefill-grpc.log"),
-        "prefill-doomed": spawn("prefill", prefill, logs / "prefill-doomed.log"),
-        "decode": spawn(
+        "prefill-shm": start("prefill", prefill, logs / "prefill-shm.log"),
+        "prefill-grpc": start("prefill", [*prefill, "--no-shm"], logs / "prefill-grpc.log"),
+        "prefill-doomed": start("prefill", prefill, logs / "prefill-doomed.log"),
+        "decode": start(
             "decode",
             [
                 *common, "--num-gpu-blocks-override", "1024", "--swap-space", "0.01",
-                "--redis-url", redis_server.url, "--served-model-name", "tiny",
+                "--redis-url", module_redis.url, "--served-model-name", "tiny",
                 # NOTE: a bound, not a speed check: 300 tokens under a loaded CI took > 10 s
                 "--worker-id", "decode-a", "--drain-timeout", "60",
             ],
@@ -60,7 +61,7 @@ def cluster(tiny_llama, redis_server, tmp_path_factory):
         yield procs, channels
     finally:
         for proc in procs.values():
-            proc.stop()
+            proc.kill()
 
 
 def prefill_stub(cluster, name):
@@ -199,9 +200,9 @@ def test_bad_request_is_invalid_argument_naming_the_field(cluster, change, field
     assert bad_request.field_violations[0].field == field
 
 
-def test_registered_in_redis_then_sigterm_drains_the_stream_in_flight(cluster, redis_server):
+def test_registered_in_redis_then_sigterm_drains_the_stream_in_flight(cluster, module_redis):
     procs = cluster[0]
-    registry = WorkerRegistry(connect(redis_server.url), "tiny")
+    registry = WorkerRegistry(connect(module_redis.url), "tiny")
     (live,) = registry.live_workers(Role.DECODE)
     assert (live.worker_id, live.address) == ("decode-a", procs["decode"].address)
 

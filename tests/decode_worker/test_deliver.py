@@ -10,8 +10,9 @@ import uuid
 import grpc
 import pytest
 import torch
-from oracle import NEW_TOKENS, hf_greedy, make_prompts
-from worker_processes import spawn, wait_ready, wait_until
+from support.oracle import NEW_TOKENS, hf_greedy, make_prompts
+from support.waits import wait_until
+from support.workers import start, wait_ready
 
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -24,13 +25,13 @@ TIMEOUT_S = 60
 def decode(tiny_llama, tmp_path_factory):
     log = tmp_path_factory.mktemp("deliver") / "decode.log"
     args = ["--model", str(tiny_llama), "--block-size", "16", "--num-gpu-blocks-override", "512"]
-    worker = wait_ready(spawn("decode", args, log))
+    worker = wait_ready(start("decode", args, log))
     channel = grpc.insecure_channel(worker.address)
     try:
         yield decode_pb2_grpc.DecodeWorkerStub(channel), worker
     finally:
         channel.close()
-        worker.stop()
+        worker.kill()
 
 
 class Delivery:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import hf_beams, hf_greedy
+from support.oracle import hf_beams, hf_greedy
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.plan import PreemptionMode

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
-from processes import wait_until
+from support.oracle import hf_greedy, make_prompts
+from support.waits import wait_until
 
 from pagedserve.decode_worker import convert, streams
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig

@@ -12,8 +12,9 @@ import threading
 import grpc
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
-from worker_processes import spawn, wait_ready, wait_until
+from support.oracle import hf_greedy, make_prompts
+from support.waits import wait_until
+from support.workers import start, wait_ready
 
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -39,9 +40,9 @@ def workers(tiny_llama, tmp_path_factory):
     decode = [*common, "--num-gpu-blocks-override", "12", "-tp", "2", "--swap-space", "0.01",
               "--preemption-mode", "swap"]  # fmt: skip
     procs = {
-        "prefill-tp2": spawn("prefill", [*prefill, "-tp", "2", "--no-shm"], logs / "p2.log"),
-        "prefill-tp1": spawn("prefill", prefill, logs / "p1.log"),
-        "decode": spawn("decode", decode, logs / "d.log"),
+        "prefill-tp2": start("prefill", [*prefill, "-tp", "2", "--no-shm"], logs / "p2.log"),
+        "prefill-tp1": start("prefill", prefill, logs / "p1.log"),
+        "decode": start("decode", decode, logs / "d.log"),
     }
     try:
         for proc in procs.values():
@@ -49,7 +50,7 @@ def workers(tiny_llama, tmp_path_factory):
         yield procs, {name: grpc.insecure_channel(p.address) for name, p in procs.items()}
     finally:
         for proc in procs.values():
-            proc.stop()
+            proc.kill()
 
 
 def play_router(workers, producer: str, request_id: str, prompt: list[int]):

@@ -7,7 +7,7 @@ import argparse
 import pathlib
 
 import torch
-from worker_processes import spawn, wait_ready
+from support.workers import start, wait_ready
 
 from pagedserve.decode_worker.server import swap_space_gib
 from pagedserve.kvstore.kv_cache import KVCacheSpec
@@ -25,13 +25,13 @@ def rss_bytes(pid: int | str = "self") -> int:
 
 
 def test_decode_worker_with_a_small_kv_budget_stays_small(tiny_llama, tmp_path):
-    worker = spawn("decode", ["--model", str(tiny_llama), "--kv-cache-memory", "2MiB"],
+    worker = start("decode", ["--model", str(tiny_llama), "--kv-cache-memory", "2MiB"],
                    tmp_path / "decode.log")  # fmt: skip
     try:
         wait_ready(worker)
         rss = rss_bytes(worker.proc.pid)
     finally:
-        worker.stop()
+        worker.kill()
     print(f"decode worker RSS with --kv-cache-memory 2MiB: {rss / MIB:.0f} MiB")
     assert rss < 1 << 30  # was ~4.6 GB: a 4 GiB swap space zero-filled at start
 

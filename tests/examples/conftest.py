@@ -5,19 +5,16 @@ behind TLS and API keys)."""
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from aio_servers import serving
-from chat_templates import CHATML, model_with_template
-from security.certs import make_certs
+from support.aio_servers import serving
+from support.certs import make_certs
 
 from pagedserve.client import Client
 from pagedserve.errors import ResourceExhausted
 from pagedserve.grpcutil import ServerTLS, build_server
-from pagedserve.launcher import start_cluster
 from pagedserve.router.auth import ApiKeys, AuthInterceptor
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2_grpc
@@ -26,15 +23,10 @@ RETRY_AFTER_S = 1.5
 
 
 @pytest.fixture(scope="package")
-def cluster(tiny_llama, tmp_path_factory):
-    model_dir = model_with_template(tiny_llama, tmp_path_factory.mktemp("examples") / "m", CHATML)
-    args = argparse.Namespace(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
-    )  # fmt: skip
-    started = start_cluster(args, tmp_path_factory.mktemp("examples-logs"))
-    yield started
-    started.stop()
+def cluster(tiny_chat_model, clusters):
+    """The shared cluster of the tiny model with a chat template (tests/router/test_chat_e2e.py
+    uses it too)."""
+    return clusters.get(tiny_chat_model)
 
 
 @pytest.fixture(scope="package")

@@ -15,13 +15,12 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from in_process_router import serve_router
-from oracle import make_prompts
 from proxy import DROP, PASS, RESET, FaultProxy, delay
+from support.in_process_router import serve_router
+from support.oracle import make_prompts
 
 from pagedserve.client import Client
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
-from pagedserve.launcher import start_cluster
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2
@@ -33,16 +32,13 @@ STALL_S = 2.0  # the cluster router's --stall-timeout
 
 
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
-    args = argparse.Namespace(
-        model=str(make_tiny("llama")), host="127.0.0.1", port=0, prefill=1, decode=2,
-        redis_url=None, block_size=16, dtype=None, kv_cache_memory="16MiB",
-        start_timeout=120.0, log_dir=None, stall_timeout=STALL_S,
-    )  # fmt: skip
-    started = start_cluster(args, tmp_path_factory.mktemp("logs"))
-    assert started.redis_url is not None, "redis-server is needed (`make redis`)"
-    yield started, args.model
-    started.stop(timeout_s=5)  # NOTE: the prefill worker would wait for the dead decoder's leases
+def cluster(make_tiny, clusters):
+    """A private cluster: the tests here kill and stop its decode workers."""
+    model = str(make_tiny("llama"))
+    # NOTE: a short stop: the prefill worker would wait for the dead decoder's leases
+    with clusters.private(model, stop_timeout_s=5, decode=2, stall_timeout=STALL_S) as started:
+        assert started.redis_url is not None, "redis-server is needed (`make redis`)"
+        yield started, model
 
 
 @pytest.fixture(scope="module")

@@ -14,7 +14,7 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
-from in_process_router import serve_router
+from support.in_process_router import serve_router
 
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 

@@ -18,12 +18,13 @@ import time
 import grpc
 import pytest
 import torch
-from in_process_router import serve_router
-from oracle import hf_greedy, make_prompts
 from proxy import PASS, FaultProxy, delay
-from workers import start, wait_ready, wait_until
+from support.in_process_router import serve_router
+from support.oracle import hf_greedy, make_prompts
+from support.ports import free_port
+from support.waits import wait_until
+from support.workers import start, wait_ready
 
-from pagedserve.launcher import free_port
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import (

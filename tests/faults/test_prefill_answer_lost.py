@@ -17,10 +17,10 @@ import threading
 from contextlib import ExitStack
 
 import pytest
-from aio_servers import serving
-from in_process_router import serve_router
-from oracle import make_prompts
-from workers import wait_until
+from support.aio_servers import serving
+from support.in_process_router import serve_router
+from support.oracle import make_prompts
+from support.waits import wait_until
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.servicer import DecodeServicer

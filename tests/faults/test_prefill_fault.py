@@ -12,7 +12,6 @@ the new slots of the whole batch and raises, the worst a failed forward can leav
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -20,9 +19,10 @@ from dataclasses import dataclass
 import grpc
 import pytest
 import torch
-from aio_servers import serving
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from oracle import hf_greedy, make_prompts
+from support.aio_servers import serving
+from support.oracle import hf_greedy, make_prompts
+from support.waits import wait_until
 
 from pagedserve.errors import Unavailable
 from pagedserve.kvstore.block_pool import BlockPool
@@ -220,19 +220,14 @@ class Server:
         return self.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
 
     def wait_queued(self, n: int) -> None:
-        wait_for(lambda: self.worker.engine.scheduler.num_waiting == n, "requests queued")
+        assert wait_until(lambda: self.worker.engine.scheduler.num_waiting == n, 10.0), (
+            "requests queued: not within 10.0 s"
+        )
 
     def close(self) -> None:
         self.channel.close()
         self._serving.__exit__(None, None, None)
         self.worker.close()
-
-
-def wait_for(predicate, what: str, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"{what}: not within {timeout_s} s"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -327,7 +322,7 @@ def test_a_dead_loop_flips_health_and_fails_every_prompt(server, monkeypatch):
             call.result(timeout=60)
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert f"doomed{i}" in (info.value.details() or "")
-    wait_for(lambda: not server.serving(), "health NOT_SERVING")
+    assert wait_until(lambda: not server.serving(), 10.0), "health NOT_SERVING: not within 10.0 s"
     assert worker.dead and server.load().draining
     with pytest.raises(grpc.RpcError) as info:
         server.prefill("late", prompts[0]).result(timeout=10)

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
+from support.oracle import hf_greedy, make_prompts
 
 from pagedserve.decode_worker.convert import DecodeCall
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig

@@ -14,10 +14,11 @@ import time
 
 import grpc
 import pytest
-from in_process_router import serve_router
-from oracle import make_prompts
 from proxy import PASS, RESET, FaultProxy, delay
-from workers import start, wait_ready
+from support.in_process_router import serve_router
+from support.oracle import make_prompts
+from support.waits import wait_until
+from support.workers import start, wait_ready
 
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -80,10 +81,10 @@ def test_slow_load_polls_keep_the_worker_routable_with_its_last_load(router):
     assert worker.stale and worker.healthy and worker.load is not None
     assert generate(stub) == want  # slow, and still served
     # the next polls wait longer for it (up to 4 s): a worker this busy is still seen
-    assert wait_for(lambda: refreshed(worker_set) and not decode_worker(worker_set).stale, 10.0)
+    assert wait_until(lambda: refreshed(worker_set) and not decode_worker(worker_set).stale, 10.0)
     assert decode_worker(worker_set).poll_timeout_s >= 1.0
     proxy.set_mode(PASS)  # NOTE: bytes already delayed still arrive late: poll until fresh
-    assert wait_for(lambda: refreshed(worker_set) and not decode_worker(worker_set).stale, 5.0)
+    assert wait_until(lambda: refreshed(worker_set) and not decode_worker(worker_set).stale, 5.0)
 
 
 def test_a_failed_connection_takes_the_worker_out_until_it_answers_again(router):
@@ -92,21 +93,12 @@ def test_a_failed_connection_takes_the_worker_out_until_it_answers_again(router)
     worker_set.refresh()
     assert not decode_worker(worker_set).healthy
     proxy.set_mode(PASS)
-    assert wait_for(lambda: refreshed(worker_set) and decode_worker(worker_set).healthy, 5.0)
+    assert wait_until(lambda: refreshed(worker_set) and decode_worker(worker_set).healthy, 5.0)
 
 
 def refreshed(worker_set) -> bool:
     worker_set.refresh()
     return True
-
-
-def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_a_request_with_no_ready_pair_waits_for_one(router):
@@ -122,7 +114,7 @@ def test_a_request_with_no_ready_pair_waits_for_one(router):
     time.sleep(0.7)  # the request is waiting for a decode worker now
     assert waiter.is_alive() and not result
     proxy.set_mode(PASS)  # the worker is back: the next poll lets the request through
-    assert wait_for(lambda: refreshed(worker_set) and decode_worker(worker_set).healthy, 5.0)
+    assert wait_until(lambda: refreshed(worker_set) and decode_worker(worker_set).healthy, 5.0)
     waiter.join(30)
     assert result == [want]
     assert 0.7 <= time.monotonic() - started < ROUTE_WAIT_S + 5

@@ -22,9 +22,11 @@ import time
 import grpc
 import pytest
 import torch
-from aio_servers import serving
-from oracle import hf_greedy, make_prompts
-from workers import start, wait_ready, wait_until
+from support.aio_servers import serving
+from support.oracle import hf_greedy, make_prompts
+from support.ports import free_port
+from support.waits import wait_until
+from support.workers import start, wait_ready
 
 from pagedserve.client import Client
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
@@ -32,7 +34,7 @@ from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.grpcutil import build_server
 from pagedserve.kvstore.worker_registry import WorkerRegistry, connect
-from pagedserve.launcher import free_port, wait_healthy
+from pagedserve.launcher import wait_healthy
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 

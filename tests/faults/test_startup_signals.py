@@ -17,7 +17,8 @@ import sys
 import time
 
 import pytest
-from processes import alive, children_of
+from support.processes import alive, children_of
+from support.waits import wait_until
 
 EXIT_TIMEOUT_S = 60.0  # loose: a worker finishes loading its model before it stops
 SHM_PREFIX = "pagedserve-kv-"
@@ -58,13 +59,6 @@ def leaked(before: set[str]) -> set[str]:
     return new
 
 
-def wait_for(predicate, timeout_s: float, what: str) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.01)
-
-
 def stdout_of(proc: subprocess.Popen[str]) -> str:
     assert proc.stdout is not None
     return proc.stdout.read()
@@ -85,7 +79,7 @@ def test_pagedserve_up_stopped_during_start_up_leaves_nothing(make_tiny, tmp_pat
                     " decode " in cmdline(p)]  # fmt: skip
             return pids if len(pids) == 2 and all(map(catches_sigterm, pids)) else []
 
-        wait_for(workers_loading, 60, "the workers never started")
+        assert wait_until(workers_loading, 60), "the workers never started"
         children = children_of(up.pid)
         assert not any(" router " in cmdline(p) for p in children), "too late: router started"
         up.send_signal(sig)
@@ -97,7 +91,9 @@ def test_pagedserve_up_stopped_during_start_up_leaves_nothing(make_tiny, tmp_pat
             up.kill()
             up.wait(10)
     assert "READY router" not in stdout_of(up)
-    wait_for(lambda: not any(alive(p) for p in children), 5, "a child outlived pagedserve up")
+    assert wait_until(lambda: not any(alive(p) for p in children), 5), (
+        "a child outlived pagedserve up"
+    )
     assert not leaked(before)
     print(f"pagedserve up exited {exit_s:.1f} s after {sig.name}; {len(children)} children gone")
 
@@ -115,7 +111,7 @@ def test_worker_stopped_during_start_up_exits_cleanly(make_tiny, role, sig):
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
-        wait_for(lambda: catches_sigterm(worker.pid), 60, f"{role} never reached its main")
+        assert wait_until(lambda: catches_sigterm(worker.pid), 60), f"{role} never reached its main"
         worker.send_signal(sig)
         started = time.monotonic()
         rc = worker.wait(timeout=EXIT_TIMEOUT_S)

@@ -22,8 +22,9 @@ import time
 
 import grpc
 import pytest
-from oracle import make_prompts
-from processes import alive, children_of, wait_until
+from support.oracle import make_prompts
+from support.processes import alive, children_of
+from support.waits import wait_until
 
 from pagedserve.client import Client
 from pagedserve.sampling_params import SamplingParams

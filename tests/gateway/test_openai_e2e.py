@@ -8,7 +8,6 @@ the gateway are the same tokens, the same text and the same usage.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import socket
@@ -21,12 +20,11 @@ from pathlib import Path
 
 import openai
 import pytest
-from chat_templates import CHATML, model_with_template
-from otlp_receiver import OtlpReceiver
-from processes import wait_until
+from support.otlp_receiver import OtlpReceiver
+from support.ports import free_port
+from support.waits import wait_until
 
 from pagedserve.client import Client
-from pagedserve.launcher import free_port, start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
 
@@ -47,19 +45,16 @@ def receiver():
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory, receiver):
-    root = tmp_path_factory.mktemp("gateway")
-    model_dir = model_with_template(tiny_llama, root / "model", CHATML)
-    keys = root / "keys.txt"
+def cluster(tiny_chat_model, tmp_path_factory, clusters, receiver):
+    """A private cluster: its traces go to this module's receiver, which stops with it."""
+    keys = tmp_path_factory.mktemp("gateway") / "keys.txt"
     keys.write_text(f"tenant-a:{KEY}\n")
-    args = argparse.Namespace(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="32MiB", start_timeout=120.0, log_dir=None,
-        http_port=0, api_key_file=str(keys), otlp_traces_endpoint=receiver.endpoint,
+    flags = dict(
+        kv_cache_memory="32MiB", http_port=0, api_key_file=str(keys),
+        otlp_traces_endpoint=receiver.endpoint,
     )  # fmt: skip
-    started = start_cluster(args, root)
-    yield started, model_dir
-    started.stop()
+    with clusters.private(tiny_chat_model, **flags) as started:
+        yield started, tiny_chat_model
 
 
 @pytest.fixture(scope="module")

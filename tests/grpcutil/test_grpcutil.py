@@ -7,11 +7,11 @@ import threading
 
 import grpc
 import pytest
-from aio_servers import serving
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_status import rpc_status
+from support.aio_servers import serving
 
 from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop, build_server

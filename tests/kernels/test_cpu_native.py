@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts, run_engine
+from support.oracle import hf_greedy, make_prompts, run_engine
 
 from pagedserve.kernels import cpu_native, dispatch, reference
 

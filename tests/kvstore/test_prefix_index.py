@@ -1,7 +1,7 @@
 """PrefixIndex: exact per-worker prefix lengths, first-miss stop, incarnations, TTLs, outages.
 
 Behaviours shared by both implementations run once per implementation (``index_env``); the
-Redis one talks to a real redis-server (tests/redis_server.py).
+Redis one talks to a real redis-server (tests/support/redis_server.py).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import pytest
 import redis
-from redis_server import RedisServer
+from support.redis_server import RedisServer
 
 from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks

@@ -6,7 +6,8 @@ import threading
 import time
 
 import pytest
-from redis_server import RedisServer
+from support.redis_server import RedisServer
+from support.waits import wait_until
 
 from pagedserve.kvstore.worker_registry import (
     Heartbeater,
@@ -25,13 +26,6 @@ BOUND_S = 3.0  # a wait that must end well within this (a bound, not a speed che
 
 def make_registry(server: RedisServer, ttl_s: float = 60.0) -> WorkerRegistry:
     return WorkerRegistry(connect(server.url, timeout_s=TIMEOUT_S), MODEL, ttl_s=ttl_s)
-
-
-def wait_until(predicate, what: str) -> None:  # type: ignore[no-untyped-def]
-    deadline = time.monotonic() + BOUND_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.01)
 
 
 def test_registered_worker_is_listed_with_its_record(redis_server: RedisServer) -> None:
@@ -75,7 +69,9 @@ def test_record_expires_without_heartbeat_and_heartbeat_recreates_it(
     registry = make_registry(redis_server, ttl_s=0.2)
     me = registry.register("p0", "a:1", Role.PREFILL)
     assert redis_server.client().pttl("ps:tiny:worker:p0") > 0  # type: ignore[operator]
-    wait_until(lambda: not registry.is_alive("p0", me.incarnation), "the record expired")
+    assert wait_until(lambda: not registry.is_alive("p0", me.incarnation), BOUND_S), (
+        "timed out waiting until the record expired"
+    )
     assert registry.live_workers() == []
     assert redis_server.client().smembers("ps:tiny:workers") == set()  # lazily cleaned
 
@@ -167,7 +163,9 @@ def test_heartbeater_thread_keeps_a_short_ttl_alive_and_stops_promptly(
     )
     beater.start()
     try:
-        wait_until(lambda: beater.beats >= 40, "40 beats")  # ~0.8 s: longer than the TTL
+        assert wait_until(lambda: beater.beats >= 40, BOUND_S), (
+            "timed out waiting until 40 beats"
+        )  # ~0.8 s: longer than the TTL
         assert registry.is_alive("p0", me.incarnation)
         info = registry.get("p0")
         assert info is not None and info.load.num_requests_waiting > 0

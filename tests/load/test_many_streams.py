@@ -19,7 +19,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from workers import start, wait_ready
+from support.workers import start, wait_ready
 
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.router.servicer import STATUS_POLL_S

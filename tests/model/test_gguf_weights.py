@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType, GGUFWriter, quants
-from oracle import hf_greedy_on, hf_model, make_prompts
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from smollm2 import smollm2_dir, smollm2_gguf
+from support.oracle import hf_greedy_on, hf_model, make_prompts
+from support.smollm2 import smollm2_dir, smollm2_gguf
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.fetch_model import SOURCE_FILE

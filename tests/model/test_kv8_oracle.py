@@ -1,6 +1,6 @@
 """The 8-bit KV cache against transformers: the engine's greedy tokens equal transformers'
 `generate` whose cache writes each K/V token with the same rule and attends over the
-dequantized values (tests/oracle.py `hf_greedy_kv8`), for int8 and e4m3, prompts within one
+dequantized values (tests/support/oracle.py `hf_greedy_kv8`), for int8 and e4m3, prompts within one
 block and across several, and decode steps across block boundaries. The rule itself is pinned
 in tests/kernels/test_kv_quant.py."""
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import hf_greedy_kv8, make_prompts
+from support.oracle import hf_greedy_kv8, make_prompts
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.sampling_params import SamplingParams

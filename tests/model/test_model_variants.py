@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
+from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
 
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model

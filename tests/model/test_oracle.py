@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
+from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])

@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-from oracle import GREEDY, hf_dequantized, hf_greedy_on, make_prompts, run_engine
+from support.oracle import GREEDY, hf_dequantized, hf_greedy_on, make_prompts, run_engine
 
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.model import quant as quant_module

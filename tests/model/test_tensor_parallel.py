@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from oracle import hf_greedy_on, hf_model, make_prompts
+from support.oracle import hf_greedy_on, hf_model, make_prompts
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.plan import PreemptionMode

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -94,18 +93,6 @@ def load(stub: prefill_pb2_grpc.PrefillWorkerStub) -> common_pb2.LoadReport:
 def used_blocks(stub: prefill_pb2_grpc.PrefillWorkerStub) -> int:
     report = load(stub)
     return report.kv_blocks_total - report.kv_blocks_free - report.kv_blocks_cached
-
-
-def wait_for(predicate, timeout_s: float = 10.0, what: str = "condition"):
-    """Poll `predicate` until it returns a truthy value (returned) or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not met within {timeout_s}s")
-        time.sleep(0.02)
 
 
 def pull_request(

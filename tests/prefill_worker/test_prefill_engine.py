@@ -9,7 +9,8 @@ import time
 
 import pytest
 import torch
-from oracle import hf_greedy, hf_model, make_engine, make_prompts
+from support.oracle import hf_greedy, hf_model, make_engine, make_prompts
+from support.waits import wait_until
 
 from pagedserve.errors import InvalidArgument
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
@@ -40,13 +41,6 @@ def worker(tiny_llama):
     yield worker
     worker.close()
     worker.engine.pool.check_integrity()
-
-
-def wait_for(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_first_tokens_match_transformers_and_kv_is_leased_in_shm(worker, tiny_llama):
@@ -101,7 +95,7 @@ def test_lease_release_expiry_renewal_keep_the_pool_whole_and_blocks_cached(work
     assert renewed_ms is not None and renewed_ms > c.lease_expires_unix_ms + 20_000
     if time.time() * 1000 < b.lease_expires_unix_ms - 100:
         assert worker.engine.pool.num_used == 6, "nothing is freed before the deadline"
-    wait_for(lambda: worker.engine.pool.num_used == 3)
+    assert wait_until(lambda: worker.engine.pool.num_used == 3, 5.0), "condition not met in time"
     assert time.time() * 1000 >= b.lease_expires_unix_ms - 50
     worker.check_integrity()
     assert worker.lease_state(b.lease.handle_id) is LeaseState.EXPIRED

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
-from prefill_process import MODEL_NAME, prefill, start_worker, used_blocks, wait_for
+from prefill_process import MODEL_NAME, prefill, start_worker, used_blocks
+from support.oracle import hf_greedy, make_prompts
+from support.waits import wait_until
 
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
@@ -39,7 +40,9 @@ def test_eviction_under_memory_pressure_removes_the_evicted_hashes(worker, modul
     a = prefill(worker.stub, "a", a_prompt)
     release(worker, a)  # a's 3 full blocks stay cached; its tail goes to the free list
     a_hashes = list(a.kv_handle.block_hashes)
-    wait_for(lambda: index.lookup(a_hashes) == {worker.worker_id: 3}, what="a published")
+    assert wait_until(lambda: index.lookup(a_hashes) == {worker.worker_id: 3}, 10.0), (
+        "a published not met within 10.0s"
+    )
 
     # 8 blocks: 5 free + 3 cached; b needs 7, so two of a's cached blocks are evicted. NOTE: a
     # table frees tail first, so a's tail is least recently used and goes first.
@@ -50,9 +53,13 @@ def test_eviction_under_memory_pressure_removes_the_evicted_hashes(worker, modul
     def evicted_hashes_gone() -> bool:
         return not client.exists(*(index.block_key(h) for h in a_hashes[1:]))
 
-    wait_for(evicted_hashes_gone, what="evicted hashes removed from Redis")
+    assert wait_until(evicted_hashes_gone, 10.0), (
+        "evicted hashes removed from Redis not met within 10.0s"
+    )
     assert index.lookup(a_hashes) == {worker.worker_id: 1}
-    wait_for(lambda: index.lookup(b_hashes) == {worker.worker_id: 6}, what="b published")
+    assert wait_until(lambda: index.lookup(b_hashes) == {worker.worker_id: 6}, 10.0), (
+        "b published not met within 10.0s"
+    )
     release(worker, b)
 
     retry = prefill(worker.stub, "a-again", a_prompt)
@@ -84,7 +91,7 @@ def test_a_redis_crash_never_fails_a_prefill_and_the_worker_rejoins(
             index.lookup(h) == {me.worker_id: len(h)} for h in hashes
         )
 
-    wait_for(rejoined, timeout_s=10, what="re-registered and republished")
+    assert wait_until(rejoined, 10), "re-registered and republished not met within 10s"
     after = prefill(worker.stub, "after-outage", prompts[0])
     assert after.cached_tokens == 32
     release(worker, after)

@@ -15,7 +15,6 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from oracle import hf_greedy, make_prompts
 from prefill_process import (
     BLOCK_SIZE,
     MODEL_NAME,
@@ -26,8 +25,9 @@ from prefill_process import (
     read_over_shm,
     start_worker,
     used_blocks,
-    wait_for,
 )
+from support.oracle import hf_greedy, make_prompts
+from support.waits import wait_until
 from transformers import AutoTokenizer
 
 from pagedserve.kvstore.block_pool import BlockPool
@@ -144,7 +144,9 @@ def test_prefill_hands_out_a_lease_readable_by_shm_and_grpc(worker, tiny_llama, 
 
     # the full blocks are in the Redis index under this worker
     index = RedisPrefixIndex(connect(module_redis.url), MODEL_NAME)
-    wait_for(lambda: index.lookup(list(handle.block_hashes)) == {worker.worker_id: 2})
+    assert wait_until(
+        lambda: index.lookup(list(handle.block_hashes)) == {worker.worker_id: 2}, 10.0
+    ), "condition not met within 10.0s"
     registry = WorkerRegistry(connect(module_redis.url), MODEL_NAME)
     assert [w.worker_id for w in registry.live_workers(Role.PREFILL)] == [worker.worker_id]
 
@@ -220,7 +222,9 @@ def test_a_shared_prefix_is_computed_once_and_indexed_once(worker, module_redis)
         rows = [client.hgetall(index.block_key(h)) for h in hashes]
         return all(row == {worker.worker_id.encode(): entry} for row in rows)
 
-    wait_for(each_hash_once, what="one entry per hash, under this worker")
+    assert wait_until(each_hash_once, 10.0), (
+        "one entry per hash, under this worker not met within 10.0s"
+    )
     assert release(stub, a) and release(stub, b)
 
 
@@ -242,7 +246,7 @@ def test_lease_release_expiry_renewal_and_a_retry_that_hits(worker):
     if time.time() * 1000 < hb.lease_expires_unix_ms - 100:
         assert used_blocks(stub) == 6, "nothing is freed before the deadline"
 
-    wait_for(lambda: used_blocks(stub) == 3, timeout_s=5, what="b's lease reaped")
+    assert wait_until(lambda: used_blocks(stub) == 3, 5), "b's lease reaped not met within 5s"
     assert time.time() * 1000 >= hb.lease_expires_unix_ms - 50, "freed before its deadline"
     expired = grpc.StatusCode.FAILED_PRECONDITION
     assert rpc_code(lambda: list(stub.PullKv(pull_request(hb), timeout=5))) == expired
@@ -294,7 +298,9 @@ def test_warmup_rpc_caches_salted_blocks_and_publishes_them(worker, index):
     assert unsalted.cached_tokens == 0
     assert salted.cached_tokens == 48
     hashes = list(salted.kv_handle.block_hashes[:3])
-    wait_for(lambda: index.lookup(hashes) == {worker.worker_id: 3})
+    assert wait_until(lambda: index.lookup(hashes) == {worker.worker_id: 3}, 10.0), (
+        "condition not met within 10.0s"
+    )
     assert release(stub, unsalted.kv_handle) and release(stub, salted.kv_handle)
 
 
@@ -321,7 +327,9 @@ def test_sigterm_drains_leaves_redis_and_removes_the_segment(
         (prompt,) = make_prompts((40,), seed=22)
         handle = prefill(own.stub, "r", prompt).kv_handle
         index = RedisPrefixIndex(connect(redis_server.url), MODEL_NAME)
-        wait_for(lambda: index.lookup(list(handle.block_hashes)) == {own.worker_id: 2})
+        assert wait_until(
+            lambda: index.lookup(list(handle.block_hashes)) == {own.worker_id: 2}, 10.0
+        ), "condition not met within 10.0s"
         segment = handle.shm.segment_name
         assert os.path.exists(f"/dev/shm/{segment}")
         own.proc.send_signal(signal.SIGTERM)

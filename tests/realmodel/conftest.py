@@ -1,11 +1,11 @@
-"""Fixtures of the real-model tests (see tests/smollm2.py)."""
+"""Fixtures of the real-model tests (see tests/support/smollm2.py)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-import smollm2
+from support import smollm2
 
 
 @pytest.fixture(scope="session")

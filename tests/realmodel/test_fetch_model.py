@@ -9,7 +9,7 @@ import subprocess
 import sys
 
 import pytest
-from smollm2 import SMOLLM2, smollm2_gguf
+from support.smollm2 import SMOLLM2, smollm2_gguf
 
 from pagedserve import fetch_model as fm
 

@@ -8,7 +8,6 @@ sent as `messages`: the router renders them with the model's own chat template; 
 
 from __future__ import annotations
 
-import argparse
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ import grpc
 import openai
 import pytest
 import torch
+from support.clusters import up_args
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from pagedserve.client import Client
@@ -93,9 +93,8 @@ def serve_concurrently(
     """Start a cluster, send every conversation at once as a chat request (`messages`), return
     each stream's messages; stop it. With `http`, also ask `HTTP_QUESTIONS` through the
     OpenAI-compatible gateway (the `openai` client), streamed and not, into `http`."""
-    args = argparse.Namespace(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=dtype, kv_cache_memory="48MiB", start_timeout=180.0, log_dir=None,
+    args = up_args(
+        model_dir, dtype=dtype, kv_cache_memory="48MiB", start_timeout=180.0,
         http_port=0 if http is not None else None,
     )  # fmt: skip
     cluster = start_cluster(args, tmp_path)
@@ -205,11 +204,7 @@ def test_48_requests_at_once_on_busy_workers_all_finish(smollm2_dir, tmp_path, m
     params = [SamplingParams(temperature=0.0, max_tokens=min(r.output_len, 24), ignore_eos=True)
               for r in requests]  # fmt: skip
     monkeypatch.setenv(TEST_LOAD_DELAY_ENV, "0.8")  # NOTE: the poll timeout is 0.5 s
-    args = argparse.Namespace(
-        model=str(smollm2_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype="float32", kv_cache_memory="96MiB", start_timeout=180.0,
-        log_dir=None,
-    )  # fmt: skip
+    args = up_args(smollm2_dir, dtype="float32", kv_cache_memory="96MiB", start_timeout=180.0)
     cluster = start_cluster(args, tmp_path)
     results: dict[int, list[int] | str] = {}
     try:

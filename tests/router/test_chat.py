@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from chat_templates import CHATML, STRICT, TOOLKIT, model_with_template
-from smollm2 import smollm2_dir
+from support.chat_templates import CHATML, STRICT, TOOLKIT, model_with_template
+from support.smollm2 import smollm2_dir
 from transformers import AutoTokenizer
 
 from pagedserve.errors import InvalidArgument

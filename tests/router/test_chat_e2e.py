@@ -17,16 +17,14 @@ from contextlib import ExitStack
 import grpc
 import pytest
 import torch
-from chat_templates import CHATML, model_with_template
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from in_process_router import serve_router
-from oracle import hf_greedy
-from processes import wait_until
+from support.in_process_router import serve_router
+from support.oracle import hf_greedy
+from support.waits import wait_until
 from transformers import AutoTokenizer
 
 from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2
@@ -41,16 +39,9 @@ CONVERSATION = [
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_llama, tmp_path_factory):
-    root = tmp_path_factory.mktemp("chat-cluster")
-    model_dir = model_with_template(tiny_llama, root / "model", CHATML)
-    args = argparse.Namespace(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
-    )  # fmt: skip
-    started = start_cluster(args, tmp_path_factory.mktemp("chat-cluster-logs"))
-    yield started, model_dir
-    started.stop()
+def cluster(tiny_chat_model, clusters):
+    """The shared cluster of the tiny model with a chat template (tests/examples use it too)."""
+    return clusters.get(tiny_chat_model), tiny_chat_model
 
 
 def router_args(model_dir, redis_url) -> argparse.Namespace:

@@ -3,7 +3,6 @@ started by the same code as `pagedserve up`, driven over the public gRPC API."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import signal
 import subprocess
@@ -17,14 +16,16 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
-from oracle import hf_greedy, make_prompts
-from processes import alive, children_of
+from support.clusters import SAMPLES_MAX_N
+from support.oracle import hf_greedy, make_prompts
+from support.probes import blocks_in_use
+from support.processes import alive, children_of
+from support.waits import wait_until
 
 from pagedserve.bench.loadgen import run_load
 from pagedserve.bench.scenarios import OFFLINE_STREAM_INTERVAL
 from pagedserve.bench.workloads import make_workload
 from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2
@@ -32,39 +33,19 @@ from pagedserve.v1 import common_pb2
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 
-def up_args(model_dir, **overrides) -> argparse.Namespace:
-    values = dict(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
-    )  # fmt: skip
-    return argparse.Namespace(**(values | overrides))
-
-
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
+def cluster(make_tiny, clusters):
+    """The shared tiny cluster (stopped, and checked, at the end of the session).
+    NOTE: `max_n` as test_samples_e2e asks, so that the two share one cluster; no test here
+    asks for more than one sample."""
     model_dir = make_tiny("llama")
-    started = start_cluster(up_args(model_dir), tmp_path_factory.mktemp("cluster-logs"))
-    yield started, model_dir
-    started.stop()
-    assert all(c.proc.poll() is not None for c in started.children)
+    return clusters.get(model_dir, max_n=SAMPLES_MAX_N), model_dir
 
 
 def collect(stream):
     parts = list(stream)
     tokens = [t for p in parts for t in p.token_ids]
     return parts, tokens
-
-
-def blocks_in_use(client: Client) -> dict[str, int]:
-    return {w.worker_id: w.load.kv_blocks_total - w.load.kv_blocks_free - w.load.kv_blocks_cached
-            for w in client.status().workers}  # fmt: skip
-
-
-def wait_until(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
 
 
 def test_sixteen_concurrent_requests_equal_transformers(cluster):
@@ -74,15 +55,12 @@ def test_sixteen_concurrent_requests_equal_transformers(cluster):
     assert router_log(started).count("Deliver stream ") == 1, router_log(started)[-2000:]
 
 
-def test_without_delivery_each_decode_call_streams_its_own_tokens(make_tiny, tmp_path):
+def test_without_delivery_each_decode_call_streams_its_own_tokens(make_tiny, clusters):
     model_dir = make_tiny("llama")
-    started = start_cluster(up_args(model_dir, decode_delivery=False), tmp_path)
-    try:
+    with clusters.private(model_dir, decode_delivery=False) as started:
         sixteen_concurrent_requests_equal_transformers(started.router_address, model_dir)
         cancel_and_deadline_free_every_block(started.router_address)
         assert "Deliver stream " not in router_log(started)
-    finally:
-        started.stop()
 
 
 def router_log(started) -> str:
@@ -142,7 +120,9 @@ def test_stop_string_ends_the_stream_with_matched_stop(cluster):
         assert parts[-1].stop_string == stop
         assert parts[-1].finish_reason == common_pb2.FINISH_REASON_STOP
         assert text == full_text[: full_text.index(stop)]
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 5.0), (
+            "condition not met in time"
+        )
 
 
 @pytest.mark.parametrize("interval", [1, 4])
@@ -212,11 +192,15 @@ def cancel_and_deadline_free_every_block(router: str) -> None:
         next(stream)
         next(stream)
         stream.cancel()
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.0)
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 1.0), (
+            "condition not met in time"
+        )
         with pytest.raises(grpc.RpcError) as info:
             collect(client.generate(prompt, long, timeout=0.3))
         assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=1.0)
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 1.0), (
+            "condition not met in time"
+        )
 
 
 def test_health_and_reflection_on_every_server(cluster):

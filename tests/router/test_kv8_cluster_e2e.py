@@ -7,11 +7,10 @@ worker), so the transfer is exact; the pages that moved are 8-bit ones; no block
 from __future__ import annotations
 
 import pytest
-from oracle import make_prompts
-from test_prefill_here_e2e import generate_each, up_args
+from support.oracle import make_prompts
+from support.probes import generate_each
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
-from pagedserve.launcher import start_cluster
 from pagedserve.model.config import load_model_config
 from pagedserve.model.runner import kv_cache_spec
 from pagedserve.sampling_params import SamplingParams
@@ -21,15 +20,11 @@ LENS = (5, 17, 33, 64)  # 5 and 17: prefilled on the decode worker; 33 and 64: h
 
 
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
+def cluster(make_tiny, clusters):
     model_dir = make_tiny("llama")
-    args = up_args(
-        model_dir, kv_cache_dtype="int8", max_local_prefill_tokens=20,
-        local_prefill_queue_tokens=0,
-    )  # fmt: skip
-    started = start_cluster(args, tmp_path_factory.mktemp("kv8-logs"))
-    yield started, model_dir
-    started.stop()
+    flags = dict(kv_cache_dtype="int8", max_local_prefill_tokens=20, local_prefill_queue_tokens=0)
+    with clusters.private(model_dir, metrics=True, **flags) as started:
+        yield started, model_dir
 
 
 def in_process(model_dir, prompts) -> list[list[int]]:

@@ -5,18 +5,16 @@ block held, and a seeded request draws the same tokens whichever path it takes."
 
 from __future__ import annotations
 
-import argparse
-import time
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 import torch
-from oracle import hf_greedy, make_prompts
+from support.oracle import hf_greedy, make_prompts
+from support.probes import blocks_in_use, child, scrape, tokens_of
+from support.waits import wait_until
 
 from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
@@ -25,80 +23,21 @@ SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
 LOCAL_MAX = 40  # prompts of at most this many tokens are prefilled on the decode worker
 
 
-def up_args(model_dir, **overrides) -> argparse.Namespace:
-    values = dict(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=1, decode=1, redis_url=None,
-        block_size=16, dtype=None, kv_cache_memory="16MiB", start_timeout=120.0, log_dir=None,
-        metrics=True,
-    )  # fmt: skip
-    return argparse.Namespace(**(values | overrides))
-
-
 @pytest.fixture(scope="module")
-def clusters(make_tiny, tmp_path_factory):
+def here_and_remote(make_tiny, clusters):
     """`here`: short prompts always go to the decode worker (queue threshold 0); `remote`:
     never (`--max-local-prefill-tokens 0`)."""
     model_dir = make_tiny("llama")
-    here = start_cluster(
-        up_args(model_dir, max_local_prefill_tokens=LOCAL_MAX, local_prefill_queue_tokens=0),
-        tmp_path_factory.mktemp("here-logs"),
-    )
-    try:
-        remote = start_cluster(
-            up_args(model_dir, max_local_prefill_tokens=0), tmp_path_factory.mktemp("remote-logs")
-        )
-    except BaseException:
-        here.stop()
-        raise
-    yield here, remote, model_dir
-    here.stop()
-    remote.stop()
+    here_flags = dict(max_local_prefill_tokens=LOCAL_MAX, local_prefill_queue_tokens=0)
+    with (
+        clusters.private(model_dir, metrics=True, **here_flags) as here,
+        clusters.private(model_dir, metrics=True, max_local_prefill_tokens=0) as remote,
+    ):
+        yield here, remote, model_dir
 
 
-def scrape(port: int | None) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        name: float(value)
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-        for name, _, value in [line.rpartition(" ")]
-    }
-
-
-def child(cluster, prefix: str):
-    return next(c for c in cluster.children if c.name.startswith(prefix))
-
-
-def tokens_of(parts) -> list[int]:
-    return [t for p in parts for t in p.token_ids]
-
-
-def blocks_in_use(client: Client) -> dict[str, int]:
-    return {w.worker_id: w.load.kv_blocks_total - w.load.kv_blocks_free - w.load.kv_blocks_cached
-            for w in client.status().workers}  # fmt: skip
-
-
-def generate_each(started, prompts, params) -> tuple[list[list[int]], dict[str, float]]:
-    """Every prompt through the router one after another, until no block is held anywhere:
-    (their tokens, how much each of the decode worker's metrics grew meanwhile)."""
-    decode_port = child(started, "decode").metrics_port
-    before = scrape(decode_port)
-    with Client(started.router_address) as client:
-        got = [tokens_of(client.generate(p, params, timeout=60)) for p in prompts]
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
-    after = scrape(decode_port)
-    return got, {name: value - before.get(name, 0) for name, value in after.items()}
-
-
-def wait_until(predicate, timeout_s=10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
-def test_short_prompts_prefilled_on_the_decode_worker_equal_transformers(clusters):
-    here, _, model_dir = clusters
+def test_short_prompts_prefilled_on_the_decode_worker_equal_transformers(here_and_remote):
+    here, _, model_dir = here_and_remote
     lens = (1, 5, 16, 17, 30, 40, 41, 47, 64, 80, 3, 9, 33, 100, 12, 20)
     prompts = make_prompts(lens, seed=71)
     router_port = child(here, "router").metrics_port
@@ -131,11 +70,13 @@ def test_short_prompts_prefilled_on_the_decode_worker_equal_transformers(cluster
     computed = prefill["pagedserve:prompt_tokens_computed"]
     assert computed - prefill_before["pagedserve:prompt_tokens_computed"] == sum(lens) - sum(short)
     with Client(here.router_address) as client:
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10.0), (
+            "condition not met in time"
+        )
 
 
-def test_a_seeded_request_draws_the_same_tokens_on_either_path(clusters):
-    here, remote, _ = clusters
+def test_a_seeded_request_draws_the_same_tokens_on_either_path(here_and_remote):
+    here, remote, _ = here_and_remote
     prompt = make_prompts((30,), seed=72)[0]
     with Client(here.router_address) as client:
         local = list(client.generate(prompt, SEEDED, timeout=60))
@@ -147,10 +88,12 @@ def test_a_seeded_request_draws_the_same_tokens_on_either_path(clusters):
 
 
 @pytest.mark.parametrize("interval", [8, 1 << 16])
-def test_the_first_token_comes_alone_with_a_stream_interval_on_either_path(clusters, interval):
+def test_the_first_token_comes_alone_with_a_stream_interval_on_either_path(
+    here_and_remote, interval
+):
     """`stream_interval` counts the tokens after the first: computed on the decode worker, the
     first token still goes out alone, at once (TTFT), as a prefill worker's does."""
-    here, remote, model_dir = clusters
+    here, remote, model_dir = here_and_remote
     prompt = make_prompts((30,), seed=74)[0]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
@@ -163,8 +106,8 @@ def test_the_first_token_comes_alone_with_a_stream_interval_on_either_path(clust
         assert all(n >= min(interval, 23) for n in sizes[1:-1]), sizes
 
 
-def test_prefill_here_reports_the_decode_workers_cached_prompt_tokens(clusters):
-    here, _, model_dir = clusters
+def test_prefill_here_reports_the_decode_workers_cached_prompt_tokens(here_and_remote):
+    here, _, model_dir = here_and_remote
     prompt = make_prompts((37,), seed=73)[0]  # two full blocks of 16, then 5 tokens
     router_metrics = child(here, "router").metrics_port
     before = scrape(router_metrics)
@@ -187,8 +130,8 @@ def test_prefill_here_reports_the_decode_workers_cached_prompt_tokens(clusters):
     assert status.prefix_cache_hit_rate == pytest.approx(total, rel=1e-6) and total > 0
 
 
-def test_decode_refuses_prefill_here_with_a_prefill_workers_fields(clusters):
-    here, _, _ = clusters
+def test_decode_refuses_prefill_here_with_a_prefill_workers_fields(here_and_remote):
+    here, _, _ = here_and_remote
     decode = child(here, "decode")
     prompt = make_prompts((8,), seed=74)[0]
     request = common_pb2.WorkerRequest(

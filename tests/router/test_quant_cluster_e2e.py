@@ -12,11 +12,11 @@ import sys
 
 import grpc
 import pytest
-from oracle import hf_dequantized, hf_greedy_on, make_prompts
-from test_prefill_here_e2e import blocks_in_use, child, scrape, tokens_of, up_args, wait_until
+from support.oracle import hf_dequantized, hf_greedy_on, make_prompts
+from support.probes import blocks_in_use, child, scrape, tokens_of
+from support.waits import wait_until
 
 from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
 from pagedserve.model.quant import WeightQuant
 from pagedserve.sampling_params import SamplingParams
 
@@ -25,15 +25,14 @@ QUANT = WeightQuant("int8")
 
 
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
+def cluster(make_tiny, clusters):
     model_dir = make_tiny("llama")
-    args = up_args(
-        model_dir, quantization="int8", quantization_group_size=32,
-        max_local_prefill_tokens=20, local_prefill_queue_tokens=0,
+    flags = dict(
+        quantization="int8", quantization_group_size=32, max_local_prefill_tokens=20,
+        local_prefill_queue_tokens=0,
     )  # fmt: skip
-    started = start_cluster(args, tmp_path_factory.mktemp("quant-logs"))
-    yield started, model_dir
-    started.stop()
+    with clusters.private(model_dir, metrics=True, **flags) as started:
+        yield started, model_dir
 
 
 def test_quantized_cluster_greedy_equals_transformers_on_dequantized_weights(cluster):
@@ -46,7 +45,9 @@ def test_quantized_cluster_greedy_equals_transformers_on_dequantized_weights(clu
         for prompt in prompts:
             got = tokens_of(client.generate(prompt, GREEDY, timeout=60))
             assert got == hf_greedy_on(model, prompt, GREEDY.max_tokens), len(prompt)
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10.0), (
+            "condition not met in time"
+        )
     after = scrape(child(started, "router").metrics_port)
     routed = {
         path: after[f"pagedserve:routes_{path}_total"]

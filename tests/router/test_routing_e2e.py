@@ -13,27 +13,21 @@ import grpc
 import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from in_process_router import serve_router
-from oracle import make_prompts
-from processes import wait_until
+from support.in_process_router import serve_router
+from support.oracle import make_prompts
+from support.waits import wait_until
 
-from pagedserve.launcher import start_cluster
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.v1 import common_pb2, generation_pb2
 
 
 @pytest.fixture(scope="module")
-def workers(make_tiny, module_redis, tmp_path_factory):
-    """Two prefill workers and one decode worker (and their router, unused here)."""
+def workers(make_tiny, module_redis, clusters):
+    """Two prefill workers and one decode worker (and their router, unused here); private: a
+    test here stops their Redis."""
     model_dir = make_tiny("llama")
-    args = argparse.Namespace(
-        model=str(model_dir), host="127.0.0.1", port=0, prefill=2, decode=1,
-        redis_url=module_redis.url, block_size=16, dtype=None, kv_cache_memory="16MiB",
-        start_timeout=120.0, log_dir=None,
-    )  # fmt: skip
-    cluster = start_cluster(args, tmp_path_factory.mktemp("logs"))
-    yield cluster, model_dir
-    cluster.stop()
+    with clusters.private(model_dir, prefill=2, redis_url=module_redis.url) as cluster:
+        yield cluster, model_dir
 
 
 @pytest.fixture(scope="module")

@@ -11,11 +11,12 @@ import pytest
 import torch
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
-from oracle import hf_beams, hf_greedy, make_prompts
-from test_cluster_e2e import blocks_in_use, up_args, wait_until
+from support.clusters import SAMPLES_MAX_N
+from support.oracle import hf_beams, hf_greedy, make_prompts
+from support.probes import blocks_in_use, tokens_of
+from support.waits import wait_until
 
 from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams
@@ -25,13 +26,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20)
 
 
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
+def cluster(make_tiny, clusters):
+    """The shared tiny cluster, with `max_n` raised to `SAMPLES_MAX_N` (6)."""
     model_dir = make_tiny("llama")
-    started = start_cluster(
-        up_args(model_dir, max_n=6), tmp_path_factory.mktemp("samples-cluster-logs")
-    )
-    yield started, model_dir
-    started.stop()
+    return clusters.get(model_dir, max_n=SAMPLES_MAX_N), model_dir
 
 
 def by_index(parts) -> dict[int, list]:
@@ -41,10 +39,6 @@ def by_index(parts) -> dict[int, list]:
     return out
 
 
-def tokens_of(parts) -> list[int]:
-    return [t for p in parts for t in p.token_ids]
-
-
 def test_greedy_samples_equal_transformers_each(cluster) -> None:
     started, model_dir = cluster
     prompt = make_prompts((37,), seed=41)[0]
@@ -52,7 +46,9 @@ def test_greedy_samples_equal_transformers_each(cluster) -> None:
     tokenizer = RouterTokenizer.from_model_dir(model_dir)
     with Client(started.router_address) as client:
         parts = list(client.generate(prompt, dataclasses.replace(GREEDY, n=3), timeout=120))
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 5.0), (
+            "condition not met in time"
+        )
     samples = by_index(parts)
     assert sorted(samples) == [0, 1, 2]
     for index, mine in samples.items():
@@ -142,7 +138,9 @@ def test_cancel_mid_stream_frees_every_sample(cluster) -> None:
             if seen >= 12:
                 break
         stream.cancel()
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=10)
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10), (
+            "condition not met in time"
+        )
 
 
 @pytest.mark.parametrize("k", [2, 4])
@@ -155,7 +153,9 @@ def test_beam_search_through_the_cluster_equals_transformers(cluster, k: int) ->
     request.token_ids.ids.extend(prompt)
     with Client(started.router_address) as client:
         parts = list(client.stub.Generate(request, timeout=120))
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0})
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 5.0), (
+            "condition not met in time"
+        )
     want = hf_beams(model_dir, prompt, k, 16, 1.0, 2)
     samples = by_index(parts)
     assert sorted(samples) == [0, 1]
@@ -197,7 +197,9 @@ def test_a_stop_string_ends_each_sample(cluster) -> None:
     with Client(started.router_address) as client:
         parts = list(client.generate(prompt, params, timeout=60))
         # NOTE: every sample ended here: the router cancels the decode call, blocks are freed
-        wait_until(lambda: set(blocks_in_use(client).values()) == {0}, timeout_s=5)
+        assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 5), (
+            "condition not met in time"
+        )
     for index, mine in by_index(parts).items():
         assert "".join(p.text for p in mine) == full_text[: full_text.index(stop)], index
         assert mine[-1].stop_string == stop

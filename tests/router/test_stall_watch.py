@@ -17,7 +17,7 @@ import threading
 
 import grpc
 import pytest
-from aio_servers import serving
+from support.aio_servers import serving
 
 from pagedserve.grpcutil import build_server
 from pagedserve.router.clients import ActiveRequest, WorkerClients, WorkerLost

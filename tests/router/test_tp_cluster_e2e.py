@@ -16,11 +16,12 @@ import grpc
 import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from oracle import hf_greedy_on, hf_model, make_prompts
-from test_prefill_here_e2e import child, generate_each, up_args, wait_until
+from support.oracle import hf_greedy_on, hf_model, make_prompts
+from support.probes import child, generate_each
+from support.processes import alive
+from support.waits import wait_until
 
 from pagedserve.client import Client
-from pagedserve.launcher import start_cluster
 from pagedserve.model.config import load_model_config
 from pagedserve.model.runner import kv_cache_spec
 from pagedserve.sampling_params import SamplingParams
@@ -46,14 +47,6 @@ def rank_pids(parent: int) -> list[int]:
     return found
 
 
-def alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 SERVICES = {"decode": "pagedserve.v1.DecodeWorker", "prefill": "pagedserve.v1.PrefillWorker"}
 
 
@@ -73,16 +66,14 @@ def readiness(address: str, role: str) -> int:
             raise
 
 
-def tp_cluster(make_tiny, tmp_path_factory, kv_heads: int):
+def tp_cluster(make_tiny, clusters, kv_heads: int):
+    """A private cluster: the dead-rank test kills ranks."""
     model_dir = make_tiny("llama", heads=4, kv_heads=kv_heads)
     # every prompt through the prefill worker, so every prompt's KV is handed off
-    args = up_args(model_dir, tensor_parallel_size=2, max_local_prefill_tokens=0)
-    started = start_cluster(args, tmp_path_factory.mktemp("tp-logs"))
-    ranks = {name: rank_pids(child(started, name).proc.pid) for name in ("prefill", "decode")}
-    try:
+    flags = dict(metrics=True, tensor_parallel_size=2, max_local_prefill_tokens=0)
+    with clusters.private(model_dir, **flags) as started:
+        ranks = {name: rank_pids(child(started, name).proc.pid) for name in ("prefill", "decode")}
         yield started, model_dir, ranks
-    finally:
-        started.stop()
     deadline = time.monotonic() + 15
     while any(alive(p) for pids in ranks.values() for p in pids):
         assert time.monotonic() < deadline, "a rank process outlived its worker"
@@ -90,15 +81,15 @@ def tp_cluster(make_tiny, tmp_path_factory, kv_heads: int):
 
 
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
+def cluster(make_tiny, clusters):
     """Two KV heads: one per rank."""
-    yield from tp_cluster(make_tiny, tmp_path_factory, kv_heads=2)
+    yield from tp_cluster(make_tiny, clusters, kv_heads=2)
 
 
 @pytest.fixture(scope="module")
-def cluster_one_kv_head(make_tiny, tmp_path_factory):
+def cluster_one_kv_head(make_tiny, clusters):
     """One KV head: each rank holds it (replicated); a hand-off pulls it once."""
-    yield from tp_cluster(make_tiny, tmp_path_factory, kv_heads=1)
+    yield from tp_cluster(make_tiny, clusters, kv_heads=1)
 
 
 @pytest.mark.parametrize("which", ["cluster", "cluster_one_kv_head"])
@@ -130,7 +121,9 @@ def test_a_dead_rank_turns_its_worker_not_serving(cluster, role):
     os.kill(rank, signal.SIGKILL)
     start = time.monotonic()
     not_serving = (health_pb2.HealthCheckResponse.NOT_SERVING, GONE)
-    wait_until(lambda: readiness(worker.address, role) in not_serving, timeout_s=10)
+    assert wait_until(lambda: readiness(worker.address, role) in not_serving, 10), (
+        "condition not met in time"
+    )
     assert time.monotonic() - start < 10
     # then it stops (so that `up` or Kubernetes starts it afresh), failing loudly
     assert worker.proc.wait(timeout=30) == 1

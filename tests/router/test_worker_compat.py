@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from redis_server import RedisServer
+from support.redis_server import RedisServer
 
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, compat_tag, connect
 from pagedserve.router.routing import WorkerSet

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
-from certs import make_certs
+from support.certs import make_certs
 
 from pagedserve.client import Client, is_loopback
 

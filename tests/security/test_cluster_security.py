@@ -3,7 +3,6 @@ by `start_cluster` (the code of `pagedserve up`) and driven over the real gRPC A
 
 from __future__ import annotations
 
-import argparse
 import http.client
 import itertools
 import json
@@ -17,12 +16,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from certs import make_certs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from oracle import make_prompts
+from support.certs import make_certs
+from support.oracle import make_prompts
 
 from pagedserve.grpcutil import ClientTLS, make_channel
-from pagedserve.launcher import start_cluster
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
@@ -33,24 +31,20 @@ _ids = itertools.count()
 
 
 @pytest.fixture(scope="module")
-def cluster(make_tiny, tmp_path_factory):
+def cluster(make_tiny, tmp_path_factory, clusters):
     certs = make_certs(tmp_path_factory.mktemp("certs"))
     key_file = tmp_path_factory.mktemp("keys") / "api-keys"
     key_file.write_text("# tenant:key\n" + "".join(f"{t}:{k}\n" for t, k in KEYS.items()))
-    args = argparse.Namespace(
-        model=str(make_tiny("llama")), host="127.0.0.1", port=0, prefill=1, decode=1,
-        redis_url=None, block_size=16, dtype=None, kv_cache_memory="16MiB",
-        start_timeout=120.0, log_dir=None, api_key_file=str(key_file),
-        tls_cert=str(certs.server.cert), tls_key=str(certs.server.key),
-        tls_client_ca=str(certs.ca), tls_ca=str(certs.ca),
+    flags = dict(
+        api_key_file=str(key_file), tls_cert=str(certs.server.cert),
+        tls_key=str(certs.server.key), tls_client_ca=str(certs.ca), tls_ca=str(certs.ca),
         tls_client_cert=str(certs.client.cert), tls_client_key=str(certs.client.key),
         http_port=0,
     )  # fmt: skip
-    started = start_cluster(args, tmp_path_factory.mktemp("cluster-logs"))
-    channel = make_channel(started.router_address, certs.client_tls("client"))
-    yield started, certs, generation_pb2_grpc.GenerationStub(channel)
-    channel.close()
-    started.stop()
+    with clusters.private(make_tiny("llama"), **flags) as started:
+        channel = make_channel(started.router_address, certs.client_tls("client"))
+        yield started, certs, generation_pb2_grpc.GenerationStub(channel)
+        channel.close()
     logs = "".join(c.log_path.read_text() for c in started.children)
     assert not any(key in logs for key in KEYS.values()), "an API key reached a log"
 

@@ -6,9 +6,9 @@ import argparse
 
 import grpc
 import pytest
-from aio_servers import serving
-from certs import make_certs
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from support.aio_servers import serving
+from support.certs import make_certs
 
 from pagedserve.cli_options import add_server_arguments
 from pagedserve.grpcutil import ClientTLS, build_server, make_channel, server_tls_from_args

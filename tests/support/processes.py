@@ -1,22 +1,8 @@
-"""Bounded waits and /proc lookups shared by the tests that run real processes."""
+"""/proc lookups shared by the tests that run real processes."""
 
 from __future__ import annotations
 
 import pathlib
-import time
-from collections.abc import Callable
-
-
-def wait_until(
-    predicate: Callable[[], object], timeout_s: float = 5.0, interval_s: float = 0.02
-) -> bool:
-    """Poll `predicate` until it is true or `timeout_s` passes; its last value, as a bool."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return bool(predicate())
 
 
 def children_of(pid: int) -> list[int]:

@@ -1,4 +1,4 @@
-"""Real worker processes and what the fault tests read from them: `pagedserve <role>` until its
+"""Real worker processes and what the tests read from them: `pagedserve <role>` until its
 READY line, device blocks in use (GetLoad) and the Prometheus counters of `--metrics-port`."""
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-from processes import wait_until  # noqa: F401 - re-exported to the fault tests
 
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
@@ -25,6 +24,7 @@ class Process:
     role: str
     proc: subprocess.Popen[str]
     log_path: Path
+    worker_id: str = ""
     address: str = ""
     metrics_port: int | None = None
 
@@ -35,8 +35,16 @@ class Process:
             try:
                 self.proc.wait(timeout_s)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+                self.kill()
+
+    def kill(self) -> None:
+        """SIGKILL (no drain), and wait for it to go (idempotent)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-3000:]
 
     def used_blocks(self) -> int:
         """Device blocks neither free nor cached (leased, filling, running)."""
@@ -69,13 +77,13 @@ def start(role: str, args: list[str], log_path: Path, *, metrics_port: int | Non
     return Process(role, proc, log_path, metrics_port=metrics_port)
 
 
-def wait_ready(process: Process) -> Process:
+def wait_ready(process: Process, timeout_s: float = START_TIMEOUT_S) -> Process:
     """Block until the READY line (bounded); raise with the log's tail otherwise."""
     assert process.proc.stdout is not None
-    ready, _, _ = select.select([process.proc.stdout], [], [], START_TIMEOUT_S)
+    ready, _, _ = select.select([process.proc.stdout], [], [], timeout_s)
     line = process.proc.stdout.readline() if ready else ""
     if not line.startswith("READY"):
         process.stop()
-        raise RuntimeError(f"{process.role} did not start: {process.log_path.read_text()[-3000:]}")
-    process.address = line.split()[2]
+        raise RuntimeError(f"{process.role} did not start: {process.log_tail()}")
+    _, process.worker_id, process.address = line.split()[:3]
     return process

@@ -10,7 +10,7 @@ import pytest
 
 from pagedserve.fetch_model import fetch_model, known_gguf
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SMOLLM2 = "smollm2-135m-instruct"
 SMOLLM2_DIR = ROOT / ".cache" / SMOLLM2
 
