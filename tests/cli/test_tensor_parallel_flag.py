@@ -1,6 +1,6 @@
 """`--tensor-parallel-size` / `-tp` (pagedserve/cli_options.py): both workers,
 `generate --model` and `up` take it; `up` passes it to every prefill and decode worker and never
-to the router."""
+to the router; `up --device` reaches the workers the same way."""
 
 from __future__ import annotations
 
@@ -59,3 +59,13 @@ def test_up_passes_nothing_for_the_default_size() -> None:
         args = parse(*argv)
         for role in ("prefill", "decode"):
             assert "--tensor-parallel-size" not in launcher._worker_flags(role, args)
+
+
+def test_up_passes_its_device_to_both_worker_kinds_and_not_the_router() -> None:
+    given = parse("up", "--model", "m", "--device", "cuda")
+    for role in ("prefill", "decode"):
+        argv = [role, "--model", "m", *launcher._worker_flags(role, given)]
+        assert parse(*argv).device == "cuda", role
+    assert "--device" not in [*launcher._common_flags(given), *launcher._router_flags(given, [])]
+    default = parse("up", "--model", "m")
+    assert all("--device" not in launcher._worker_flags(r, default) for r in ("prefill", "decode"))

@@ -21,7 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from pagedserve.launcher import Cluster, start_cluster
+from pagedserve.launcher import start_cluster
+from pagedserve.supervisor import Cluster
 
 # `pagedserve up`'s arguments as the tests give them unless a flag overrides one: the tiny
 # model's KV in 16 MiB, one worker of each role, its own redis-server.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import urllib.request
 
 from pagedserve.client import Client
-from pagedserve.launcher import Child, Cluster
+from pagedserve.supervisor import Child, Cluster
 from support.waits import wait_until
 
 
