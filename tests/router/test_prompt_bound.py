@@ -87,7 +87,7 @@ def test_a_prompt_at_the_limit_passes_and_one_token_more_is_refused_unencoded(ti
 
 
 def test_chat_messages_are_bounded_too(tiny_llama):
-    from chat_templates import CHATML, model_with_template
+    from support.chat_templates import CHATML, model_with_template
 
     model_dir = model_with_template(tiny_llama, Path(tiny_llama).parent / "bound-chatml", CHATML)
     tok = RouterTokenizer.from_model_dir(model_dir)

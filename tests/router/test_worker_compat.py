@@ -50,8 +50,8 @@ def test_a_new_incarnation_does_not_cut_calls_already_on_the_channel(redis_serve
     """A worker restarted at the same address gets a new incarnation in the registry; the router
     replaces its entry, but calls that already run on the old channel (reconnected to the new
     process) go on: a close at once would cancel them and hang their clients."""
-    from aio_servers import serving
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from support.aio_servers import serving
 
     from pagedserve.grpcutil import build_server
 
