@@ -1,12 +1,12 @@
 """S15's load (docs/benchmarks/method.md): guidellm against one server's OpenAI API, and the
 same closed loop straight over gRPC to our router, each level reduced to one `Level`.
 
-guidellm (`guidellm run -c scenario.json`, one process per concurrency level: a second level in
-the same process can hang at start-up on a busy machine) keeps `streams` requests in flight for
-`seconds`, synthetic prompts of `prompt_tokens` ± `prompt_stdev` tokens (by the model's own
-tokenizer) and exactly `output_tokens` tokens out (guidellm sends `ignore_eos`). Its JSON is
-kept; the `Level` takes its output tok/s (successful output tokens / duration), ITL and TTFT
-percentiles and request totals.
+guidellm (`guidellm run -c scenario.json`, one process per concurrency level, so that a run
+that stalls, as one in a few dozen does at start-up on a busy machine, is retried alone) keeps
+`streams` requests in flight for `seconds`, synthetic prompts of `prompt_tokens` ±
+`prompt_stdev` tokens (by the model's own tokenizer) and exactly `output_tokens` tokens out
+(guidellm sends `ignore_eos`). Its JSON is kept; the `Level` takes its output tok/s
+(successful output tokens / duration), ITL and TTFT percentiles and request totals.
 
 The gRPC loop uses the same definitions: TTFT is the first token's arrival after the send, ITL
 is (last token - first token) / (tokens - 1) per request, a request still running at the end of
@@ -15,6 +15,7 @@ the window is incomplete (cancelled by its deadline), not an error.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -96,8 +97,8 @@ def scenario(load: LoadSpec, base_url: str, model: str, streams: int) -> dict:
 def http_level(load: LoadSpec, server: str, base_url: str, model: str, streams: int,
                raw: Path) -> Level:  # fmt: skip
     """Run guidellm for one level against `base_url`; its scenario, log and JSON go to `raw`
-    as `<server>-streams<N>.*`. A guidellm that fails or hangs (seconds + 300 s) is a
-    `failure`, not an exception."""
+    as `<server>-streams<N>.*`. A guidellm that fails or stalls is run once more; failing
+    twice is a `failure`, not an exception."""
     stem = raw / f"{server}-streams{streams}"
     stem.with_suffix(".scenario.json").write_text(
         json.dumps(scenario(load, base_url, model, streams), indent=1)
@@ -106,35 +107,57 @@ def http_level(load: LoadSpec, server: str, base_url: str, model: str, streams: 
     argv = [str(load.guidellm), "run", "-c", str(stem.with_suffix(".scenario.json")),
             "--tokenizer", f"kind=huggingface_auto,model={load.tokenizer}",
             "--output", f"kind=json,path={out}", "--disable-console-interactive"]  # fmt: skip
-    out.unlink(missing_ok=True)
-    rc = _run_logged(argv, stem.with_suffix(".log"), f"{server} streams={streams}",
-                     load.seconds + 300)  # fmt: skip
-    if rc != 0 or not out.is_file():
-        why = f"guidellm exited with status {rc} (log: {stem.with_suffix('.log')})"
-        return Level(server, "http", streams, 0.0, 0.0, None, None, None, None, 0, 0, 0,
-                     failure=why)  # fmt: skip
-    return parse_guidellm(out, server, streams)
+    for attempt in (1, 2):
+        out.unlink(missing_ok=True)
+        log = stem.with_suffix(f".{attempt}.log")
+        rc = _run_logged(argv, log, f"{server} streams={streams}", load.seconds + 300)
+        if rc == 0 and out.is_file():
+            return parse_guidellm(out, server, streams)
+        print(f"   [{server} streams={streams}] guidellm failed (status {rc}, {log})", flush=True)
+    return Level(server, "http", streams, 0.0, 0.0, None, None, None, None, 0, 0, 0,
+                 failure=f"guidellm failed twice (status {rc}; log: {log})")  # fmt: skip
+
+
+# NOTE: guidellm logs progress on every scheduler update (at most every few seconds while
+# requests run); on a busy machine one run in a few dozen stalls at a level's start, silent.
+STALL_S = 120.0
 
 
 def _run_logged(argv: list[str], log: Path, label: str, timeout_s: float) -> int:
     """Run `argv` to completion, every line to `log`, guidellm's progress lines echoed as
-    `   [label] ...`; the whole process group is killed after `timeout_s` (status -9)."""
+    `   [label] ...`. The whole process group is killed (status -9) after `timeout_s`, or
+    after STALL_S seconds without a line of output."""
     with open(log, "w") as sink:
         proc = subprocess.Popen(
             argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             text=True, start_new_session=True,
         )  # fmt: skip
-        timer = threading.Timer(timeout_s, os.killpg, (proc.pid, signal.SIGKILL))
-        timer.start()
+        last = [time.monotonic()]
+        done = threading.Event()
+        watchdog = threading.Thread(target=_watch, args=(proc, last, done, timeout_s))
+        watchdog.start()
         try:
             assert proc.stdout is not None
             for line in proc.stdout:
+                last[0] = time.monotonic()
                 sink.write(line)
                 if "progress:_log_update" in line or "Starting benchmark" in line:
                     print(f"   [{label}] {line.rsplit(' - ', 1)[-1].strip()}", flush=True)
             return proc.wait()
         finally:
-            timer.cancel()
+            done.set()
+            watchdog.join()
+
+
+def _watch(proc: subprocess.Popen, last: list[float], done: threading.Event,
+           timeout_s: float) -> None:  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(1.0):
+        now = time.monotonic()
+        if now > deadline or now - last[0] > STALL_S:
+            with contextlib.suppress(ProcessLookupError):  # NOTE: it may have just exited
+                os.killpg(proc.pid, signal.SIGKILL)
+            return
 
 
 def parse_guidellm(path: Path, server: str, streams: int) -> Level:
