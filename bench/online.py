@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from pagedserve.bench import online_servers as servers
+from pagedserve.bench import online_servers
 from pagedserve.bench.online_load import ENDPOINTS, Level, LoadSpec, grpc_level, http_level
 from pagedserve.config import bytes_arg
 
@@ -55,7 +55,7 @@ class OnlineConfig:
 
     servers: tuple[str, ...]
     load: LoadSpec
-    setup: servers.ServerSetup
+    setup: online_servers.ServerSetup
     grpc: bool  # also drive our router over gRPC at each level
     start_timeout_s: float
     out: Path
@@ -111,8 +111,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         nargs="+",
-        default=list(servers.SERVERS),
-        choices=servers.SERVERS,
+        default=list(online_servers.SERVERS),
+        choices=online_servers.SERVERS,
         help="which servers, in this order",
     )
     p.add_argument("--streams", nargs="+", type=int, default=[1, 16, 64])
@@ -164,7 +164,7 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     load = LoadSpec(tuple(args.streams), args.seconds, args.prompt_tokens, args.prompt_stdev,
                     args.output_tokens, args.endpoint, args.model, guidellm)  # fmt: skip
     raw = Path(args.raw or RAW_ROOT / out.resolve().name)
-    setup = servers.ServerSetup(
+    setup = online_servers.ServerSetup(
         args.model, mode, Path(args.peers_venv), Path(args.llama_cpp_bin), args.gguf_source,
         Path(args.gguf_dir), args.kv_cache_memory, max(args.streams), args.threads, raw / "logs",
     )  # fmt: skip
@@ -179,7 +179,7 @@ def run(config: OnlineConfig) -> OnlineResult:
     levels: list[Level] = []
     notes: list[str] = []
     for name in config.servers:
-        why = servers.missing(name, config.setup)
+        why = online_servers.missing(name, config.setup)
         if why:
             print(f"[s15] {name}: skipped: {why}", flush=True)
             notes.append(f"{name}: skipped: {why}")
@@ -194,24 +194,24 @@ def run(config: OnlineConfig) -> OnlineResult:
 
 
 def _serve_and_load(config: OnlineConfig, name: str) -> list[Level]:
-    port = servers.free_port()
+    port = online_servers.free_port()
     print(f"[s15] {name}: starting on port {port}", flush=True)
-    server = servers.start(servers.launch(name, config.setup, port), config.setup.log_dir,
-                           config.start_timeout_s)  # fmt: skip
+    spec = online_servers.launch(name, config.setup, port)
+    server = online_servers.start(spec, config.setup.log_dir, config.start_timeout_s)
     levels: list[Level] = []
     try:
         for streams in config.load.streams:
             levels.append(http_level(config.load, name, server.base_url, server.model,
                                      streams, config.raw))  # fmt: skip
             _progress(levels[-1])
-            if name == servers.OURS and config.grpc and server.router:
+            if name == online_servers.OURS and config.grpc and server.router:
                 print(f"[s15] pagedserve gRPC streams={streams}: {config.load.seconds:g} s",
                       flush=True)  # fmt: skip
                 levels.append(grpc_level(config.load, server.router, _vocab(config),
                                          streams, config.raw))  # fmt: skip
                 _progress(levels[-1])
     finally:
-        servers.stop(server)
+        online_servers.stop(server)
     return levels
 
 
@@ -237,7 +237,7 @@ def ratios(levels: Sequence[Level]) -> list[Ratio]:
     """Per level: ours (HTTP) ÷ each peer, and ours HTTP ÷ ours gRPC, for every metric, where
     both levels are clean (ran, completed requests, none errored)."""
     out = []
-    for ours in (lv for lv in levels if lv.server == servers.OURS and lv.api == "http"):
+    for ours in (lv for lv in levels if lv.server == online_servers.OURS and lv.api == "http"):
         others = [lv for lv in levels if lv.streams == ours.streams and lv is not ours]
         for other in others:
             if not (ours.clean and other.clean):
@@ -336,7 +336,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     result = run(config)
     print("\n".join(str(p) for p in write(config, result, argv)))
-    ours = [lv for lv in result.levels if lv.server == servers.OURS]
+    ours = [lv for lv in result.levels if lv.server == online_servers.OURS]
     return 0 if ours and all(lv.clean for lv in ours) else 1
 
 
