@@ -20,7 +20,6 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -160,15 +159,18 @@ def start(spec: Launch, log_dir: Path, timeout_s: float) -> Server:
 
 
 def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> str:
-    """The first model name /v1/models lists, once it answers 200."""
+    """The first model name /v1/models lists, once /health answers 200 (llama-server answers
+    503 there while it loads; all three serve it)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"exited with status {proc.returncode} while starting")
         try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5):
+                pass  # NOTE: urlopen raises HTTPError (an OSError) for any status >= 400
             with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5) as resp:
                 return str(json.load(resp)["data"][0]["id"])
-        except (OSError, urllib.error.URLError, KeyError, IndexError, ValueError):
+        except (OSError, KeyError, IndexError, ValueError):
             time.sleep(1.0)
     raise RuntimeError(f"not serving after {timeout_s:.0f} s")
 
