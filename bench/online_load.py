@@ -150,6 +150,9 @@ def _run_logged(argv: list[str], log: Path, label: str, timeout_s: float) -> int
         finally:
             done.set()
             watchdog.join()
+            if proc.poll() is None:  # NOTE: interrupted (Ctrl-C): its own session hears none
+                _kill_group(proc)
+                proc.wait()
 
 
 def _watch(proc: subprocess.Popen, last: list[float], done: threading.Event,
@@ -158,9 +161,14 @@ def _watch(proc: subprocess.Popen, last: list[float], done: threading.Event,
     while not done.wait(1.0):
         now = time.monotonic()
         if now > deadline or now - last[0] > STALL_S:
-            with contextlib.suppress(ProcessLookupError):  # NOTE: it may have just exited
-                os.killpg(proc.pid, signal.SIGKILL)
+            _kill_group(proc)
             return
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to `proc`'s process group: guidellm and its worker processes."""
+    with contextlib.suppress(ProcessLookupError):  # NOTE: it may have just exited
+        os.killpg(proc.pid, signal.SIGKILL)
 
 
 def parse_guidellm(path: Path, server: str, streams: int) -> Level:
