@@ -120,7 +120,8 @@ def _llama_argv(setup: ServerSetup, port: int, served: str) -> list[str]:
 
 def gguf(setup: ServerSetup) -> Path:
     """llama.cpp's GGUF for `setup.mode`, written once by llama-quantize from the source GGUF
-    (`--allow-requantize`: the source is Q4_1) and reused after."""
+    (`--allow-requantize`: the source is Q4_1) and reused after. RuntimeError when
+    llama-quantize fails."""
     from pagedserve.fetch_model import known_gguf
 
     source = Path(setup.gguf_source)
@@ -131,9 +132,11 @@ def gguf(setup: ServerSetup) -> Path:
     if not out.is_file():
         setup.gguf_dir.mkdir(parents=True, exist_ok=True)
         tmp = out.with_suffix(f".tmp-{os.getpid()}")
-        quantize = setup.llama_cpp_bin / "llama-quantize"
-        subprocess.run([str(quantize), "--allow-requantize", str(source), str(tmp), kind],
-                       check=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+        argv = [str(setup.llama_cpp_bin / "llama-quantize"), "--allow-requantize", str(source),
+                str(tmp), kind]  # fmt: skip
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-quantize to {kind} failed: {done.stderr[-1000:]}")
         tmp.rename(out)
     return out
 
@@ -151,10 +154,13 @@ def start(spec: Launch, log_dir: Path, timeout_s: float) -> Server:
     server = Server(spec.name, spec.base_url, "", None, proc, log)
     try:
         model = _wait_ready(spec.base_url, proc, timeout_s)
+        router = _router_address(log, timeout_s) if spec.name == OURS else None
     except RuntimeError as err:
         stop(server)
         raise RuntimeError(f"{spec.name}: {err}; log tail:\n{_tail(log)}") from None
-    router = _router_address(log, timeout_s) if spec.name == OURS else None
+    except BaseException:  # NOTE: interrupted: its own session hears no Ctrl-C
+        stop(server)
+        raise
     return Server(spec.name, spec.base_url, model, router, proc, log)
 
 
