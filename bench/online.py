@@ -35,7 +35,7 @@ from pathlib import Path
 
 from pagedserve.bench import online_servers
 from pagedserve.bench.online_load import ENDPOINTS, Level, LoadSpec, grpc_level, http_level
-from pagedserve.config import bytes_arg
+from pagedserve.cli_options import bytes_arg
 
 GUIDELLM_VENV = Path(".cache/guidellm-venv")
 RAW_ROOT = Path(".cache/bench")  # ignored by git
