@@ -151,16 +151,15 @@ def test_prefill_and_decode_worker_processes_on_one_gpu_equal_transformers(tiny,
     assert held == 0, "finished streams must hold no blocks"
 
 
-@pytest.fixture(scope="module")
-def smollm2() -> Path:
-    path = os.environ.get("PAGEDSERVE_GPU_SMOLLM2")
-    if not path:
-        pytest.skip("PAGEDSERVE_GPU_SMOLLM2 is not set (scripts/gpu_check.sh sets it)")
-    return Path(path)
+SMOLLM2 = os.environ.get("PAGEDSERVE_GPU_SMOLLM2", "")
 
 
+@pytest.mark.skipif(
+    not SMOLLM2, reason="PAGEDSERVE_GPU_SMOLLM2 names no converted SmolLM2 (gpu_check.sh sets it)"
+)
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_smollm2_greedy_equals_transformers_on_cuda(smollm2, dtype):
+def test_smollm2_greedy_equals_transformers_on_cuda(dtype):
+    smollm2 = Path(SMOLLM2)
     torch_dtype = getattr(torch, dtype)
     engine = engine_on_cuda(smollm2, dtype=dtype, num_blocks=512)
     prompts = prompts_for(49152, lens=(3, 17, 64, 200), seed=2)
