@@ -98,11 +98,23 @@ def test_overload_is_resource_exhausted_with_retry_info_and_admitted_requests_fi
     print(f"rejected in {rejected_in_s * 1000:.1f} ms")
 
 
+def index_recovers(policy, stub, prompt: list[int]) -> None:
+    """Requests go on finishing, and the first lookup that answers in time clears the flag."""
+    deadline = time.monotonic() + 10
+    while True:
+        assert finish_of(stub, prompt) in DONE
+        if not policy.index_degraded:
+            return
+        assert time.monotonic() < deadline, "index_degraded never cleared"
+        time.sleep(0.1)
+
+
 def test_slow_redis_degrades_routing_without_failing_requests(router, redis_proxy):
     servicer, stub = router
     policy = servicer.policy
     prompts = make_prompts((40, 41, 42, 43, 44, 45), seed=92)
-    assert finish_of(stub, prompts[0]) in DONE and not policy.index_degraded
+    # NOTE: a loaded machine may have let one 40 ms lookup of an earlier test time out
+    index_recovers(policy, stub, prompts[0])
     redis_proxy.set_mode(delay(2000))
     try:
         timings = []
@@ -118,11 +130,7 @@ def test_slow_redis_degrades_routing_without_failing_requests(router, redis_prox
         assert lookup_s < 0.25, lookup_s  # one bounded lookup (--index-timeout 0.04 s)
     finally:
         redis_proxy.set_mode(PASS)
-    deadline = time.monotonic() + 5
-    while policy.index_degraded:
-        assert time.monotonic() < deadline, "index_degraded never cleared"
-        assert finish_of(stub, prompts[4]) in DONE
-        time.sleep(0.1)
+    index_recovers(policy, stub, prompts[4])
     print(
         f"requests under a 2 s Redis: {[round(t, 3) for t in timings]} s; lookup {lookup_s:.3f} s"
     )

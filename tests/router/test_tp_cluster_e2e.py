@@ -61,7 +61,8 @@ def readiness(address: str, role: str) -> int:
         try:
             return stub.Check(request, timeout=2).status
         except grpc.RpcError as exc:
-            if exc.code() is grpc.StatusCode.UNAVAILABLE:
+            # NOTE: a server stopping cancels the calls it holds: CANCELLED is going, too
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED):
                 return GONE
             raise
 
