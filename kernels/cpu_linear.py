@@ -20,12 +20,20 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pagedserve.kernels import cpu_native
+
 MAX_TOKENS = 256
 """From about this many input rows on `F.linear` is as fast."""
+NATIVE_MAX_TOKENS = 16
+"""Up to this many input rows the native kernel (csrc/linear_f32.c) is faster (docs/kernels.md)."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [tokens, in] and weight [out, in]; contiguous output."""
+    if x.dim() == 2 and x.shape[0] <= NATIVE_MAX_TOKENS:
+        out = cpu_native.linear_f32(x, weight, bias)
+        if out is not None:
+            return out
     parts = torch.get_num_threads()
     out_features, in_features = weight.shape
     if (

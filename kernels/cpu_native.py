@@ -41,7 +41,8 @@ import torch
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(
-    Path(__file__).with_name("csrc") / name for name in ("paged_decode.c", "linear_i8g.c")
+    Path(__file__).with_name("csrc") / name
+    for name in ("paged_decode.c", "linear_i8g.c", "linear_f32.c")
 )
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -159,6 +160,9 @@ def _build() -> ctypes.CDLL:
     fn = lib.linear_i8g_f32
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
     fn.restype = None
+    fn = lib.linear_f32
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    fn.restype = None
     return lib
 
 
@@ -171,7 +175,10 @@ def _load() -> ctypes.CDLL | None:
                     _lib = _build()
                 except (RuntimeError, OSError, subprocess.SubprocessError) as err:
                     _why_not = str(err)
-                    log.warning("native CPU attention unavailable, using torch's: %s", err)
+                    log.warning(
+                        "native CPU kernels unavailable (attention, linears use torch's): %s",
+                        err,
+                    )
                 _tried = True
     return _lib
 
@@ -409,5 +416,35 @@ def linear_int8_groups(
     lib.linear_i8g_f32(
         x32.data_ptr(), x32.stride(0), codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
         y.stride(0), x32.shape[0], n, k, group, torch.get_num_threads(),
+    )  # fmt: skip
+    return y
+
+
+def linear_f32(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """x [M, K] @ weight.T (+ bias) for float32 `weight` [N, K] in its own layout -> float32
+    [M, N], each output the same sum whatever M (csrc/linear_f32.c). None when the kernel
+    cannot take it (the caller uses torch)."""
+    n, k = weight.shape
+    if not (
+        enabled
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.stride(1) == 1
+        and weight.stride(0) == k
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and _load() is not None
+    ):
+        return None
+    lib = _lib
+    assert lib is not None
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    lib.linear_f32(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
     )  # fmt: skip
     return y

@@ -40,6 +40,34 @@ class Linear(nn.Linear):
         return cpu_linear.linear(x, self.weight, self.bias)
 
 
+def fuse_rows(parent: nn.Module, names: tuple[str, ...]) -> bool:
+    """Give the `Linear`s `names` of `parent` one weight (and bias): theirs become row slices of
+    it, so that one call reads all of them (a decode step's cost is reading the weights). The
+    fused tensors are the buffers `fused_weight` / `fused_bias` (not saved); nothing is copied:
+    call it on an empty model, before its weights are loaded into the slices.
+
+    False, changing nothing, unless all of them are plain `Linear`s (a quantized layer keeps
+    its own)."""
+    linears = [getattr(parent, name) for name in names]
+    if not all(type(linear) is Linear for linear in linears):
+        return False
+    for attr in ("weight", "bias"):
+        parts = [getattr(linear, attr) for linear in linears]
+        if any(part is None for part in parts):
+            parent.register_buffer(f"fused_{attr}", None, persistent=False)
+            continue
+        first = parts[0]
+        fused = torch.empty((sum(p.shape[0] for p in parts), *first.shape[1:]),
+                            dtype=first.dtype, device=first.device)  # fmt: skip
+        start = 0
+        for linear, part in zip(linears, parts, strict=True):
+            stop = start + part.shape[0]
+            setattr(linear, attr, nn.Parameter(fused[start:stop], requires_grad=False))
+            start = stop
+        parent.register_buffer(f"fused_{attr}", fused, persistent=False)
+    return True
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float) -> None:
         super().__init__()
@@ -83,6 +111,9 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    fused_weight: torch.Tensor  # buffers of `fuse_rows`, when `fused`
+    fused_bias: torch.Tensor | None
+
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.layer_idx = layer_idx
@@ -97,6 +128,8 @@ class Attention(nn.Module):
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.group: Group | None = None  # set by `LlamaForCausalLM.join` on a rank of N > 1
+        self.fused = False  # q/k/v in one weight (`fuse_rows`)
+        self.qkv_sizes = [q_size, kv_size, kv_size]
 
     def forward(
         self,
@@ -107,9 +140,14 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.fused:
+            qkv = cpu_linear.linear(x, self.fused_weight, self.fused_bias)
+            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         q, k = rope(positions, q, k)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
         scales = kv_cache.layer_scales(self.layer_idx)  # None unless the cache is 8-bit
@@ -121,6 +159,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    fused_weight: torch.Tensor  # buffers of `fuse_rows`, when `fused`
+    fused_bias: torch.Tensor | None
+
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
@@ -129,9 +170,14 @@ class MLP(nn.Module):
         self.down_proj = Linear(inner, size, bias=bias)
         self.act_fn = activation(config.hidden_act)
         self.group: Group | None = None
+        self.fused = False  # gate/up in one weight (`fuse_rows`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _reduce(self.group, self.down_proj(self.act_fn(self.gate_proj(x)) * self.up_proj(x)))
+        if self.fused:
+            gate, up = cpu_linear.linear(x, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        return _reduce(self.group, self.down_proj(self.act_fn(gate) * up))
 
 
 def _reduce(group: Group | None, partial: torch.Tensor) -> torch.Tensor:
@@ -187,6 +233,14 @@ class LlamaForCausalLM(nn.Module):
         for module in self.modules():
             if isinstance(module, (Attention, MLP)):
                 module.group = group
+
+    def fuse_projections(self) -> None:
+        """q/k/v and gate/up each read as one weight (`fuse_rows`); on an empty model."""
+        for module in self.modules():
+            if isinstance(module, Attention):
+                module.fused = fuse_rows(module, ("q_proj", "k_proj", "v_proj"))
+            elif isinstance(module, MLP):
+                module.fused = fuse_rows(module, ("gate_proj", "up_proj"))
 
     def tie_weights(self) -> None:
         # NOTE: an int8 table from GGUF Q8_0 is tied at load (QuantizedEmbedding.head)

@@ -50,6 +50,7 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
         if config.quantization is not None:
             quantize_linears(model, config.quantization)
     _materialize(model, torch.device(device), config.dtype)
+    model.fuse_projections()  # NOTE: before loading: the checkpoint fills the fused slices
     blocks = _gguf_blocks(config)
     if blocks is not None:
         _quantized_embedding(model, config, blocks[1], device)
