@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("paged_decode.c", "linear_i8g.c", "linear_f32.c")
+    for name in ("paged_decode.c", "linear_i8g.c", "linear_f32.c", "rms_norm.c")
 )
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -162,6 +162,9 @@ def _build() -> ctypes.CDLL:
     fn.restype = None
     fn = lib.linear_f32
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    fn.restype = None
+    fn = lib.rms_norm_f32
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     fn.restype = None
     return lib
 
@@ -448,3 +451,35 @@ def linear_f32(
         y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(RMSNorm of s, s) for s = x (+ residual), float32 rows [M, N] (csrc/rms_norm.c): the
+    residual add and the norm in one call. None when the kernel cannot take it."""
+    rows, n = x.shape if x.dim() == 2 else (0, 0)
+    if not (
+        enabled
+        and rows > 0
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and x.stride(1) == 1
+        and weight.dtype == torch.float32
+        and weight.is_contiguous()
+        and weight.shape == (n,)
+        and (residual is None or (residual.shape == x.shape and residual.dtype == x.dtype
+                                  and residual.stride(1) == 1))
+        and _load() is not None
+    ):  # fmt: skip
+        return None
+    lib = _lib
+    assert lib is not None
+    out = torch.empty(rows, n, dtype=torch.float32)
+    total = x if residual is None else torch.empty(rows, n, dtype=torch.float32)
+    lib.rms_norm_f32(
+        x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
+        0 if residual is None else residual.stride(0), total.data_ptr(), weight.data_ptr(),
+        out.data_ptr(), rows, n, eps,
+    )  # fmt: skip
+    return out, total

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from pagedserve.kernels import cpu_linear, dispatch
+from pagedserve.kernels import cpu_linear, cpu_native, dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model.activations import activation
@@ -75,10 +75,22 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.add_norm(x, None)[0]
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the norm of s, s) for s = x + residual (x alone without one): a decoder layer's
+        residual add and the norm after it, in one native call for fp32 on CPU."""
+        native = cpu_native.rms_norm(x, self.weight, self.eps, residual)
+        if native is not None:
+            return native
+        if residual is not None:
+            x = x + residual
         input_dtype = x.dtype
         x32 = x.to(torch.float32)
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return self.weight * x32.to(input_dtype), x
 
 
 class RotaryEmbedding:
@@ -96,18 +108,23 @@ class RotaryEmbedding:
         self.cos = (emb.cos() * scaling).to(device)
         self.sin = (emb.sin() * scaling).to(device)
 
-    def __call__(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """q [T, Hq, D], k [T, Hkv, D] rotated by their positions [T]."""
-        cos = self.cos[positions].to(q.dtype).unsqueeze(1)
-        sin = self.sin[positions].to(q.dtype).unsqueeze(1)
-        return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    def at(self, positions: torch.Tensor, dtype: torch.dtype) -> RopeTables:
+        """cos and sin [T, 1, D] for positions [T]: once per forward, shared by every layer."""
+        return (
+            self.cos[positions].to(dtype).unsqueeze(1),
+            self.sin[positions].to(dtype).unsqueeze(1),
+        )
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+RopeTables = tuple[torch.Tensor, torch.Tensor]
+
+
+def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """x [T, H, D] rotated by its rows' positions (the same arithmetic for every head: q's and
+    k's heads side by side are rotated in one go)."""
+    cos, sin = tables
     half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
 class Attention(nn.Module):
@@ -134,21 +151,19 @@ class Attention(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
     ) -> torch.Tensor:
-        num_tokens = x.shape[0]
+        num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
         if self.fused:
             qkv = cpu_linear.linear(x, self.fused_weight, self.fused_bias)
-            q, k, v = qkv.split(self.qkv_sizes, dim=-1)
+            qk, v = qkv.view(num_tokens, -1, self.head_dim).split([heads + kv_heads, kv_heads], 1)
+            q, k = rotate(qk, rope).split([heads, kv_heads], dim=1)
         else:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = rope(positions, q, k)
+            q = rotate(self.q_proj(x).view(num_tokens, heads, self.head_dim), rope)
+            k = rotate(self.k_proj(x).view(num_tokens, kv_heads, self.head_dim), rope)
+            v = self.v_proj(x).view(num_tokens, kv_heads, self.head_dim)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
         scales = kv_cache.layer_scales(self.layer_idx)  # None unless the cache is 8-bit
         dispatch.write_kv(k_cache, v_cache, k, v, meta, scales)
@@ -196,13 +211,18 @@ class DecoderLayer(nn.Module):
     def forward(
         self,
         x: torch.Tensor,
-        positions: torch.Tensor,
-        rope: RotaryEmbedding,
+        residual: torch.Tensor | None,
+        rope: RopeTables,
         kv_cache: KVCache,
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream it is to be added to): the next norm adds
+        them, in the same call (`RMSNorm.add_norm`). `residual` is None for the first layer."""
+        h, residual = self.input_layernorm.add_norm(x, residual)
+        h, residual = self.post_attention_layernorm.add_norm(
+            self.self_attn(h, rope, kv_cache, meta), residual
+        )
+        return self.mlp(h), residual
 
 
 class DecoderStack(nn.Module):
@@ -259,10 +279,11 @@ class LlamaForCausalLM(nn.Module):
 
         Writes this step's K/V into `kv_cache` at `meta.slot_mapping` for every layer.
         """
-        x = self._embed(input_ids)
+        x, residual = self._embed(input_ids), None
+        rope = self.rope.at(positions, x.dtype)
         for layer in self.model.layers:
-            x = layer(x, positions, self.rope, kv_cache, meta)
-        return self.model.norm(x)
+            x, residual = layer(x, residual, rope, kv_cache, meta)
+        return self.model.norm.add_norm(x, residual)[0]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:
