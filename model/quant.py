@@ -16,9 +16,10 @@ modes do). Two formats:
 With bf16 activations on CPU the matmuls are ATen's packed kernels (`_weight_int8pack_mm`,
 `_weight_int4pack_mm_for_cpu`), which read the small weights and dequantize inside the GEMM.
 Those kernels have a fast path for bf16 only: with fp32 activations they were 13-100x slower
-than `F.linear` on this project's machine (AVX-512, torch 2.13; docs/quantization.md), so fp32
-and fp16 activations, and CUDA, multiply by the dequantized weight instead: exactly what
-transformers computes on the dequantized weights, and a memory saving, not a speed-up.
+than `F.linear` on this project's machine (AVX-512, torch 2.13; docs/quantization.md). So with
+fp32 and fp16 activations per-channel int8 takes the grouped kernel too (one group per row),
+and int4 multiplies by the dequantized weight: what transformers computes on the dequantized
+weights, a memory saving, not a speed-up. CUDA runs Triton kernels.
 
 NOTE: the Triton kernels (kernels/triton_quant.py) are imported on first use on CUDA, as
 kernels/dispatch.py imports its own: Triton reads `TRITON_INTERPRET` when the kernels are
@@ -204,7 +205,10 @@ class QuantizedLinear(nn.Module):
         return self._cuda_operands
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.int8_groups and x.device.type != "cuda":
+        on_cpu = x.device.type != "cuda"
+        if on_cpu and (
+            self.int8_groups or (self.quant.method == "int8" and x.dtype != torch.bfloat16)
+        ):
             return self._int8_groups_cpu(x)
         if x.device.type != "cuda" and x.dtype != torch.bfloat16:
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
@@ -215,14 +219,16 @@ class QuantizedLinear(nn.Module):
         return out.view(*shape[:-1], self.out_features)
 
     def _int8_groups_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """Grouped int8 on CPU: the native kernel for up to `NATIVE_ROWS` rows (it reads the
+        """int8 on CPU, grouped (GGUF Q8_0) or per channel (a group of the whole row) with
+        fp32/fp16 activations: the native kernel for up to `NATIVE_ROWS` rows (it reads the
         codes once per tile of rows: faster than fp32 `F.linear` there, slower beyond), else
         `F.linear` on the dequantized weight."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
         out = None
         if x2.shape[0] <= NATIVE_ROWS:
-            out = cpu_native.linear_int8_groups(x2, self.qweight, self.scales)
+            scales = self.scales if self.int8_groups else self.scales.view(-1, 1)
+            out = cpu_native.linear_int8_groups(x2, self.qweight, scales)
         if out is None:
             return F.linear(x, self.dequantize().to(x.dtype), self.bias)
         out = out.to(x.dtype)

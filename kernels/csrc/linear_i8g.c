@@ -8,8 +8,9 @@
  *
  * The codes are read once per tile of TILE_N output rows and widened to float32 in registers;
  * one OpenMP task per tile (torch's libgomp). TILE_M x rows at a time (fewer with AVX2's 16
- * registers): tails of M and N repeat their last row and write nothing twice. `group` is a
- * multiple of 16.
+ * registers): tails of M and N repeat their last row and write nothing twice; a single row of
+ * x (a decode step of one sequence) takes ROWS_ONE rows of codes at a time instead. `group` is
+ * a multiple of 16; one scale per output row (per-channel int8) is group = k.
  */
 #include <stdint.h>
 
@@ -18,9 +19,40 @@
 #define TILE_N 4
 #define TILE_M (PS_VEC == 16 ? 4 : 2)
 
+/* one row of x against ROWS_ONE rows of codes (the decode case: the codes' bytes are the
+ * cost); the same operations per output as the tiled path, so the two agree bit for bit */
+#define ROWS_ONE 8
+static void tile_one(const float *x, const int8_t *q, const float *s, float *y, int64_t n0,
+                     int64_t n_rows, int64_t k, int64_t group) {
+    const int64_t groups = k / group;
+    int64_t n[ROWS_ONE];
+    vf acc[ROWS_ONE];
+    for (int r = 0; r < ROWS_ONE; r++) {
+        n[r] = n0 + r < n_rows ? n0 + r : n_rows - 1;
+        acc[r] = vf_zero();
+    }
+    for (int64_t g = 0; g < groups; g++) {
+        vf sv[ROWS_ONE];
+        for (int r = 0; r < ROWS_ONE; r++) sv[r] = vf_set1(s[n[r] * groups + g]);
+        for (int64_t j = g * group; j < (g + 1) * group; j += PS_VEC) {
+            vf xv = vf_loadu(x + j);
+            for (int r = 0; r < ROWS_ONE; r++)
+                acc[r] = vf_fmadd(xv, vf_mul(vf_from_i8(q + n[r] * k + j), sv[r]), acc[r]);
+        }
+    }
+    for (int r = 0; r < ROWS_ONE && n0 + r < n_rows; r++) y[n0 + r] = vf_sum(acc[r]);
+}
+
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads) {
+    if (m_rows == 1) {
+        const int64_t tiles = (n_rows + ROWS_ONE - 1) / ROWS_ONE;
+#pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t tile = 0; tile < tiles; tile++)
+            tile_one(x, q, s, y, tile * ROWS_ONE, n_rows, k, group);
+        return;
+    }
     const int64_t groups = k / group, tiles = (n_rows + TILE_N - 1) / TILE_N;
 #pragma omp parallel for num_threads(threads) schedule(static)
     for (int64_t tile = 0; tile < tiles; tile++) {

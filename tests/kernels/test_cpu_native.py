@@ -224,3 +224,39 @@ def test_grouped_int8_linear_declines_what_it_cannot_take():
     codes = torch.zeros(4, 40, dtype=torch.int8)
     assert cpu_native.linear_int8_groups(torch.ones(1, 40), codes, torch.ones(4, 5)) is None  # 8
     assert cpu_native.linear_int8_groups(torch.ones(1, 40), codes[:, ::2], torch.ones(4, 1)) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 64, 32), (9, 576, 576), (64, 96, 16)])
+def test_grouped_int8_linear_one_row_equals_that_row_of_a_batch(n, k, group):
+    g = torch.Generator().manual_seed(n + k)
+    codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, k // group, generator=g) / 100
+    x = torch.randn(5, k, generator=g)
+    batch = cpu_native.linear_int8_groups(x, codes, scales)
+    assert batch is not None
+    for i in range(5):  # the one-row path (decode of one sequence) and the tiled one, bit for bit
+        assert torch.equal(
+            cpu_native.linear_int8_groups(x[i : i + 1], codes, scales), batch[i : i + 1]
+        )
+
+
+@needs_kernel
+def test_per_channel_int8_with_fp32_activations_reads_the_codes_natively(monkeypatch):
+    from pagedserve.model.quant import QuantizedLinear, WeightQuant
+
+    layer = QuantizedLinear(64, 24, True, WeightQuant("int8"))
+    g = torch.Generator().manual_seed(1)
+    layer.load_weight(torch.randn(24, 64, generator=g))
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(24, generator=g))
+    calls = []
+    original = cpu_native.linear_int8_groups
+    monkeypatch.setattr(
+        cpu_native, "linear_int8_groups", lambda *a: calls.append(a[2].shape) or original(*a)
+    )
+    x = torch.randn(3, 64, generator=g)
+    got = layer(x)
+    assert calls == [(24, 1)]  # one scale per row: a group of the whole row
+    want = torch.nn.functional.linear(x, layer.dequantize(), layer.bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
