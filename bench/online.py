@@ -222,6 +222,7 @@ def _serve_and_load(config: OnlineConfig, name: str) -> list[Level]:
     server = online_servers.start(spec, config.setup.log_dir, config.start_timeout_s)
     levels: list[Level] = []
     try:
+        online_servers.warm_up(server, ENDPOINTS[config.load.endpoint])
         for streams in config.load.streams:
             for rep in range(config.repeat):
                 http = partial(http_level, config.load, name, server.base_url, server.model,

@@ -181,6 +181,28 @@ def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> str:
     raise RuntimeError(f"not serving after {timeout_s:.0f} s")
 
 
+def warm_up(server: Server, endpoint: str, requests: int = 4) -> None:
+    """A few short requests through `endpoint` (a path of the OpenAI API) before any level, so
+    that no level measures a server's first requests (lazy initialisation, first-use kernels).
+    An error raises (RuntimeError): a server that cannot answer these cannot be measured."""
+    prompt = "Say hello. " * 20
+    body = {"model": server.model, "max_tokens": 8, "stream": False, "temperature": 0}
+    if endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    request = urllib.request.Request(
+        server.base_url + endpoint, json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    for _ in range(requests):
+        try:
+            with urllib.request.urlopen(request, timeout=300) as resp:
+                resp.read()
+        except OSError as err:
+            raise RuntimeError(f"{server.name}: warm-up request failed: {err}") from None
+
+
 def _router_address(log: Path, timeout_s: float) -> str | None:
     """Our router's address from `up`'s READY line (printed just after the gateway serves)."""
     deadline = time.monotonic() + timeout_s
