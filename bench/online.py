@@ -318,7 +318,7 @@ def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
                  f"{_fmt(lv.prompt_tokens_mean)} / {_fmt(lv.output_tokens_mean)}",
                  lv.repetition, _fmt_cpu(lv.cpu_s)]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", *_ratio_table(result.ratios), ""]
+    lines += ["", *_ratio_table(result.ratios), "", *_gateway_cpu(result.levels)]
     lines += [f"- {note}" for note in (*header["fixed_notes"], *result.notes)]
     return "\n".join(lines) + "\n"
 
@@ -338,6 +338,20 @@ def _ratio_table(rs: Sequence[Ratio]) -> list[str]:
                               (streams, peer, label)]) for label in labels]  # fmt: skip
         lines.append(f"| {streams} | {peer} | " + " | ".join(cells) + " |")
     return lines if rows else ["No ratios: no peer ran cleanly beside ours."]
+
+
+def _gateway_cpu(levels: Sequence[Level]) -> list[str]:
+    """The gateway's own cost per HTTP level of ours: its CPU seconds as a share of all of
+    ours' (the rates' HTTP ÷ gRPC also holds the load generators' difference)."""
+    lines = []
+    for lv in levels:
+        total = sum(lv.cpu_s.values())
+        if lv.server == online_servers.OURS and lv.api == "http" and total > 0:
+            gateway = lv.cpu_s.get("gateway", 0.0)
+            lines.append(f"- The gateway at {lv.streams} streams (rep {lv.repetition}): "
+                         f"{_fmt(gateway)} CPU s, {100 * gateway / total:.2g} % of ours' CPU "
+                         "in the level.")  # fmt: skip
+    return lines
 
 
 def _fmt_cpu(cpu_s: dict[str, float]) -> str:

