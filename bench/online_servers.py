@@ -181,6 +181,28 @@ def _wait_ready(base_url: str, proc: subprocess.Popen, timeout_s: float) -> str:
     raise RuntimeError(f"not serving after {timeout_s:.0f} s")
 
 
+def warm_up(server: Server, endpoint: str, requests: int = 4) -> None:
+    """A few short requests through `endpoint` (a path of the OpenAI API) before any level, so
+    that no level measures a server's first requests (lazy initialisation, first-use kernels).
+    An error raises (RuntimeError): a server that cannot answer these cannot be measured."""
+    prompt = "Say hello. " * 20
+    body = {"model": server.model, "max_tokens": 8, "stream": False, "temperature": 0}
+    if endpoint.endswith("chat/completions"):
+        body["messages"] = [{"role": "user", "content": prompt}]
+    else:
+        body["prompt"] = prompt
+    request = urllib.request.Request(
+        server.base_url + endpoint, json.dumps(body).encode(),
+        {"Content-Type": "application/json"},
+    )  # fmt: skip
+    for _ in range(requests):
+        try:
+            with urllib.request.urlopen(request, timeout=300) as resp:
+                resp.read()
+        except OSError as err:
+            raise RuntimeError(f"{server.name}: warm-up request failed: {err}") from None
+
+
 def _router_address(log: Path, timeout_s: float) -> str | None:
     """Our router's address from `up`'s READY line (printed just after the gateway serves)."""
     deadline = time.monotonic() + timeout_s
@@ -206,3 +228,61 @@ def stop(server: Server, timeout_s: float = 60.0) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
+
+
+ROLES = ("router", "gateway", "prefill", "decode")  # `pagedserve.cli <role>` under `up`
+
+
+def cpu_seconds(server: Server) -> dict[str, float]:
+    """CPU seconds (user + system) used so far by each process of `server`: ours by role (its
+    router, gateway, prefill and decode worker processes, each with its descendants, e.g. tensor
+    parallel ranks), a peer as one "server". Processes that have exited are not counted."""
+    tree = _process_tree()
+    if server.name != OURS:
+        return {"server": _tree_cpu(server.proc.pid, tree)}
+    out: dict[str, float] = {}
+    for pid in tree.get(server.proc.pid, []):
+        role = _role(_cmdline(pid))
+        if role:
+            out[role] = out.get(role, 0.0) + _tree_cpu(pid, tree)
+    return out
+
+
+def _role(argv: list[str]) -> str | None:
+    """The role of `python -m pagedserve.cli <role> ...` (e.g. "gateway"), else None."""
+    if "pagedserve.cli" not in argv:
+        return None
+    after = argv[argv.index("pagedserve.cli") + 1 :]
+    return after[0] if after and after[0] in ROLES else None
+
+
+def _process_tree() -> dict[int, list[int]]:
+    """ppid -> child pids, from /proc (Linux)."""
+    tree: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            fields = _stat(int(entry.name))
+            if fields:
+                tree.setdefault(int(fields[1]), []).append(int(entry.name))
+    return tree
+
+
+def _stat(pid: int) -> list[str]:
+    """/proc/<pid>/stat's fields after the command name (field 3 on: state, ppid, ...)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # NOTE: it exited meanwhile
+        return []
+
+
+def _cmdline(pid: int) -> list[str]:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace").split("\0")
+    except OSError:
+        return []
+
+
+def _tree_cpu(pid: int, tree: dict[int, list[int]]) -> float:
+    fields = _stat(pid)
+    own = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK") if fields else 0.0
+    return own + sum(_tree_cpu(child, tree) for child in tree.get(pid, []))

