@@ -303,8 +303,9 @@ def decode(
     if query.dtype == torch.bfloat16:
         # NOTE: bf16 widens to fp32 exactly; the kernel rounds where torch's SDPA rounds
         entry, query = lib.paged_decode_bf16, query.to(torch.float32)
+        threads = torch.get_num_threads()  # it splits a sequence's positions between threads
     else:
-        entry = lib.paged_decode_f32
+        entry, threads = lib.paged_decode_f32, _threads_for(n)
     failed = entry(
         query.data_ptr(), query.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
@@ -312,12 +313,17 @@ def decode(
         plan.query_rows.data_ptr(), plan.table_rows.data_ptr(),
         plan.firsts.data_ptr(), plan.ends.data_ptr(),
         out.data_ptr(), out.stride(0),
-        n, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale,
-        torch.get_num_threads(),
+        n, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, threads,
     )  # fmt: skip
     if failed:
         raise MemoryError("native paged attention: scratch allocation failed")
     return out
+
+
+def _threads_for(sequences: int) -> int:
+    """The fp32 and 8-bit kernels give each thread whole sequences: a thread without one would
+    only wait at the barrier (and, on a busy host, make the others wait for it)."""
+    return max(1, min(torch.get_num_threads(), sequences))
 
 
 def decode_quantized(
@@ -354,7 +360,7 @@ def decode_quantized(
         plan.firsts.data_ptr(), plan.ends.data_ptr(),
         out.data_ptr(), out.stride(0),
         n, num_heads, k_codes.shape[2], head_dim, k_codes.shape[1], scale,
-        torch.get_num_threads(), int(k_codes.dtype == torch.float8_e4m3fn), _E4M3.data_ptr(),
+        _threads_for(n), int(k_codes.dtype == torch.float8_e4m3fn), _E4M3.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("native paged attention: scratch allocation failed")
