@@ -146,7 +146,6 @@ class Attention(nn.Module):
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
         self.group: Group | None = None  # set by `LlamaForCausalLM.join` on a rank of N > 1
         self.fused = False  # q/k/v in one weight (`fuse_rows`)
-        self.qkv_sizes = [q_size, kv_size, kv_size]
 
     def forward(
         self,
