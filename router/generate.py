@@ -113,11 +113,15 @@ class Orchestrator:
         self.active: dict[tuple[str, str], ActiveRequest] = {}  # (tenant, request_id) -> it
         self.last_decision: Decision | None = None  # for tests and debugging
 
+    def check_room(self) -> None:
+        """ResourceExhausted (with a retry delay) while `max_queued_requests` are in flight."""
+        if len(self.active) >= self.settings.max_queued_requests:
+            raise ResourceExhausted("router queue is full", retry_after_s=1.0)
+
     def admit(self, tenant: str, request_id: str) -> ActiveRequest:
         """Register `(tenant, request_id)`; a duplicate is the same tenant's own mistake.
         The caller then runs `generate`, which removes it again."""
-        if len(self.active) >= self.settings.max_queued_requests:
-            raise ResourceExhausted("router queue is full", retry_after_s=1.0)
+        self.check_room()
         key = (tenant, request_id)
         if key in self.active:
             raise AlreadyExists(f"request_id: {request_id!r} is already running")

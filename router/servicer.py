@@ -76,6 +76,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         started = time.monotonic()
         try:
+            # NOTE: a full router refuses before tokenizing: a burst beyond the limit costs
+            # no tokenizer time (admit checks again: others were admitted meanwhile)
+            self.orchestrator.check_room()
             # NOTE: tokenizing (and rendering a chat) is CPU work: off the event loop
             req = await asyncio.to_thread(
                 convert.router_request,
