@@ -59,7 +59,8 @@ class PrefillEngineConfig:
     lease_seconds: float = 30.0  # the worker's lease defaults
     max_lease_seconds: float = 300.0
     use_shm: bool = True  # allocate the pool in shared memory (offer the shm transport)
-    max_queued_requests: int = 1024  # the worker's admission limit
+    # NOTE: one router's --max-queued-requests default: a burst that router admits fits
+    max_queued_requests: int = 4096  # the worker's admission limit
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:

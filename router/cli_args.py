@@ -13,6 +13,11 @@ from pagedserve.cli_options import (
 from pagedserve.router.routing import DEFAULT_LOCAL_PREFILL
 from pagedserve.sampling_params import DEFAULT_MAX_N
 
+# NOTE: sized by memory (docs/router.md, "Overload"): a request in flight costs the router
+# ~70 KiB of RSS (measured: 1,000 streams held queued behind a busy decode worker grew a
+# router of 72 MiB by 69 MiB), so 4,096 take ~280 MiB, inside the chart's 512 MiB request
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
@@ -41,9 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", action="append", default=[], help="static prefill address")
     parser.add_argument("--decode", action="append", default=[], help="static decode address")
     parser.add_argument(
-        "--max-queued-requests", type=positive_int, default=256,
+        "--max-queued-requests", type=positive_int, default=DEFAULT_MAX_QUEUED_REQUESTS,
         help="requests in flight through this router (streaming or waiting); one more is "
-        "RESOURCE_EXHAUSTED at once",
+        "RESOURCE_EXHAUSTED (with RetryInfo) at once. Default: what the router's memory holds "
+        "(~70 KiB each, docs/router.md)",
     )  # fmt: skip
     parser.add_argument(
         "--stream-interval", type=positive_int, default=1,

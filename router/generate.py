@@ -111,13 +111,20 @@ class Orchestrator:
             workers, settings.prefill_retries, settings.stall_timeout_s, settings.decode_delivery
         )
         self.active: dict[tuple[str, str], ActiveRequest] = {}  # (tenant, request_id) -> it
+        self.arriving = 0  # requests let in by `check_room`, not yet admitted (tokenizing)
         self.last_decision: Decision | None = None  # for tests and debugging
 
-    def admit(self, tenant: str, request_id: str) -> ActiveRequest:
-        """Register `(tenant, request_id)`; a duplicate is the same tenant's own mistake.
-        The caller then runs `generate`, which removes it again."""
-        if len(self.active) >= self.settings.max_queued_requests:
+    def check_room(self, *, arriving: bool = False) -> None:
+        """ResourceExhausted (with a retry delay) while `max_queued_requests` are in flight or
+        arriving; `arriving`: the caller is one of `arriving` itself."""
+        if len(self.active) + self.arriving - arriving >= self.settings.max_queued_requests:
             raise ResourceExhausted("router queue is full", retry_after_s=1.0)
+
+    def admit(self, tenant: str, request_id: str, *, arriving: bool = False) -> ActiveRequest:
+        """Register `(tenant, request_id)`; a duplicate is the same tenant's own mistake.
+        The caller then runs `generate`, which removes it again. `arriving`: the caller
+        counted it in `arriving` (it still must uncount it)."""
+        self.check_room(arriving=arriving)
         key = (tenant, request_id)
         if key in self.active:
             raise AlreadyExists(f"request_id: {request_id!r} is already running")

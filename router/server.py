@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from pagedserve.cli_options import quantization_name
 from pagedserve.grpcutil import (
+    DEFAULT_MAX_PENDING_CALLS,
     ClientTLS,
     ServerHandle,
     ServerTLS,
@@ -242,6 +243,9 @@ async def start_router(
         max_message_bytes=options.max_message_bytes,
         interceptors=[AuthInterceptor(keys)] if keys is not None else [],
         tls=tls,
+        # NOTE: a burst beyond our queue must reach admission control (RESOURCE_EXHAUSTED with
+        # RetryInfo), not gRPC core's pending-call limit (a bare CANCELLED)
+        max_pending_calls=max(DEFAULT_MAX_PENDING_CALLS, 4 * options.max_queued_requests),
     )
     await handle.server.start()
     router = RunningRouter(servicer, workers, handle, options.load_poll_interval_s)

@@ -23,7 +23,7 @@ from pagedserve.metrics import RequestMetrics, prefix_cache_hit_rate
 from pagedserve.protoconv import load_to_proto
 from pagedserve.router import convert
 from pagedserve.router.auth import current_tenant, tenant_salt
-from pagedserve.router.clients import WorkerError
+from pagedserve.router.clients import ActiveRequest, WorkerError
 from pagedserve.router.generate import Orchestrator, RouterSettings
 from pagedserve.router.outcome import rejected, request_attributes
 from pagedserve.router.routing import Decision, RoutingPolicy, WorkerSet
@@ -76,18 +76,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     ) -> AsyncGenerator[generation_pb2.GenerateResponse, None]:
         started = time.monotonic()
         try:
-            # NOTE: tokenizing (and rendering a chat) is CPU work: off the event loop
-            req = await asyncio.to_thread(
-                convert.router_request,
-                request,
-                self.tokenizer,
-                self.card,
-                self.settings.stream_interval,
-                self.settings.max_n,
-            )
-            tenant = current_tenant()
-            req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))
-            active = self.orchestrator.admit(tenant, req.request_id)
+            req, tenant, active = await self._admit(request)
         except (InvalidArgument, ResourceExhausted, AlreadyExists) as exc:
             reason = {InvalidArgument: "invalid_argument", ResourceExhausted: "queue_full"}
             if type(exc) in reason:
@@ -110,6 +99,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     yield response
         except WorkerError as exc:
             await context.abort(exc.code, exc.details)
+
+    async def _admit(
+        self, request: generation_pb2.GenerateRequest
+    ) -> tuple[convert.RouterRequest, str, ActiveRequest]:
+        """Validate, tokenize and admit. NOTE: a request counts against the limit from the
+        moment it arrives: a burst beyond it is refused before it is tokenized (no tokenizer
+        time), and nothing waits uncounted in the tokenizer's queue."""
+        self.orchestrator.check_room()
+        self.orchestrator.arriving += 1
+        try:
+            # NOTE: tokenizing (and rendering a chat) is CPU work: off the event loop
+            req = await asyncio.to_thread(
+                convert.router_request,
+                request,
+                self.tokenizer,
+                self.card,
+                self.settings.stream_interval,
+                self.settings.max_n,
+            )
+            tenant = current_tenant()
+            req = dataclasses.replace(req, cache_salt=tenant_salt(tenant, req.cache_salt))
+            return req, tenant, self.orchestrator.admit(tenant, req.request_id, arriving=True)
+        finally:
+            self.orchestrator.arriving -= 1
 
     # ---- the rest -------------------------------------------------------------------------
 

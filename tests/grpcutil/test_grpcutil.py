@@ -192,3 +192,41 @@ def test_engine_loop_on_its_own_thread_and_a_failing_server():
 
     with pytest.raises(RuntimeError, match="bind failed"):
         EngineLoop("main", on_main_thread=True).serve_on_side_thread(broken)
+
+
+class SlowTokenize(generation_pb2_grpc.GenerationServicer):
+    async def Tokenize(self, request, context):
+        await asyncio.sleep(0.5)
+        return generation_pb2.TokenizeResponse(token_ids=[1])
+
+
+BURST = 3000  # gRPC core's own pending limit (soft 1000, hard 3000) drops ~700 of these
+
+
+def test_a_burst_of_calls_reaches_the_servicer_none_cancelled_by_grpc():
+    build = build_server(
+        [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(SlowTokenize(), s)],
+        [SERVICE],
+    )
+
+    async def burst(port: int) -> list[grpc.StatusCode]:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            stub = generation_pb2_grpc.GenerationStub(channel)
+
+            async def one() -> grpc.StatusCode:
+                try:
+                    await stub.Tokenize(generation_pb2.TokenizeRequest(text="x"), timeout=60)
+                except grpc.aio.AioRpcError as err:
+                    return err.code()
+                return grpc.StatusCode.OK
+
+            return await asyncio.gather(*[one() for _ in range(BURST)])
+
+    with serving(build) as handle:
+        codes = asyncio.run(burst(handle.port))
+    assert codes == [grpc.StatusCode.OK] * BURST, {c: codes.count(c) for c in set(codes)}
+
+
+def test_max_pending_calls_must_be_positive():
+    with pytest.raises(ValueError, match="max_pending_calls"):
+        asyncio.run(build_server([], [SERVICE], max_pending_calls=0))
