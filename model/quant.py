@@ -17,9 +17,14 @@ With bf16 activations on CPU the matmuls are ATen's packed kernels (`_weight_int
 `_weight_int4pack_mm_for_cpu`), which read the small weights and dequantize inside the GEMM.
 Those kernels have a fast path for bf16 only: with fp32 activations they were 13-100x slower
 than `F.linear` on this project's machine (AVX-512, torch 2.13; docs/quantization.md). So with
-fp32 and fp16 activations per-channel int8 takes the grouped kernel too (one group per row),
-and int4 multiplies by the dequantized weight: what transformers computes on the dequantized
-weights, a memory saving, not a speed-up. CUDA runs Triton kernels.
+fp32 and fp16 activations, up to `NATIVE_ROWS` rows, per-channel int8 takes the grouped int8
+kernel too (one group per row) and int4 its own (kernels/csrc/linear_i4g.c): both read the
+codes once and turn them into weights in registers, the weights' values those of `dequantize`
+(int4 with AVX-512: the same roundings; with AVX2 an FMA, within one rounding). Larger batches
+(prefill chunks) multiply by the dequantized weight, one dequantization shared by every row.
+An int4 layer holds its codes once, in the layout its dtype's matmul reads (`load_int4`): the
+native kernel's for an fp32 or fp16 layer on CPU, ATen's for bf16 (and on CUDA, where the
+Triton kernels read a copy built on first use). CUDA runs Triton kernels.
 
 NOTE: the Triton kernels (kernels/triton_quant.py) are imported on first use on CUDA, as
 kernels/dispatch.py imports its own: Triton reads `TRITON_INTERPRET` when the kernels are
