@@ -42,7 +42,7 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("paged_decode.c", "linear_i8g.c", "linear_f32.c", "rms_norm.c")
+    for name in ("paged_decode.c", "linear_i8g.c", "linear_i4g.c", "linear_f32.c", "rms_norm.c")
 )
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -159,6 +159,9 @@ def _build() -> ctypes.CDLL:
     fn.restype = i32
     fn = lib.linear_i8g_f32
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
+    fn.restype = None
+    fn = lib.linear_i4g_f32
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32]
     fn.restype = None
     fn = lib.linear_f32
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
@@ -489,3 +492,55 @@ def rms_norm(
         out.data_ptr(), rows, n, eps,
     )  # fmt: skip
     return out, total
+
+
+def pack_int4(codes: torch.Tensor) -> torch.Tensor:
+    """int4 codes [N, K] in 0..15 (K a multiple of 32) -> uint8 [N, K / 2] in the layout
+    `linear_int4_groups` reads (csrc/linear_i4g.c): per block of 32 codes, byte j holds code j
+    in its low nibble and code j + 16 in its high one. The same layout on every CPU."""
+    n, k = codes.shape
+    blocks = codes.to(torch.uint8).view(n, k // 32, 2, 16)
+    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).view(n, k // 2)
+
+
+def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
+    """`pack_int4`'s inverse: uint8 [N, K / 2] -> int32 codes [N, K]."""
+    n, half = packed.shape
+    blocks = packed.view(n, half // 16, 1, 16)
+    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(n, half * 2).to(torch.int32)
+
+
+def linear_int4_groups(
+    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+) -> torch.Tensor | None:
+    """x [M, K] @ W.T for `pack_int4` codes [N, K / 2] with W = (q - 8) * scale + zero, scale
+    and zero float32 [N, K / group] (any strides, the same for both; group a multiple of 32) ->
+    float32 [M, N], the codes widened in registers (no dequantized copy). None when the kernel
+    cannot take it (the caller dequantizes)."""
+    n, k = codes.shape[0], codes.shape[1] * 2
+    groups = scale.shape[1] if scale.dim() == 2 else 0
+    if not (
+        enabled
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.shape[1] == k
+        and codes.dtype == torch.uint8
+        and codes.is_contiguous()
+        and scale.dtype == zero.dtype == torch.float32
+        and scale.shape == zero.shape == (n, groups)
+        and scale.stride() == zero.stride()
+        and groups > 0
+        and k % (32 * groups) == 0
+        and _load() is not None
+    ):
+        return None
+    lib = _lib
+    assert lib is not None
+    x32 = x.to(torch.float32).contiguous()
+    y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+    lib.linear_i4g_f32(
+        x32.data_ptr(), x32.stride(0), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(),
+        scale.stride(0), scale.stride(1), y.data_ptr(), y.stride(0), x32.shape[0], n, k,
+        k // groups, torch.get_num_threads(),
+    )  # fmt: skip
+    return y

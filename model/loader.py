@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from pagedserve.kernels import cpu_native
 from pagedserve.kernels.cpu_native import has_bf16_arithmetic
 from pagedserve.model import gguf_weights
 from pagedserve.model.config import ModelConfig
@@ -213,11 +214,15 @@ def _warn_if_slow(config: ModelConfig, device: torch.device) -> None:
             "(docs/kernels.md)"
         )
     # NOTE: on CUDA every dtype takes the Triton kernels (kernels/triton_quant.py)
-    if config.quantization is not None and config.dtype != torch.bfloat16 and device.type == "cpu":
+    quantized_fp = config.quantization is not None and config.dtype != torch.bfloat16
+    why_not = cpu_native.unavailable_reason() if quantized_fp and device.type == "cpu" else None
+    if why_not is not None:
+        assert config.quantization is not None
         logger.warning(
-            "quantization %s with %s activations multiplies by the dequantized weights (a "
-            "memory saving, slower than unquantized); --dtype bfloat16 uses the packed kernels "
-            "(docs/quantization.md)", config.quantization.name, config.dtype,
+            "quantization %s with %s activations without the native CPU kernels (%s) multiplies "
+            "by the dequantized weights (a memory saving, slower than unquantized); --dtype "
+            "bfloat16 uses the packed kernels (docs/quantization.md)",
+            config.quantization.name, config.dtype, why_not,
         )  # fmt: skip
 
 

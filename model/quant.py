@@ -17,9 +17,14 @@ With bf16 activations on CPU the matmuls are ATen's packed kernels (`_weight_int
 `_weight_int4pack_mm_for_cpu`), which read the small weights and dequantize inside the GEMM.
 Those kernels have a fast path for bf16 only: with fp32 activations they were 13-100x slower
 than `F.linear` on this project's machine (AVX-512, torch 2.13; docs/quantization.md). So with
-fp32 and fp16 activations per-channel int8 takes the grouped kernel too (one group per row),
-and int4 multiplies by the dequantized weight: what transformers computes on the dequantized
-weights, a memory saving, not a speed-up. CUDA runs Triton kernels.
+fp32 and fp16 activations, up to `NATIVE_ROWS` rows, per-channel int8 takes the grouped int8
+kernel too (one group per row) and int4 its own (kernels/csrc/linear_i4g.c): both read the
+codes once and turn them into weights in registers, the weights' values those of `dequantize`
+(int4 with AVX-512: the same roundings; with AVX2 an FMA, within one rounding). Larger batches
+(prefill chunks) multiply by the dequantized weight, one dequantization shared by every row.
+An int4 layer holds its codes once, in the layout its dtype's matmul reads (`load_int4`): the
+native kernel's for an fp32 or fp16 layer on CPU, ATen's for bf16 (and on CUDA, where the
+Triton kernels read a copy built on first use). CUDA runs Triton kernels.
 
 NOTE: the Triton kernels (kernels/triton_quant.py) are imported on first use on CUDA, as
 kernels/dispatch.py imports its own: Triton reads `TRITON_INTERPRET` when the kernels are
@@ -45,7 +50,9 @@ INT4_MAX = 15
 INT8_MAX = 127
 # Grouped int8 on CPU: the native kernel up to this many rows (SmolLM2's LM head, 2 cores: 2.8x
 # fp32 F.linear at 1 row, 2.4x at 16, 0.87x at 64, and ahead of dequantizing the weight each
-# call until about 270 rows; docs/quantization.md)
+# call until about 270 rows; docs/quantization.md). int4 takes the same bound: over SmolLM2's
+# 210 linears its kernel at 256 rows (a first version) still took half the dequantizing path's
+# time, though 1.5x fp32 F.linear's
 NATIVE_ROWS = 256
 
 
@@ -89,8 +96,12 @@ class QuantizedLinear(nn.Module):
     """A linear layer whose weight is int8 or packed int4; same checkpoint name (`.weight`)
     and bias as `nn.Linear`. `load_weight` quantizes a float [out, in] tensor into it."""
 
-    qweight: torch.Tensor  # int8 [out, in], or int4 packed by ATen (two codes a byte)
+    qweight: torch.Tensor  # int8 [out, in]; int4 [out, in / 2], two codes a byte (`int4_layout`)
     scales: torch.Tensor  # int8: [out], or [out, in / group]; int4: [in / group, out, (s, z)]
+    # int4's codes are held once, in one of two layouts: "native" (cpu_native.pack_int4, what
+    # the fp32 / fp16 CPU kernel reads) or "aten" (`_convert_weight_to_int4pack_for_cpu`, what
+    # ATen's bf16 CPU matmul reads); a call that needs the other repacks them in place
+    int4_layout: str
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: WeightQuant) -> None:
         super().__init__()
@@ -113,6 +124,8 @@ class QuantizedLinear(nn.Module):
             self.register_buffer("scales", torch.empty(out_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._cuda_operands: tuple[torch.Tensor, ...] | None = None
+        self.int4_layout = "aten"
+        self._cpu_scales: tuple[torch.Tensor, ...] | None = None
 
     @property
     def int8_groups(self) -> bool:
@@ -145,10 +158,11 @@ class QuantizedLinear(nn.Module):
     @torch.no_grad()
     def load_int4(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> None:
         """Store int4 codes q [out, in] in [0, 15] with scale and zero [out, in / group] (the
-        weight is `(q - 8) * scale + zero`), e.g. straight from a GGUF Q4 block."""
-        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).cpu(), 1)
-        self.qweight.copy_(packed)
-        self._cuda_operands = None
+        weight is `(q - 8) * scale + zero`), e.g. straight from a GGUF Q4 block. On CPU, a layer
+        in float32 or float16 (its scales' dtype: the model's) holds them in the native kernel's
+        layout, one in bfloat16 (or on CUDA) in ATen's: the layout its own dtype's matmul reads."""
+        native = self.qweight.device.type == "cpu" and self.scales.dtype != torch.bfloat16
+        self._store_codes(q.to(torch.int32).cpu(), "native" if native else "aten")
         # NOTE: ATen's layout: [groups, out, (scale, zero)]
         self.scales.copy_(torch.stack([scale, zero], dim=-1).transpose(0, 1))
 
@@ -170,6 +184,27 @@ class QuantizedLinear(nn.Module):
         self.scales = scale.to(device=self.qweight.device, dtype=torch.float32).contiguous()
         self._cuda_operands = None
 
+    def int4_codes(self) -> torch.Tensor:
+        """int4's codes [out, in] (int32, on CPU), read back from either layout."""
+        if self.int4_layout == "native":
+            return cpu_native.unpack_int4(self.qweight.cpu())
+        return unpack_int4(self.qweight.cpu(), self.out_features, self.in_features)
+
+    def _store_codes(self, q: torch.Tensor, layout: str) -> None:
+        if layout == "native":
+            packed = cpu_native.pack_int4(q)
+        else:
+            packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+        self.qweight.copy_(packed)
+        self.int4_layout = layout
+        self._cuda_operands = None
+
+    def _use_int4_layout(self, layout: str) -> None:
+        """Repack the codes in place if they are in the other layout (once per change of
+        activation dtype: a model runs in one, so in practice at load time only)."""
+        if self.int4_layout != layout:
+            self._store_codes(self.int4_codes(), layout)
+
     def dequantize(self) -> torch.Tensor:
         """The weight as the matmul sees it, [out, in] in the scales' dtype (for the reference
         path and for tests)."""
@@ -177,9 +212,7 @@ class QuantizedLinear(nn.Module):
             return dequantize_int8_groups(self.qweight, self.scales)
         if self.quant.method == "int8":
             return self.qweight.to(self.scales.dtype) * self.scales[:, None]
-        q = unpack_int4(self.qweight.cpu(), self.out_features, self.in_features).to(
-            self.qweight.device
-        )
+        q = self.int4_codes().to(self.qweight.device)
         scale, zero = self.scales[..., 0].t(), self.scales[..., 1].t()  # [out, groups]
         g = self.quant.group_size
         q = q.view(self.out_features, -1, g).to(self.scales.dtype)
@@ -195,7 +228,7 @@ class QuantizedLinear(nn.Module):
             else:
                 from pagedserve.kernels.triton_quant import pack_nibbles
 
-                q = unpack_int4(self.qweight.cpu(), self.out_features, self.in_features)
+                q = self.int4_codes()
                 scale, zero = self.scales[..., 0].t(), self.scales[..., 1].t()
                 self._cuda_operands = (
                     pack_nibbles(q).to(self.qweight.device),
@@ -206,27 +239,28 @@ class QuantizedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         on_cpu = x.device.type != "cuda"
-        if on_cpu and (
-            self.int8_groups or (self.quant.method == "int8" and x.dtype != torch.bfloat16)
-        ):
-            return self._int8_groups_cpu(x)
-        if x.device.type != "cuda" and x.dtype != torch.bfloat16:
-            return F.linear(x, self.dequantize().to(x.dtype), self.bias)
+        if on_cpu and (self.int8_groups or x.dtype != torch.bfloat16):
+            return self._native_cpu(x)
         shape = x.shape
         out = self._packed_matmul(x.reshape(-1, self.in_features))
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
 
-    def _int8_groups_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        """int8 on CPU, grouped (GGUF Q8_0) or per channel (a group of the whole row) with
-        fp32/fp16 activations: the native kernel for up to `NATIVE_ROWS` rows (it reads the
-        codes once per tile of rows: faster than fp32 `F.linear` there, slower beyond), else
-        `F.linear` on the dequantized weight."""
+    def _native_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        """On CPU, int8 grouped (GGUF Q8_0, any activations) or per channel (a group of the
+        whole row) and int4 with fp32/fp16 activations: the native kernels for up to
+        `NATIVE_ROWS` rows (they read the codes once per tile of rows: faster than fp32
+        `F.linear` there), else, or where a kernel declines, `F.linear` on the dequantized
+        weight."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.quant.method == "int4":
+            self._use_int4_layout("native")
         out = None
-        if x2.shape[0] <= NATIVE_ROWS:
+        if x2.shape[0] <= NATIVE_ROWS and self.quant.method == "int4":
+            out = cpu_native.linear_int4_groups(x2, self.qweight, *self._int4_cpu_scales())
+        elif x2.shape[0] <= NATIVE_ROWS:
             scales = self.scales if self.int8_groups else self.scales.view(-1, 1)
             out = cpu_native.linear_int8_groups(x2, self.qweight, scales)
         if out is None:
@@ -235,6 +269,17 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
+
+    def _int4_cpu_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int4's (scale, zero) [out, groups] for the native kernel: float32 views of `scales`,
+        kept while `scales` is the same tensor (float16 scales are widened per call, not kept:
+        no second copy)."""
+        cached = self._cpu_scales
+        if cached is None or cached[0] is not self.scales:
+            scale, zero = self.scales[..., 0].t().float(), self.scales[..., 1].t().float()
+            cached = (self.scales, scale, zero)
+            self._cpu_scales = cached if self.scales.dtype == torch.float32 else None
+        return cached[1], cached[2]
 
     def _packed_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] @ W.T from the codes: Triton on CUDA, ATen's packed kernels on CPU."""
@@ -247,6 +292,7 @@ class QuantizedLinear(nn.Module):
             return triton_quant.int4_linear(x2, ops[0], ops[1], ops[2], self.quant.group_size)
         if self.quant.method == "int8":
             return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
+        self._use_int4_layout("aten")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.qweight, self.quant.group_size, self.scales
         )

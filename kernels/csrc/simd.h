@@ -1,5 +1,5 @@
-/* The vector layer of the native CPU kernels (paged_decode.c, linear_i8g.c): one width per
- * build, which kernels/cpu_native.py chooses to match torch's own CPU capability:
+/* The vector layer of the native CPU kernels (paged_decode.c, linear_i8g.c, linear_i4g.c): one
+ * width per build, which kernels/cpu_native.py chooses to match torch's own CPU capability:
  *
  *     PS_VEC == 16   AVX-512F   (torch's "AVX512")
  *     PS_VEC == 8    AVX2 + FMA (torch's "AVX2": AMD Zen 1-3, Intel before Skylake-X)
@@ -39,6 +39,25 @@ static inline vf vf_from_bf16(const uint16_t *p) {
 }
 static inline vf vf_from_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* One output row's int4 group: the 16 weights its codes stand for, w = (q - 8) * scale + zero,
+ * each rounded as model/quant.py's `dequantize` rounds it (a product, then a sum: no FMA) */
+typedef struct {
+    __m512 w;
+} vq4;
+static inline vq4 vq4_group(float scale, float zero) {
+    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 qs = _mm512_mul_round_ps(q, _mm512_set1_ps(scale),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const vq4 g = {_mm512_add_ps(qs, _mm512_set1_ps(zero))};
+    return g;
+}
+/* PS_VEC bytes of codes -> the weights of their low nibbles (*lo) and high nibbles (*hi): a
+ * table lookup (vpermps reads an index's low 4 bits) */
+static inline void vq4_weights(const uint8_t *p, vq4 g, vf *lo, vf *hi) {
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+    *lo = _mm512_permutexvar_ps(b, g.w);
+    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), g.w);
 }
 /* float8 e4m3 codes, decoded through their 256-entry table */
 static inline vf vf_from_e4m3(const uint8_t *p, const float *lut) {
@@ -95,6 +114,20 @@ static inline vf vf_from_bf16(const uint16_t *p) {
 }
 static inline vf vf_from_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
+}
+/* AVX2 has no 16-entry lookup in one instruction: w = fma(q, scale, zero - 8 scale) instead
+ * (the same weights within one rounding) */
+typedef struct {
+    __m256 s, z;
+} vq4;
+static inline vq4 vq4_group(float scale, float zero) {
+    const vq4 g = {_mm256_set1_ps(scale), _mm256_set1_ps(zero - 8.0f * scale)};
+    return g;
+}
+static inline void vq4_weights(const uint8_t *p, vq4 g, vf *lo, vf *hi) {
+    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
+    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), g.s, g.z);
+    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), g.s, g.z);
 }
 static inline vf vf_from_e4m3(const uint8_t *p, const float *lut) {
     return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4);

@@ -33,8 +33,14 @@ def test_bf16_on_a_cpu_that_emulates_it_is_named_with_the_faster_dtype(
     assert not warnings_at_load(caplog, model_dir=tiny_llama, dtype="float32")
 
 
-def test_fp32_activations_over_quantized_weights_are_named_as_slow(tiny_llama, caplog):
-    said = warnings_at_load(
-        caplog, model_dir=tiny_llama, dtype="float32", quantization=WeightQuant("int8")
-    )
-    assert any("--dtype bfloat16 uses the packed kernels" in m for m in said)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_fp32_activations_over_quantized_weights_are_slow_only_without_the_native_kernels(
+    tiny_llama, caplog, monkeypatch, method
+):
+    config = dict(model_dir=tiny_llama, dtype="float32", quantization=WeightQuant(method))
+    if cpu_native.build_blocker() is None:  # the kernels read the codes: nothing to warn about
+        assert not any("packed kernels" in m for m in warnings_at_load(caplog, **config))
+    monkeypatch.setattr(cpu_native, "unavailable_reason", lambda: "no C compiler (cc) on PATH")
+    said = warnings_at_load(caplog, **config)
+    assert any("no C compiler" in m and "--dtype bfloat16 uses the packed kernels" in m
+               for m in said)  # fmt: skip

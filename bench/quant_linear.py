@@ -1,0 +1,94 @@
+"""Micro-benchmark of int4 decoder linears with fp32 activations on CPU: the native kernel
+(kernels/csrc/linear_i4g.c) against dequantize + `F.linear` (the path before it) and fp32
+`F.linear`, over one pass of a model's linears, each layer its own weights (so the codes come
+from memory, not cache).
+
+    python -m pagedserve.bench.quant_linear [--layers 30] [--rows 1 4 16] [--repeats 20]
+
+The default shapes are SmolLM2-135M's (q, k, v, o, gate, up, down per layer). For each number
+of rows it prints the best of `--repeats` interleaved passes (the machine may be shared) in
+ms, and for the native kernel the bytes of codes, scales and zeros per pass over it in GB/s,
+against the machine's read bandwidth (bench/probes.py: a 256 MiB fp32 sum) measured before and
+after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+
+from pagedserve.bench.probes import memory_bandwidth
+from pagedserve.model.quant import QuantizedLinear, WeightQuant
+
+# (out, in) of SmolLM2-135M's linears: q, k, v, o, gate, up, down
+SMOLLM2 = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
+
+
+def make_layers(layers: int, group: int) -> list[QuantizedLinear]:
+    torch.manual_seed(0)
+    out = []
+    for _ in range(layers):
+        for n, k in SMOLLM2:
+            linear = QuantizedLinear(k, n, False, WeightQuant("int4", group))
+            linear.load_weight(torch.randn(n, k) * 0.05)
+            out.append(linear)
+    return out
+
+
+def timed_ms(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return (time.perf_counter() - start) * 1e3
+
+
+def passes(
+    layers: list[QuantizedLinear], dense: list[torch.Tensor], rows: int
+) -> dict[str, Callable[[], object]]:
+    """One pass over every linear per path, for `rows` rows of activations."""
+    xs = {k: torch.randn(rows, k) for _, k in SMOLLM2}
+    return {
+        "native": lambda: [q(xs[q.in_features]) for q in layers],
+        "dequantize": lambda: [F.linear(xs[q.in_features], q.dequantize()) for q in layers],
+        "fp32": lambda: [F.linear(xs[w.shape[1]], w) for w in dense],
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--group", type=int, default=32)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    parser.add_argument("--repeats", type=int, default=20)
+    args = parser.parse_args(argv)
+    layers = make_layers(args.layers, args.group)
+    dense = [linear.dequantize() for linear in layers]
+    read = sum(t.numel() * t.element_size() for q in layers for t in (q.qweight, q.scales))
+    threads, load = torch.get_num_threads(), os.getloadavg()[0]
+    print(f"{len(layers)} linears, int4-g{args.group}: {read / 2**20:.1f} MiB of codes and "
+          f"scales; {threads} threads; load average {load:.2f}")  # fmt: skip
+    probe = memory_bandwidth()["read_GBps"]
+    print("| rows | native ms | GB/s | dequantize + F.linear ms | fp32 F.linear ms |")
+    print("|---|---|---|---|---|")
+    with torch.no_grad():
+        for rows in args.rows:
+            fns = passes(layers, dense, rows)
+            best = {name: min(timed_ms(fn) for _ in range(2)) for name, fn in fns.items()}
+            for _ in range(args.repeats):  # NOTE: interleaved, so a busy spell hits every path
+                for name, fn in fns.items():
+                    if name != "dequantize" or _ % 4 == 0:
+                        best[name] = min(best[name], timed_ms(fn))
+            native, old, fp32 = best["native"], best["dequantize"], best["fp32"]
+            gbs = read / native / 1e6
+            print(f"| {rows} | {native:.2f} | {gbs:.1f} | {old:.1f} | {fp32:.2f} |")
+    probe = max(probe, memory_bandwidth()["read_GBps"])
+    print(f"read bandwidth (best probe): {probe:.1f} GB/s; load average after: "
+          f"{os.getloadavg()[0]:.2f}")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""The native int4 group linear (kernels/csrc/linear_i4g.c through cpu_native) against `x @ W.T`
+on the dequantized weight, its batch invariance, and `QuantizedLinear`'s use of it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pagedserve.kernels import cpu_native
+from pagedserve.model.quant import QuantizedLinear, WeightQuant
+
+needs_kernel = pytest.mark.skipif(
+    cpu_native.build_blocker() is not None, reason=f"no native kernel: {cpu_native.build_blocker()}"
+)
+GROUPS = (32, 64, 128, 256)  # cli_options.QUANTIZATION_GROUP_SIZES
+
+
+def make_weights(n: int, k: int, group: int, seed: int = 0):
+    """(codes [n, k], scale, zero [n, k / group], the dequantized weight [n, k])."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (n, k), generator=g)
+    scale = torch.rand(n, k // group, generator=g) / 50
+    zero = torch.randn(n, k // group, generator=g) / 20
+    weight = (codes.float().view(n, -1, group) - 8) * scale[..., None] + zero[..., None]
+    return codes, scale, zero, weight.view(n, k)
+
+
+def test_the_layout_reads_back_and_puts_code_j_and_j_plus_16_in_one_byte():
+    codes = torch.arange(64).remainder(16).repeat(3, 1)
+    packed = cpu_native.pack_int4(codes)
+    assert packed.shape == (3, 32) and packed.dtype == torch.uint8
+    assert packed[0, 0].item() == 0 | (0 << 4) and packed[0, 1].item() == 1 | (1 << 4)
+    assert torch.equal(cpu_native.unpack_int4(packed), codes.int())
+    odd = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(2))
+    assert torch.equal(cpu_native.unpack_int4(cpu_native.pack_int4(odd)), odd.int())
+    assert cpu_native.pack_int4(odd)[0, 3].item() == odd[0, 3].item() | (odd[0, 19].item() << 4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", GROUPS)
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 576), (1, 576, 1536), (3, 9, 576),
+                                           (16, 61, 1536), (5, 192, 256)])  # fmt: skip
+def test_int4_linear_equals_x_times_the_dequantized_weight(m, n, k, group):
+    if k % group:
+        pytest.skip("the group does not divide k")
+    codes, scale, zero, weight = make_weights(n, k, group, seed=m * n + group)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
+    got = cpu_native.linear_int4_groups(x, cpu_native.pack_int4(codes), scale, zero)
+    assert got is not None and got.dtype == torch.float32 and got.shape == (m, n)
+    want = (x.double() @ weight.double().T).float()
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * k)
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "k", "group"), [(37, 576, 32), (13, 1536, 256), (64, 256, 64)])
+def test_int4_linear_one_row_equals_that_row_of_a_batch(n, k, group):
+    codes, scale, zero, _ = make_weights(n, k, group, seed=n)
+    packed = cpu_native.pack_int4(codes)
+    x = torch.randn(7, k, generator=torch.Generator().manual_seed(n + k))
+    batch = cpu_native.linear_int4_groups(x, packed, scale, zero)
+    assert batch is not None
+    for i in range(7):  # the one-row path (decode of one sequence) and the tiled one, bit for bit
+        one = cpu_native.linear_int4_groups(x[i : i + 1], packed, scale, zero)
+        assert torch.equal(one, batch[i : i + 1])
+
+
+@needs_kernel
+def test_int4_linear_reads_scale_and_zero_through_their_strides():
+    codes, scale, zero, weight = make_weights(24, 128, 32, seed=4)
+    aten_like = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [g, n, 2]
+    x = torch.randn(2, 128)
+    got = cpu_native.linear_int4_groups(
+        x, cpu_native.pack_int4(codes), aten_like[..., 0].t(), aten_like[..., 1].t()
+    )
+    torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-4)
+
+
+def test_int4_linear_declines_what_it_cannot_take():
+    packed = torch.zeros(4, 32, dtype=torch.uint8)  # k = 64
+    ones = torch.ones(4, 2)
+    x = torch.ones(1, 64)
+    assert cpu_native.linear_int4_groups(x, packed, ones, ones.double()) is None  # float64
+    assert cpu_native.linear_int4_groups(x, packed, torch.ones(4, 4), torch.ones(4, 4)) is None
+    assert cpu_native.linear_int4_groups(torch.ones(1, 32), packed, ones, ones) is None  # k
+    assert cpu_native.linear_int4_groups(x, packed[:, ::2], ones[:, :1], ones[:, :1]) is None
+
+
+def make_layer(quant: WeightQuant, out_features: int = 40, in_features: int = 256):
+    layer = QuantizedLinear(in_features, out_features, True, quant)
+    g = torch.Generator().manual_seed(out_features)
+    layer.load_weight(torch.randn(out_features, in_features, generator=g) * 0.05)
+    with torch.no_grad():
+        layer.bias.copy_(torch.randn(out_features, generator=g))
+    return layer
+
+
+def counting(monkeypatch) -> list[int]:
+    calls: list[int] = []
+    original = cpu_native.linear_int4_groups
+    monkeypatch.setattr(
+        cpu_native, "linear_int4_groups", lambda *a: calls.append(a[0].shape[0]) or original(*a)
+    )
+    return calls
+
+
+@needs_kernel
+@pytest.mark.parametrize("group", [32, 128])
+def test_int4_layer_with_fp32_activations_reads_its_codes_natively(group, monkeypatch):
+    layer = make_layer(WeightQuant("int4", group))
+    assert layer.int4_layout == "native"  # built in the kernel's layout at load, no second copy
+    calls = counting(monkeypatch)
+    x = torch.randn(2, 3, 256)
+    got = layer(x)
+    assert calls == [6]
+    want = F.linear(x, layer.dequantize(), layer.bias)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    big = torch.randn(300, 256)  # more rows than NATIVE_ROWS: dequantize + F.linear
+    torch.testing.assert_close(layer(big), F.linear(big, layer.dequantize(), layer.bias))
+    assert calls == [6]
+
+
+@needs_kernel
+def test_int4_layer_falls_back_when_the_kernel_declines(monkeypatch):
+    layer = make_layer(WeightQuant("int4", 64))
+    monkeypatch.setattr(cpu_native, "enabled", False)
+    x = torch.randn(3, 256)
+    torch.testing.assert_close(layer(x), F.linear(x, layer.dequantize(), layer.bias))
+
+
+@needs_kernel
+def test_bfloat16_activations_keep_atens_packed_matmul(monkeypatch):
+    layer = make_layer(WeightQuant("int4", 32), out_features=48)  # ATen packs 16 rows at a time
+    weight, codes = layer.dequantize(), layer.int4_codes()
+    layer.to(torch.bfloat16)
+    calls = counting(monkeypatch)
+    x = torch.randn(4, 256, dtype=torch.bfloat16)
+    got = layer(x)
+    assert calls == [] and layer.int4_layout == "aten"  # repacked in place for ATen's kernel
+    assert torch.equal(layer.int4_codes(), codes)
+    want = F.linear(x.float(), weight.bfloat16().float(), layer.bias.float())
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@needs_kernel
+def test_a_bfloat16_layer_loads_in_atens_layout():
+    layer = QuantizedLinear(64, 16, False, WeightQuant("int4", 32)).to(torch.bfloat16)
+    codes, scale, zero, _ = make_weights(16, 64, 32)
+    layer.load_int4(codes, scale, zero)
+    assert layer.int4_layout == "aten" and torch.equal(layer.int4_codes(), codes.int())
