@@ -401,6 +401,14 @@ def append_int8(
     return True
 
 
+def _linear_operands(x: torch.Tensor, n: int) -> tuple[ctypes.CDLL, torch.Tensor, torch.Tensor]:
+    """The loaded library, x as contiguous float32 [M, K] and an empty float32 output [M, n]:
+    what the quantized linear kernels take (after their callers' checks)."""
+    assert _lib is not None
+    x32 = x.to(torch.float32).contiguous()
+    return _lib, x32, torch.empty(x32.shape[0], n, dtype=torch.float32)
+
+
 def linear_int8_groups(
     x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
 ) -> torch.Tensor | None:
@@ -421,10 +429,7 @@ def linear_int8_groups(
         and _load() is not None
     ):
         return None
-    lib = _lib
-    assert lib is not None
-    x32 = x.to(torch.float32).contiguous()
-    y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+    lib, x32, y = _linear_operands(x, n)
     lib.linear_i8g_f32(
         x32.data_ptr(), x32.stride(0), codes.data_ptr(), scales.data_ptr(), y.data_ptr(),
         y.stride(0), x32.shape[0], n, k, group, torch.get_num_threads(),
@@ -534,10 +539,7 @@ def linear_int4_groups(
         and _load() is not None
     ):
         return None
-    lib = _lib
-    assert lib is not None
-    x32 = x.to(torch.float32).contiguous()
-    y = torch.empty(x32.shape[0], n, dtype=torch.float32)
+    lib, x32, y = _linear_operands(x, n)
     lib.linear_i4g_f32(
         x32.data_ptr(), x32.stride(0), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(),
         scale.stride(0), scale.stride(1), y.data_ptr(), y.stride(0), x32.shape[0], n, k,
