@@ -37,13 +37,14 @@ def test_the_layout_reads_back_and_puts_code_j_and_j_plus_16_in_one_byte():
     assert cpu_native.pack_int4(odd)[0, 3].item() == odd[0, 3].item() | (odd[0, 19].item() << 4)
 
 
+SHAPES = [(1, 37, 576), (1, 576, 1536), (3, 9, 576), (16, 61, 1536), (5, 192, 256)]
+
+
 @needs_kernel
-@pytest.mark.parametrize("group", GROUPS)
-@pytest.mark.parametrize(("m", "n", "k"), [(1, 37, 576), (1, 576, 1536), (3, 9, 576),
-                                           (16, 61, 1536), (5, 192, 256)])  # fmt: skip
+@pytest.mark.parametrize(  # every group size that divides the layer's width (as the loader asks)
+    ("m", "n", "k", "group"), [(*shape, g) for shape in SHAPES for g in GROUPS if shape[2] % g == 0]
+)
 def test_int4_linear_equals_x_times_the_dequantized_weight(m, n, k, group):
-    if k % group:
-        pytest.skip("the group does not divide k")
     codes, scale, zero, weight = make_weights(n, k, group, seed=m * n + group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
     got = cpu_native.linear_int4_groups(x, cpu_native.pack_int4(codes), scale, zero)
