@@ -1,14 +1,15 @@
-"""Decode step A/B: the native CPU attention kernel against the torch path, in one engine.
+"""Decode step A/B/C: the torch path, the native CPU kernels layer by layer, and the native stack
+(every layer in one call, model/native_stack.py), in one engine.
 
     python -m pagedserve.bench.decode_step [--model DIR] [--batches 1 16 48] [--rounds 4]
         [--dtype float32|bfloat16]
     pagedserve bench decode-step ...
 
 One `DecodeEngine` per batch size runs B greedy requests (prompts of 32-255 random tokens);
-once all are decoding, rounds alternate `cpu_native.enabled` on and off, each timing
-`--steps` decode steps after one untimed step. Both arms see the same engine, weights, batch
-and (nearly) the same context lengths, so the ratio is what the kernel changes; the machine's
-noise falls on both. Without `--model`, a tiny random Llama (4 layers, hidden 256) is used.
+once all are decoding, rounds cycle through the three arms (`cpu_native.enabled`,
+`native_stack.enabled`), each timing `--steps` decode steps after one untimed step. Every arm
+sees the same engine, weights, batch and (nearly) the same context lengths, so the ratios are
+what the kernels change; the machine's noise falls on all of them. Without `--model`, a tiny random Llama (4 layers, hidden 256) is used.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.kernels import cpu_native
+from pagedserve.model import native_stack
+from pagedserve.model.quant import weight_quant
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -63,22 +66,28 @@ def decoding_engine(model_dir: str, batch: int, max_tokens: int, **config: Any) 
     return engine
 
 
-def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[bool, list[float]]:
-    """Milliseconds per decode step, per round, with the kernel on (True) and off (False)."""
+ARMS = {"torch": (False, False), "native": (True, False), "stack": (True, True)}
+"""arm -> (`cpu_native.enabled`, `native_stack.enabled`)"""
+
+
+def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[str, list[float]]:
+    """Milliseconds per decode step, per round, in each arm."""
     rounds, steps = args.rounds, args.steps
-    engine = decoding_engine(model_dir, batch, 2 + 2 * rounds * (steps + 1), dtype=args.dtype)
-    times: dict[bool, list[float]] = {True: [], False: []}
+    max_tokens = 2 + len(ARMS) * rounds * (steps + 1)
+    engine = decoding_engine(model_dir, batch, max_tokens, dtype=args.dtype,
+                             quantization=weight_quant(args.quantization))  # fmt: skip
+    times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     try:
         for _ in range(rounds):
-            for native in (True, False):
-                cpu_native.enabled = native
+            for arm, (kernels, stack) in ARMS.items():
+                cpu_native.enabled, native_stack.enabled = kernels, stack
                 engine.step()
                 start = time.perf_counter()
                 for _ in range(steps):
                     engine.step()
-                times[native].append((time.perf_counter() - start) / steps * 1e3)
+                times[arm].append((time.perf_counter() - start) / steps * 1e3)
     finally:
-        cpu_native.enabled = True
+        cpu_native.enabled = native_stack.enabled = True
         engine.close()
     return times
 
@@ -92,6 +101,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--dtype", default=None, choices=["float32", "bfloat16"], help="default: the checkpoint's"
     )
+    p.add_argument("--quantization", default=None, choices=["int8", "int4"],
+                   help="the linear layers' weights (default: the dtype's)")  # fmt: skip
     return p.parse_args(argv)
 
 
@@ -105,15 +116,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_dir = model_or_tiny(args.model, tmp)
         print(f"# {model_dir} ({args.dtype or 'its dtype'}), torch {torch.__version__}, "
               f"{torch.get_num_threads()} threads")  # fmt: skip
-        print("| B | torch path ms/step | native ms/step | torch / native |")
-        print("|---|---|---|---|")
+        print("| B | torch path ms/step | native kernels ms/step | native stack ms/step | "
+              "torch / native | native / stack |")  # fmt: skip
+        print("|---|---|---|---|---|---|")
         for batch in args.batches:
             times = step_times(model_dir, batch, args)
-            on, off = statistics.median(times[True]), statistics.median(times[False])
-            spread = [b / a for a, b in zip(times[True], times[False], strict=True)]
-            print(f"| {batch} | {off:.1f} | {on:.1f} | {off / on:.2f} "
-                  f"({min(spread):.2f}-{max(spread):.2f}) |")  # fmt: skip
+            ms = {arm: statistics.median(t) for arm, t in times.items()}
+            print(f"| {batch} | {ms['torch']:.1f} | {ms['native']:.1f} | {ms['stack']:.1f} | "
+                  f"{_ratio(times, 'torch', 'native')} | {_ratio(times, 'native', 'stack')} |")
     return 0
+
+
+def _ratio(times: dict[str, list[float]], slow: str, fast: str) -> str:
+    """median(slow) / median(fast), and the spread of the per-round ratios."""
+    per_round = [a / b for a, b in zip(times[slow], times[fast], strict=True)]
+    ratio = statistics.median(times[slow]) / statistics.median(times[fast])
+    return f"{ratio:.2f} ({min(per_round):.2f}-{max(per_round):.2f})"
 
 
 if __name__ == "__main__":

@@ -42,8 +42,11 @@ log = logging.getLogger(__name__)
 
 SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
-    for name in ("paged_decode.c", "linear_i8g.c", "linear_i4g.c", "linear_f32.c", "rms_norm.c")
-)
+    for name in (
+        "paged_decode.c", "linear_i8g.c", "linear_i4g.c", "linear_f32.c", "rms_norm.c",
+        "decode_stack.c",
+    )
+)  # fmt: skip
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lmvec", "-lm")
@@ -187,6 +190,11 @@ def _load() -> ctypes.CDLL | None:
                     )
                 _tried = True
     return _lib
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels (built on first call), or None where they cannot be had."""
+    return _load() if enabled else None
 
 
 def unavailable_reason() -> str | None:

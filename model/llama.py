@@ -19,6 +19,7 @@ from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model.activations import activation
 from pagedserve.model.config import ModelConfig, rope_frequencies
+from pagedserve.model.native_stack import NativeStack
 from pagedserve.model.tensor_parallel import Group
 
 
@@ -244,6 +245,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope
         self.group: Group | None = None
+        # the native decode stack per KV cache (built on first use; None: it cannot run it)
+        self._native: tuple[KVCache, NativeStack | None] | None = None
 
     def join(self, group: Group) -> None:
         """Compute as one rank of `group`: sum the row-parallel layers' parts, look tokens up
@@ -278,11 +281,22 @@ class LlamaForCausalLM(nn.Module):
 
         Writes this step's K/V into `kv_cache` at `meta.slot_mapping` for every layer.
         """
+        native = self._native_stack(kv_cache)
+        if native is not None:
+            hidden = native.forward(input_ids, positions, meta)
+            if hidden is not None:
+                return hidden
         x, residual = self._embed(input_ids), None
         rope = self.rope.at(positions, x.dtype)
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.model.norm.add_norm(x, residual)[0]
+
+    def _native_stack(self, kv_cache: KVCache) -> NativeStack | None:
+        """The one-call decode stack over `kv_cache` (model/native_stack.py), built once."""
+        if self._native is None or self._native[0] is not kv_cache:
+            self._native = (kv_cache, NativeStack.build(self, kv_cache))
+        return self._native[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.group is None:

@@ -270,6 +270,25 @@ class QuantizedLinear(nn.Module):
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
 
+    def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
+        """(codes, scales, zeros (int4) or None, group): what the native CPU kernels read for
+        float32 activations (int4's codes in their layout, int8 per channel as one group of
+        the whole row), or None where no kernel takes this layer."""
+        if self.qweight.device.type != "cpu" or self.scales.dtype != torch.float32:
+            return None
+        if self.quant.method == "int4":
+            self._use_int4_layout("native")
+            scale, zero = self._int4_cpu_scales()
+            groups = scale.shape[1]
+            if self.in_features % (32 * groups):
+                return None
+            return self.qweight, scale, zero, self.in_features // groups
+        scales = self.scales if self.int8_groups else self.scales.view(-1, 1)
+        group = self.in_features // scales.shape[1]
+        if group % 16 or not scales.is_contiguous():
+            return None
+        return self.qweight, scales, None, group
+
     def _int4_cpu_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
         """int4's (scale, zero) [out, groups] for the native kernel: float32 views of `scales`,
         kept while `scales` is the same tensor (float16 scales are widened per call, not kept:

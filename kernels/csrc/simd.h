@@ -28,6 +28,7 @@ static inline vf vf_zero(void) { return _mm512_setzero_ps(); }
 static inline vf vf_add(vf a, vf b) { return _mm512_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm512_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a*b + c */
 static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
 static inline vf vf_expf(vf a) { return _ZGVeN16v_expf(a); }
@@ -98,6 +99,7 @@ static inline vf vf_zero(void) { return _mm256_setzero_ps(); }
 static inline vf vf_add(vf a, vf b) { return _mm256_add_ps(a, b); }
 static inline vf vf_sub(vf a, vf b) { return _mm256_sub_ps(a, b); }
 static inline vf vf_mul(vf a, vf b) { return _mm256_mul_ps(a, b); }
+static inline vf vf_div(vf a, vf b) { return _mm256_div_ps(a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm256_fmadd_ps(a, b, c); }
 /* halves, then pairs, then neighbours: the order of torch's vec_reduce_all on AVX2 */
 static inline float vf_sum(vf a) {

@@ -60,21 +60,22 @@ def test_gateway_scenario_compares_http_with_grpc_on_the_same_requests(tmp_path)
     assert set(scenario["runs"]) == {"rep=0", "rep=0 one at a time"}
 
 
-@pytest.mark.parametrize("dtype", [[], ["--dtype", "bfloat16"]])
-def test_decode_step_ab_runs_both_arms_and_restores_the_kernel(capsys, dtype):
+@pytest.mark.parametrize("flags", [[], ["--dtype", "bfloat16"], ["--quantization", "int8"]])
+def test_decode_step_runs_every_arm_and_restores_the_kernels(capsys, flags):
     from pagedserve.cli import main as cli
     from pagedserve.kernels import cpu_native
+    from pagedserve.model import native_stack
 
-    rc = cli(["bench", "decode-step", "--batches", "2", "--rounds", "1", "--steps", "2", *dtype])
+    rc = cli(["bench", "decode-step", "--batches", "2", "--rounds", "1", "--steps", "2", *flags])
     printed = capsys.readouterr().out
     if cpu_native.unavailable_reason() is not None:
         assert rc == 1 and "unavailable" in printed
         return
     assert rc == 0
     row = next(line for line in printed.splitlines() if line.startswith("| 2 |"))
-    torch_ms, native_ms = (float(cell) for cell in row.split("|")[2:4])
-    assert torch_ms > 0 and native_ms > 0
-    assert cpu_native.enabled  # left on for whatever runs next
+    torch_ms, native_ms, stack_ms = (float(cell) for cell in row.split("|")[2:5])
+    assert torch_ms > 0 and native_ms > 0 and stack_ms > 0
+    assert cpu_native.enabled and native_stack.enabled  # left on for whatever runs next
 
 
 def test_grpc_messages_reads_every_message_both_ways_and_stops_its_server(capsys):

@@ -1,0 +1,109 @@
+"""The one-call native decode stack (model/native_stack.py) against the layer-by-layer path.
+
+Both run the same native kernels; the stack differs only in SiLU's exponential, so greedy tokens
+are equal and logits agree to float32 rounding. The oracle tests (test_oracle.py and friends)
+already pass through the stack wherever it takes a step; these pin that it does take them, and
+that it declines what its kernels do not compute.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.oracle import hf_greedy, make_engine, make_prompts, run_engine
+
+from pagedserve.kernels import cpu_native, cpu_stack
+from pagedserve.kernels.dispatch import AttentionMetadata
+from pagedserve.model import native_stack
+from pagedserve.model.native_stack import NativeStack
+from pagedserve.model.quant import weight_quant
+
+pytestmark = pytest.mark.skipif(
+    cpu_native.unavailable_reason() is not None, reason="the native CPU kernels do not build here"
+)
+
+MODELS = {
+    "llama": ("llama", {}),
+    "mistral-window-12": ("mistral", {"sliding_window": 12}),
+    "qwen2-qkv-bias": ("qwen2", {}),
+}
+
+
+@pytest.fixture
+def stack_calls(monkeypatch):
+    """How many steps ran through the stack."""
+    calls = []
+    run = cpu_stack.run
+    monkeypatch.setattr(cpu_stack, "run", lambda *a: (calls.append(1), run(*a))[1])
+    return calls
+
+
+def _decode(model_dir, quantization, prompts):
+    engine, seqs = run_engine(
+        model_dir, prompts, record_logits=True, block_size=8, num_blocks=96,
+        quantization=weight_quant(quantization),
+    )  # fmt: skip
+    return [(s.output_token_ids, torch.stack(engine.logits[s.request_id])) for s in seqs]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("quantization", [None, "int8", "int4"])
+def test_one_call_stack_gives_the_layer_by_layer_tokens_and_logits(
+    make_tiny, monkeypatch, stack_calls, model, quantization
+):
+    arch, kwargs = MODELS[model]
+    model_dir = make_tiny(arch, **kwargs)
+    prompts = make_prompts((5, 30, 70))
+    stacked = _decode(model_dir, quantization, prompts)
+    assert len(stack_calls) >= 15, "decode steps must run through the stack"
+    monkeypatch.setattr(native_stack, "enabled", False)
+    calls_before = len(stack_calls)
+    layered = _decode(model_dir, quantization, prompts)
+    assert len(stack_calls) == calls_before
+    for (tokens, logits), (want_tokens, want_logits) in zip(stacked, layered, strict=True):
+        assert tokens == want_tokens
+        assert (logits - want_logits).abs().max().item() < 1e-4
+    if quantization is None:
+        for prompt, (tokens, _) in zip(prompts, stacked, strict=True):
+            assert tokens == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
+
+
+def _model_and_cache(model_dir, **config):
+    engine = make_engine(model_dir, block_size=8, num_blocks=32, **config)
+    return engine.runner.model, engine.runner.kv_cache
+
+
+def test_the_stack_is_built_for_fp32_and_8_and_4_bit_weights(tiny_llama):
+    for quantization in (None, "int8", "int4"):
+        model, cache = _model_and_cache(tiny_llama, quantization=weight_quant(quantization))
+        stack = NativeStack.build(model, cache)
+        assert stack is not None, quantization
+        assert stack.max_rows == (16 if quantization is None else 256)
+
+
+@pytest.mark.parametrize(
+    "config", [{"dtype": "bfloat16"}, {"kv_cache_dtype": "int8"}], ids=["bf16", "int8-kv-cache"]
+)
+def test_the_stack_declines_what_its_kernels_do_not_compute(tiny_llama, config):
+    model, cache = _model_and_cache(tiny_llama, **config)
+    assert NativeStack.build(model, cache) is None
+
+
+def _meta(query_lens: list[int]) -> AttentionMetadata:
+    rows = sum(query_lens)
+    return AttentionMetadata(
+        slot_mapping=torch.arange(rows), block_tables=torch.zeros(len(query_lens), 4, dtype=torch.int64),
+        query_lens=query_lens, seq_lens=[8] * len(query_lens),
+    )  # fmt: skip
+
+
+def test_prefill_rows_and_batches_past_its_bound_take_the_layer_path(tiny_llama):
+    model, cache = _model_and_cache(tiny_llama)
+    stack = NativeStack.build(model, cache)
+    assert stack is not None
+    before = cache.tensor.clone()
+    for query_lens in ([3, 1], [1] * (stack.max_rows + 1)):
+        rows = sum(query_lens)
+        ids, positions = torch.ones(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
+        assert stack.forward(ids, positions, _meta(query_lens)) is None
+    assert torch.equal(cache.tensor, before), "a declined step writes nothing"
