@@ -74,13 +74,13 @@ void linear_f32(const float *x, int64_t ldx, const float *w, const float *bias, 
     const int64_t kv = k - k % PS_VEC;
     if (m_rows == 1) {
         const int64_t tiles = (n_rows + ROWS_ONE - 1) / ROWS_ONE;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
         for (int64_t tile = 0; tile < tiles; tile++)
             tile_one(x, w, bias, y, tile * ROWS_ONE, n_rows, k, kv);
         return;
     }
     const int64_t tiles = (n_rows + ROWS_MANY - 1) / ROWS_MANY;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
     for (int64_t tile = 0; tile < tiles; tile++)
         for (int64_t m0 = 0; m0 < m_rows; m0 += TILE_M)
             tile_many(x, ldx, w, bias, y, ldy, m0, m_rows, tile * ROWS_MANY, n_rows, k, kv);

@@ -114,11 +114,11 @@ void linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *
     const int4_weights w = {q, scale, zero, ls_n, ls_g, k, group};
     if (m_rows == 1) {
         const int64_t tiles = (n_rows + ROWS_ONE - 1) / ROWS_ONE;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
         for (int64_t t = 0; t < tiles; t++) tile_one(x, &w, y, t * ROWS_ONE, n_rows);
         return;
     }
     const int64_t tiles = (n_rows + TILE_N - 1) / TILE_N;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
     for (int64_t t = 0; t < tiles; t++) tile(x, ldx, &w, y, ldy, m_rows, t * TILE_N, n_rows);
 }

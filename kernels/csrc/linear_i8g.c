@@ -48,13 +48,13 @@ void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s
                     int threads) {
     if (m_rows == 1) {
         const int64_t tiles = (n_rows + ROWS_ONE - 1) / ROWS_ONE;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
         for (int64_t tile = 0; tile < tiles; tile++)
             tile_one(x, q, s, y, tile * ROWS_ONE, n_rows, k, group);
         return;
     }
     const int64_t groups = k / group, tiles = (n_rows + TILE_N - 1) / TILE_N;
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
     for (int64_t tile = 0; tile < tiles; tile++) {
         int64_t n[TILE_N];
         for (int r = 0; r < TILE_N; r++) {
