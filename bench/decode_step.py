@@ -27,7 +27,7 @@ import torch
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.kernels import cpu_native
 from pagedserve.model import native_stack
-from pagedserve.model.quant import weight_quant
+from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.sampling_params import SamplingParams
 
 
@@ -75,7 +75,7 @@ def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[str
     rounds, steps = args.rounds, args.steps
     max_tokens = 2 + len(ARMS) * rounds * (steps + 1)
     engine = decoding_engine(model_dir, batch, max_tokens, dtype=args.dtype,
-                             quantization=weight_quant(args.quantization))  # fmt: skip
+                             quantization=weight_quant_from_args(args))  # fmt: skip
     times: dict[str, list[float]] = {arm: [] for arm in ARMS}
     try:
         for _ in range(rounds):
@@ -103,6 +103,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--quantization", default=None, choices=["int8", "int4"],
                    help="the linear layers' weights (default: the dtype's)")  # fmt: skip
+    p.add_argument("--quantize-lm-head", action="store_true",
+                   help="with --quantization: the LM head in int8 too")  # fmt: skip
     return p.parse_args(argv)
 
 

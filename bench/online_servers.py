@@ -97,7 +97,8 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
                 "--kv-cache-memory", str(setup.kv_cache_memory_bytes),
                 "--max-queued-requests", str(4 * setup.max_streams)]  # fmt: skip
         if setup.mode == "int8":
-            argv += ["--quantization", "int8"]
+            # NOTE: llama.cpp's Q8_0 file holds its output tensor in 8 bits too
+            argv += ["--quantization", "int8", "--quantize-lm-head"]
         return Launch(name, tuple(argv), url)
     if name == VLLM:
         argv = [str(setup.peers_venv / "bin" / "python"), "-m",

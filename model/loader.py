@@ -14,7 +14,12 @@ from pagedserve.kernels.cpu_native import has_bf16_arithmetic
 from pagedserve.model import gguf_weights
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import Linear, LlamaForCausalLM, RotaryEmbedding
-from pagedserve.model.quant import QuantizedEmbedding, QuantizedLinear, WeightQuant
+from pagedserve.model.quant import (
+    QuantizedEmbedding,
+    QuantizedLinear,
+    WeightQuant,
+    quantize_head,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +75,9 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"model: tensors missing from the checkpoint: {missing[:8]}")
+    if config.quantization is not None and config.quantization.lm_head:
+        if type(model.lm_head) is Linear:  # NOTE: a GGUF's Q8_0 head is int8 already
+            model.lm_head = quantize_head(model.lm_head)  # type: ignore[assignment]
     return model.eval()
 
 

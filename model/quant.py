@@ -63,6 +63,7 @@ class WeightQuant:
 
     method: str
     group_size: int = 32
+    lm_head: bool = False  # the LM head in int8 per channel too (`quantize_head`)
 
     def __post_init__(self) -> None:
         if self.method not in METHODS:
@@ -74,22 +75,43 @@ class WeightQuant:
 
     @property
     def name(self) -> str:
-        """The spelling in fingerprints, logs and reports: `int8`, `int4-g128`."""
+        """The spelling in fingerprints, logs and reports: `int8`, `int4-g128`. NOTE: without
+        `lm_head`: the head makes no KV, so it is no part of a block's identity."""
         return quantization_name(self.method, self.group_size)
 
 
-def weight_quant(method: str | None, group_size: int = 32) -> WeightQuant | None:
-    """The flags' value: None (or "none") keeps the weights in the model's dtype."""
+def weight_quant(
+    method: str | None, group_size: int = 32, lm_head: bool = False
+) -> WeightQuant | None:
+    """The flags' value: None (or "none") keeps the weights in the model's dtype; ValueError
+    for `lm_head` without a method."""
     if method in (None, "", "none"):
+        if lm_head:
+            raise ValueError("quantize_lm_head: needs --quantization int8 or int4")
         return None
-    return WeightQuant(method, group_size)
+    return WeightQuant(method, group_size, lm_head)
 
 
 def weight_quant_from_args(args: Any) -> WeightQuant | None:
-    """`--quantization` and `--quantization-group-size` of a worker's command line."""
+    """`--quantization`, `--quantization-group-size` and `--quantize-lm-head` of a worker's
+    command line."""
     return weight_quant(
-        getattr(args, "quantization", None), getattr(args, "quantization_group_size", 32)
+        getattr(args, "quantization", None),
+        getattr(args, "quantization_group_size", 32),
+        getattr(args, "quantize_lm_head", False),
     )
+
+
+def quantize_head(head: nn.Linear) -> QuantizedLinear:
+    """An int8 (per output channel) copy of a loaded LM head, on its device, scales in its
+    dtype: what `--quantize-lm-head` puts in its place (a tied head's table stays the
+    embedding's)."""
+    weight = head.weight.detach()
+    with torch.device(weight.device):
+        q = QuantizedLinear(head.in_features, head.out_features, False, WeightQuant("int8"))
+    q.scales = q.scales.to(weight.dtype)
+    q.load_weight(weight)
+    return q
 
 
 class QuantizedLinear(nn.Module):
@@ -438,6 +460,10 @@ def dequantize_into(hf_model: Any, quant: WeightQuant) -> Any:
                     q = QuantizedLinear(child.in_features, child.out_features, False, quant)
                     q.load_weight(child.weight.data)
                     child.weight.data = q.dequantize().to(child.weight.dtype)
+    if quant.lm_head:
+        head = hf_model.lm_head
+        # NOTE: a new Parameter unties a tied head: the embedding keeps its own values
+        head.weight = nn.Parameter(quantize_head(head).dequantize().to(head.weight.dtype))
     return hf_model
 
 

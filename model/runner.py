@@ -84,6 +84,11 @@ def weight_bytes(config: ModelConfig) -> int:
     head = 0 if config.tie_word_embeddings else (
         q8_0(gguf_weights.HEAD, h, config.vocab_size) or table * size
     )  # fmt: skip
+    if config.quantization is not None and config.quantization.lm_head:
+        tied_q8 = config.tie_word_embeddings and embedding != table * size
+        if not (tied_q8 or q8_0(gguf_weights.HEAD, h, config.vocab_size)):
+            # NOTE: int8 per channel; a tied head's copy comes beside the embedding
+            head = table + config.vocab_size * size
     return weights + embedding + head + h * size
 
 

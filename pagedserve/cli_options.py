@@ -76,6 +76,13 @@ def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantization-group-size", type=int, default=32, choices=QUANTIZATION_GROUP_SIZES,
         help="int4: input features per (scale, zero) pair",
     )  # fmt: skip
+    parser.add_argument(
+        "--quantize-lm-head", action="store_true",
+        help="with --quantization: the LM head's weight in int8 per output channel too (a tied "
+        "head gets its own int8 copy; the embedding stays), as llama.cpp's Q8_0 files hold "
+        "their output tensor; every step reads the head whole, so this is a quarter of its "
+        "bytes. Not part of the block hashes (the head makes no KV)",
+    )  # fmt: skip
 
 
 KV_CACHE_DTYPES = ("auto", "int8", "fp8_e4m3", "fp8")

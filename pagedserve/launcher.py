@@ -175,6 +175,8 @@ def _common_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "quantization", None):
         common += ["--quantization", args.quantization,
                    "--quantization-group-size", str(args.quantization_group_size)]  # fmt: skip
+        if getattr(args, "quantize_lm_head", False):
+            common.append("--quantize-lm-head")
     if getattr(args, "max_model_len", None):
         common += ["--max-model-len", str(args.max_model_len)]
     if getattr(args, "otlp_traces_endpoint", None):

@@ -137,6 +137,11 @@ def test_quantization_reaches_every_role(renders: dict[str, list[Doc]], tools: T
     for role in roles:
         args = parsed(docs, role)
         assert (args.quantization, args.quantization_group_size) == ("int4", 64), role
+        assert not args.quantize_lm_head
+    docs = render(tools.helm4, _set("model.quantization=int8", "model.quantizeLmHead=true"))
+    for role in roles:
+        args = parsed(docs, role)
+        assert (args.quantization, args.quantize_lm_head) == ("int8", True), role
 
 
 def test_kv_cache_dtype_reaches_both_workers_not_the_router(

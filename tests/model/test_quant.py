@@ -19,6 +19,13 @@ from pagedserve.model.quant import QuantizedLinear, WeightQuant, quantize_int4, 
 from pagedserve.model.runner import weight_bytes
 
 MODES = [WeightQuant("int8"), WeightQuant("int4", 32), WeightQuant("int4", 64)]
+HEAD_MODES = [WeightQuant("int8", lm_head=True), WeightQuant("int4", 32, lm_head=True)]
+
+
+def mode_id(quant: WeightQuant | None) -> str:
+    if quant is None:
+        return "fp32"
+    return quant.name + ("+head" if quant.lm_head else "")
 
 
 def layer(quant: WeightQuant, out_features=48, in_features=128, seed=0, bias=False):
@@ -107,19 +114,30 @@ def test_bad_settings_name_their_flag():
     with pytest.raises(ValueError, match="quantization_group_size"):
         QuantizedLinear(96, 8, False, WeightQuant("int4", 64))
     assert weight_quant(None) is None and weight_quant("none") is None
+    with pytest.raises(ValueError, match="quantize_lm_head"):
+        weight_quant(None, lm_head=True)
 
 
-@pytest.mark.parametrize("quant", [None, *MODES], ids=lambda q: q.name if q else "fp32")
-def test_the_loader_quantizes_every_decoder_linear_and_the_plan_counts_its_bytes(tiny_llama, quant):
-    config = load_model_config(tiny_llama, None, quant)
+@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize("quant", [None, *MODES, *HEAD_MODES], ids=mode_id)
+def test_the_loader_quantizes_every_decoder_linear_and_the_plan_counts_its_bytes(
+    make_tiny, quant, tied
+):
+    model_dir = make_tiny("llama", tie_word_embeddings=tied)
+    config = load_model_config(model_dir, None, quant)
     model = load_model(config)
     linears = [m for m in model.modules() if isinstance(m, QuantizedLinear)]
-    assert len(linears) == (0 if quant is None else 7 * config.num_layers)
+    head = quant is not None and quant.lm_head
+    assert len(linears) == (0 if quant is None else 7 * config.num_layers + head)
     # NOTE: storages, not tensors: fused q/k/v and gate/up weights are slices of one buffer
     storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
                 for t in [*model.parameters(), *model.buffers()]}  # fmt: skip
     assert weight_bytes(config) == sum(storages.values())
-    assert model.lm_head.weight.dtype == torch.float32  # the head is never quantized
+    if head:  # int8 per channel whatever the linears' mode; the embedding keeps its values
+        assert isinstance(model.lm_head, QuantizedLinear) and model.lm_head.quant.method == "int8"
+        assert model.model.embed_tokens.weight.dtype == torch.float32
+    else:
+        assert model.lm_head.weight.dtype == torch.float32
 
 
 def test_int4_with_a_group_larger_than_a_layer_is_refused_at_load(tiny_llama):
@@ -137,7 +155,7 @@ def test_quantized_weights_are_part_of_the_block_hash_fingerprint():
     assert len(prints) == 3 and plain not in prints
 
 
-@pytest.mark.parametrize("quant", MODES[:2], ids=lambda q: q.name)
+@pytest.mark.parametrize("quant", [*MODES[:2], HEAD_MODES[0]], ids=mode_id)
 def test_quantized_greedy_equals_transformers_on_the_dequantized_weights(tiny_llama, quant):
     prompts = make_prompts((1, 7, 17, 33, 64))
     engine, seqs = run_engine(tiny_llama, prompts, quantization=quant)

@@ -112,7 +112,7 @@ app.kubernetes.io/part-of: pagedserve
 {{- with $v.model.servedModelName }}{{ $args = concat $args (list "--served-model-name" .) }}{{ end -}}
 {{- with $v.model.revision }}{{ $args = concat $args (list "--revision" .) }}{{ end -}}
 {{- with $v.model.dtype }}{{ $args = concat $args (list "--dtype" .) }}{{ end -}}
-{{- with $v.model.quantization }}{{ $args = concat $args (list "--quantization" . "--quantization-group-size" (toString (int $v.model.quantizationGroupSize))) }}{{ end -}}
+{{- with $v.model.quantization }}{{ $args = concat $args (list "--quantization" . "--quantization-group-size" (toString (int $v.model.quantizationGroupSize))) }}{{ if $v.model.quantizeLmHead }}{{ $args = append $args "--quantize-lm-head" }}{{ end }}{{ end -}}
 {{- $args = concat $args (list "--host" "0.0.0.0" "--port" (toString (int .values.port))) -}}
 {{- if ne .component "router" }}
 {{- $args = concat $args (list "--advertise-address" (printf "$(POD_IP):%d" (int .values.port)) "--worker-id" "$(POD_NAME)") -}}
