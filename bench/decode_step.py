@@ -9,7 +9,8 @@ One `DecodeEngine` per batch size runs B greedy requests (prompts of 32-255 rand
 once all are decoding, rounds cycle through the three arms (`cpu_native.enabled`,
 `native_stack.enabled`), each timing `--steps` decode steps after one untimed step. Every arm
 sees the same engine, weights, batch and (nearly) the same context lengths, so the ratios are
-what the kernels change; the machine's noise falls on all of them. Without `--model`, a tiny random Llama (4 layers, hidden 256) is used.
+what the kernels change; the machine's noise falls on all of them. Without `--model`, a tiny
+random Llama (4 layers, hidden 256) is used.
 """
 
 from __future__ import annotations
@@ -124,8 +125,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for batch in args.batches:
             times = step_times(model_dir, batch, args)
             ms = {arm: statistics.median(t) for arm, t in times.items()}
-            print(f"| {batch} | {ms['torch']:.1f} | {ms['native']:.1f} | {ms['stack']:.1f} | "
-                  f"{_ratio(times, 'torch', 'native')} | {_ratio(times, 'native', 'stack')} |")
+            print(
+                f"| {batch} | {ms['torch']:.1f} | {ms['native']:.1f} | {ms['stack']:.1f} | "
+                f"{_ratio(times, 'torch', 'native')} | {_ratio(times, 'native', 'stack')} |"
+            )
     return 0
 
 

@@ -8,8 +8,10 @@ through its OpenAI API, by a load generator nobody here wrote (guidellm), on the
 Each server in turn (`online_servers.py`) is started, driven by guidellm's `concurrent`
 profile at each level of `--streams` for `--seconds` (synthetic prompts of 256 ± 64 tokens,
 exactly 96 output tokens with `ignore_eos`, `/v1/chat/completions`), and stopped. Ours also
-gets the same closed loop straight over gRPC to its router at each level, interleaved with the
-HTTP one, so the gateway's share is a number (HTTP ÷ gRPC). Output tok/s is every output
+gets the same closed loop straight over gRPC to its router at each level, and then through its
+gateway by a light HTTP client of ours (`/v1/completions`, the same token ids): HTTP loop ÷
+gRPC is the gateway's share, while guidellm's HTTP ÷ gRPC also holds the CPU guidellm itself
+takes from a 2-core machine. Output tok/s is every output
 token that arrives in the level's window after `--warmup` (default a tenth of `--seconds`),
 finished requests or not, over the window's length (online_load.py says why). `--repeat N`
 runs each level N times (HTTP and gRPC alternating, new prompts each time); the ratio table
@@ -42,7 +44,14 @@ from functools import partial
 from pathlib import Path
 
 from pagedserve.bench import online_servers
-from pagedserve.bench.online_load import ENDPOINTS, Level, LoadSpec, grpc_level, http_level
+from pagedserve.bench.online_load import (
+    ENDPOINTS,
+    Level,
+    LoadSpec,
+    grpc_level,
+    http_level,
+    http_loop_level,
+)
 from pagedserve.cli_options import bytes_arg
 
 GUIDELLM_VENV = Path(".cache/guidellm-venv")
@@ -73,8 +82,8 @@ class OnlineConfig:
 
 @dataclass(frozen=True, slots=True)
 class Ratio:
-    """ours ÷ `peer` for one metric at one level (`peer` "pagedserve gRPC": the gateway's
-    share, HTTP ÷ gRPC)."""
+    """ours ÷ `peer` for one metric at one level (`peer` "pagedserve gRPC": guidellm's HTTP
+    ÷ our gRPC loop; `GATEWAY_PEER`: our HTTP loop ÷ our gRPC loop, the gateway's share)."""
 
     streams: int
     peer: str
@@ -144,7 +153,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         choices=list(ENDPOINTS),
         help="completions: for a model without a chat template",
     )
-    p.add_argument("--no-grpc", action="store_true", help="skip the gRPC loop against ours")
+    p.add_argument("--no-grpc", action="store_true",
+                   help="skip our own closed loops (gRPC, the light HTTP one)")  # fmt: skip
     p.add_argument(
         "--kv-cache-memory",
         type=bytes_arg,
@@ -236,6 +246,10 @@ def _serve_and_load(config: OnlineConfig, name: str) -> list[Level]:
                                    streams, config.raw, rep)  # fmt: skip
                     levels.append(_with_cpu(server, grpc))
                     _progress(levels[-1])
+                    loop = partial(http_loop_level, config.load, server.base_url, server.model,
+                                   _vocab(config), streams, config.raw, rep)  # fmt: skip
+                    levels.append(_with_cpu(server, loop))
+                    _progress(levels[-1])
     finally:
         online_servers.stop(server)
     return levels
@@ -268,21 +282,36 @@ def _error_note(lv: Level) -> str:
     return f"{lv.server} {lv.api} streams={lv.streams}: {what}; no ratio at this level"
 
 
+GRPC_PEER = "pagedserve gRPC"
+GATEWAY_PEER = "gateway: HTTP loop ÷ gRPC"
+
+
 def ratios(levels: Sequence[Level]) -> list[Ratio]:
-    """Per level and repetition: ours (HTTP) ÷ each peer, and ours HTTP ÷ ours gRPC, for every
-    metric, where both levels are clean (ran, completed requests, none errored)."""
+    """Per level and repetition: ours (HTTP, guidellm) ÷ each peer and ÷ ours over gRPC, and
+    ours' light HTTP loop ÷ gRPC (the gateway's own share), for every metric, where both
+    levels are clean (ran, completed requests, none errored)."""
     out = []
-    for ours in (lv for lv in levels if lv.server == online_servers.OURS and lv.api == "http"):
-        key = (ours.streams, ours.repetition)
-        others = [lv for lv in levels if (lv.streams, lv.repetition) == key and lv is not ours]
-        for other in others:
-            if not (ours.clean and other.clean):
-                continue
-            peer = "pagedserve gRPC" if other.api == "grpc" else other.server
-            for field, label, higher in METRICS:
-                a, b = getattr(ours, field), getattr(other, field)
-                if a is not None and b:
-                    out.append(Ratio(ours.streams, peer, label, a / b, higher, ours.repetition))
+    ours = [lv for lv in levels if lv.server == online_servers.OURS]
+    for mine in (lv for lv in ours if lv.api in ("http", "http-loop")):
+        key = (mine.streams, mine.repetition)
+        same = [lv for lv in levels if (lv.streams, lv.repetition) == key and lv is not mine]
+        if mine.api == "http-loop":
+            pairs = [(GATEWAY_PEER, lv) for lv in same if lv in ours and lv.api == "grpc"]
+        else:
+            pairs = [(GRPC_PEER if lv.api == "grpc" else lv.server, lv) for lv in same
+                     if lv.api != "http-loop"]  # fmt: skip
+        for peer, other in pairs:
+            if mine.clean and other.clean:
+                out += _ratios(mine, other, peer)
+    return out
+
+
+def _ratios(mine: Level, other: Level, peer: str) -> list[Ratio]:
+    out = []
+    for field, label, higher in METRICS:
+        a, b = getattr(mine, field), getattr(other, field)
+        if a is not None and b:
+            out.append(Ratio(mine.streams, peer, label, a / b, higher, mine.repetition))
     return out
 
 
@@ -328,7 +357,9 @@ def _ratio_table(rs: Sequence[Ratio]) -> list[str]:
     the same-repetition ratios and (in brackets) their range."""
     labels = [label for _, label, _ in METRICS]
     lines = ["Ratios, ours ÷ peer in this run (tok/s: higher is better for ours; ITL and TTFT: "
-             "lower is better; vs `pagedserve gRPC`: the gateway's share, HTTP ÷ gRPC; with "
+             "lower is better; vs `pagedserve gRPC`: guidellm through the gateway ÷ our gRPC "
+             "loop, the gateway's share and guidellm's CPU together; `gateway: HTTP loop ÷ "
+             "gRPC`: our light HTTP loop ÷ the gRPC loop, the gateway's own share; with "
              "repetitions: median [min-max]):", "",
              "| streams | peer | " + " | ".join(labels) + " |",
              "|---|---|" + "---|" * len(labels)]  # fmt: skip

@@ -1,5 +1,6 @@
 """S15's load (docs/benchmarks/method.md): guidellm against one server's OpenAI API, and the
-same closed loop straight over gRPC to our router, each level reduced to one `Level`.
+same closed loop straight over gRPC to our router and through our gateway by a light HTTP
+client, each level reduced to one `Level`.
 
 guidellm (`guidellm run -c scenario.json`, one process per concurrency level, so that a run
 that stalls, as one in a few dozen does at start-up on a busy machine, is retried alone) keeps
@@ -23,12 +24,19 @@ token whose message arrives inside the window, TTFT is the first token's arrival
 send, ITL is (last token - first token) / (tokens - 1) per finished request, and a request
 still running at the end is incomplete (cancelled by its deadline), not an error. TTFT and ITL
 percentiles are over finished requests that ended inside the window, as guidellm's are.
+
+The HTTP loop is the gRPC loop's load sent to our gateway's `/v1/completions` (the same token
+ids as the prompt) by `http.client` threads. guidellm spends far more CPU than our servers'
+own front ends (~17 CPU s a minute at 16 streams against ~1.5 for the gateway) on a machine
+whose cores the decode worker keeps busy, so guidellm-HTTP ÷ gRPC holds the load generator's
+cost; HTTP loop ÷ gRPC is the gateway's own share.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import http.client
 import json
 import os
 import random
@@ -37,6 +45,9 @@ import statistics
 import subprocess
 import threading
 import time
+import urllib.parse
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -74,7 +85,7 @@ class Level:
     why the load generator produced no result (then every count is 0)."""
 
     server: str
-    api: str  # "http" (guidellm) or "grpc"
+    api: str  # "http" (guidellm), "grpc" or "http-loop" (ours, light, through the gateway)
     streams: int
     seconds: float
     output_tok_s: float
@@ -240,45 +251,67 @@ class GrpcRequest:
     status: str  # "ok", "incomplete" or the gRPC status name and details
 
 
+# One request of a closed loop: (prompt, start, window, salt) -> its record
+SendOne = Callable[[list[int], float, tuple[float, float], str], GrpcRequest]
+
+
 def grpc_level(load: LoadSpec, address: str, vocab: int, streams: int, raw: Path,
                rep: int = 0) -> Level:  # fmt: skip
     """The same load as guidellm's (same prompt lengths, as random token ids below `vocab`)
     straight to our router, `streams` closed loops for `load.seconds`; every request's record
     goes to `raw`/pagedserve-grpc-streams<N>[-rep<R>].json."""
     client = Client(address)
+    params = SamplingParams(temperature=0.0, max_tokens=load.output_tokens, ignore_eos=True)
+    try:
+        return _closed_loops(load, vocab, streams, rep, "grpc", raw,
+                             partial(_one, client, params=params))  # fmt: skip
+    finally:
+        client.close()
+
+
+def http_loop_level(load: LoadSpec, base_url: str, model: str, vocab: int, streams: int,
+                    raw: Path, rep: int = 0) -> Level:  # fmt: skip
+    """The gRPC loop's load through our gateway's `/v1/completions` instead (the same token
+    ids as the prompt, no chat template, streamed), by a client as light as the gRPC one
+    (`http.client`, a thread per stream): with the gRPC level beside it, the gateway's share of
+    the rate without a heavy load generator's CPU in it. API "http-loop"; records in
+    `raw`/pagedserve-http-loop-streams<N>[-rep<R>].json."""
+    send = partial(_http_one, urllib.parse.urlsplit(base_url), model, load.output_tokens)
+    return _closed_loops(load, vocab, streams, rep, "http-loop", raw, send)
+
+
+def _closed_loops(load: LoadSpec, vocab: int, streams: int, rep: int, api: str, raw: Path,
+                  send: SendOne) -> Level:  # fmt: skip
     records: list[GrpcRequest] = []
     start = time.perf_counter()
-    salt = f"s15-grpc-{streams}-{rep}"  # NOTE: no prefix-cache hits across levels
+    salt = f"s15-{api}-{streams}-{rep}"  # NOTE: no prefix-cache hits across levels
     seeds = [1_000_000 * rep + 1_000 * streams + k for k in range(streams)]
-    loops = [threading.Thread(target=_loop, args=(client, load, vocab, start, seed, salt, records))
+    loops = [threading.Thread(target=_loop, args=(send, load, vocab, start, seed, salt, records))
              for seed in seeds]  # fmt: skip
     for t in loops:
         t.start()
     for t in loops:
         t.join()
-    client.close()
-    path = raw / f"pagedserve-grpc-streams{streams}{_rep_suffix(rep)}.json"
+    path = raw / f"pagedserve-{api}-streams{streams}{_rep_suffix(rep)}.json"
     path.write_text(json.dumps([dataclasses.asdict(r) for r in records]))
     level = grpc_summary(records, streams, load.seconds, load.warmup_s)
-    return dataclasses.replace(level, repetition=rep)
+    return dataclasses.replace(level, api=api, repetition=rep)
 
 
-def _loop(client: Client, load: LoadSpec, vocab: int, start: float, seed: int, salt: str,
+def _loop(send: SendOne, load: LoadSpec, vocab: int, start: float, seed: int, salt: str,
           records: list[GrpcRequest]) -> None:  # fmt: skip
     """One stream: one request after another until the level's end, prompts from `seed`."""
     rng = random.Random(seed)
     low, high = load.prompt_range
-    params = SamplingParams(temperature=0.0, max_tokens=load.output_tokens, ignore_eos=True)
     window = (start + load.warmup_s, start + load.seconds)
     while time.perf_counter() < window[1]:
         n = min(high, max(low, round(rng.gauss(load.prompt_tokens, load.prompt_stdev))))
         prompt = [rng.randrange(min(100, vocab // 2), vocab) for _ in range(n)]
-        record = _one(client, prompt, params, start, window, salt)
-        records.append(record)  # NOTE: list.append is atomic
+        records.append(send(prompt, start, window, salt))  # NOTE: list.append is atomic
 
 
-def _one(client: Client, prompt: list[int], params: SamplingParams, start: float,
-         window: tuple[float, float], salt: str) -> GrpcRequest:  # fmt: skip
+def _one(client: Client, prompt: list[int], start: float, window: tuple[float, float], salt: str,
+         *, params: SamplingParams) -> GrpcRequest:  # fmt: skip
     """One request, cancelled by its deadline at the window's end."""
     sent = time.perf_counter()
     times: list[float] = []
@@ -298,6 +331,52 @@ def _one(client: Client, prompt: list[int], params: SamplingParams, start: float
             f"{code.name}: {err.details()}"[:300])  # type: ignore[attr-defined]  # fmt: skip
     ended = time.perf_counter()
     itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
+    return GrpcRequest(len(prompt), sent - start, ended - start, times[0] if times else None,
+                       itl, tokens, in_window, status)  # fmt: skip
+
+
+def _http_one(url: urllib.parse.SplitResult, model: str, max_tokens: int, prompt: list[int],
+              start: float, window: tuple[float, float], salt: str) -> GrpcRequest:  # fmt: skip
+    """One streamed `/v1/completions` request, dropped (incomplete) at the window's end. Its
+    tokens: the final usage chunk's count; in the window: that count's share of the chunks
+    that arrived there (a chunk may hold more than one token)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "cache_salt": salt}  # fmt: skip
+    sent = time.perf_counter()
+    times: list[float] = []
+    tokens = in_window = 0
+    status = "ok"
+    conn = http.client.HTTPConnection(url.hostname or "127.0.0.1", url.port,
+                                      timeout=max(0.1, window[1] - sent))  # fmt: skip
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body),
+                     {"Content-Type": "application/json"})  # fmt: skip
+        resp = conn.getresponse()
+        if resp.status != 200:
+            status = f"HTTP {resp.status}: {resp.read(300).decode(errors='replace')}"
+        for line in resp if resp.status == 200 else ():
+            now = time.perf_counter()
+            if now >= window[1]:
+                status = "incomplete"
+                break
+            if line.startswith(b"data: {"):
+                chunk = json.loads(line[6:])
+                tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+                if chunk.get("choices"):
+                    times.append(now - sent)
+                    in_window += now >= window[0]
+    except (OSError, http.client.HTTPException) as err:  # NOTE: a socket timeout is an OSError
+        late = time.perf_counter() >= window[1] - 0.05
+        status = "incomplete" if late else f"{type(err).__name__}: {err}"[:300]
+    finally:
+        conn.close()
+    if times and tokens:
+        in_window = round(in_window * tokens / len(times))
+    else:
+        tokens = len(times)
+    ended = time.perf_counter()
+    itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 and times else None
     return GrpcRequest(len(prompt), sent - start, ended - start, times[0] if times else None,
                        itl, tokens, in_window, status)  # fmt: skip
 

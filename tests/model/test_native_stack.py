@@ -92,7 +92,8 @@ def test_the_stack_declines_what_its_kernels_do_not_compute(tiny_llama, config):
 def _meta(query_lens: list[int]) -> AttentionMetadata:
     rows = sum(query_lens)
     return AttentionMetadata(
-        slot_mapping=torch.arange(rows), block_tables=torch.zeros(len(query_lens), 4, dtype=torch.int64),
+        slot_mapping=torch.arange(rows),
+        block_tables=torch.zeros(len(query_lens), 4, dtype=torch.int64),
         query_lens=query_lens, seq_lens=[8] * len(query_lens),
     )  # fmt: skip
 
