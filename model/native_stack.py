@@ -123,7 +123,8 @@ def _layer(
     module: nn.Module, kv_cache: KVCache, index: int, keep: list[torch.Tensor]
 ) -> tuple[cpu_stack.Layer, int] | None:
     """One decoder layer's table entry and the most rows its linears take natively, or None if
-    any part of it is not what the kernels compute."""
+    any part of it is not what the kernels compute. NOTE: a layer variant (another family's
+    norms, rope or activation) must be declined here, or the stack computes Llama's layer."""
     from pagedserve.model.llama import MLP, Attention, DecoderLayer
 
     if type(module) is not DecoderLayer:
