@@ -207,11 +207,14 @@ def blocks_in_use(client: Client) -> set[int]:
 
 def test_chat_keeps_history_and_ctrl_c_aborts_only_the_answer(cluster):
     started, _ = cluster
-    chat = Chat(started.router_address, "--max-tokens", "1500", "--ignore-eos")
+    # NOTE: the longest answer the tiny model's 2,048 positions allow, interrupted at its first
+    # characters: a decode step of the tiny model is ~1 ms, so a shorter answer (or a later
+    # interrupt) can end before the signal lands on a loaded machine
+    chat = Chat(started.router_address, "--max-tokens", "1900", "--ignore-eos")
     try:
         chat.wait_for(lambda s: s.endswith("> "))
         chat.say("Tell me a long story.")
-        chat.wait_for(lambda s: len(s) > 40)  # the answer streams
+        chat.wait_for(lambda s: len(s) > 4)  # the answer streams
         chat.proc.send_signal(signal.SIGINT)
         chat.wait_for(lambda s: "[aborted: this turn is not kept]\n> " in s)
         with Client(started.router_address) as client:
