@@ -18,8 +18,8 @@
 #include "simd.h"
 
 #define ROWS_ONE 8                      /* rows of W per tile when x has one row */
-#define ROWS_MANY 4                     /* ... when it has more */
-#define TILE_M (PS_VEC == 16 ? 4 : 2)   /* rows of x per tile (AVX2 has 16 registers) */
+#define ROWS_MANY (PS_VEC == 16 ? 8 : 4) /* ... when it has more (AVX2 has 16 registers) */
+#define TILE_M 2                        /* rows of x per tile */
 
 static inline float finish(vf acc, const float *x, const float *w, int64_t kv, int64_t k,
                            const float *bias, int64_t n) {
