@@ -9,6 +9,7 @@ the conversation goes on. Ctrl-C at the prompt discards the line; Ctrl-D (end of
 
 from __future__ import annotations
 
+import signal
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -37,6 +38,14 @@ class Conversation:
     def keep(self, question: str, answer: str) -> None:
         self.turns += [{"role": "user", "content": question}]
         self.turns += [{"role": "assistant", "content": answer}]
+
+
+def take_ctrl_c() -> None:
+    """Make Ctrl-C raise KeyboardInterrupt here whatever this process inherited: a parent that
+    ignores or blocks SIGINT (a script's `trap '' INT`, nohup, a test runner) passes that on
+    across exec, and Python then leaves SIGINT ignored. Call from the main thread."""
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def stream_answer(

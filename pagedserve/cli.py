@@ -147,6 +147,7 @@ def _add_chat(sub: argparse._SubParsersAction) -> None:
 def _run_chat(args: argparse.Namespace) -> int:
     from pagedserve import chat_cli
 
+    chat_cli.take_ctrl_c()
     with _client(args) as client:
         return chat_cli.run(client, _sampling(args), system=args.system)
 

@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 from contextlib import ExitStack
+from pathlib import Path
 
 import grpc
 import pytest
@@ -187,6 +188,14 @@ class Chat:
         while chunk := self.proc.stdout.read(1):
             self.chunks.put(chunk)
 
+    def signals(self) -> str:
+        """The chat process's ignored / blocked / caught signal masks (for a failure)."""
+        try:
+            status = Path(f"/proc/{self.proc.pid}/status").read_text().splitlines()
+        except OSError:
+            return f"chat exited with {self.proc.poll()}"
+        return " ".join(line for line in status if line.startswith(("SigIgn", "SigBlk", "SigCgt")))
+
     def say(self, line: str) -> None:
         self.proc.stdin.write(line + "\n")
         self.proc.stdin.flush()
@@ -194,7 +203,7 @@ class Chat:
     def wait_for(self, predicate, timeout_s: float = 60.0) -> str:
         deadline = time.monotonic() + timeout_s
         while not predicate(self.seen):
-            assert time.monotonic() < deadline, f"chat output so far: {self.seen!r}"
+            assert time.monotonic() < deadline, f"{self.signals()}; output so far: {self.seen!r}"
             with contextlib.suppress(queue.Empty):
                 self.seen += self.chunks.get(timeout=0.1)
         return self.seen
