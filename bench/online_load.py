@@ -237,9 +237,9 @@ def parse_guidellm(path: Path, server: str, streams: int) -> Level:
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
-class GrpcRequest:
-    """One closed-loop request over gRPC: `sent_s` and `ended_s` from the level's start, the
-    other times in seconds from its send."""
+class LoopRequest:
+    """One request of our own closed loops (gRPC or the HTTP loop): `sent_s` and `ended_s` from
+    the level's start, the other times in seconds from its send."""
 
     prompt_len: int
     sent_s: float
@@ -252,7 +252,7 @@ class GrpcRequest:
 
 
 # One request of a closed loop: (prompt, start, window, salt) -> its record
-SendOne = Callable[[list[int], float, tuple[float, float], str], GrpcRequest]
+SendOne = Callable[[list[int], float, tuple[float, float], str], LoopRequest]
 
 
 def grpc_level(load: LoadSpec, address: str, vocab: int, streams: int, raw: Path,
@@ -282,7 +282,7 @@ def http_loop_level(load: LoadSpec, base_url: str, model: str, vocab: int, strea
 
 def _closed_loops(load: LoadSpec, vocab: int, streams: int, rep: int, api: str, raw: Path,
                   send: SendOne) -> Level:  # fmt: skip
-    records: list[GrpcRequest] = []
+    records: list[LoopRequest] = []
     start = time.perf_counter()
     salt = f"s15-{api}-{streams}-{rep}"  # NOTE: no prefix-cache hits across levels
     seeds = [1_000_000 * rep + 1_000 * streams + k for k in range(streams)]
@@ -294,12 +294,12 @@ def _closed_loops(load: LoadSpec, vocab: int, streams: int, rep: int, api: str, 
         t.join()
     path = raw / f"pagedserve-{api}-streams{streams}{_rep_suffix(rep)}.json"
     path.write_text(json.dumps([dataclasses.asdict(r) for r in records]))
-    level = grpc_summary(records, streams, load.seconds, load.warmup_s)
+    level = loop_summary(records, streams, load.seconds, load.warmup_s)
     return dataclasses.replace(level, api=api, repetition=rep)
 
 
 def _loop(send: SendOne, load: LoadSpec, vocab: int, start: float, seed: int, salt: str,
-          records: list[GrpcRequest]) -> None:  # fmt: skip
+          records: list[LoopRequest]) -> None:  # fmt: skip
     """One stream: one request after another until the level's end, prompts from `seed`."""
     rng = random.Random(seed)
     low, high = load.prompt_range
@@ -311,7 +311,7 @@ def _loop(send: SendOne, load: LoadSpec, vocab: int, start: float, seed: int, sa
 
 
 def _one(client: Client, prompt: list[int], start: float, window: tuple[float, float], salt: str,
-         *, params: SamplingParams) -> GrpcRequest:  # fmt: skip
+         *, params: SamplingParams) -> LoopRequest:  # fmt: skip
     """One request, cancelled by its deadline at the window's end."""
     sent = time.perf_counter()
     times: list[float] = []
@@ -331,12 +331,12 @@ def _one(client: Client, prompt: list[int], start: float, window: tuple[float, f
             f"{code.name}: {err.details()}"[:300])  # type: ignore[attr-defined]  # fmt: skip
     ended = time.perf_counter()
     itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 else None
-    return GrpcRequest(len(prompt), sent - start, ended - start, times[0] if times else None,
+    return LoopRequest(len(prompt), sent - start, ended - start, times[0] if times else None,
                        itl, tokens, in_window, status)  # fmt: skip
 
 
 def _http_one(url: urllib.parse.SplitResult, model: str, max_tokens: int, prompt: list[int],
-              start: float, window: tuple[float, float], salt: str) -> GrpcRequest:  # fmt: skip
+              start: float, window: tuple[float, float], salt: str) -> LoopRequest:  # fmt: skip
     """One streamed `/v1/completions` request, dropped (incomplete) at the window's end. Its
     tokens: the final usage chunk's count; in the window: that count's share of the chunks
     that arrived there (a chunk may hold more than one token)."""
@@ -377,15 +377,16 @@ def _http_one(url: urllib.parse.SplitResult, model: str, max_tokens: int, prompt
         tokens = len(times)
     ended = time.perf_counter()
     itl = (times[-1] - times[0]) / (tokens - 1) if tokens > 1 and times else None
-    return GrpcRequest(len(prompt), sent - start, ended - start, times[0] if times else None,
+    return LoopRequest(len(prompt), sent - start, ended - start, times[0] if times else None,
                        itl, tokens, in_window, status)  # fmt: skip
 
 
-def grpc_summary(records: list[GrpcRequest], streams: int, seconds: float,
+def loop_summary(records: list[LoopRequest], streams: int, seconds: float,
                  warmup_s: float) -> Level:  # fmt: skip
-    """The `Level` of a gRPC run: output tok/s is every token that arrived after the warmup,
-    over the window (`seconds` - `warmup_s`); latencies of finished requests that ended after
-    the warmup; errors from the whole level."""
+    """The `Level` of one of our closed loops (api "grpc"; the caller renames it): output
+    tok/s is every token that arrived after the warmup, over the window (`seconds` -
+    `warmup_s`); latencies of finished requests that ended after the warmup; errors from the
+    whole level."""
     window = seconds - warmup_s
     done = [r for r in records if r.ended_s >= warmup_s]
     ok = [r for r in done if r.status == "ok"]

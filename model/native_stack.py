@@ -53,6 +53,7 @@ class NativeStack:
         config = model.config
         if (
             cpu_stack.library() is None
+            or config.dtype != torch.float32
             or model.group is not None
             or kv_cache.scales is not None
             or kv_cache.codes.dtype != torch.float32
@@ -93,8 +94,6 @@ class NativeStack:
         ):
             return None
         x = self.model._embed(input_ids).contiguous()
-        if x.dtype != torch.float32:
-            return None
         rope = self.model.rope
         cos, sin = rope.cos[positions].contiguous(), rope.sin[positions].contiguous()
         plan = meta.cpu_native_plan(None)

@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from pagedserve.bench import online, online_servers
-from pagedserve.bench.online_load import GrpcRequest, Level, grpc_summary, parse_guidellm
+from pagedserve.bench.online_load import Level, LoopRequest, loop_summary, parse_guidellm
 
 DATA = Path(__file__).parent / "data"
 
@@ -82,7 +82,7 @@ def test_guidellm_throughput_counts_the_tokens_of_unfinished_requests_in_the_win
 
 
 def grpc_request(sent: float, ended: float, tokens: int, in_window: int, status: str = "ok"):
-    return GrpcRequest(32, sent, ended, 0.1, 0.01, tokens, in_window, status)
+    return LoopRequest(32, sent, ended, 0.1, 0.01, tokens, in_window, status)
 
 
 def test_grpc_throughput_counts_tokens_after_the_warmup_of_finished_and_unfinished_requests():
@@ -92,7 +92,7 @@ def test_grpc_throughput_counts_tokens_after_the_warmup_of_finished_and_unfinish
         grpc_request(4.0, 12.0, 50, 50, "incomplete"),  # cut by the level's end
         grpc_request(4.0, 5.0, 0, 0, "UNAVAILABLE: gone"),
     ]
-    level = grpc_summary(records, streams=2, seconds=12.0, warmup_s=2.0)
+    level = loop_summary(records, streams=2, seconds=12.0, warmup_s=2.0)
     assert level.seconds == 10.0
     assert level.output_tok_s == (70 + 50) / 10.0
     assert (level.completed, level.incomplete, level.errored) == (1, 1, 1)
