@@ -43,7 +43,7 @@ from torch import nn
 
 from pagedserve.cli_options import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
 from pagedserve.cli_options import QUANTIZATION_METHODS as METHODS
-from pagedserve.cli_options import quantization_name
+from pagedserve.cli_options import check_quantization, quantization_name
 from pagedserve.kernels import cpu_native
 
 INT4_MAX = 15
@@ -85,9 +85,8 @@ def weight_quant(
 ) -> WeightQuant | None:
     """The flags' value: None (or "none") keeps the weights in the model's dtype; ValueError
     for `lm_head` without a method."""
+    check_quantization(method, lm_head)
     if method in (None, "", "none"):
-        if lm_head:
-            raise ValueError("quantize_lm_head: needs --quantization int8 or int4")
         return None
     return WeightQuant(method, group_size, lm_head)
 

@@ -65,6 +65,13 @@ def quantization_name(method: str | None, group_size: int = 32) -> str:
     return "int8" if method == "int8" else f"int4-g{group_size}"
 
 
+def check_quantization(method: str | None, lm_head: bool) -> None:
+    """ValueError naming `quantize_lm_head` when it comes without a quantization method: a
+    flag that would change nothing is refused, not ignored (every command that takes it)."""
+    if lm_head and method in (None, "", "none"):
+        raise ValueError("quantize_lm_head: needs --quantization int8 or int4")
+
+
 def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization", default=None, choices=["none", *QUANTIZATION_METHODS],

@@ -35,6 +35,7 @@ from pagedserve.cli_options import (
     add_quantization_arguments,
     add_tensor_parallel_argument,
     add_tls_arguments,
+    check_quantization,
     parse_bytes,
 )
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
@@ -394,6 +395,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    try:
+        check_quantization(args.quantization, args.quantize_lm_head)
+    except ValueError as err:
+        print(f"pagedserve up: error: {err}", file=sys.stderr)
+        return 2
     stop = threading.Event()
     stop_on_signals(stop)
     policy = RestartPolicy(args.max_restarts, args.restart_window, args.restart_backoff)

@@ -20,7 +20,7 @@ import sys
 import threading
 from dataclasses import dataclass
 
-from pagedserve.cli_options import quantization_name
+from pagedserve.cli_options import check_quantization, quantization_name
 from pagedserve.grpcutil import (
     DEFAULT_MAX_PENDING_CALLS,
     ClientTLS,
@@ -88,6 +88,7 @@ class RouterOptions:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterOptions:
         """ValueError (or OSError reading a TLS file) naming the flag when they do not fit."""
+        check_quantization(args.quantization, args.quantize_lm_head)
         return cls(
             model=args.model,
             served_model_name=args.served_model_name,
