@@ -17,7 +17,8 @@
 
 #include "simd.h"
 
-#define ROWS_ONE 8                      /* rows of W per tile when x has one row */
+#define ROWS_ONE 8                      /* rows of W per tile when x has one row ... */
+#define TOGETHER 1                      /* ... read side by side */
 #define ROWS_MANY (PS_VEC == 16 ? 8 : 4) /* ... when it has more (AVX2 has 16 registers) */
 #define TILE_M 2                        /* rows of x per tile */
 
@@ -28,22 +29,24 @@ static inline float finish(vf acc, const float *x, const float *w, int64_t kv, i
     return bias ? s + bias[n] : s;
 }
 
-/* one row of x against ROWS_ONE rows of W, starting at row n0 (rows past N repeat the last) */
+/* one row of x against ROWS_ONE rows of W from row n0 (rows past N repeat the last),
+ * TOGETHER rows at a time (one contiguous stream for the prefetcher; linear_i8g.c) */
 static void tile_one(const float *x, const float *w, const float *bias, float *y, int64_t n0,
                      int64_t n_rows, int64_t k, int64_t kv) {
-    const float *rows[ROWS_ONE];
-    vf acc[ROWS_ONE];
-    for (int r = 0; r < ROWS_ONE; r++) {
-        int64_t n = n0 + r < n_rows ? n0 + r : n_rows - 1;
-        rows[r] = w + n * k;
-        acc[r] = vf_zero();
+    for (int64_t a = n0; a < n0 + ROWS_ONE && a < n_rows; a += TOGETHER) {
+        const float *rows[TOGETHER];
+        vf acc[TOGETHER];
+        for (int r = 0; r < TOGETHER; r++) {
+            rows[r] = w + (a + r < n_rows ? a + r : n_rows - 1) * k;
+            acc[r] = vf_zero();
+        }
+        for (int64_t j = 0; j < kv; j += PS_VEC) {
+            vf xv = vf_loadu(x + j);
+            for (int r = 0; r < TOGETHER; r++) acc[r] = vf_fmadd(xv, vf_loadu(rows[r] + j), acc[r]);
+        }
+        for (int r = 0; r < TOGETHER && a + r < n_rows; r++)
+            y[a + r] = finish(acc[r], x, rows[r], kv, k, bias, a + r);
     }
-    for (int64_t j = 0; j < kv; j += PS_VEC) {
-        vf xv = vf_loadu(x + j);
-        for (int r = 0; r < ROWS_ONE; r++) acc[r] = vf_fmadd(xv, vf_loadu(rows[r] + j), acc[r]);
-    }
-    for (int r = 0; r < ROWS_ONE && n0 + r < n_rows; r++)
-        y[n0 + r] = finish(acc[r], x, rows[r], kv, k, bias, n0 + r);
 }
 
 /* TILE_M rows of x (from m0) against ROWS_MANY rows of W (from n0); tails repeat their last */

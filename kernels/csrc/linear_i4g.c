@@ -32,7 +32,8 @@
 #define BLOCK 32 /* codes per block of 16 bytes */
 #define TILE_N 4
 #define TILE_M (PS_VEC == 16 ? 4 : 2)
-#define ROWS_ONE (PS_VEC == 16 ? 8 : 4)
+#define ROWS_ONE 8 /* rows of codes per tile at one row of x ... */
+#define TOGETHER (PS_VEC == 16 ? 1 : 2) /* ... read side by side (AVX2: two, for its latency) */
 
 typedef struct {
     const uint8_t *q;
@@ -47,28 +48,32 @@ static inline vq4 group_of(const int4_weights *w, int64_t n, int64_t g) {
 
 static inline int64_t row_at(int64_t at, int64_t n_rows) { return at < n_rows ? at : n_rows - 1; }
 
+/* one row of x against ROWS_ONE rows of codes, TOGETHER rows at a time (one contiguous stream
+ * for the prefetcher; linear_i8g.c) */
 static void tile_one(const float *x, const int4_weights *w, float *y, int64_t n0, int64_t n_rows) {
     const int64_t groups = w->k / w->group;
-    const uint8_t *q[ROWS_ONE];
-    vf acc[ROWS_ONE];
-    for (int r = 0; r < ROWS_ONE; r++) {
-        q[r] = w->q + row_at(n0 + r, n_rows) * (w->k / 2);
-        acc[r] = vf_zero();
-    }
-    for (int64_t g = 0; g < groups; g++) {
-        vq4 gw[ROWS_ONE];
-        for (int r = 0; r < ROWS_ONE; r++) gw[r] = group_of(w, row_at(n0 + r, n_rows), g);
-        for (int64_t j = g * w->group; j < (g + 1) * w->group; j += BLOCK)
-            for (int h = 0; h < BLOCK / 2; h += PS_VEC) {
-                const vf x_lo = vf_loadu(x + j + h), x_hi = vf_loadu(x + j + BLOCK / 2 + h);
-                for (int r = 0; r < ROWS_ONE; r++) {
-                    vf lo, hi;
-                    vq4_weights(q[r] + j / 2 + h, gw[r], &lo, &hi);
-                    acc[r] = vf_fmadd(x_hi, hi, vf_fmadd(x_lo, lo, acc[r]));
+    for (int64_t a = n0; a < n0 + ROWS_ONE && a < n_rows; a += TOGETHER) {
+        const uint8_t *q[TOGETHER];
+        vf acc[TOGETHER];
+        for (int r = 0; r < TOGETHER; r++) {
+            q[r] = w->q + row_at(a + r, n_rows) * (w->k / 2);
+            acc[r] = vf_zero();
+        }
+        for (int64_t g = 0; g < groups; g++) {
+            vq4 gw[TOGETHER];
+            for (int r = 0; r < TOGETHER; r++) gw[r] = group_of(w, row_at(a + r, n_rows), g);
+            for (int64_t j = g * w->group; j < (g + 1) * w->group; j += BLOCK)
+                for (int h = 0; h < BLOCK / 2; h += PS_VEC) {
+                    const vf x_lo = vf_loadu(x + j + h), x_hi = vf_loadu(x + j + BLOCK / 2 + h);
+                    for (int r = 0; r < TOGETHER; r++) {
+                        vf lo, hi;
+                        vq4_weights(q[r] + j / 2 + h, gw[r], &lo, &hi);
+                        acc[r] = vf_fmadd(x_hi, hi, vf_fmadd(x_lo, lo, acc[r]));
+                    }
                 }
-            }
+        }
+        for (int r = 0; r < TOGETHER && a + r < n_rows; r++) y[a + r] = vf_sum(acc[r]);
     }
-    for (int r = 0; r < ROWS_ONE && n0 + r < n_rows; r++) y[n0 + r] = vf_sum(acc[r]);
 }
 
 static void tile(const float *x, int64_t ldx, const int4_weights *w, float *y, int64_t ldy,
