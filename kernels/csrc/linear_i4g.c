@@ -21,9 +21,9 @@
  * of its [groups, N, 2] buffer.
  *
  * One OpenMP task per tile of output rows, as linear_i8g.c: a single row of x (a decode step
- * of one sequence) takes ROWS_ONE rows of codes at a time and reads them once; more rows take
- * TILE_M x TILE_N tiles. Every output is the same sequence of vector operations in both, so a
- * row's output does not depend on the batch. `group` is a multiple of 32 that divides k.
+ * of one sequence) takes ROWS_ONE rows of codes per task, TOGETHER side by side, and reads
+ * them once; more rows take TILE_M x TILE_N tiles. Every output is the same sequence of
+ * vector operations in both, so a row's output does not depend on the batch. `group` is a multiple of 32 that divides k.
  */
 #include <stdint.h>
 

@@ -9,8 +9,9 @@
  * The codes are read once per tile of TILE_N output rows and widened to float32 in registers;
  * one OpenMP task per tile (torch's libgomp). TILE_M x rows at a time (fewer with AVX2's 16
  * registers): tails of M and N repeat their last row and write nothing twice; a single row of
- * x (a decode step of one sequence) takes ROWS_ONE rows of codes at a time instead. `group` is
- * a multiple of 16; one scale per output row (per-channel int8) is group = k.
+ * x (a decode step of one sequence) takes ROWS_ONE rows of codes per task instead, read one
+ * after another. `group` is a multiple of 16; one scale per output row (per-channel int8) is
+ * group = k.
  */
 #include <stdint.h>
 

@@ -114,6 +114,17 @@ def test_a_peer_that_errors_at_a_level_gets_no_ratio_there():
     assert not [key for key in got if key[0] == 16]
 
 
+def test_a_level_where_nothing_completed_yet_still_compares_its_rate():
+    # 64 streams in 60 s: the prompts' prefill can outlast the window, tokens still flow
+    unfinished = dict(itl_p50_ms=None, itl_p99_ms=None, ttft_p50_ms=None, ttft_p99_ms=None,
+                      completed=0, incomplete=64)  # fmt: skip
+    levels = [dataclasses.replace(level("pagedserve", 64, 90.0), **unfinished),
+              dataclasses.replace(level("vllm-cpu", 64, 60.0), **unfinished),
+              dataclasses.replace(level("llama.cpp", 64, 0.0), **unfinished)]  # fmt: skip
+    got = {(r.peer, r.metric): r.value for r in online.ratios(levels)}
+    assert got == {("vllm-cpu", "output tok/s"): 1.5}
+
+
 def test_the_gateway_share_is_our_http_loop_over_the_grpc_loop():
     levels = [level("pagedserve", 16, 80.0), level("pagedserve", 16, 110.0, api="http-loop"),
               level("pagedserve", 16, 100.0, api="grpc"), level("vllm-cpu", 16, 64.0)]  # fmt: skip
