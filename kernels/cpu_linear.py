@@ -1,18 +1,19 @@
-"""`linear` for fp32 on CPU: the weight's rows split into one batch entry per thread, one `bmm`.
+"""`linear` for fp32 on CPU: native kernels for up to 512 rows, else MKL.
 
-Measured on this project's 2-core VM (torch 2.13 with MKL; `python -m
-pagedserve.bench.kernels` does not cover it, the numbers come from a loop over 26 weights of
-2816 x 1024, 300 MB, out of cache, 2 threads, best of 5):
+- up to NATIVE_MAX_TOKENS (16) rows, `csrc/linear_f32.c` (one row at a time reads the weight at
+  the machine's bandwidth; every output the same sum whatever M: batch invariance);
+- up to GEMM_MAX_TOKENS (512), `csrc/gemm_f32.c`, a register-blocked GEMM. Over SmolLM2's 120
+  fused decoder weights (2 threads, AVX-512, GFLOP/s): 32 rows 138 against the split `bmm`'s
+  102, 64 rows 135-156 against 114-122, 128 rows 157-163 against 142-149, 256 rows 165-167
+  against 156-165 (MKL's `F.linear` 146), 512 rows as MKL (168-170);
+- beyond, or where the native kernels are unavailable, the weight's rows split into one batch
+  entry per thread and one `bmm` (for a decode-sized batch MKL keeps one GEMM on fewer cores
+  than it has; ATen's `bmm` gives each slice its own thread; the same GEMM per slice, so
+  **bit-identical** to `F.linear`, tests/kernels/test_cpu_linear.py), and from 256 rows, with a
+  bias, or for fp16/bf16 (oneDNN), `F.linear`.
 
-    tokens                 1      4     16     64    256
-    F.linear            19.2   34.2   40.3   74.9    228   ms
-    this (bmm, split)   14.1   17.9   32.7   67.2    230   ms
-
-For a decode-sized batch MKL keeps one GEMM on fewer cores than it has; ATen's `bmm` gives each
-batch entry (a slice of the weight's rows) its own thread. Each slice is the same GEMM with the
-same transposed weight operand, so the results are **bit-identical** to `F.linear` (checked in
-tests/kernels/test_cpu_linear.py): logits and greedy tokens do not move. fp16/bf16 (oneDNN, not
-MKL) and large batches (compute-bound, already parallel) keep `F.linear`.
+The native kernels sum in other orders than MKL (~1e-7 relative, within the fp32 rounding bound
+the tests check); the greedy tokens of every oracle test are unchanged.
 """
 
 from __future__ import annotations
@@ -26,12 +27,19 @@ MAX_TOKENS = 256
 """From about this many input rows on `F.linear` is as fast."""
 NATIVE_MAX_TOKENS = 16
 """Up to this many input rows the native kernel (csrc/linear_f32.c) is faster (docs/kernels.md)."""
+GEMM_MAX_TOKENS = 512
+"""Above NATIVE_MAX_TOKENS and up to this many rows the native GEMM (csrc/gemm_f32.c) is faster
+than the split `bmm` and MKL's `F.linear`; from here on MKL is as fast (docs/kernels.md)."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, weight, bias)` for x [tokens, in] and weight [out, in]; contiguous output."""
     if x.dim() == 2 and x.shape[0] <= NATIVE_MAX_TOKENS:
         out = cpu_native.linear_f32(x, weight, bias)
+        if out is not None:
+            return out
+    elif x.dim() == 2 and x.shape[0] <= GEMM_MAX_TOKENS:
+        out = cpu_native.gemm_f32(x, weight, bias)
         if out is not None:
             return out
     parts = torch.get_num_threads()

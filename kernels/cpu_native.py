@@ -44,7 +44,7 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
     for name in (
         "paged_decode.c", "linear_i8g.c", "linear_i4g.c", "linear_f32.c", "rms_norm.c",
-        "decode_stack.c",
+        "decode_stack.c", "gemm_f32.c",
     )
 )  # fmt: skip
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
@@ -169,6 +169,9 @@ def _build() -> ctypes.CDLL:
     fn = lib.linear_f32
     fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
     fn.restype = None
+    fn = lib.gemm_f32
+    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
+    fn.restype = i32
     fn = lib.rms_norm_f32
     fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
     fn.restype = None
@@ -473,6 +476,36 @@ def linear_f32(
         y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
     )  # fmt: skip
     return y
+
+
+def gemm_f32(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
+    """`linear_f32`'s operation for batches of tens to hundreds of rows (csrc/gemm_f32.c: a
+    register-blocked GEMM, x packed, the weight read as it lies): each output one FMA chain
+    over k, whatever M. None when the kernel cannot take it (the caller uses torch)."""
+    n, k = weight.shape
+    if not (
+        enabled
+        and x.device.type == "cpu"
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and weight.stride(1) == 1
+        and weight.stride(0) == k
+        and x.dim() == 2
+        and x.stride(1) == 1
+        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+        and _load() is not None
+    ):
+        return None
+    lib = _lib
+    assert lib is not None
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    done = lib.gemm_f32(
+        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
+        y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
+    )  # fmt: skip
+    return y if done else None
 
 
 def rms_norm(

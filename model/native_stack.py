@@ -209,7 +209,7 @@ def _f32_linear(
     n, k = weight.shape
     linear = cpu_stack.Linear(cpu_stack.F32, weight.data_ptr(), None, None,
                               None if bias is None else bias.data_ptr(), n, k)  # fmt: skip
-    return linear, cpu_linear.NATIVE_MAX_TOKENS
+    return linear, cpu_linear.GEMM_MAX_TOKENS
 
 
 def _is_f32(tensor: torch.Tensor | None) -> bool:

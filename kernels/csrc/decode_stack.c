@@ -29,6 +29,8 @@
 
 void linear_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y,
                 int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int threads);
+int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
+             int64_t m_rows, int64_t n_rows, int64_t k, int threads);
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads);
@@ -84,8 +86,10 @@ typedef struct {
 
 static void linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int64_t ldy,
                    int64_t rows, int threads) {
-    if (l->kind == LIN_F32) {
-        linear_f32(x, ldx, (const float *)l->w, l->bias, y, ldy, rows, l->n, l->k, threads);
+    if (l->kind == LIN_F32) { /* as kernels/cpu_linear.py chooses: the GEMM above 16 rows */
+        if (rows <= 16 ||
+            !gemm_f32(x, ldx, (const float *)l->w, l->bias, y, ldy, rows, l->n, l->k, threads))
+            linear_f32(x, ldx, (const float *)l->w, l->bias, y, ldy, rows, l->n, l->k, threads);
         return;
     }
     if (l->kind == LIN_I8G)

@@ -1,6 +1,7 @@
-"""`cpu_linear.linear`: the native fp32 kernel (csrc/linear_f32.c) for decode-sized batches,
-within fp32 rounding of the exact product and the same whatever the batch; `F.linear`, bit for
-bit, on every other path (larger batches, other dtypes, no kernel)."""
+"""`cpu_linear.linear`: the native fp32 kernels (csrc/linear_f32.c for decode-sized batches,
+csrc/gemm_f32.c up to 512 rows), within fp32 rounding of the exact product and each row the same
+whatever the batch; `F.linear`, bit for bit, on every other path (larger batches, other dtypes,
+no kernel)."""
 
 from __future__ import annotations
 
@@ -78,17 +79,45 @@ def test_strided_inputs_and_row_slices_of_a_fused_weight():
 
 
 @needs_kernel
-def test_decode_sized_batches_take_the_kernel_and_larger_ones_f_linear(monkeypatch):
+def test_each_batch_size_takes_its_kernel_and_the_largest_f_linear(monkeypatch):
     calls = []
-    original = cpu_native.linear_f32
-    monkeypatch.setattr(
-        cpu_native, "linear_f32", lambda *a: calls.append(a[0].shape[0]) or original(*a)
-    )
+    for name in ("linear_f32", "gemm_f32"):
+        original = getattr(cpu_native, name)
+        monkeypatch.setattr(cpu_native, name, lambda *a, _n=name, _f=original: calls.append(
+            (_n, a[0].shape[0])) or _f(*a))  # fmt: skip
     weight = torch.randn(64, 32)
-    linear(torch.randn(cpu_linear.NATIVE_MAX_TOKENS, 32), weight)
-    x = torch.randn(cpu_linear.NATIVE_MAX_TOKENS + 1, 32)
+    for tokens in (cpu_linear.NATIVE_MAX_TOKENS, cpu_linear.NATIVE_MAX_TOKENS + 1,
+                   cpu_linear.GEMM_MAX_TOKENS):  # fmt: skip
+        linear(torch.randn(tokens, 32), weight)
+    x = torch.randn(cpu_linear.GEMM_MAX_TOKENS + 1, 32)
     assert torch.equal(linear(x, weight), F.linear(x, weight))
-    assert calls == [cpu_linear.NATIVE_MAX_TOKENS]
+    assert calls == [("linear_f32", 16), ("gemm_f32", 17), ("gemm_f32", 512)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("k", FAMILY_IN[:8] + ODD_IN)
+def test_the_gemm_is_within_fp32_rounding_for_every_family_width(k):
+    g = torch.Generator().manual_seed(k)
+    weight, bias = torch.randn(29, k, generator=g), torch.randn(29, generator=g)  # 29: 12 + 12 + 5
+    x = torch.randn(45, k, generator=g)  # a whole panel of 32 rows and 13 in a half one
+    got = cpu_native.gemm_f32(x, weight, bias)
+    assert got is not None
+    within_fp32_rounding(got, x, weight, bias)
+    torch.testing.assert_close(got, F.linear(x, weight, bias), rtol=1e-4, atol=1e-4 * k**0.5)
+
+
+@needs_kernel
+def test_a_gemm_row_is_the_same_whatever_the_batch_and_its_place_in_it():
+    g = torch.Generator().manual_seed(3)
+    weight, x = torch.randn(50, 576, generator=g), torch.randn(100, 576, generator=g)
+    whole = cpu_native.gemm_f32(x, weight, None)
+    for part in (x[:17], x[:40], x[50:], x[90:]):  # half panels, whole ones, other offsets
+        got = cpu_native.gemm_f32(part, weight, None)
+        start = next(i for i in range(100) if torch.equal(x[i], part[0]))
+        assert torch.equal(got, whole[start : start + len(part)])
+    wide = torch.randn(40, 700, generator=g)  # rows of x 700 apart, a row slice of the weight
+    within_fp32_rounding(cpu_native.gemm_f32(wide[:, :576], weight[10:], None), wide[:, :576],
+                         weight[10:])  # fmt: skip
 
 
 @pytest.mark.parametrize("tokens", [1, 3, 16, 64, 300])

@@ -38,9 +38,9 @@ def stack_calls(monkeypatch):
     return calls
 
 
-def _decode(model_dir, quantization, prompts):
+def _decode(model_dir, quantization, prompts, num_blocks=96):
     engine, seqs = run_engine(
-        model_dir, prompts, record_logits=True, block_size=8, num_blocks=96,
+        model_dir, prompts, record_logits=True, block_size=8, num_blocks=num_blocks,
         quantization=weight_quant(quantization),
     )  # fmt: skip
     return [(s.output_token_ids, torch.stack(engine.logits[s.request_id])) for s in seqs]
@@ -68,6 +68,20 @@ def test_one_call_stack_gives_the_layer_by_layer_tokens_and_logits(
             assert tokens == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
 
 
+def test_fp32_batches_past_16_rows_take_the_gemm_in_the_stack_too(tiny_llama, monkeypatch,
+                                                                   stack_calls):  # fmt: skip
+    prompts = make_prompts([5 + 3 * i for i in range(20)])  # 20 decoding at once: the GEMM
+    stacked = _decode(tiny_llama, None, prompts, num_blocks=160)
+    assert len(stack_calls) >= 15
+    monkeypatch.setattr(native_stack, "enabled", False)
+    layered = _decode(tiny_llama, None, prompts, num_blocks=160)
+    for (tokens, logits), (want_tokens, want_logits) in zip(stacked, layered, strict=True):
+        assert tokens == want_tokens
+        assert (logits - want_logits).abs().max().item() < 1e-4
+    for prompt, (tokens, _) in zip(prompts[::5], stacked[::5], strict=True):
+        assert tokens == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
+
+
 def _model_and_cache(model_dir, **config):
     engine = make_engine(model_dir, block_size=8, num_blocks=32, **config)
     return engine.runner.model, engine.runner.kv_cache
@@ -78,7 +92,7 @@ def test_the_stack_is_built_for_fp32_and_8_and_4_bit_weights(tiny_llama):
         model, cache = _model_and_cache(tiny_llama, quantization=weight_quant(quantization))
         stack = NativeStack.build(model, cache)
         assert stack is not None, quantization
-        assert stack.max_rows == (16 if quantization is None else 256)
+        assert stack.max_rows == 256  # fp32: linear_f32 up to 16 rows, the GEMM above
 
 
 @pytest.mark.parametrize(
