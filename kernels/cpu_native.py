@@ -454,28 +454,7 @@ def linear_f32(
     """x [M, K] @ weight.T (+ bias) for float32 `weight` [N, K] in its own layout -> float32
     [M, N], each output the same sum whatever M (csrc/linear_f32.c). None when the kernel
     cannot take it (the caller uses torch)."""
-    n, k = weight.shape
-    if not (
-        enabled
-        and x.device.type == "cpu"
-        and x.dtype == torch.float32
-        and weight.dtype == torch.float32
-        and weight.stride(1) == 1
-        and weight.stride(0) == k
-        and x.dim() == 2
-        and x.stride(1) == 1
-        and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
-        and _load() is not None
-    ):
-        return None
-    lib = _lib
-    assert lib is not None
-    y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    lib.linear_f32(
-        x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
-        y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
-    )  # fmt: skip
-    return y
+    return _f32_product("linear_f32", x, weight, bias)
 
 
 def gemm_f32(
@@ -484,6 +463,12 @@ def gemm_f32(
     """`linear_f32`'s operation for batches of tens to hundreds of rows (csrc/gemm_f32.c: a
     register-blocked GEMM, x packed, the weight read as it lies): each output one FMA chain
     over k, whatever M. None when the kernel cannot take it (the caller uses torch)."""
+    return _f32_product("gemm_f32", x, weight, bias)
+
+
+def _f32_product(
+    kernel: str, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor | None:
     n, k = weight.shape
     if not (
         enabled
@@ -498,14 +483,12 @@ def gemm_f32(
         and _load() is not None
     ):
         return None
-    lib = _lib
-    assert lib is not None
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
-    done = lib.gemm_f32(
+    done = getattr(_lib, kernel)(
         x.data_ptr(), x.stride(0), weight.data_ptr(), None if bias is None else bias.data_ptr(),
         y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
     )  # fmt: skip
-    return y if done else None
+    return None if done == 0 else y  # linear_f32 returns nothing; gemm_f32 0 when out of memory
 
 
 def rms_norm(
