@@ -1,11 +1,13 @@
-"""`linear` for fp32 on CPU: native kernels for up to 512 rows, else MKL.
+"""`linear` for fp32 on CPU: native kernels for up to 512 rows (64 on Intel), else MKL.
 
 - up to NATIVE_MAX_TOKENS (16) rows, `csrc/linear_f32.c` (one row at a time reads the weight at
   the machine's bandwidth; every output the same sum whatever M: batch invariance);
-- up to GEMM_MAX_TOKENS (512), `csrc/gemm_f32.c`, a register-blocked GEMM. Over SmolLM2's 120
-  fused decoder weights (2 threads, AVX-512, GFLOP/s): 32 rows 138 against the split `bmm`'s
-  102, 64 rows 135-156 against 114-122, 128 rows 157-163 against 142-149, 256 rows 165-167
-  against 156-165 (MKL's `F.linear` 146), 512 rows as MKL (168-170);
+- up to GEMM_MAX_TOKENS, `csrc/gemm_f32.c`, a register-blocked GEMM: 512 rows where MKL runs
+  its generic path (AMD: over SmolLM2's 120 fused decoder weights, 2 threads, AVX-512, GFLOP/s,
+  32 rows 138 against the split `bmm`'s 102, 256 rows 165-167 against MKL's 146, 512 as MKL),
+  64 rows on Intel, where MKL is near the FMA peak (Sapphire Rapids: 256 rows MKL 313 against
+  the GEMM's 240; the GEMM is kept to 64 rows there for the decode stack, which it lets take
+  decode batches whole);
 - beyond, or where the native kernels are unavailable, the weight's rows split into one batch
   entry per thread and one `bmm` (for a decode-sized batch MKL keeps one GEMM on fewer cores
   than it has; ATen's `bmm` gives each slice its own thread; the same GEMM per slice, so
@@ -27,9 +29,29 @@ MAX_TOKENS = 256
 """From about this many input rows on `F.linear` is as fast."""
 NATIVE_MAX_TOKENS = 16
 """Up to this many input rows the native kernel (csrc/linear_f32.c) is faster (docs/kernels.md)."""
-GEMM_MAX_TOKENS = 512
+
+
+def cpu_vendor() -> str:
+    """The CPU's vendor id (`GenuineIntel`, `AuthenticAMD`), or "" where /proc/cpuinfo has none."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def gemm_max_tokens(vendor: str) -> int:
+    """Up to how many rows the native GEMM beats MKL on this vendor's CPUs (docs/kernels.md):
+    MKL's sgemm takes its fast AVX-512 kernels on Intel only."""
+    return 64 if vendor == "GenuineIntel" else 512
+
+
+GEMM_MAX_TOKENS = gemm_max_tokens(cpu_vendor())
 """Above NATIVE_MAX_TOKENS and up to this many rows the native GEMM (csrc/gemm_f32.c) is faster
-than the split `bmm` and MKL's `F.linear`; from here on MKL is as fast (docs/kernels.md)."""
+than the split `bmm` and MKL's `F.linear`; from here on MKL is as fast or faster."""
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

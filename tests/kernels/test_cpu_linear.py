@@ -79,7 +79,10 @@ def test_strided_inputs_and_row_slices_of_a_fused_weight():
 
 
 @needs_kernel
-def test_each_batch_size_takes_its_kernel_and_the_largest_f_linear(monkeypatch):
+@pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
+def test_each_batch_size_takes_its_kernel_and_the_largest_f_linear(monkeypatch, vendor):
+    bound = cpu_linear.gemm_max_tokens(vendor)
+    monkeypatch.setattr(cpu_linear, "GEMM_MAX_TOKENS", bound)
     calls = []
     for name in ("linear_f32", "gemm_f32"):
         original = getattr(cpu_native, name)
@@ -91,7 +94,13 @@ def test_each_batch_size_takes_its_kernel_and_the_largest_f_linear(monkeypatch):
         linear(torch.randn(tokens, 32), weight)
     x = torch.randn(cpu_linear.GEMM_MAX_TOKENS + 1, 32)
     assert torch.equal(linear(x, weight), F.linear(x, weight))
-    assert calls == [("linear_f32", 16), ("gemm_f32", 17), ("gemm_f32", 512)]
+    assert calls == [("linear_f32", 16), ("gemm_f32", 17), ("gemm_f32", bound)]
+
+
+def test_mkl_keeps_the_batches_where_it_is_faster_on_intel():
+    assert cpu_linear.gemm_max_tokens("GenuineIntel") == 64
+    assert cpu_linear.gemm_max_tokens("AuthenticAMD") == cpu_linear.gemm_max_tokens("") == 512
+    assert cpu_linear.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
 
 
 @needs_kernel
