@@ -113,9 +113,7 @@ class Level:
         request does, and its rate still counts; its latencies are then None and get no
         ratio)."""
         return (
-            not self.failure
-            and self.errored == 0
-            and (self.completed > 0 or self.output_tok_s > 0)
+            not self.failure and self.errored == 0 and (self.completed > 0 or self.output_tok_s > 0)
         )
 
 
