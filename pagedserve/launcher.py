@@ -41,6 +41,7 @@ from pagedserve.cli_options import (
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
+from pagedserve.router.chat import read_template_file
 from pagedserve.signals import stop_on_signals
 from pagedserve.supervisor import (
     DEFAULT_POLICY,
@@ -212,6 +213,8 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
     if getattr(args, "api_key_file", None):
         flags += ["--api-key-file", args.api_key_file]
     flags += ["--generation-config", getattr(args, "generation_config", "auto")]
+    if getattr(args, "chat_template", None):
+        flags += ["--chat-template", str(Path(args.chat_template).resolve())]
     passed = ("max_queued_requests", "stream_interval", "stall_timeout", "max_n",
               "max_local_prefill_tokens", "local_prefill_queue_tokens")  # fmt: skip
     for name in passed:
@@ -377,6 +380,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--log-dir", default=None, help="default: a temporary directory")
     parser.add_argument("--api-key-file", default=None, help="passed to the router")
     parser.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="passed to the router: a Jinja chat template instead of the model's",
+    )  # fmt: skip
+    parser.add_argument(
         "--max-queued-requests", type=int, default=None, help="passed to the router"
     )
     parser.add_argument("--stream-interval", type=int, default=None, help="passed to the router")
@@ -397,6 +404,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         check_quantization(args.quantization, args.quantize_lm_head)
+        if getattr(args, "chat_template", None):
+            read_template_file(args.chat_template)  # NOTE: refused here, not by a crash loop
     except ValueError as err:
         print(f"pagedserve up: error: {err}", file=sys.stderr)
         return 2

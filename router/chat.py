@@ -9,9 +9,11 @@ HTML, and a `namespace`/`dict` that refuse underscore names) and the same templa
 special tokens such as `bos_token`). The rendered text already holds the template's special
 tokens, so it is tokenized WITHOUT adding special tokens (as `apply_chat_template(tokenize=True)`).
 
-Where the template comes from, as transformers reads a model directory: `chat_template.jinja`
-if present, else `chat_template` in `tokenizer_config.json` (a string, or a list of named
-templates of which `default` is used).
+Where the template comes from: the router's `--chat-template FILE` when given (it overrides the
+model's, or supplies one for a base model without any; a file that cannot be read or does not
+compile stops the router at start-up), else as transformers reads a model directory:
+`chat_template.jinja` if present, else `chat_template` in `tokenizer_config.json` (a string, or a
+list of named templates of which `default` is used).
 
 Templates are untrusted code from the model's authors: only the sandbox runs them, and every
 error they raise is the request's problem (INVALID_ARGUMENT), never the router's.
@@ -68,7 +70,9 @@ class ChatTemplate:
         """Raises ValueError when `source` does not compile."""
         self.source = source
         self.special_tokens = dict(special_tokens or {})
-        self.unavailable_reason = "the model directory has no chat template"
+        self.unavailable_reason = (
+            "the model directory has no chat template (the router's --chat-template FILE gives one)"
+        )
         self._template: jinja2.Template | None = None
         if source is not None:
             try:
@@ -83,12 +87,16 @@ class ChatTemplate:
         return self._template is not None
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> ChatTemplate:
+    def from_model_dir(cls, model_dir: str | Path, override: str | None = None) -> ChatTemplate:
         """Read the template and special tokens of a model directory. Never raises for a bad
-        template: it is logged and the result is unavailable (text prompts still work)."""
+        template of the model's: it is logged and the result is unavailable (text prompts still
+        work). `override` (the source of `--chat-template`, see `read_template_file`) replaces
+        the model's template; it must compile (ValueError otherwise)."""
         model_dir = Path(model_dir)
         config = _read_json(model_dir / "tokenizer_config.json")
         special = _special_tokens(config, _read_json(model_dir / "special_tokens_map.json"))
+        if override is not None:
+            return cls(override, special)
         source = _template_source(model_dir, config)
         try:
             return cls(source, special)
@@ -120,6 +128,24 @@ class ChatTemplate:
             raise InvalidArgument(
                 "messages", f"the model's chat template rejected the conversation: {exc}"
             ) from None
+
+
+def read_template_file(path: str | Path) -> str:
+    """The source of a `--chat-template FILE`, checked to compile. ValueError naming the flag
+    and the file when it cannot be read, is not UTF-8 text, is empty or does not compile."""
+    try:
+        source = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--chat-template {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"--chat-template {path}: not UTF-8 text ({exc.reason})") from None
+    if not source.strip():
+        raise ValueError(f"--chat-template {path}: the file is empty")
+    try:
+        ChatTemplate(source)
+    except ValueError as exc:
+        raise ValueError(f"--chat-template {path}: {exc}") from None
+    return source
 
 
 def _check(messages: Sequence[ChatMessage]) -> None:

@@ -42,6 +42,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto: generation_config.json's sampling defaults apply to requests that leave them "
         "unset; none: SamplingParams' own defaults (eos ids are read either way)",
     )  # fmt: skip
+    parser.add_argument(
+        "--chat-template", default=None, metavar="FILE",
+        help="a Jinja chat template that renders every conversation (chat requests and Tokenize "
+        "with messages) instead of the model's own, or for a model without one; a file that "
+        "cannot be read or does not compile stops the router at start",
+    )  # fmt: skip
     add_server_arguments(parser, default_port=50051)
     parser.add_argument("--prefill", action="append", default=[], help="static prefill address")
     parser.add_argument("--decode", action="append", default=[], help="static decode address")

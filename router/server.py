@@ -35,6 +35,7 @@ from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, compat_tag, connect
 from pagedserve.metrics import CounterSource, Gauge, RequestMetrics, register_state
 from pagedserve.router.auth import ApiKeys, AuthInterceptor, load_api_keys
+from pagedserve.router.chat import read_template_file
 from pagedserve.router.cli_args import add_arguments
 from pagedserve.router.routing import LocalPrefill, RoutingPolicy, WorkerSet
 from pagedserve.router.servicer import GenerationServicer, RouterSettings
@@ -60,6 +61,7 @@ class RouterOptions:
     block_size: int
     max_model_len: int | None
     use_generation_config: bool
+    chat_template: str | None  # the source of --chat-template FILE (read, compiled), or None
     host: str
     port: int
     advertise_address: str | None
@@ -98,6 +100,7 @@ class RouterOptions:
             block_size=args.block_size,
             max_model_len=args.max_model_len,
             use_generation_config=args.generation_config != "none",
+            chat_template=read_template_file(args.chat_template) if args.chat_template else None,
             host=args.host,
             port=args.port,
             advertise_address=args.advertise_address,
@@ -152,7 +155,7 @@ def build_servicer(
         max_model_len=options.max_model_len,
         use_generation_config=options.use_generation_config,
     )
-    tokenizer = RouterTokenizer.from_model_dir(options.model)
+    tokenizer = RouterTokenizer.from_model_dir(options.model, options.chat_template)
     registry = index = None
     if options.redis_url:
         client = connect(options.redis_url)

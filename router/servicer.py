@@ -3,7 +3,8 @@
 Generate validates and converts the request (`convert.py`), scopes it to the caller's tenant
 (`auth.py`), admits it and hands it to the `Orchestrator` (`generate.py`: route, Prefill,
 Decode, lease release, the client's stream); a worker's status is passed on as the RPC's. The
-other methods answer from the tokenizer, the model card and the worker set.
+other methods answer from the tokenizer (`tokenization.py`: Tokenize, Detokenize), the
+model card and the worker set.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from pagedserve.errors import AlreadyExists, InvalidArgument, ResourceExhausted
 from pagedserve.grpcutil import time_remaining
 from pagedserve.metrics import RequestMetrics, prefix_cache_hit_rate
 from pagedserve.protoconv import load_to_proto
-from pagedserve.router import convert
+from pagedserve.router import convert, tokenization
 from pagedserve.router.auth import current_tenant, tenant_salt
 from pagedserve.router.clients import ActiveRequest, WorkerError
 from pagedserve.router.generate import Orchestrator, RouterSettings
@@ -132,11 +133,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return common_pb2.AbortResponse(found=found)
 
     async def Tokenize(self, request, context) -> generation_pb2.TokenizeResponse:  # noqa: N802
-        if len(request.text) > convert.MAX_PROMPT_CHARS:
-            raise convert.InvalidArgument("text", "too long")
-        add = request.add_special_tokens if request.HasField("add_special_tokens") else True
-        ids = await asyncio.to_thread(self.tokenizer.encode, request.text, add_special_tokens=add)
-        return generation_pb2.TokenizeResponse(token_ids=ids)
+        # NOTE: tokenizing (and rendering a chat) is CPU work: off the event loop
+        return await asyncio.to_thread(tokenization.tokenize, request, self.tokenizer)
+
+    async def Detokenize(self, request, context) -> generation_pb2.DetokenizeResponse:  # noqa: N802
+        return await asyncio.to_thread(tokenization.detokenize, request, self.tokenizer, self.card)
 
     async def GetModelInfo(self, request, context) -> generation_pb2.ModelInfo:  # noqa: N802
         card = self.card

@@ -50,17 +50,26 @@ class RouterTokenizer:
         )
 
     @classmethod
-    def from_model_dir(cls, model_dir: str | Path) -> RouterTokenizer:
+    def from_model_dir(
+        cls, model_dir: str | Path, chat_template: str | None = None
+    ) -> RouterTokenizer:
+        """`chat_template`: the source of `--chat-template`, used instead of the model's."""
         path = Path(model_dir) / "tokenizer.json"
         if not path.is_file():
             raise FileNotFoundError(f"model: no tokenizer.json in {model_dir}")
-        return cls(Tokenizer.from_file(str(path)), ChatTemplate.from_model_dir(model_dir))
+        chat = ChatTemplate.from_model_dir(model_dir, chat_template)
+        return cls(Tokenizer.from_file(str(path)), chat)
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], *, skip_special_tokens: bool = True) -> str:
         return self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+
+    def token_strings(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary string of each id (transformers' `convert_ids_to_tokens`); ids must be
+        below the vocabulary's size."""
+        return [self._tok.id_to_token(token_id) or "" for token_id in token_ids]
 
     def min_tokens(self, text: str) -> int:
         """A lower bound on `len(encode(text))`, in time linear in the text and no allocation

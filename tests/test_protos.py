@@ -259,6 +259,7 @@ EXPECTED_SERVICES = {
         "Generate": ("GenerateRequest", "GenerateResponse", True),
         "Abort": ("AbortRequest", "AbortResponse", False),
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False),
+        "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False),
         "GetModelInfo": ("GetModelInfoRequest", "ModelInfo", False),
         "GetClusterStatus": ("GetClusterStatusRequest", "ClusterStatus", False),
     },

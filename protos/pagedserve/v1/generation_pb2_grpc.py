@@ -51,6 +51,11 @@ class GenerationStub:
                 request_serializer=pagedserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/pagedserve.v1.Generation/Detokenize',
+                request_serializer=pagedserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/pagedserve.v1.Generation/GetModelInfo',
                 request_serializer=pagedserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
@@ -84,7 +89,17 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Turns text into token ids with the model's tokenizer.
+        """Turns a text, or a conversation rendered with the chat template, into token ids with the
+        model's tokenizer (the ids Generate would compute for the same prompt). Nothing is generated
+        and no worker is involved.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids back into text with the model's tokenizer (special tokens included).
+        INVALID_ARGUMENT naming token_ids for an id at or above ModelInfo.vocab_size.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -121,6 +136,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=pagedserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=pagedserve_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=pagedserve_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -215,6 +235,33 @@ class Generation:
             '/pagedserve.v1.Generation/Tokenize',
             pagedserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             pagedserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pagedserve.v1.Generation/Detokenize',
+            pagedserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            pagedserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,
