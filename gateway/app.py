@@ -32,8 +32,10 @@ from opentelemetry import trace
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
+from pagedserve import __version__
 from pagedserve.gateway import responses as out
-from pagedserve.gateway.errors import GatewayError, from_rpc_error
+from pagedserve.gateway import tokenization as tok
+from pagedserve.gateway.errors import GatewayError, from_rpc_error, invalid
 from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.grpcutil import RECONNECT_OPTIONS, ClientTLS, make_channel
@@ -145,6 +147,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.metrics = metrics
     _add_error_handlers(app)
     _add_info_routes(app, router, metrics)
+    _add_tokenizer_routes(app, router, settings)
     endpoints = Endpoints(router, metrics, tracing, settings)
 
     @app.post("/v1/completions")
@@ -189,6 +192,67 @@ def _add_info_routes(app: FastAPI, router: RouterConnection, metrics: GatewayMet
         if model != info.model_name:
             raise _unknown_model(model)
         return JSONResponse(_model_card(info))
+
+
+def _add_tokenizer_routes(
+    app: FastAPI, router: RouterConnection, settings: GatewaySettings
+) -> None:
+    """vLLM's `/tokenize`, `/detokenize` and `/version`: the router's tokenizer and chat
+    template (gateway/tokenization.py), no worker involved."""
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> Response:
+        body = tok.parse_tokenize(await _json_body(request))
+        md = _auth(request)
+        info = await _served_model(router, md, body.model)
+        call = router.stub.Tokenize(
+            body.to_proto(), metadata=md, timeout=settings.request_timeout_s
+        )
+        answer = await _unary(call, tok.tokenize_param)
+        with_strs = bool(body.return_token_strs)
+        return JSONResponse(tok.tokenize_answer(answer, info.max_model_len, with_strs))
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request) -> Response:
+        body = tok.parse_detokenize(await _json_body(request))
+        md = _auth(request)
+        await _served_model(router, md, body.model)
+        call = router.stub.Detokenize(
+            body.to_proto(), metadata=md, timeout=settings.request_timeout_s
+        )
+        answer = await _unary(call, tok.detokenize_param)
+        return JSONResponse({"prompt": answer.text})
+
+    @app.get("/version")
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
+
+
+async def _json_body(request: Request) -> Any:
+    try:
+        return json.loads(await request.body())
+    except ValueError:  # NOTE: UnicodeDecodeError too
+        raise invalid(None, "the body is not valid JSON") from None
+
+
+async def _served_model(
+    router: RouterConnection, md: list[tuple[str, str]], model: str | None
+) -> generation_pb2.ModelInfo:
+    """The served model's info; 404 when the body names another (None: the served one)."""
+    info = await router.model_info(md)
+    if model is not None and model != info.model_name:
+        info = await router.model_info(md, fresh=True)  # NOTE: a new router, maybe
+        if model != info.model_name:
+            raise _unknown_model(model)
+    return info
+
+
+async def _unary(call: Awaitable[T], param_of: Callable[[str], str | None]) -> T:
+    """A unary call's answer; its error as GatewayError."""
+    try:
+        return await call
+    except grpc.aio.AioRpcError as err:
+        raise from_rpc_error(err, param_of) from None
 
 
 def _model_card(info: generation_pb2.ModelInfo) -> dict[str, Any]:

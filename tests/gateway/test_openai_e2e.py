@@ -25,7 +25,7 @@ from support.ports import free_port
 from support.waits import wait_until
 
 from pagedserve.client import Client
-from pagedserve.router.tokenizer import RouterTokenizer
+from pagedserve.router.tokenizer import RouterTokenizer, read_model_card
 from pagedserve.sampling_params import SamplingParams
 
 KEY = "gateway-test-key-0123456789"
@@ -629,3 +629,88 @@ def test_a_gateway_spreads_requests_over_every_router(cluster, model_name, tmp_p
             assert sum(float(line.rsplit(" ", 1)[1]) for line in served) >= 2, port
     finally:
         stop(gateway, *(proc for proc, _ in routers))
+
+
+# ---- vLLM's /tokenize, /detokenize and /version, through the openai SDK's own HTTP client ----
+
+
+def sdk_post(client, url, path, body):
+    """POST `body` to a non-OpenAI route with the SDK's client (its key, its error classes)."""
+    return client.post(f"{url}{path}", body=body, cast_to=object)
+
+
+def test_tokenize_a_prompt_and_detokenize_it_back(client, url, model_name, tokenizer):
+    text = "Hello world, héllo ✓"
+    answer = sdk_post(client, url, "/tokenize", {"model": model_name, "prompt": text})
+    ids = tokenizer.encode(text, add_special_tokens=True)
+    max_model_len = client.models.retrieve(model_name).max_model_len
+    assert answer == {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                      "token_strs": None}  # fmt: skip
+    bare = sdk_post(client, url, "/tokenize", {"prompt": text, "add_special_tokens": False,
+                                                "return_token_strs": True})  # fmt: skip
+    assert bare["tokens"] == tokenizer.encode(text, add_special_tokens=False)
+    assert len(bare["token_strs"]) == bare["count"] and all(bare["token_strs"])
+    back = sdk_post(client, url, "/detokenize", {"model": model_name, "tokens": bare["tokens"]})
+    assert back == {"prompt": text}
+
+
+def test_tokenize_a_chat_counts_the_chat_completions_prompt(client, url, model_name, tokenizer):
+    """The chat form renders with the template as /v1/chat/completions does: the same ids."""
+    body = {"model": model_name, "messages": CONVERSATION}
+    answer = sdk_post(client, url, "/tokenize", body)
+    completion = client.chat.completions.create(
+        model=model_name, messages=CONVERSATION, max_tokens=1, temperature=0
+    )
+    assert answer["count"] == completion.usage.prompt_tokens == len(answer["tokens"])
+    parts = [{"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+             for m in CONVERSATION]  # fmt: skip
+    assert sdk_post(client, url, "/tokenize", {**body, "messages": parts}) == answer
+    without = sdk_post(client, url, "/tokenize", {**body, "add_generation_prompt": False})
+    assert answer["tokens"][: without["count"]] == without["tokens"]
+    assert without["count"] < answer["count"]
+    text = sdk_post(client, url, "/detokenize", {"tokens": answer["tokens"]})["prompt"]
+    assert text.endswith("<|im_start|>assistant\n")  # special tokens written out, as vLLM
+
+
+def test_version_is_the_package_version(client, url):
+    from pagedserve import __version__
+
+    assert client.get(f"{url}/version", cast_to=object) == {"version": __version__}
+    assert http(url, "/version", method="GET")[:3:2] == (200, {"version": __version__})
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/tokenize", {}, "prompt"),
+        ("/tokenize", {"prompt": 5}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "wizard", "content": "x"}]}, "messages"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"messages": CONVERSATION, "chat_template": "{{ x }}"}, "chat_template"),
+        ("/tokenize", {"messages": CONVERSATION, "continue_final_message": True},
+         "continue_final_message"),
+        ("/detokenize", {}, "tokens"),
+        ("/detokenize", {"tokens": [1, "VOCAB"]}, "tokens"),
+        ("/detokenize", {"tokens": [1 << 40]}, "tokens"),
+        ("/detokenize", {"tokens": [-1]}, "tokens"),
+    ],
+)  # fmt: skip
+def test_bad_tokenizer_requests_are_400_naming_the_field(client, url, cluster, path, body, param):
+    if body.get("tokens") == [1, "VOCAB"]:  # the first id out of the model's vocabulary
+        body = {"tokens": [1, read_model_card(cluster[1]).vocab_size]}
+    with pytest.raises(openai.BadRequestError) as info:
+        sdk_post(client, url, path, body)
+    assert info.value.body["param"] == param, info.value.body
+    assert info.value.body["type"] == "invalid_request_error"
+    if path == "/detokenize" and body.get("tokens", [0])[-1] > 0:
+        assert "out of vocabulary" in info.value.body["message"]
+
+
+def test_tokenizer_routes_check_the_model_and_the_key(client, url):
+    with pytest.raises(openai.NotFoundError) as info:
+        sdk_post(client, url, "/tokenize", {"model": "gpt-5", "prompt": "x"})
+    assert info.value.body["code"] == "model_not_found" and info.value.body["param"] == "model"
+    status, _, answer = http(url, "/detokenize", {"tokens": [1]})
+    assert status == 401 and answer["error"]["code"] == "invalid_api_key"
+    status, _, answer = http(url, "/tokenize", b"{not json", {"Authorization": f"Bearer {KEY}"})
+    assert status == 400 and answer["error"]["type"] == "invalid_request_error"

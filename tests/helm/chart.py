@@ -71,10 +71,15 @@ def _set(*pairs: str) -> list[str]:
     return [arg for pair in pairs for arg in ("--set", pair)]
 
 
+# the routers' --chat-template (router.chatTemplate, given with --set-file)
+CHAT_TEMPLATE = ROOT / "tests" / "helm" / "chat_template.jinja"
+
 # TLS from cert-manager, API keys, the model downloaded into a cache claim, the GPU preset,
-# queue-depth HPAs, Ingress, HTTPRoute, the ServiceMonitor and the Grafana dashboard at once.
+# queue-depth HPAs, Ingress, HTTPRoute, the ServiceMonitor and the Grafana dashboard at once,
+# and a chat template of the operator's.
 PRODUCTION = [
     "-f", str(CHART / "values-gpu.yaml"),
+    "--set-file", f"router.chatTemplate={CHAT_TEMPLATE}",
     *_set(
         "tls.enabled=true",
         "tls.certManager.enabled=true",
