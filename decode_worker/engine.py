@@ -284,8 +284,10 @@ class DecodeEngine:
         """A validated sequence with an empty table, not queued (InvalidArgument if bad).
 
         Touches no engine state but the pool reference of its empty table, so any thread may
-        call it; queue it with `add_sequence` or `add_prefilled` on the engine's thread.
+        call it; queue it with `add_sequence` or `add_prefilled` on the engine's thread. A
+        structured output's grammar is compiled here (cached), so a bad one is refused now.
         """
+        self.runner.sampler.check(params)
         return make_sequence(
             self.model_config,
             self.max_model_len,

@@ -3,9 +3,11 @@
 Parameters follow the OpenAI API reference; vLLM's extra sampling parameters are accepted where
 pagedserve has them (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `skip_special_tokens`, `priority`, `cache_salt`, `add_special_tokens`,
-`add_generation_prompt`, `continue_final_message`). Unknown fields are ignored, as OpenAI's and
-vLLM's servers do; a parameter pagedserve cannot honour (`logit_bias`, tools, JSON mode, `echo`,
-`suffix`, image content) is a 400 naming it, never silently dropped. Range checks are the
+`add_generation_prompt`, `continue_final_message`, `allowed_token_ids`, `use_beam_search`,
+`length_penalty`, `structured_outputs` and the `guided_*` grammars). `response_format` and the
+grammars become one `StructuredOutput` (docs/structured_output.md). Unknown fields are ignored,
+as OpenAI's and vLLM's servers do; a parameter pagedserve cannot honour (tools, `echo`, `suffix`,
+image content, REFUSED_FIELDS) is a 400 naming it, never silently dropped. Range checks are the
 router's (one place, the same for gRPC clients); the gateway checks only what the protos cannot
 carry (negative integers) and what is OpenAI's own (model, content parts, `best_of` > n with
 `stream`).
@@ -20,6 +22,7 @@ silently answered without streaming instead, and vLLM V1 rejects `best_of` altog
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,9 +42,10 @@ class StreamOptions(BaseModel):
 
 
 class _Sampling(BaseModel):
-    """What both endpoints share."""
+    """What both endpoints share. Unknown fields are kept aside (`model_extra`) only to refuse
+    the ones in REFUSED_FIELDS."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")
 
     model: str
     max_tokens: Annotated[int, Field(ge=1, lt=1 << 32)] | None = None
@@ -56,6 +60,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     logit_bias: dict[str, float] | None = None
+    response_format: dict[str, Any] | None = None
     # vLLM's extra parameters
     top_k: Annotated[int, Field(ge=-1, lt=1 << 32)] | None = None
     min_p: float | None = None
@@ -66,11 +71,49 @@ class _Sampling(BaseModel):
     skip_special_tokens: bool | None = None
     priority: Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)] = 0
     cache_salt: str | None = None
+    allowed_token_ids: list[UInt32] | None = None
+    use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    # vLLM's structured outputs: `structured_outputs` (newer) and the `guided_*` extras
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     def check_supported(self) -> None:
-        """400 for what pagedserve cannot do yet (rather than answering something else)."""
-        if self.logit_bias:
-            raise invalid("logit_bias", "logit_bias is not supported")
+        """400 for what pagedserve cannot do (rather than answering something else)."""
+        extra = self.model_extra or {}
+        for name in REFUSED_FIELDS:
+            if extra.get(name) not in (None, False, [], {}):
+                raise invalid(name, f"{name} is not supported by this server")
+        if self.guided_decoding_backend not in (None, "auto", "xgrammar"):
+            raise invalid("guided_decoding_backend", "this server constrains with xgrammar only")
+        self.structured_output()  # NOTE: its 400s before anything else happens
+
+    def structured_output(self) -> tuple[str, common_pb2.StructuredOutput] | None:
+        """The request's grammar and the parameter it came from (the one its errors name); a
+        400 when more than one parameter asks for one."""
+        found = [g for g in (_response_format(self.response_format), *self._vllm_grammars()) if g]
+        if len(found) > 1:
+            raise invalid(found[1][0], f"only one structured output per request ({found[0][0]} "
+                          "is already one)")  # fmt: skip
+        return found[0] if found else None
+
+    def _vllm_grammars(self) -> list[tuple[str, common_pb2.StructuredOutput] | None]:
+        out: list[tuple[str, common_pb2.StructuredOutput] | None] = []
+        if self.guided_json is not None:
+            out.append(("guided_json", _grammar("json_schema", _schema_text(self.guided_json))))
+        if self.guided_regex is not None:
+            out.append(("guided_regex", _grammar("regex", self.guided_regex)))
+        if self.guided_choice is not None:
+            out.append(("guided_choice", _grammar("choice", self.guided_choice)))
+        if self.guided_grammar is not None:
+            out.append(("guided_grammar", _grammar("grammar", self.guided_grammar)))
+        if self.structured_outputs:
+            out.append(_structured_outputs(self.structured_outputs))
+        return out
 
     def sampling(self) -> common_pb2.SamplingParams:
         out = common_pb2.SamplingParams()
@@ -89,6 +132,16 @@ class _Sampling(BaseModel):
             out.n = self.n
         out.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
         out.stop_token_ids.extend(self.stop_token_ids or [])
+        out.allowed_token_ids.extend(self.allowed_token_ids or [])
+        for key, bias in (self.logit_bias or {}).items():
+            out.logit_bias[_token_id(key)] = bias
+        if self.use_beam_search:
+            out.use_beam_search = True
+        if self.length_penalty is not None:
+            out.length_penalty = self.length_penalty
+        grammar = self.structured_output()
+        if grammar is not None:
+            out.structured_output.CopyFrom(grammar[1])
         return out
 
     def base_request(self, request_id: str) -> generation_pb2.GenerateRequest:
@@ -99,6 +152,10 @@ class _Sampling(BaseModel):
             cache_salt=self.cache_salt or "",
             stream=self.stream,
         )
+
+    def _source(self) -> str:
+        found = self.structured_output()
+        return found[0] if found else "response_format"
 
     @property
     def samples(self) -> int:
@@ -170,7 +227,7 @@ class CompletionRequest(_Sampling):
     def param_of(self, field: str) -> str | None:
         if field in ("text", "token_ids", "prompt"):
             return "prompt"
-        return _sampling_param(field, "logprobs", max_tokens="max_tokens")
+        return _sampling_param(field, "logprobs", max_tokens="max_tokens", grammar=self._source())
 
 
 class TextPart(BaseModel):
@@ -198,7 +255,6 @@ class ChatCompletionRequest(_Sampling):
     top_logprobs: Annotated[int, Field(ge=0, lt=1 << 32)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any = None
-    response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
@@ -208,8 +264,6 @@ class ChatCompletionRequest(_Sampling):
             raise invalid("tools", "tool calling is not supported")
         if self.tool_choice not in (None, "none", "auto"):
             raise invalid("tool_choice", "tool calling is not supported")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise invalid("response_format", "only the text response format is supported")
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs: true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -238,7 +292,7 @@ class ChatCompletionRequest(_Sampling):
         if field.startswith("messages"):
             return "messages"
         limit = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
-        return _sampling_param(field, "top_logprobs", max_tokens=limit)
+        return _sampling_param(field, "top_logprobs", max_tokens=limit, grammar=self._source())
 
 
 def _role(role: str) -> str:
@@ -263,13 +317,96 @@ def _content(message: Message, index: int) -> str:
     return "\n".join(texts)
 
 
-def _sampling_param(field: str, logprobs: str, *, max_tokens: str) -> str | None:
-    """The OpenAI parameter behind the router's field path."""
+def _sampling_param(field: str, logprobs: str, *, max_tokens: str, grammar: str) -> str | None:
+    """The OpenAI parameter behind the router's field path (`grammar`: the parameter the
+    request's structured output came from)."""
     name = field.removeprefix("sampling.")
     renamed: dict[str, str] = {"logprobs": logprobs, "max_tokens": max_tokens}
     if name in ("request_id",):
         return None
+    if name.startswith("structured_output"):
+        return grammar
     return renamed.get(name, name)
+
+
+REFUSED_FIELDS = (
+    "functions", "function_call", "audio", "prediction", "web_search_options",
+    "prompt_logprobs", "bad_words", "guided_whitespace_pattern", "include_stop_str_in_output",
+    "truncate_prompt_tokens", "logits_processors", "vllm_xargs", "return_tokens_as_token_ids",
+)  # fmt: skip
+"""OpenAI's and vLLM's request fields this server does not honour: a 400 naming the field
+(docs/gateway.md), never a 200 that quietly answered something else."""
+
+
+def _grammar(kind: str, value: Any) -> common_pb2.StructuredOutput:
+    msg = common_pb2.StructuredOutput()
+    if kind == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise invalid("guided_choice", "must be a list of strings")
+        msg.choice.choices.extend(value)
+    elif kind == "json":
+        msg.json = True
+    else:
+        if not isinstance(value, str):
+            raise invalid(kind, "must be a string")
+        setattr(msg, kind, value)
+    return msg
+
+
+def _schema_text(schema: Any) -> str:
+    """A JSON schema as JSON text (it may come as an object or as a string of JSON)."""
+    return schema if isinstance(schema, str) else json.dumps(schema)
+
+
+def _response_format(
+    value: dict[str, Any] | None,
+) -> tuple[str, common_pb2.StructuredOutput] | None:
+    """OpenAI's `response_format`: text (none), json_object, json_schema {name, schema, strict}."""
+    if value is None:
+        return None
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return "response_format", _grammar("json", True)
+    if kind != "json_schema":
+        raise invalid("response_format", f"type must be text, json_object or json_schema, "
+                      f"got {kind!r}")  # fmt: skip
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict | str):
+        raise invalid("response_format", "json_schema must be an object with a `schema`")
+    # NOTE: `strict` false or absent is served strictly too: the output always follows the schema
+    return "response_format", _grammar("json_schema", _schema_text(spec.get("schema", {})))
+
+
+_STRUCTURED_KEYS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar", "json_object": "json"}  # fmt: skip
+
+
+def _structured_outputs(value: dict[str, Any]) -> tuple[str, common_pb2.StructuredOutput]:
+    """vLLM's `structured_outputs` {json | regex | choice | grammar | json_object}."""
+    given = [k for k, v in value.items() if v not in (None, False)]
+    unknown = [k for k in given if k not in _STRUCTURED_KEYS]
+    if unknown:
+        raise invalid("structured_outputs", f"{unknown[0]!r} is not supported")
+    if len(given) != 1:
+        raise invalid("structured_outputs", "set exactly one of json, regex, choice, grammar, "
+                      "json_object")  # fmt: skip
+    key = given[0]
+    kind = _STRUCTURED_KEYS[key]
+    spec = _schema_text(value[key]) if key == "json" else value[key]
+    return "structured_outputs", _grammar(kind, spec)
+
+
+def _token_id(key: str) -> int:
+    """A `logit_bias` key: a token id as a string."""
+    try:
+        token_id = int(key)
+    except ValueError:
+        raise invalid("logit_bias", f"keys are token ids, got {key!r}") from None
+    if not 0 <= token_id < 1 << 32:
+        raise invalid("logit_bias", f"token id {token_id} is out of range")
+    return token_id
 
 
 Endpoint = Literal["completions", "chat"]

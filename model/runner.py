@@ -21,6 +21,7 @@ from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
 from pagedserve.model import gguf_weights
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gguf_weights import GROUP as GGUF_GROUP
+from pagedserve.model.grammar import Grammars
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.quant import quantized_bytes
 from pagedserve.model.requests.batch import RunnerOutput, SampledToken, ScheduledSequence
@@ -161,7 +162,7 @@ class ModelRunner:
         ):
             raise ValueError("kv_cache: its spec or size does not match the model and num_blocks")
         self.kv_cache = kv_cache or KVCache(self.spec, num_blocks, self.device)
-        self.sampler = Sampler()
+        self.sampler = Sampler(Grammars(config.model_dir, config.vocab_size, config.eos_token_ids))
         self._threads_set = ranks is None  # NOTE: with ranks, split at the first step
         dispatch.prepare(self.device, config.dtype)
 

@@ -2,9 +2,12 @@
 
 Per row, in the order vLLM and Hugging Face use:
 
-    raw logits ─► logprobs (log_softmax of the RAW logits: vLLM's default "raw_logprobs")
+    raw logits ─► grammar mask (structured output: tokens it does not allow → -inf)
         │
-        ├─► min_tokens (eos / stop ids → -inf) ─► repetition ─► frequency + presence penalties
+        ├─► logprobs (log_softmax of these RAW logits: vLLM's default "raw_logprobs")
+        │
+        ├─► min_tokens (eos / stop ids → -inf) ─► allowed_token_ids ─► logit_bias
+        ├─► repetition ─► frequency + presence penalties
         │
         ├─ greedy row:  argmax (lowest index on ties)
         └─ other rows:  / temperature ─► top-k ─► top-p ─► min-p ─► softmax ─► multinomial
@@ -25,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pagedserve.errors import InvalidArgument
+from pagedserve.model.grammar import Grammars
 from pagedserve.model.requests.batch import TokenLogprobs
 from pagedserve.sampling_params import SamplingParams
 
@@ -64,18 +69,24 @@ GeneratorStates = dict[str, torch.Tensor | None]
 
 
 class Sampler:
-    """One instance per model runner; owns the seeded requests' generators, nothing else.
+    """One instance per model runner; owns the seeded requests' generators and the structured
+    requests' grammar matchers (`grammars`: None where the model has no tokenizer to build them
+    from, which refuses structured requests), nothing else.
 
     Never mutates `logits` or `rows`. Not thread-safe: call it from the runner's thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, grammars: Grammars | None = None) -> None:
         self._generators: dict[str, torch.Generator] = {}
+        self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> SamplerOutput:
         """Choose one token per row of `logits` ([B, V], any float dtype) for `rows` (len B)."""
         _check_batch(logits, rows)
         raw = logits.float()
+        if any(row.params.structured_output is not None for row in rows):
+            raw = raw.clone() if raw is logits else raw
+            self._grammars().mask(raw, rows)
         if all(_is_plain_greedy(row) for row in rows):
             token_ids = raw.argmax(dim=-1)
         else:
@@ -95,8 +106,22 @@ class Sampler:
         return generator
 
     def remove(self, request_id: str) -> None:
-        """Drop the request's generator (it finished or was aborted); a no-op if it has none."""
+        """Drop the request's generator and grammar matcher (it finished or was aborted); a
+        no-op if it has none."""
         self._generators.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.remove(request_id)
+
+    def check(self, params: SamplingParams) -> None:
+        """Compile the request's grammar now (cached), so that a bad one is refused when the
+        request arrives: InvalidArgument naming `structured_output.<kind>`."""
+        if params.structured_output is not None:
+            self._grammars().compile(params.structured_output)
+
+    def _grammars(self) -> Grammars:
+        if self.grammars is None:
+            raise InvalidArgument("structured_output", "not available on this worker's model")
+        return self.grammars
 
     def save(self, request_ids: Iterable[str]) -> GeneratorStates:
         """The generator state of each request, to undo the draws of a step that failed."""
@@ -159,6 +184,8 @@ def _has_penalties(row: SamplingRow) -> bool:
         p.repetition_penalty != 1.0
         or p.frequency_penalty != 0.0
         or p.presence_penalty != 0.0
+        or bool(p.logit_bias)
+        or bool(p.allowed_token_ids)
         or bool(_min_tokens_banned(row))
     )
 
@@ -168,12 +195,27 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    """Apply min_tokens, repetition, frequency and presence penalties in place to one [V] row."""
+    """Apply min_tokens, allowed_token_ids, logit_bias, repetition, frequency and presence
+    penalties in place to one [V] row. Where min_tokens and allowed_token_ids together leave no
+    token, the allowed ones stay (min_tokens yields)."""
     p = row.params
     vocab_size = logits.shape[0]
+    if p.allowed_token_ids:
+        allowed = _ids(p.allowed_token_ids, vocab_size, logits.device)
+        kept = logits[allowed]
+        logits.fill_(_NEG_INF)
+        logits[allowed] = kept
     banned = _min_tokens_banned(row)
     if banned:
+        before = logits.clone() if p.allowed_token_ids else None
         logits[_ids(banned, vocab_size, logits.device)] = _NEG_INF
+        if before is not None and bool(torch.isneginf(logits).all()):
+            logits.copy_(before)
+    pairs = [(t, b) for t, b in p.logit_bias if 0 <= t < vocab_size]
+    if pairs:
+        ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
+        bias = torch.tensor([b for _, b in pairs], dtype=logits.dtype)
+        logits[ids.to(logits.device)] += bias.to(logits.device)
     if p.repetition_penalty != 1.0:
         seen = _ids([*row.prompt_token_ids, *row.output_token_ids], vocab_size, logits.device)
         # NOTE: HF/CTRL semantics: dividing a negative logit would *raise* it, so multiply.

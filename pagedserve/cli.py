@@ -335,6 +335,7 @@ _MICRO_BENCHES = {
     "grpc-messages": ("grpc_messages", "CPU per gRPC message: a stream per request vs one"),
     "quant": ("quant", "weight quantization: memory, decode speed and perplexity per mode"),
     "online": ("online", "S15: ours, vLLM-CPU and llama.cpp under guidellm over the OpenAI API"),
+    "structured": ("structured", "decode steps under a JSON schema vs unconstrained"),
 }
 
 

@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedserve.errors import InvalidArgument
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutput
 from pagedserve.v1 import common_pb2
 from pagedserve.worker_load import Role, WorkerLoad
 
@@ -53,19 +53,59 @@ def sampling_from_proto(
     for name in _SCALARS:
         if msg.HasField(name):
             value = getattr(msg, name)
-            values[name] = float(f"{value:.7g}") if name in _FLOATS else value
+            values[name] = _float32(value) if name in _FLOATS else value
     values["stop"] = tuple(msg.stop)
     values["stop_token_ids"] = tuple(msg.stop_token_ids)
+    values["logit_bias"] = tuple(
+        (token_id, _float32(bias)) for token_id, bias in sorted(msg.logit_bias.items())
+    )
+    values["allowed_token_ids"] = tuple(msg.allowed_token_ids)
+    if msg.HasField("structured_output"):
+        values["structured_output"] = structured_from_proto(msg.structured_output)
     return SamplingParams(**values)  # type: ignore[arg-type]
+
+
+def _float32(value: float) -> float:
+    return float(f"{value:.7g}")
+
+
+def structured_from_proto(msg: common_pb2.StructuredOutput) -> StructuredOutput:
+    """InvalidArgument when no kind is set."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise InvalidArgument("structured_output", "set one of json_schema, json, "
+                              "regex, choice, grammar")  # fmt: skip
+    if kind == "json" and not msg.json:
+        raise InvalidArgument("structured_output.json", "must be true when set")
+    spec = "" if kind in ("json", "choice") else getattr(msg, kind)
+    return StructuredOutput(kind, spec, tuple(msg.choice.choices), msg.resumed_tokens)
+
+
+def structured_to_proto(grammar: StructuredOutput) -> common_pb2.StructuredOutput:
+    msg = common_pb2.StructuredOutput(resumed_tokens=grammar.resumed_tokens)
+    if grammar.kind == "json":
+        msg.json = True
+    elif grammar.kind == "choice":
+        msg.choice.choices.extend(grammar.choices)
+    else:
+        setattr(msg, grammar.kind, grammar.spec)
+    return msg
 
 
 def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     """Every scalar is set explicitly, so the receiver sees exactly these values."""
-    msg = common_pb2.SamplingParams(stop=params.stop, stop_token_ids=params.stop_token_ids)
+    msg = common_pb2.SamplingParams(
+        stop=params.stop,
+        stop_token_ids=params.stop_token_ids,
+        logit_bias=dict(params.logit_bias),
+        allowed_token_ids=params.allowed_token_ids,
+    )
     for name in _SCALARS:
         value = getattr(params, name)
         if value is not None:
             setattr(msg, name, value)
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(params.structured_output))
     return msg
 
 

@@ -7,9 +7,11 @@ workers' `Sampler` (`pagedserve.model.sampler`) applies them.
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
+import re
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Literal, NoReturn
 
 from pagedserve.errors import InvalidArgument
 
@@ -34,6 +36,20 @@ MAX_ABS_PENALTY = 2.0
 DEFAULT_MAX_N = 16
 """Most samples (`best_of`, or `n`) of one request unless the router's `--max-n` says otherwise."""
 
+MAX_GRAMMAR_CHARS = 65536
+"""Longest structured-output spec (schema, regex, grammar, the choices together) in characters."""
+
+MAX_CHOICES = 256
+"""Most strings of a `choice` structured output."""
+
+MAX_LOGIT_BIAS = 1024
+"""Most entries of `logit_bias` (OpenAI allows 300 tokens; lm-eval-style uses send a handful)."""
+
+MAX_ABS_LOGIT_BIAS = 100.0
+"""Biases live in `[-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS]` (OpenAI)."""
+
+GrammarKind = Literal["json_schema", "json", "regex", "choice", "grammar"]
+
 _SEED_STRIDE = 0x9E3779B97F4A7C15  # NOTE: 2**64 / golden ratio: sample seeds far apart
 
 
@@ -41,6 +57,62 @@ def sample_seed(seed: int, index: int) -> int:
     """The seed of sample `index` of a request seeded with `seed`: `seed` itself for sample 0,
     `(seed + index * 0x9E3779B97F4A7C15) mod 2**63` for the others (docs/samples.md)."""
     return (seed + index * _SEED_STRIDE) % MAX_SEED
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A grammar the output must follow (docs/structured_output.md).
+
+    `kind` says what `spec` holds: `json_schema` (the schema as JSON text), `json` (any JSON;
+    `spec` empty), `regex`, `choice` (the strings in `choices`), `grammar` (GBNF, from rule
+    `root`). `resumed_tokens`: for a stream moved to other workers, the prompt's last
+    `resumed_tokens` tokens are output the grammar already accepted.
+    """
+
+    kind: GrammarKind
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    resumed_tokens: int = 0
+
+    @property
+    def field(self) -> str:
+        """The field path errors about this spec name, e.g. `structured_output.regex`."""
+        return f"structured_output.{self.kind}"
+
+    def validate(self) -> None:
+        """Raise `InvalidArgument` for what the router can tell is bad without compiling."""
+        size = len(self.spec) + sum(len(c) for c in self.choices)
+        if size > MAX_GRAMMAR_CHARS:
+            _fail(self.field, f"{size} characters, at most {MAX_GRAMMAR_CHARS}")
+        if self.resumed_tokens < 0:
+            _fail("structured_output.resumed_tokens", "must be >= 0")
+        if self.kind == "json_schema":
+            self._validate_schema()
+        elif self.kind == "regex":
+            self._validate_regex()
+        elif self.kind == "choice":
+            if not 0 < len(self.choices) <= MAX_CHOICES:
+                _fail(self.field, f"1 to {MAX_CHOICES} strings, got {len(self.choices)}")
+            if not all(isinstance(c, str) and c for c in self.choices):
+                _fail(self.field, "every choice must be a non-empty string")
+        elif self.kind == "grammar" and not self.spec.strip():
+            _fail(self.field, "must not be empty")
+
+    def _validate_schema(self) -> None:
+        try:
+            schema = json.loads(self.spec)
+        except ValueError as e:
+            _fail(self.field, f"not valid JSON: {e}")
+        if not isinstance(schema, dict | bool):
+            _fail(self.field, "a JSON schema is an object (or true / false)")
+
+    def _validate_regex(self) -> None:
+        if not self.spec:
+            _fail(self.field, "must not be empty")
+        try:
+            re.compile(self.spec)
+        except re.error as e:
+            _fail(self.field, f"does not compile: {e}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,6 +145,10 @@ class SamplingParams:
       does: cumulative logprob / generated_len ** `length_penalty`, ended by its default
       `early_stopping=False` heuristic (docs/samples.md). Needs temperature 0 and no
       penalties, min_tokens, stop strings or logprobs.
+    - `structured_output`: a grammar the output follows (`StructuredOutput`); tokens it does
+      not allow are masked before sampling. Not with beam search, `ignore_eos` or `min_tokens`.
+    - `logit_bias`: (token id, bias) pairs, sorted by id, added to the logits before sampling.
+    - `allowed_token_ids`: only these may be sampled; empty allows every token.
     """
 
     temperature: float = 1.0
@@ -95,6 +171,9 @@ class SamplingParams:
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0
+    structured_output: StructuredOutput | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    allowed_token_ids: tuple[int, ...] = ()
 
     @property
     def num_samples(self) -> int:
@@ -148,6 +227,38 @@ class SamplingParams:
         self._validate_stops(vocab_size)
         self._validate_outputs()
         self._validate_samples(max_n)
+        self._validate_logits_controls(vocab_size, prompt_len)
+
+    def _validate_logits_controls(self, vocab_size: int | None, prompt_len: int | None) -> None:
+        self._validate_token_lists(vocab_size)
+        grammar = self.structured_output
+        if grammar is None:
+            return
+        grammar.validate()
+        if prompt_len is not None and grammar.resumed_tokens > prompt_len:
+            _fail("structured_output.resumed_tokens", f"more than the prompt's {prompt_len} tokens")
+        off = {
+            "use_beam_search": not self.use_beam_search,
+            "ignore_eos": not self.ignore_eos,
+            "min_tokens": self.min_tokens == 0,
+            "allowed_token_ids": not self.allowed_token_ids,
+        }
+        for name, ok in off.items():
+            if not ok:
+                _fail(name, "not supported with structured_output (EOS ends the grammar)")
+
+    def _validate_token_lists(self, vocab_size: int | None) -> None:
+        upper = vocab_size if vocab_size is not None else math.inf
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            _fail("logit_bias", f"at most {MAX_LOGIT_BIAS} entries, got {len(self.logit_bias)}")
+        for token_id, bias in self.logit_bias:
+            if not 0 <= token_id < upper:
+                _fail("logit_bias", f"token id {token_id} is outside [0, {upper})")
+            if not -MAX_ABS_LOGIT_BIAS <= bias <= MAX_ABS_LOGIT_BIAS:
+                _fail("logit_bias", f"bias of token {token_id} must be in [-100, 100], got {bias}")
+        for i, t in enumerate(self.allowed_token_ids):
+            if not 0 <= t < upper:
+                _fail("allowed_token_ids", f"allowed_token_ids[{i}]={t} is outside [0, {upper})")
 
     def _validate_samples(self, max_n: int | None) -> None:
         if self.n < 1:

@@ -159,7 +159,9 @@ class PrefillEngine:
         cache_salt: str = "",
     ) -> Sequence:
         """A validated sequence with an empty table, not queued (InvalidArgument if bad or if
-        the prompt can never fit this pool). Touches no engine state: any thread may call it."""
+        the prompt can never fit this pool). Touches no engine state: any thread may call it.
+        A structured output's grammar is compiled here (cached), so a bad one is refused now."""
+        self.runner.sampler.check(params)
         seq = make_sequence(
             self.model_config,
             self.max_model_len,

@@ -28,6 +28,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 from pagedserve.errors import Unavailable
 from pagedserve.router.delivery import Delivered, DeliverStream
@@ -66,6 +67,20 @@ class WorkerError(Exception):
     @property
     def details(self) -> str:
         return self.err.details() or ""
+
+    def field_violation(self) -> tuple[str, str] | None:
+        """(field, description) of the worker's INVALID_ARGUMENT, when its status names one."""
+        if self.code is not grpc.StatusCode.INVALID_ARGUMENT:
+            return None
+        for key, value in self.err.trailing_metadata() or ():
+            if key != "grpc-status-details-bin":
+                continue
+            for detail in status_pb2.Status.FromString(value).details:
+                bad_request = error_details_pb2.BadRequest()
+                if detail.Unpack(bad_request) and bad_request.field_violations:
+                    violation = bad_request.field_violations[0]
+                    return violation.field, violation.description
+        return None
 
 
 @dataclass(slots=True)

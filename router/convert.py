@@ -59,7 +59,10 @@ def router_request(
             msg.WhichOneof("prompt") or "prompt",
             f"{len(prompt)} prompt tokens leave no room under max_model_len {card.max_model_len}",
         )
-    params = sampling_from_proto(msg.sampling, card.sampling_defaults)
+    try:
+        params = sampling_from_proto(msg.sampling, card.sampling_defaults)
+    except InvalidArgument as exc:
+        raise exc.with_prefix("sampling") from None
     if msg.sampling.use_beam_search and not msg.sampling.HasField("temperature"):
         params = dataclasses.replace(params, temperature=0.0)  # NOTE: not the model's default
     if msg.max_tokens_to_fit and not msg.sampling.HasField("max_tokens"):
@@ -150,18 +153,23 @@ def _check_fits(text: str, field: str, tokenizer: RouterTokenizer, card: ModelCa
 
 def continuation(request: RouterRequest, generated: list[int]) -> RouterRequest:
     """The request that goes on from `generated` (tokens the client already has) on another
-    pair of workers: they become part of the prompt, and the budget shrinks by as many.
+    pair of workers: they become part of the prompt, and the budget shrinks by as many; a
+    structured output's grammar replays them (`resumed_tokens`).
 
     NOTE: greedy output is that of the undisturbed run. A seeded request draws from a generator
     seeded from (seed, tokens generated): deterministic, but not the undisturbed draws; presence
     and frequency penalties (over output tokens) no longer see the moved tokens.
     """
     p, n = request.params, len(generated)
+    grammar = p.structured_output
+    if grammar is not None:  # NOTE: the new workers replay the moved tokens into the grammar
+        grammar = dataclasses.replace(grammar, resumed_tokens=grammar.resumed_tokens + n)
     params = dataclasses.replace(
         p,
         max_tokens=p.max_tokens - n,
         min_tokens=max(0, p.min_tokens - n),
         seed=None if p.seed is None else (p.seed + n) % (1 << 63),
+        structured_output=grammar,
     )
     return dataclasses.replace(
         request, prompt_token_ids=[*request.prompt_token_ids, *generated], params=params

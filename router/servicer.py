@@ -29,7 +29,7 @@ from pagedserve.router.generate import Orchestrator, RouterSettings
 from pagedserve.router.outcome import rejected, request_attributes
 from pagedserve.router.routing import Decision, RoutingPolicy, WorkerSet
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
-from pagedserve.sampling_params import MAX_LOGPROBS
+from pagedserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 __all__ = ["GenerationServicer", "RouterSettings"]
@@ -99,6 +99,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 async for response in responses:
                     yield response
         except WorkerError as exc:
+            violation = exc.field_violation()
+            if violation is not None:  # NOTE: e.g. a grammar only the workers can compile
+                raise InvalidArgument(request_field(violation[0]), violation[1]) from None
             await context.abort(exc.code, exc.details)
 
     async def _admit(
@@ -173,3 +176,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # worker computes short prompts under `pagedserve up`), as ClusterStatus documents
         status.prefix_cache_hit_rate = prefix_cache_hit_rate(self.metrics)
         return status
+
+
+_SAMPLING_FIELDS = {field.name for field in dataclasses.fields(SamplingParams)}
+
+
+def request_field(worker_field: str) -> str:
+    """The GenerateRequest path of a field a worker named: SamplingParams' fields (which the
+    workers name bare, as `SamplingParams.validate` does) are under `sampling`."""
+    head = worker_field.split(".", 1)[0].split("[", 1)[0]
+    return f"sampling.{worker_field}" if head in _SAMPLING_FIELDS else worker_field

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import pytest
+
+from pagedserve.errors import InvalidArgument
 from pagedserve.protoconv import (
     load_from_proto,
     load_to_proto,
     sampling_from_proto,
     sampling_to_proto,
 )
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutput
 from pagedserve.v1 import common_pb2
 from pagedserve.worker_load import Role, WorkerLoad
 
@@ -33,6 +36,30 @@ def test_round_trip_keeps_every_field_exactly():
     )
     wire = sampling_to_proto(params).SerializeToString()
     assert sampling_from_proto(common_pb2.SamplingParams.FromString(wire)) == params
+
+
+def test_grammars_and_logits_controls_survive_the_wire():
+    grammars = [
+        StructuredOutput("json_schema", '{"type": "object"}'),
+        StructuredOutput("json", resumed_tokens=3),
+        StructuredOutput("regex", "[a-z]+"),
+        StructuredOutput("choice", choices=("yes", "no")),
+        StructuredOutput("grammar", 'root ::= "a"'),
+    ]
+    for grammar in grammars:
+        params = SamplingParams(structured_output=grammar, logit_bias=((3, -100.0), (7, 0.5)),
+                                allowed_token_ids=(1, 2))  # fmt: skip
+        wire = sampling_to_proto(params).SerializeToString()
+        assert sampling_from_proto(common_pb2.SamplingParams.FromString(wire)) == params
+
+
+def test_a_structured_output_without_a_kind_is_refused_by_name():
+    msg = common_pb2.SamplingParams()
+    msg.structured_output.resumed_tokens = 0
+    msg.structured_output.SetInParent()
+    with pytest.raises(InvalidArgument) as info:
+        sampling_from_proto(msg)
+    assert info.value.field == "structured_output"
 
 
 def test_unset_fields_take_defaults_and_explicit_zero_is_kept():

@@ -119,9 +119,10 @@ def test_every_singular_sampling_param_has_presence() -> None:
     fields = common_pb2.SamplingParams.DESCRIPTOR.fields
     repeated = sorted(field.name for field in fields if field.is_repeated)
     without_presence = [f.name for f in fields if not f.is_repeated and not f.has_presence]
-    assert repeated == ["stop", "stop_token_ids"]
+    # logit_bias is a map (a repeated entry message)
+    assert repeated == ["allowed_token_ids", "logit_bias", "stop", "stop_token_ids"]
     assert without_presence == []
-    assert len(fields) == 20
+    assert len(fields) == 23
 
 
 def test_explicit_zero_sampling_param_survives_serialization() -> None:

@@ -12,10 +12,13 @@ import pytest
 
 from pagedserve.errors import InvalidArgument, ResourceExhausted
 from pagedserve.sampling_params import (
+    MAX_GRAMMAR_CHARS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRING_LEN,
     MAX_STOP_STRINGS,
     SamplingParams,
+    StructuredOutput,
     sample_seed,
 )
 
@@ -69,6 +72,9 @@ def test_boundary_values_are_valid(params: SamplingParams) -> None:
     params.validate(vocab_size=32)
 
 
+G = StructuredOutput
+J = StructuredOutput("json")
+
 INVALID = [
     ("temperature", SamplingParams(temperature=-0.1)),
     ("temperature", SamplingParams(temperature=math.inf)),
@@ -100,7 +106,24 @@ INVALID = [
     ("stop", SamplingParams(stop="abc")),  # type: ignore[arg-type]
     ("stop_token_ids", SamplingParams(stop_token_ids=(3, 32))),
     ("stop_token_ids", SamplingParams(stop_token_ids=(-1,))),
-]
+    ("logit_bias", SamplingParams(logit_bias=((32, 1.0),))),
+    ("logit_bias", SamplingParams(logit_bias=((3, 100.5),))),
+    ("logit_bias", SamplingParams(logit_bias=tuple((i, 1.0) for i in range(MAX_LOGIT_BIAS + 1)))),
+    ("allowed_token_ids", SamplingParams(allowed_token_ids=(1, 32))),
+    ("structured_output.json_schema", SamplingParams(structured_output=G("json_schema", "{x"))),
+    ("structured_output.json_schema", SamplingParams(structured_output=G("json_schema", "[1]"))),
+    ("structured_output.regex", SamplingParams(structured_output=G("regex", "(a"))),
+    ("structured_output.regex", SamplingParams(structured_output=G("regex", ""))),
+    ("structured_output.choice", SamplingParams(structured_output=G("choice"))),
+    ("structured_output.choice", SamplingParams(structured_output=G("choice", choices=("a", "")))),
+    ("structured_output.grammar", SamplingParams(structured_output=G("grammar", " "))),
+    ("structured_output.grammar",
+     SamplingParams(structured_output=G("grammar", "x" * (MAX_GRAMMAR_CHARS + 1)))),
+    ("use_beam_search", SamplingParams(temperature=0, use_beam_search=True, structured_output=J)),
+    ("ignore_eos", SamplingParams(ignore_eos=True, structured_output=J)),
+    ("min_tokens", SamplingParams(min_tokens=1, structured_output=J)),
+    ("allowed_token_ids", SamplingParams(allowed_token_ids=(1,), structured_output=J)),
+]  # fmt: skip
 
 
 @pytest.mark.parametrize(("field", "params"), INVALID, ids=[f for f, _ in INVALID])

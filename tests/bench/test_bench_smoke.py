@@ -99,3 +99,12 @@ def _serves(cmdline: pathlib.Path) -> bool:
         return b"grpc_messages\x00--serve" in cmdline.read_bytes()
     except OSError:
         return False  # NOTE: the process ended meanwhile
+
+
+def test_structured_bench_times_both_arms_with_no_request_finished(capsys):
+    from pagedserve.cli import main as cli
+
+    assert cli(["bench", "structured", "--batches", "2", "--rounds", "1", "--steps", "2"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| 2 |"))
+    plain_ms, schema_ms = (float(cell) for cell in row.split("|")[2:4])
+    assert plain_ms > 0 and schema_ms > 0

@@ -26,7 +26,7 @@ RETRY_AFTER_S = 1.5
 def cluster(tiny_chat_model, clusters):
     """The shared cluster of the tiny model with a chat template (tests/router/test_chat_e2e.py
     uses it too)."""
-    return clusters.get(tiny_chat_model)
+    return clusters.get(tiny_chat_model, http_port=0)
 
 
 @pytest.fixture(scope="package")

@@ -68,10 +68,17 @@ def test_chat_messages_roles_and_text_parts():
 @pytest.mark.parametrize(
     ("body", "param"),
     [
-        ({"logit_bias": {"1": 2}}, "logit_bias"),
+        ({"logit_bias": {"one": 2}}, "logit_bias"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"prompt_logprobs": 1}, "prompt_logprobs"),
         ({"tools": [{"type": "function"}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"guided_regex": "a+", "guided_choice": ["x"]}, "guided_choice"),
+        ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+        ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs"),
+        ({"guided_decoding_backend": "outlines"}, "guided_decoding_backend"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"continue_final_message": True}, "continue_final_message"),
         ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
@@ -84,6 +91,51 @@ def test_what_the_engine_cannot_do_is_400_naming_it(body, param):
     with pytest.raises(GatewayError) as info:
         chat(**body).generate_requests("id")
     assert (info.value.status, info.value.param) == (400, param)
+
+
+SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+
+@pytest.mark.parametrize(
+    ("body", "source", "kind", "spec"),
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA,
+                                                                     "strict": True}}},
+         "response_format", "json_schema", SCHEMA),
+        ({"response_format": {"type": "json_object"}}, "response_format", "json", True),
+        ({"guided_json": SCHEMA}, "guided_json", "json_schema", SCHEMA),
+        ({"guided_json": json.dumps(SCHEMA)}, "guided_json", "json_schema", SCHEMA),
+        ({"guided_regex": "[ab]+"}, "guided_regex", "regex", "[ab]+"),
+        ({"guided_choice": ["yes", "no"]}, "guided_choice", "choice", ["yes", "no"]),
+        ({"guided_grammar": 'root ::= "a"'}, "guided_grammar", "grammar", 'root ::= "a"'),
+        ({"structured_outputs": {"json": SCHEMA}}, "structured_outputs", "json_schema", SCHEMA),
+        ({"structured_outputs": {"choice": ["a"]}}, "structured_outputs", "choice", ["a"]),
+        ({"structured_outputs": {"json_object": True}}, "structured_outputs", "json", True),
+    ],
+)  # fmt: skip
+def test_every_structured_output_parameter_becomes_one_grammar(body, source, kind, spec):
+    for request in (chat(**body), CompletionRequest.model_validate({"model": "m", "prompt": "p"}
+                                                                   | body)):  # fmt: skip
+        grammar = request.generate_requests("id")[0].sampling.structured_output
+        assert grammar.WhichOneof("kind") == kind
+        value = getattr(grammar, kind)
+        got = {"json_schema": json.loads, "choice": lambda c: list(c.choices)}.get(
+            kind, lambda v: v
+        )
+        assert got(value) == spec
+        # the router's errors about it name the parameter it came from
+        assert request.param_of(f"sampling.structured_output.{kind}") == source
+
+
+def test_text_response_format_is_no_grammar_and_logits_controls_map():
+    request = chat(response_format={"type": "text"}, logit_bias={"5": -100, "7": 2.5},
+                   allowed_token_ids=[1, 2], use_beam_search=True, length_penalty=0.5)  # fmt: skip
+    sampling = request.generate_requests("id")[0].sampling
+    assert not sampling.HasField("structured_output")
+    assert dict(sampling.logit_bias) == {5: -100.0, 7: 2.5}
+    assert list(sampling.allowed_token_ids) == [1, 2]
+    assert sampling.use_beam_search and sampling.length_penalty == 0.5
+    assert request.param_of("sampling.logit_bias") == "logit_bias"
 
 
 @pytest.mark.parametrize("body", [{"seed": -1}, {"max_tokens": 0}, {"min_tokens": -2},

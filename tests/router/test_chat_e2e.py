@@ -42,7 +42,7 @@ CONVERSATION = [
 @pytest.fixture(scope="module")
 def cluster(tiny_chat_model, clusters):
     """The shared cluster of the tiny model with a chat template (tests/examples use it too)."""
-    return clusters.get(tiny_chat_model), tiny_chat_model
+    return clusters.get(tiny_chat_model, http_port=0), tiny_chat_model
 
 
 def router_args(model_dir, redis_url) -> argparse.Namespace:
