@@ -125,8 +125,16 @@ def test_bf16_decode_rounds_as_sdpa(make_cpu_case, num_heads, num_kv_heads, head
         dtype=torch.bfloat16,
     )
     assert cpu_native.supports(case.query, case.k_cache)
-    apart = ulps_apart(native(case), expected(case))
-    assert apart.max() <= 1
+    got, want = native(case), expected(case)
+    apart = ulps_apart(got, want)
+    # NOTE: more than one step apart only where the output is small against its row (the sums
+    # cancel, so fp32 order differences show): seen on an Intel Xeon (AVX512-BF16), 1 output
+    # of 11,264 three steps apart; there within one bf16 step of the row's largest value
+    far = apart > 1
+    row_scale = want.float().abs().amax(dim=-1, keepdim=True).expand_as(want)
+    error = (got.float() - want.float()).abs()
+    assert (error[far] <= 2**-8 * row_scale[far]).all(), error[far]
+    assert int(far.sum()) <= 2
     assert apart.float().mean() < 2e-3, f"{int(apart.sum())} of {apart.numel()} differ"
 
 
