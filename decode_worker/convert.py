@@ -7,7 +7,7 @@ Only this module (and the gRPC client in kv_import.py) touches the generated cla
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.decode_worker.streams import Delta
@@ -89,8 +89,11 @@ def decode_call(msg: decode_pb2.DecodeRequest) -> DecodeCall:
         given += ["first_token"] * (msg.first_token != 0) + ["samples"] * bool(msg.samples)
         if given:
             raise InvalidArgument(given[0], "must be unset with prefill_here")
+    request = worker_request_fields(msg.request)
+    if not msg.prefill_here:  # NOTE: the prefill worker returned them; a recompute sends none
+        request["params"] = replace(request["params"], prompt_logprobs=None)
     return DecodeCall(
-        **worker_request_fields(msg.request),
+        **request,
         first_token=msg.first_token,
         first_logprobs=(
             logprobs_from_proto(msg.first_logprobs) if msg.HasField("first_logprobs") else None
@@ -210,6 +213,7 @@ def decode_response(request_id: str, delta: Delta) -> decode_pb2.DecodeResponse:
             logprobs_to_proto(lp) if lp is not None else common_pb2.Logprobs()
             for lp in delta.logprobs
         )
+    response.prompt_logprobs.extend(logprobs_to_proto(lp) for lp in delta.prompt_logprobs)
     if delta.matched_stop_token_id is not None:
         response.matched_stop_token_id = delta.matched_stop_token_id
     return response

@@ -225,13 +225,14 @@ class Scheduler:
         """
         finished: list[Sequence] = []
         beams: dict[RequestId, BeamRows] = {}
-        for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
+        for i, (item, sampled) in enumerate(zip(plan.scheduled, output.sampled, strict=True)):
             seq = item.seq
             if sampled is not None and seq.params.use_beam_search:
                 beams.setdefault(_request_of(seq), []).append((item, sampled))
                 continue
             eos, max_len = self.config.eos_token_ids, self.config.max_model_len
-            done = advance(self.kv, item, sampled, eos_token_ids=eos, max_model_len=max_len)
+            done = advance(self.kv, item, sampled, eos_token_ids=eos, max_model_len=max_len,
+                           prompt_logprobs=output.prompt_logprobs_of(i))  # fmt: skip
             if sampled is not None and seq.forks_pending:
                 finished += self.samples.fork(seq, sampled)
             if done:
@@ -373,6 +374,8 @@ class BlockNeeds:
     def admission_need(self, seq: Sequence, budget: int) -> int:
         """Allocatable blocks admitting `seq` with a chunk of at most `budget` tokens takes."""
         max_blocks = (seq.num_tokens - 1) // self.pool.block_size
+        if seq.wants_prompt_logprobs:  # NOTE: `admit` takes no hit for it either
+            max_blocks = 0
         prefix = self.kv.match_prefix(seq.block_hashes, max_blocks)
         num_cached = len(prefix) * self.pool.block_size
         n = min(seq.num_tokens - num_cached, max(budget, 1))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import queue
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pagedserve.model.requests.batch import TokenLogprobs
 from pagedserve.model.requests.sequence import FinishReason
@@ -35,6 +35,8 @@ class Delta:
     error: str | None = None  # set with FinishReason.ERROR: the status message
     index: int = 0  # the sample it is about
     cached_prompt_tokens: int = 0  # prefill here: prompt tokens its prefix cache served
+    # prefill here, on the first delta: the prompt logprobs asked for (prompt tokens 1 ..)
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def merge(self, later: Delta) -> None:
         """Fold a later delta of the same request and sample into this one."""
@@ -49,6 +51,7 @@ class Delta:
         self.matched_stop_token_id = later.matched_stop_token_id
         self.error = later.error
         self.cached_prompt_tokens = later.cached_prompt_tokens
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
 
 
 class RequestStream:

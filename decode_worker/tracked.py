@@ -76,6 +76,7 @@ class TrackedRequest:
         """What `seq` (sample `index`, default its own) made since its last delta; counts it
         sent. `num_preemptions`: the scheduler's count for `seq` (the request reports its most)."""
         index = seq.sample_index if index is None else index
+        first_here = self.prefill_here and self.num_sent.get(index, 1) == 0
         new = slice(self.num_sent.get(index, 1), seq.num_output_tokens)
         self.num_sent[index] = seq.num_output_tokens
         self.num_preemptions = max(self.num_preemptions, num_preemptions)
@@ -87,6 +88,7 @@ class TrackedRequest:
             recomputed_prompt=self.recomputed,
             index=index,
             cached_prompt_tokens=seq.num_cached_prompt_tokens if self.prefill_here else 0,
+            prompt_logprobs=list(seq.prompt_logprobs) if first_here else [],
         )
 
     def is_open(self, index: int) -> bool:

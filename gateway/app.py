@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException
 from pagedserve import __version__
 from pagedserve.gateway import responses as out
 from pagedserve.gateway import tokenization as tok
+from pagedserve.gateway.echo import Echo, echo_choices, echo_of, echo_usage
 from pagedserve.gateway.errors import GatewayError, from_rpc_error, invalid
 from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
@@ -331,6 +332,7 @@ class Endpoints:
             if body.model != info.model_name:
                 raise _unknown_model(body.model)
         generate = body.generate_requests(request_id)
+        echo = await echo_of(body, self.router.stub, md, self.settings.request_timeout_s)
         wants_logprobs = body.logprobs is not None and body.logprobs is not False
         env = out.Envelope(request_id, int(time.time()), body.model, wants_logprobs)
         timeout = self.settings.request_timeout_s
@@ -346,12 +348,12 @@ class Endpoints:
             raise
         if not body.stream:
             self.metrics.first_token.labels(endpoint).observe(time.monotonic() - started)
-            choices = choices_of(parts, body.samples)
-            used = out.usage(p[-1] for p in parts if p)
+            choices = choices_of(parts, body.samples, echo)
+            used = echo_usage(echo, out.usage(p[-1] for p in parts if p))
             build = out.chat_completion if endpoint == "chat" else out.completion
             return JSONResponse(build(env, choices, used))
         self.metrics.first_token.labels(endpoint).observe(time.monotonic() - started)
-        stream = Stream(env, endpoint, body, calls, firsts)
+        stream = Stream(env, endpoint, body, calls, firsts, echo)
         return EventStream(stream, done)
 
 
@@ -412,10 +414,11 @@ class EventStream(StreamingResponse):
 
 
 def choices_of(
-    answers: list[list[generation_pb2.GenerateResponse]], samples: int
+    answers: list[list[generation_pb2.GenerateResponse]], samples: int, echo: Echo | None = None
 ) -> list[out.Choice]:
     """Every prompt's answer (one message per sample) as choices `p * samples + i`."""
     choices = [out.Choice(i) for i in range(len(answers) * samples)]
+    echo_choices(echo, choices, samples)
     for call, parts in enumerate(answers):
         for part in parts:
             choices[choice_index(call, part, samples)].add(part)
@@ -469,6 +472,7 @@ class Stream:
         body: Body,
         calls: list[Any],
         firsts: list[generation_pb2.GenerateResponse | None],
+        echo: Echo | None = None,
     ) -> None:
         self.env = env
         self.chat = endpoint == "chat"
@@ -478,6 +482,7 @@ class Stream:
         self.firsts = firsts
         self.samples = body.samples
         self.choices = [out.Choice(i) for i in range(len(calls) * self.samples)]
+        self.echo = echo_choices(echo, self.choices, self.samples)
         self.lasts: list[generation_pb2.GenerateResponse | None] = [None] * len(calls)
         self._tasks: list[asyncio.Task] = []
 
@@ -507,7 +512,7 @@ class Stream:
 
     def _usage(self) -> dict[str, Any]:
         """Every prompt's latest usage (each counts all of its samples), summed."""
-        return out.usage(last for last in self.lasts if last)
+        return echo_usage(self.echo, out.usage(last for last in self.lasts if last))
 
     async def _parts(self) -> AsyncIterator[tuple[int, generation_pb2.GenerateResponse]]:
         """(prompt, message) of every call, in arrival order."""

@@ -6,7 +6,7 @@ pagedserve has them (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_
 `add_generation_prompt`, `continue_final_message`, `allowed_token_ids`, `use_beam_search`,
 `length_penalty`, `structured_outputs` and the `guided_*` grammars). `response_format` and the
 grammars become one `StructuredOutput` (docs/structured_output.md). Unknown fields are ignored,
-as OpenAI's and vLLM's servers do; a parameter pagedserve cannot honour (tools, `echo`, `suffix`,
+as OpenAI's and vLLM's servers do; a parameter pagedserve cannot honour (tools, `suffix`,
 image content, REFUSED_FIELDS) is a 400 naming it, never silently dropped. Range checks are the
 router's (one place, the same for gRPC clients); the gateway checks only what the protos cannot
 carry (negative integers) and what is OpenAI's own (model, content parts, `best_of` > n with
@@ -176,8 +176,9 @@ class CompletionRequest(_Sampling):
     """`POST /v1/completions`."""
 
     prompt: str | list[str] | list[UInt32] | list[list[UInt32]]
+    max_tokens: UInt32 | None = None  # NOTE: 0 only with echo (the prompt alone)
     logprobs: Annotated[int, Field(ge=0, lt=1 << 32)] | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt before the choice's text and logprobs (gateway/echo.py)
     suffix: str | None = None
     best_of: UInt32 | None = None
     add_special_tokens: bool = True
@@ -197,8 +198,8 @@ class CompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.echo:
-            raise invalid("echo", "echo is not supported")
+        if self.max_tokens == 0 and not self.echo:
+            raise invalid("max_tokens", "must be >= 1 (0 only with echo: the prompt alone)")
         if self.suffix:
             raise invalid("suffix", "suffix is not supported")
         if self.stream and self.best_of is not None and self.best_of > self.samples >= 1:
@@ -214,6 +215,10 @@ class CompletionRequest(_Sampling):
             request = self.base_request(request_id if index == 0 else f"{request_id}-{index}")
             if self.logprobs is not None:
                 request.sampling.logprobs = self.logprobs
+                if self.echo:
+                    request.sampling.prompt_logprobs = self.logprobs
+            if self.max_tokens == 0:
+                request.sampling.max_tokens = 1  # NOTE: generated, then dropped (echo.py)
             if self.best_of is not None:
                 request.sampling.best_of = self.best_of
             if isinstance(prompt, str):

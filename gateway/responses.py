@@ -78,8 +78,12 @@ class CompletionLogprobs:
         }  # fmt: skip
         for lp in logprobs:
             out["tokens"].append(lp.sampled.token)
-            out["token_logprobs"].append(_logprob(lp.sampled.logprob))
-            out["top_logprobs"].append({t.token: _logprob(t.logprob) for t in lp.top})
+            if not lp.sampled.HasField("rank"):  # NOTE: an echoed prompt's first token: none
+                out["token_logprobs"].append(None)
+                out["top_logprobs"].append(None)
+            else:
+                out["token_logprobs"].append(_logprob(lp.sampled.logprob))
+                out["top_logprobs"].append({t.token: _logprob(t.logprob) for t in lp.top})
             out["text_offset"].append(self.offset)
             self.offset += len(lp.sampled.token)
         return out
@@ -94,10 +98,16 @@ class Choice:
     logprobs: list[common_pb2.Logprobs] = field(default_factory=list)
     last: generation_pb2.GenerateResponse | None = None
     completion_logprobs: CompletionLogprobs = field(default_factory=CompletionLogprobs)
+    echo: str | None = None  # completions' echo: the prompt text, put before the first part's
+    keep_generated: bool = True  # False: echo with max_tokens 0 (the prompt alone)
 
     def add(self, part: generation_pb2.GenerateResponse) -> None:
-        self.text += part.text
-        self.logprobs.extend(part.logprobs)
+        if self.echo is not None:
+            self.text, self.echo = self.text + self.echo, None
+        self.logprobs.extend(part.prompt_logprobs)  # NOTE: on a sample's first part only
+        if self.keep_generated:
+            self.text += part.text
+            self.logprobs.extend(part.logprobs)
         self.last = part
 
     def take(self) -> tuple[str, list[common_pb2.Logprobs]]:

@@ -23,6 +23,7 @@ from pagedserve.model.config import ModelConfig
 from pagedserve.model.gguf_weights import GROUP as GGUF_GROUP
 from pagedserve.model.grammar import Grammars
 from pagedserve.model.llama import LlamaForCausalLM
+from pagedserve.model.prompt_logprobs import prompt_logit_rows, prompt_logprobs
 from pagedserve.model.quant import quantized_bytes
 from pagedserve.model.requests.batch import RunnerOutput, SampledToken, ScheduledSequence
 from pagedserve.model.requests.beam_search import beam_candidates_per_row
@@ -231,20 +232,27 @@ class ModelRunner:
         input_ids, positions, meta = self._prepare(batch)
         last_rows = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
         sample_idx = [i for i, item in enumerate(batch) if item.completes]
+        prompt_rows = prompt_logit_rows(batch)
+        # NOTE: one logits call for the sampled rows then the prompt-logprob rows (tensor-
+        # parallel ranks join the same gather)
+        logit_rows = last_rows[sample_idx].tolist() + prompt_rows.rows
         if self.ranks is not None:
             if not self._threads_set:
                 self.set_threads(torch.get_num_threads())
             self.ranks.send(RankStepMessage(
                 forward=True, token_ids=input_ids.tolist(), positions=positions.tolist(),
                 slots=meta.slot_mapping.tolist(), block_tables=meta.block_tables.tolist(),
-                logit_rows=last_rows[sample_idx].tolist(), query_lens=meta.query_lens,
+                logit_rows=logit_rows, query_lens=meta.query_lens,
                 seq_lens=meta.seq_lens,
             ))  # fmt: skip
         try:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
-            logits = None
-            if sample_idx:
-                logits = self.model.compute_logits(hidden[last_rows[sample_idx]]).float()
+            logits = prompt_logits = None
+            if logit_rows:
+                rows = torch.tensor(logit_rows, device=self.device)
+                every = self.model.compute_logits(hidden[rows]).float()
+                logits = every[: len(sample_idx)] if sample_idx else None
+                prompt_logits = every[len(sample_idx) :]
         except Exception as exc:
             if self.ranks is None:
                 raise
@@ -252,7 +260,10 @@ class ModelRunner:
             # collective we never reach. A tensor-parallel forward is fail-stop: no retry.
             self.ranks.close()
             raise RankLost(f"tensor parallel step failed: {exc}") from exc
-        return self._sample(batch, logits, sample_idx), logits
+        output = self._sample(batch, logits, sample_idx)
+        if prompt_logits is not None and prompt_rows.rows:
+            output.prompt_logprobs = prompt_logprobs(prompt_logits, prompt_rows)
+        return output, logits
 
     def _sample(
         self, batch: Seq[ScheduledSequence], logits: torch.Tensor | None, sample_idx: list[int]

@@ -35,6 +35,7 @@ _SCALARS = (
     "use_beam_search",
     "beam_width",
     "length_penalty",
+    "prompt_logprobs",
 )
 _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"}
 _FLOATS |= {"frequency_penalty", "length_penalty"}

@@ -149,6 +149,10 @@ class SamplingParams:
       not allow are masked before sampling. Not with beam search, `ignore_eos` or `min_tokens`.
     - `logit_bias`: (token id, bias) pairs, sorted by id, added to the logits before sampling.
     - `allowed_token_ids`: only these may be sampled; empty allows every token.
+    - `prompt_logprobs`: logprobs of each prompt token after the first given the tokens before
+      it, with this many top alternatives (0: the token's own only); `None` returns none. A
+      request with them takes no prefix-cache hit (every position is computed). Not with beam
+      search.
     """
 
     temperature: float = 1.0
@@ -174,6 +178,7 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    prompt_logprobs: int | None = None
 
     @property
     def num_samples(self) -> int:
@@ -294,6 +299,7 @@ class SamplingParams:
             "min_tokens": self.min_tokens == 0,
             "stop": not self.stop,
             "logprobs": self.logprobs is None,
+            "prompt_logprobs": self.prompt_logprobs is None,
         }
         for name, ok in off.items():
             if not ok:
@@ -356,8 +362,10 @@ class SamplingParams:
                 _fail("stop_token_ids", f"stop_token_ids[{i}]={t} is outside [0, {upper})")
 
     def _validate_outputs(self) -> None:
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            _fail("logprobs", f"must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                _fail(name, f"must be in [0, {MAX_LOGPROBS}], got {value}")
 
 
 def _fail(field: str, description: str) -> NoReturn:

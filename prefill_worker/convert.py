@@ -7,7 +7,11 @@ from dataclasses import asdict, dataclass
 
 from pagedserve.kvstore.kv_cache import SCALE_LAYOUT
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
-from pagedserve.model.requests.convert import finish_reason_to_proto, logprobs_to_proto
+from pagedserve.model.requests.convert import (
+    finish_reason_to_proto,
+    logprobs_to_proto,
+    prompt_logprobs_to_proto,
+)
 from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.worker import PrefillResult
 from pagedserve.protoconv import worker_request_fields
@@ -50,6 +54,7 @@ def prefill_response(
         first_token=seq.output_token_ids[0],
         cached_tokens=seq.num_cached_prompt_tokens,
         computed_tokens=seq.num_prompt_tokens - seq.num_cached_prompt_tokens,
+        prompt_logprobs=prompt_logprobs_to_proto(seq),
     )
     if seq.output_logprobs and seq.output_logprobs[0] is not None:
         response.logprobs.CopyFrom(logprobs_to_proto(seq.output_logprobs[0]))

@@ -126,7 +126,7 @@ class PrefillScheduler:
         one at a time), as long as each chunk is applied at most once.
         """
         done = []
-        for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
+        for i, (item, sampled) in enumerate(zip(plan.scheduled, output.sampled, strict=True)):
             if not self.is_in_flight(item.seq):
                 continue  # NOTE: aborted while its forward ran: nothing to advance or register
             advance(
@@ -135,6 +135,7 @@ class PrefillScheduler:
                 sampled,
                 eos_token_ids=self.eos_token_ids,
                 max_model_len=self.max_model_len,
+                prompt_logprobs=output.prompt_logprobs_of(i),
             )
             if sampled is not None:
                 self.running.remove(item.seq)

@@ -170,6 +170,7 @@ def continuation(request: RouterRequest, generated: list[int]) -> RouterRequest:
         min_tokens=max(0, p.min_tokens - n),
         seed=None if p.seed is None else (p.seed + n) % (1 << 63),
         structured_output=grammar,
+        prompt_logprobs=None,  # NOTE: the first pair returned them already
     )
     return dataclasses.replace(
         request, prompt_token_ids=[*request.prompt_token_ids, *generated], params=params

@@ -14,6 +14,7 @@ finished from the workers. A non-streaming request gets one message, `merge` of 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from pagedserve.router.convert import RouterRequest
@@ -63,14 +64,29 @@ class ClientStream:
         """The first token (computed by the prefill worker)."""
         token = prefilled.first_token
         stop_token = token if token in self.req.params.stop_token_ids else None
-        return self.add([token], [prefilled.logprobs], prefilled.finish_reason, stop_token)
+        out = self.add([token], [prefilled.logprobs], prefilled.finish_reason, stop_token)
+        return self.with_prompt_logprobs(out, prefilled.prompt_logprobs)
 
     def from_decode(self, part: decode_pb2.DecodeResponse) -> generation_pb2.GenerateResponse:
         """One message of the decode worker's stream."""
-        if part.cached_prompt_tokens and not self.token_ids:
-            self.cached_tokens = part.cached_prompt_tokens  # NOTE: the decode worker prefilled
+        prefilled_here = not self.token_ids  # NOTE: its first token comes from the decode worker
+        if part.cached_prompt_tokens and prefilled_here:
+            self.cached_tokens = part.cached_prompt_tokens
         stop_token = part.matched_stop_token_id if part.HasField("matched_stop_token_id") else None
-        return self.add(list(part.token_ids), list(part.logprobs), part.finish_reason, stop_token)
+        out = self.add(list(part.token_ids), list(part.logprobs), part.finish_reason, stop_token)
+        return self.with_prompt_logprobs(out, part.prompt_logprobs) if prefilled_here else out
+
+    def with_prompt_logprobs(
+        self, out: generation_pb2.GenerateResponse, computed: Sequence[common_pb2.Logprobs]
+    ) -> generation_pb2.GenerateResponse:
+        """`out` (the first message) with the prompt logprobs, when the request asked for
+        them: the first prompt token's entry (no logprob: token only), then the worker's."""
+        if self.req.params.prompt_logprobs is None:
+            return out
+        first = common_pb2.TokenLogprob(token_id=self.req.prompt_token_ids[0])
+        entries = [common_pb2.Logprobs(sampled=first), *computed]
+        out.prompt_logprobs.extend(self._named(lp) for lp in entries)
+        return out
 
     def add(
         self,
@@ -138,6 +154,7 @@ def merge(parts: list[generation_pb2.GenerateResponse]) -> generation_pb2.Genera
         merged.token_ids.extend(part.token_ids)
         merged.text += part.text
         merged.logprobs.extend(part.logprobs)
+        merged.prompt_logprobs.extend(part.prompt_logprobs)
         merged.usage.CopyFrom(part.usage)
         merged.finish_reason = part.finish_reason
         which = part.WhichOneof("matched_stop")
@@ -220,6 +237,7 @@ class SampleStreams:
             logprobs = [sample.logprobs] if sample.HasField("logprobs") else []
             stream = self.streams[index]
             msg = stream.add([sample.token_id], logprobs, reason, stop)
+            msg = stream.with_prompt_logprobs(msg, prefilled.prompt_logprobs)
             out += self._emit(index, self._finished(index, msg))
         return out
 

@@ -33,6 +33,7 @@ def test_round_trip_keeps_every_field_exactly():
         frequency_penalty=0.25,
         logprobs=3,
         skip_special_tokens=False,
+        prompt_logprobs=0,
     )
     wire = sampling_to_proto(params).SerializeToString()
     assert sampling_from_proto(common_pb2.SamplingParams.FromString(wire)) == params
@@ -68,6 +69,7 @@ def test_unset_fields_take_defaults_and_explicit_zero_is_kept():
     assert greedy.temperature == 0.0 and greedy.greedy and greedy.max_tokens == 5
     assert sampling_to_proto(SamplingParams()).HasField("temperature")
     assert not sampling_to_proto(SamplingParams()).HasField("logprobs")
+    assert not sampling_to_proto(SamplingParams()).HasField("prompt_logprobs")
 
 
 def test_load_report_round_trip_keeps_every_load_field():

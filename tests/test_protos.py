@@ -122,7 +122,7 @@ def test_every_singular_sampling_param_has_presence() -> None:
     # logit_bias is a map (a repeated entry message)
     assert repeated == ["allowed_token_ids", "logit_bias", "stop", "stop_token_ids"]
     assert without_presence == []
-    assert len(fields) == 23
+    assert len(fields) == 24
 
 
 def test_explicit_zero_sampling_param_survives_serialization() -> None:

@@ -78,6 +78,13 @@ class SampledToken:
 
 @dataclass(slots=True)
 class RunnerOutput:
-    """Per scheduled sequence (same order): the sampled token, or None for a partial chunk."""
+    """Per scheduled sequence (same order): the sampled token, or None for a partial chunk;
+    `prompt_logprobs` (empty: none in the whole step): per scheduled sequence, the logprobs of
+    the prompt tokens this chunk's logits give (`Sequence.wants_prompt_logprobs`), in order."""
 
     sampled: list[SampledToken | None]
+    prompt_logprobs: list[list[TokenLogprobs]] = field(default_factory=list)
+
+    def prompt_logprobs_of(self, index: int) -> list[TokenLogprobs]:
+        """Scheduled sequence `index`'s prompt logprobs of this step (maybe none)."""
+        return self.prompt_logprobs[index] if self.prompt_logprobs else []

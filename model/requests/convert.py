@@ -6,7 +6,7 @@ Shared by both workers' `convert.py`; nothing else in `model/` touches protobuf.
 from __future__ import annotations
 
 from pagedserve.model.requests.batch import TokenLogprobs
-from pagedserve.model.requests.sequence import FinishReason
+from pagedserve.model.requests.sequence import FinishReason, Sequence
 from pagedserve.v1 import common_pb2
 
 FINISH_REASONS: dict[FinishReason, common_pb2.FinishReason] = {
@@ -37,3 +37,11 @@ def logprobs_from_proto(msg: common_pb2.Logprobs) -> TokenLogprobs:
         rank=msg.sampled.rank,
         top=[(t.token_id, t.logprob) for t in msg.top],
     )
+
+
+def prompt_logprobs_to_proto(seq: Sequence) -> list[common_pb2.Logprobs]:
+    """`seq`'s prompt logprobs as the workers send them: prompt tokens 1 .. len - 1, in order
+    (the first token has none); empty when the request asked for none."""
+    if seq.params.prompt_logprobs is None or seq.sample_index != 0:
+        return []
+    return [logprobs_to_proto(lp) for lp in seq.prompt_logprobs]

@@ -6,6 +6,7 @@ prefix cache, then allocates slots for as much of the rest as the token budget a
     prompt:  | cached blocks (no compute) | this chunk (<= budget) | later chunks |
 
 The prompt's last token is always computed, even on a full hit, because its logits are sampled.
+A sequence that wants prompt logprobs takes no hit: every position's logits are needed.
 
 `advance`: after a forward, a scheduled chunk's tokens count as computed, newly full blocks join
 the prefix cache, and a sampled token is appended and checked against the stop conditions.
@@ -15,7 +16,7 @@ from __future__ import annotations
 
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.requests.batch import SampledToken, ScheduledSequence
+from pagedserve.model.requests.batch import SampledToken, ScheduledSequence, TokenLogprobs
 from pagedserve.model.requests.sequence import Sequence, SequenceStatus
 
 
@@ -29,7 +30,7 @@ def admit(
     """
     block_size = kv.pool.block_size
     prefix: list[BlockId] = []
-    if prefix_caching:
+    if prefix_caching and not seq.wants_prompt_logprobs:
         max_blocks = (seq.num_tokens - 1) // block_size
         prefix = kv.match_prefix(seq.block_hashes, max_blocks)
     num_cached = len(prefix) * block_size
@@ -51,9 +52,12 @@ def advance(
     *,
     eos_token_ids: tuple[int, ...],
     max_model_len: int,
+    prompt_logprobs: list[TokenLogprobs] | None = None,
 ) -> bool:
-    """Apply one step's result to `item.seq`; True if the sequence finished (blocks not freed)."""
+    """Apply one step's result to `item.seq` (with the chunk's `prompt_logprobs`, the next
+    ones of its prompt); True if the sequence finished (blocks not freed)."""
     seq = item.seq
+    seq.prompt_logprobs += prompt_logprobs or []
     seq.num_computed_tokens += item.num_new_tokens
     kv.cache_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
     if sampled is None:

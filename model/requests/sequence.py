@@ -96,6 +96,8 @@ class Sequence:
     # A prefill worker's beam search: the prompt's best continuations (token, logprob), from
     # which the decode worker takes the search's first step.
     beam_candidates: list[tuple[int, float]] = field(default_factory=list)
+    # With params.prompt_logprobs: those of prompt tokens 1 .. len, collected chunk by chunk
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -121,6 +123,16 @@ class Sequence:
     @property
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """True while sample 0 of a request with `params.prompt_logprobs` lacks some of them:
+        its prompt is then computed whole (no prefix-cache hit) and its forwards return them."""
+        return (
+            self.params.prompt_logprobs is not None
+            and self.sample_index == 0
+            and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
+        )
 
     @property
     def forks_pending(self) -> bool:

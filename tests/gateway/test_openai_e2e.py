@@ -357,7 +357,7 @@ def test_bad_chat_parameters_are_400_naming_them(url, model_name, param):
         ("/v1/completions", {"prompt": ""}, "prompt"),
         ("/v1/completions", {"prompt": [1 << 40]}, "prompt"),
         ("/v1/completions", {"prompt": "x", "logprobs": 99}, "logprobs"),
-        ("/v1/completions", {"prompt": "x", "echo": True}, "echo"),
+        ("/v1/completions", {"prompt": "x", "max_tokens": 0}, "max_tokens"),
         ("/v1/completions", {}, "prompt"),
         ("/v1/completions", {"prompt": "x", "n": -1}, "n"),
         ("/v1/completions", {"prompt": "x", "n": 17}, "n"),  # the router's --max-n: 16

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import pytest
 import torch
-from support.oracle import hf_greedy, make_prompts
+from support.oracle import hf_greedy, hf_model, make_prompts
 from support.probes import blocks_in_use, child, scrape, tokens_of
 from support.waits import wait_until
 
@@ -128,6 +128,27 @@ def test_prefill_here_reports_the_decode_workers_cached_prompt_tokens(here_and_r
     assert (cached, prompts) == (32, 2 * 37)
     total = after["pagedserve:cached_prompt_tokens_total"] / after["pagedserve:prompt_tokens_total"]
     assert status.prefix_cache_hit_rate == pytest.approx(total, rel=1e-6) and total > 0
+
+
+def test_prompt_logprobs_come_from_whichever_worker_computed_the_prompt(here_and_remote):
+    """A short prompt's prompt logprobs are the decode worker's, a long one's the prefill
+    worker's; both equal transformers' (a second run, its blocks cached, too)."""
+    here, _, model_dir = here_and_remote
+    params = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1)
+    for prompt in make_prompts((20, LOCAL_MAX + 30), seed=75):
+        with torch.no_grad():
+            logits = hf_model(model_dir, torch.float32)(torch.tensor([prompt])).logits[0]
+        want = torch.log_softmax(logits, dim=-1)
+        with Client(here.router_address) as client:
+            for _ in range(2):
+                parts = list(client.generate(prompt, params, timeout=60))
+                entries = [lp for part in parts for lp in part.prompt_logprobs]
+                assert len(entries) == len(prompt) and not entries[0].sampled.HasField("rank")
+                got = torch.tensor([lp.sampled.logprob for lp in entries[1:]])
+                ref = want[torch.arange(len(prompt) - 1), prompt[1:]]
+                assert (got - ref).abs().max() < 1e-4
+                assert [len(lp.top) for lp in entries[1:]] == [1] * (len(prompt) - 1)
+                assert parts[-1].usage.cached_prompt_tokens == 0
 
 
 def test_decode_refuses_prefill_here_with_a_prefill_workers_fields(here_and_remote):

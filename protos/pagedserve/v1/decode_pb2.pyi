@@ -38,7 +38,7 @@ class DecodeBatch(_message.Message):
     def __init__(self, responses: _Optional[_Iterable[_Union[DecodeResponse, _Mapping]]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
-    __slots__ = ("request_id", "token_ids", "logprobs", "num_generated", "finish_reason", "matched_stop_token_id", "num_preemptions", "recomputed_prompt", "index", "cached_prompt_tokens")
+    __slots__ = ("request_id", "token_ids", "logprobs", "num_generated", "finish_reason", "matched_stop_token_id", "num_preemptions", "recomputed_prompt", "index", "cached_prompt_tokens", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -49,6 +49,7 @@ class DecodeResponse(_message.Message):
     RECOMPUTED_PROMPT_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
@@ -59,4 +60,5 @@ class DecodeResponse(_message.Message):
     recomputed_prompt: bool
     index: int
     cached_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., num_generated: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., recomputed_prompt: _Optional[bool] = ..., index: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ..., num_generated: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., matched_stop_token_id: _Optional[int] = ..., num_preemptions: _Optional[int] = ..., recomputed_prompt: _Optional[bool] = ..., index: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ...) -> None: ...

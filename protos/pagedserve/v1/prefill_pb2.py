@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedserve/v1/prefill.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"p\n\x0ePrefillRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.pagedserve.v1.WorkerRequest\x12\x15\n\rlease_seconds\x18\x02 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\"\xb9\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.Logprobs\x12*\n\tkv_handle\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x06 \x01(\r\x12\x37\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReasonH\x00\x88\x01\x01\x12+\n\x07samples\x18\x08 \x03(\x0b\x32\x1a.pagedserve.v1.SampleStartB\x10\n\x0e_finish_reason\"~\n\rPullKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x1c\n\x14producer_incarnation\x18\x02 \x01(\t\x12\x15\n\rblock_indices\x18\x03 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\"e\n\x07KvChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06offset\x18\x04 \x01(\r\x12\x15\n\rlast_of_block\x18\x05 \x01(\x08\"%\n\x10ReleaseKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\"\"\n\x11ReleaseKvResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\">\n\x11RenewLeaseRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x16\n\x0e\x65xtend_seconds\x18\x02 \x01(\r\"3\n\x12RenewLeaseResponse\x12\x1d\n\x15lease_expires_unix_ms\x18\x01 \x01(\x03\"M\n\rWarmupRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"\'\n\x0eWarmupResponse\x12\x15\n\rblocks_cached\x18\x01 \x01(\r2\x8e\x04\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.pagedserve.v1.PrefillRequest\x1a\x1e.pagedserve.v1.PrefillResponse\x12@\n\x06PullKv\x12\x1c.pagedserve.v1.PullKvRequest\x1a\x16.pagedserve.v1.KvChunk0\x01\x12N\n\tReleaseKv\x12\x1f.pagedserve.v1.ReleaseKvRequest\x1a .pagedserve.v1.ReleaseKvResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12Q\n\nRenewLease\x12 .pagedserve.v1.RenewLeaseRequest\x1a!.pagedserve.v1.RenewLeaseResponse\x12\x45\n\x06Warmup\x12\x1c.pagedserve.v1.WarmupRequest\x1a\x1d.pagedserve.v1.WarmupResponse\x12\x43\n\x07GetLoad\x12\x1d.pagedserve.v1.GetLoadRequest\x1a\x19.pagedserve.v1.LoadReportb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1bpagedserve/v1/prefill.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"p\n\x0ePrefillRequest\x12-\n\x07request\x18\x01 \x01(\x0b\x32\x1c.pagedserve.v1.WorkerRequest\x12\x15\n\rlease_seconds\x18\x02 \x01(\r\x12\x18\n\x10\x64\x65\x63ode_worker_id\x18\x03 \x01(\t\"\xeb\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\r\x12)\n\x08logprobs\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.Logprobs\x12*\n\tkv_handle\x18\x04 \x01(\x0b\x32\x17.pagedserve.v1.KvHandle\x12\x15\n\rcached_tokens\x18\x05 \x01(\r\x12\x17\n\x0f\x63omputed_tokens\x18\x06 \x01(\r\x12\x37\n\rfinish_reason\x18\x07 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReasonH\x00\x88\x01\x01\x12+\n\x07samples\x18\x08 \x03(\x0b\x32\x1a.pagedserve.v1.SampleStart\x12\x30\n\x0fprompt_logprobs\x18\t \x03(\x0b\x32\x17.pagedserve.v1.LogprobsB\x10\n\x0e_finish_reason\"~\n\rPullKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x1c\n\x14producer_incarnation\x18\x02 \x01(\t\x12\x15\n\rblock_indices\x18\x03 \x03(\r\x12\x17\n\x0fmax_chunk_bytes\x18\x04 \x01(\r\x12\x0c\n\x04rank\x18\x05 \x01(\r\"e\n\x07KvChunk\x12\x13\n\x0b\x62lock_index\x18\x01 \x01(\r\x12\x10\n\x08\x62lock_id\x18\x02 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\x12\x0e\n\x06offset\x18\x04 \x01(\r\x12\x15\n\rlast_of_block\x18\x05 \x01(\x08\"%\n\x10ReleaseKvRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\"\"\n\x11ReleaseKvResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\">\n\x11RenewLeaseRequest\x12\x11\n\thandle_id\x18\x01 \x01(\t\x12\x16\n\x0e\x65xtend_seconds\x18\x02 \x01(\r\"3\n\x12RenewLeaseResponse\x12\x1d\n\x15lease_expires_unix_ms\x18\x01 \x01(\x03\"M\n\rWarmupRequest\x12(\n\x07prompts\x18\x01 \x03(\x0b\x32\x17.pagedserve.v1.TokenIds\x12\x12\n\ncache_salt\x18\x02 \x01(\t\"\'\n\x0eWarmupResponse\x12\x15\n\rblocks_cached\x18\x01 \x01(\r2\x8e\x04\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.pagedserve.v1.PrefillRequest\x1a\x1e.pagedserve.v1.PrefillResponse\x12@\n\x06PullKv\x12\x1c.pagedserve.v1.PullKvRequest\x1a\x16.pagedserve.v1.KvChunk0\x01\x12N\n\tReleaseKv\x12\x1f.pagedserve.v1.ReleaseKvRequest\x1a .pagedserve.v1.ReleaseKvResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12Q\n\nRenewLease\x12 .pagedserve.v1.RenewLeaseRequest\x1a!.pagedserve.v1.RenewLeaseResponse\x12\x45\n\x06Warmup\x12\x1c.pagedserve.v1.WarmupRequest\x1a\x1d.pagedserve.v1.WarmupResponse\x12\x43\n\x07GetLoad\x12\x1d.pagedserve.v1.GetLoadRequest\x1a\x19.pagedserve.v1.LoadReportb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,23 +35,23 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_start=74
   _globals['_PREFILLREQUEST']._serialized_end=186
   _globals['_PREFILLRESPONSE']._serialized_start=189
-  _globals['_PREFILLRESPONSE']._serialized_end=502
-  _globals['_PULLKVREQUEST']._serialized_start=504
-  _globals['_PULLKVREQUEST']._serialized_end=630
-  _globals['_KVCHUNK']._serialized_start=632
-  _globals['_KVCHUNK']._serialized_end=733
-  _globals['_RELEASEKVREQUEST']._serialized_start=735
-  _globals['_RELEASEKVREQUEST']._serialized_end=772
-  _globals['_RELEASEKVRESPONSE']._serialized_start=774
-  _globals['_RELEASEKVRESPONSE']._serialized_end=808
-  _globals['_RENEWLEASEREQUEST']._serialized_start=810
-  _globals['_RENEWLEASEREQUEST']._serialized_end=872
-  _globals['_RENEWLEASERESPONSE']._serialized_start=874
-  _globals['_RENEWLEASERESPONSE']._serialized_end=925
-  _globals['_WARMUPREQUEST']._serialized_start=927
-  _globals['_WARMUPREQUEST']._serialized_end=1004
-  _globals['_WARMUPRESPONSE']._serialized_start=1006
-  _globals['_WARMUPRESPONSE']._serialized_end=1045
-  _globals['_PREFILLWORKER']._serialized_start=1048
-  _globals['_PREFILLWORKER']._serialized_end=1574
+  _globals['_PREFILLRESPONSE']._serialized_end=552
+  _globals['_PULLKVREQUEST']._serialized_start=554
+  _globals['_PULLKVREQUEST']._serialized_end=680
+  _globals['_KVCHUNK']._serialized_start=682
+  _globals['_KVCHUNK']._serialized_end=783
+  _globals['_RELEASEKVREQUEST']._serialized_start=785
+  _globals['_RELEASEKVREQUEST']._serialized_end=822
+  _globals['_RELEASEKVRESPONSE']._serialized_start=824
+  _globals['_RELEASEKVRESPONSE']._serialized_end=858
+  _globals['_RENEWLEASEREQUEST']._serialized_start=860
+  _globals['_RENEWLEASEREQUEST']._serialized_end=922
+  _globals['_RENEWLEASERESPONSE']._serialized_start=924
+  _globals['_RENEWLEASERESPONSE']._serialized_end=975
+  _globals['_WARMUPREQUEST']._serialized_start=977
+  _globals['_WARMUPREQUEST']._serialized_end=1054
+  _globals['_WARMUPRESPONSE']._serialized_start=1056
+  _globals['_WARMUPRESPONSE']._serialized_end=1095
+  _globals['_PREFILLWORKER']._serialized_start=1098
+  _globals['_PREFILLWORKER']._serialized_end=1624
 # @@protoc_insertion_point(module_scope)

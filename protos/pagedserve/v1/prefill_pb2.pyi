@@ -18,7 +18,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request: _Optional[_Union[_common_pb2.WorkerRequest, _Mapping]] = ..., lease_seconds: _Optional[int] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "logprobs", "kv_handle", "cached_tokens", "computed_tokens", "finish_reason", "samples")
+    __slots__ = ("request_id", "first_token", "logprobs", "kv_handle", "cached_tokens", "computed_tokens", "finish_reason", "samples", "prompt_logprobs")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class PrefillResponse(_message.Message):
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: int
     logprobs: _common_pb2.Logprobs
@@ -35,7 +36,8 @@ class PrefillResponse(_message.Message):
     computed_tokens: int
     finish_reason: _common_pb2.FinishReason
     samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleStart]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
     __slots__ = ("handle_id", "producer_incarnation", "block_indices", "max_chunk_bytes", "rank")
