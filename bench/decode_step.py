@@ -41,9 +41,16 @@ def model_or_tiny(model_dir: str | None, scratch: str) -> str:
     return str(make_tiny_model(scratch, layers=4, hidden=256, heads=4, kv_heads=2))
 
 
-def decoding_engine(model_dir: str, batch: int, max_tokens: int, **config: Any) -> DecodeEngine:
+def decoding_engine(
+    model_dir: str,
+    batch: int,
+    max_tokens: int,
+    params: SamplingParams | None = None,
+    **config: Any,
+) -> DecodeEngine:
     """An engine with `batch` greedy requests (prompts of 32-255 random tokens, the same for
-    every call) all past their prefill, each with room for `max_tokens` outputs."""
+    every call) all past their prefill, each with room for `max_tokens` outputs (`params`:
+    theirs, else greedy with ignore_eos)."""
     engine = DecodeEngine.from_model_dir(
         model_dir,
         DecodeEngineConfig(
@@ -57,7 +64,7 @@ def decoding_engine(model_dir: str, batch: int, max_tokens: int, **config: Any) 
         ),
     )
     rng = random.Random(0)
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    params = params or SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     seqs = [
         engine.add_request([rng.randrange(3, 500) for _ in range(rng.randrange(32, 256))], params)
         for _ in range(batch)

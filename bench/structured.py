@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
 import statistics
 import tempfile
 import time
@@ -25,8 +24,8 @@ from collections.abc import Sequence
 
 import torch
 
-from pagedserve.bench.decode_step import model_or_tiny
-from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
+from pagedserve.bench.decode_step import decoding_engine, model_or_tiny
+from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.sampling_params import SamplingParams, StructuredOutput
 
 SCHEMA = {
@@ -44,32 +43,13 @@ SCHEMA = {
 
 
 def engine_with(model_dir: str, batch: int, max_tokens: int, grammar: bool) -> DecodeEngine:
-    """An engine with `batch` greedy requests (prompts of 32-255 random tokens, the same for
-    both arms) past their prefill, constrained by SCHEMA when `grammar`."""
-    engine = DecodeEngine.from_model_dir(
-        model_dir,
-        DecodeEngineConfig(
-            block_size=16,
-            num_blocks=batch * (-(-(256 + max_tokens) // 16) + 1),
-            max_num_batched_tokens=8192,
-            max_num_seqs=batch,
-            enable_prefix_caching=False,
-            num_swap_blocks=0,
-        ),
-    )
+    """decode_step's engine (the same prompts for both arms), constrained by SCHEMA when
+    `grammar`."""
+    params = None
     if grammar:
         spec = StructuredOutput("json_schema", json.dumps(SCHEMA))
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, structured_output=spec)
-    else:
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    rng = random.Random(0)
-    seqs = [
-        engine.add_request([rng.randrange(3, 500) for _ in range(rng.randrange(32, 256))], params)
-        for _ in range(batch)
-    ]
-    while not all(s.num_output_tokens >= 1 for s in seqs):
-        engine.step()
-    return engine
+    return decoding_engine(model_dir, batch, max_tokens, params)
 
 
 def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[str, list[float]]:

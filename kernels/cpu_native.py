@@ -44,7 +44,7 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
     for name in (
         "paged_decode.c", "linear_i8g.c", "linear_i4g.c", "linear_f32.c", "rms_norm.c",
-        "decode_stack.c", "gemm_f32.c",
+        "decode_stack.c", "gemm_f32.c", "token_mask.c",
     )
 )  # fmt: skip
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
@@ -174,6 +174,9 @@ def _build() -> ctypes.CDLL:
     fn.restype = i32
     fn = lib.rms_norm_f32
     fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    fn.restype = None
+    fn = lib.mask_logits_f32
+    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64]
     fn.restype = None
     return lib
 
@@ -489,6 +492,25 @@ def _f32_product(
         y.data_ptr(), n, x.shape[0], n, k, torch.get_num_threads(),
     )  # fmt: skip
     return None if done == 0 else y  # linear_f32 returns nothing; gemm_f32 0 when out of memory
+
+
+def mask_logits(logits: torch.Tensor, bitmask: torch.Tensor, rows: Sequence[int]) -> bool:
+    """-inf, in place, for every token of `logits` [B, V] (float32, CPU) whose bit is 0 in
+    `bitmask` [B, ceil(V / 32)] (int32, xgrammar's layout), in `rows` only (csrc/token_mask.c).
+    False when the kernel cannot take it (nothing changed)."""
+    if not (
+        logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.stride(1) == 1
+        and bitmask.dtype == torch.int32 and bitmask.is_contiguous()
+        and bitmask.shape[1] * 32 >= logits.shape[1] and _load() is not None
+    ):  # fmt: skip
+        return False
+    index = torch.tensor(list(rows), dtype=torch.int64)
+    assert _lib is not None
+    _lib.mask_logits_f32(
+        logits.data_ptr(), logits.stride(0), bitmask.data_ptr(), bitmask.stride(0),
+        index.data_ptr(), len(index), logits.shape[1],
+    )  # fmt: skip
+    return True
 
 
 def rms_norm(
