@@ -39,6 +39,7 @@ from pagedserve.gateway.echo import Echo, echo_choices, echo_of, echo_usage
 from pagedserve.gateway.errors import GatewayError, from_rpc_error, invalid
 from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from pagedserve.gateway.tools import ToolStream, take_calls
 from pagedserve.grpcutil import RECONNECT_OPTIONS, ClientTLS, make_channel
 from pagedserve.telemetry import Tracing, context_from, metadata, span_context
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
@@ -350,10 +351,12 @@ class Endpoints:
             self.metrics.first_token.labels(endpoint).observe(time.monotonic() - started)
             choices = choices_of(parts, body.samples, echo)
             used = echo_usage(echo, out.usage(p[-1] for p in parts if p))
-            build = out.chat_completion if endpoint == "chat" else out.completion
-            return JSONResponse(build(env, choices, used))
+            if isinstance(body, ChatCompletionRequest):
+                tools = (body.tool_plan(), info.tool_call_parser)
+                return JSONResponse(out.chat_completion(env, choices, used, tools))
+            return JSONResponse(out.completion(env, choices, used))
         self.metrics.first_token.labels(endpoint).observe(time.monotonic() - started)
-        stream = Stream(env, endpoint, body, calls, firsts, echo)
+        stream = Stream(env, endpoint, body, calls, firsts, info.tool_call_parser, echo)
         return EventStream(stream, done)
 
 
@@ -472,6 +475,7 @@ class Stream:
         body: Body,
         calls: list[Any],
         firsts: list[generation_pb2.GenerateResponse | None],
+        parser: str = "",
         echo: Echo | None = None,
     ) -> None:
         self.env = env
@@ -485,6 +489,8 @@ class Stream:
         self.echo = echo_choices(echo, self.choices, self.samples)
         self.lasts: list[generation_pb2.GenerateResponse | None] = [None] * len(calls)
         self._tasks: list[asyncio.Task] = []
+        plan = body.tool_plan() if isinstance(body, ChatCompletionRequest) else None
+        self.tools = ToolStream.per_choice(plan, parser, len(self.choices))
 
     async def chunks(self) -> AsyncIterator[bytes]:
         if self.chat:
@@ -494,7 +500,14 @@ class Stream:
             self.lasts[call] = part
             choice = self.choices[choice_index(call, part, self.samples)]
             choice.add(part)
-            if part.text or part.logprobs or part.finish_reason:
+            tool_calls = take_calls(self.tools, choice, part)
+            if tool_calls:
+                if choice.text or choice.logprobs:
+                    chunk = out.chat_chunk(self.env, choice, generation_pb2.GenerateResponse())
+                    yield out.sse(self._with_usage(chunk, choice))
+                chunk = out.tool_calls_chunk(self.env, choice, tool_calls, part)
+                yield out.sse(self._with_usage(chunk, choice))
+            elif choice.text or part.logprobs or part.finish_reason:
                 build = out.chat_chunk if self.chat else out.completion_chunk
                 yield out.sse(self._with_usage(build(self.env, choice, part), choice))
         if self.body.include_usage:

@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from pagedserve.gateway.errors import invalid
+from pagedserve.gateway.tools import ToolPlan, ToolSpec
 from pagedserve.v1 import common_pb2, generation_pb2
 
 UInt32 = Annotated[int, Field(ge=0, lt=1 << 32)]
@@ -242,13 +243,29 @@ class TextPart(BaseModel):
     text: str | None = None
 
 
+class CalledFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    name: str
+    arguments: str = "{}"
+
+
+class MessageToolCall(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str = ""
+    type: str = "function"
+    function: CalledFunction
+
+
 class Message(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     role: str
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_call_id: str | None = None
+    tool_calls: list[MessageToolCall] | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -258,17 +275,22 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: Annotated[int, Field(ge=1, lt=1 << 32)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, lt=1 << 32)] | None = None
-    tools: list[Any] | None = None
+    tools: list[ToolSpec] | None = None
     tool_choice: Any = None
+    parallel_tool_calls: bool | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False
 
+    def tool_plan(self) -> ToolPlan:
+        """What the request does with its tools (gateway/tools.py); 400s naming the field."""
+        return ToolPlan.of(self.tools, self.tool_choice, self.parallel_tool_calls)
+
     def check_supported(self) -> None:
         super().check_supported()
-        if self.tools:
-            raise invalid("tools", "tool calling is not supported")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise invalid("tool_choice", "tool calling is not supported")
+        plan = self.tool_plan()
+        if plan.grammar() is not None and self.structured_output() is not None:
+            raise invalid("tool_choice", f"{plan.mode} tool choice forces a grammar: no "
+                          f"{self._source()} with it")  # fmt: skip
         if self.top_logprobs is not None and not self.logprobs:
             raise invalid("top_logprobs", "needs logprobs: true")
         if self.continue_final_message and self.add_generation_prompt:
@@ -287,15 +309,29 @@ class ChatCompletionRequest(_Sampling):
             request.sampling.logprobs = self.top_logprobs or 0
         request.messages.SetInParent()
         for index, message in enumerate(self.messages):
-            request.messages.messages.add(
-                role=_role(message.role), content=_content(message, index)
-            )
+            turn = request.messages.messages.add(
+                role=_role(message.role), content=_content(message, index),
+                name=message.name or "", tool_call_id=message.tool_call_id or "",
+            )  # fmt: skip
+            for call in message.tool_calls or ():
+                turn.tool_calls.add(id=call.id, name=call.function.name,
+                                    arguments=call.function.arguments)  # fmt: skip
         request.add_generation_prompt = self.add_generation_prompt
+        plan = self.tool_plan()
+        request.tools.extend(plan.request_tools())
+        grammar = plan.grammar()
+        if grammar is not None:
+            request.sampling.structured_output.CopyFrom(grammar)
         return [request]
 
+    def _source(self) -> str:
+        if self.tool_plan().grammar() is not None:
+            return "tool_choice"
+        return super()._source()
+
     def param_of(self, field: str) -> str | None:
-        if field.startswith("messages"):
-            return "messages"
+        if field.startswith(("messages", "tools")):
+            return field.split(".", 1)[0].split("[", 1)[0]
         limit = "max_completion_tokens" if self.max_completion_tokens else "max_tokens"
         return _sampling_param(field, "top_logprobs", max_tokens=limit, grammar=self._source())
 
@@ -306,8 +342,8 @@ def _role(role: str) -> str:
 
 def _content(message: Message, index: int) -> str:
     """A message's text: a string, or its text parts joined by newlines (as vLLM does)."""
-    if message.tool_calls:
-        raise invalid(f"messages[{index}].tool_calls", "tool calls are not supported")
+    if message.tool_calls and message.role != "assistant":
+        raise invalid(f"messages[{index}].tool_calls", "only assistant messages make tool calls")
     content = message.content
     if content is None or isinstance(content, str):
         return content or ""

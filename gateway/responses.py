@@ -8,7 +8,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pagedserve.gateway.tools import Call, ToolPlan
 from pagedserve.v1 import common_pb2, generation_pb2
+
+Tools = tuple[ToolPlan, str]
 
 _FINISH = {
     common_pb2.FINISH_REASON_STOP: "stop",
@@ -148,19 +151,44 @@ def completion(env: Envelope, choices: list[Choice], used: dict[str, Any]) -> di
     return out
 
 
-def chat_completion(env: Envelope, choices: list[Choice], used: dict[str, Any]) -> dict[str, Any]:
+def chat_completion(
+    env: Envelope, choices: list[Choice], used: dict[str, Any], tools: Tools | None = None
+) -> dict[str, Any]:
+    """`tools`: (the request's ToolPlan, the model's tool-call parser) when it has tools."""
     out = env.head("chat.completion")
-    out["choices"] = [
-        {
+    out["choices"] = []
+    for c in choices:
+        message: dict[str, Any] = {"role": "assistant", "content": c.text, "refusal": None}
+        reason = finish_reason(c.last) if c.last else None
+        if tools is not None and tools[0].active:
+            content, calls = tools[0].parse(c.text, tools[1])
+            if calls:
+                message |= {"content": content, "tool_calls": [call.openai() for call in calls]}
+                reason = "tool_calls" if reason == "stop" else reason
+        out["choices"].append({
             "index": c.index,
-            "message": {"role": "assistant", "content": c.text, "refusal": None},
+            "message": message,
             "logprobs": chat_logprobs(c.logprobs) if env.logprobs else None,
-            "finish_reason": finish_reason(c.last) if c.last else None,
+            "finish_reason": reason,
             "stop_reason": stop_reason(c.last) if c.last else None,
-        }
-        for c in choices
-    ]
+        })  # fmt: skip
     out["usage"] = used
+    return out
+
+
+def tool_calls_chunk(
+    env: Envelope, choice: Choice, calls: list[Call], part: generation_pb2.GenerateResponse
+) -> dict[str, Any]:
+    """The chunk that carries a streamed choice's calls, whole, at its end."""
+    reason = finish_reason(part)
+    out = env.head("chat.completion.chunk")
+    out["choices"] = [{
+        "index": choice.index,
+        "delta": {"tool_calls": [call.openai(i) for i, call in enumerate(calls)]},
+        "logprobs": None,
+        "finish_reason": "tool_calls" if reason == "stop" else reason,
+        "stop_reason": stop_reason(part),
+    }]  # fmt: skip
     return out
 
 

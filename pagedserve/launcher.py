@@ -216,7 +216,8 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
     if getattr(args, "chat_template", None):
         flags += ["--chat-template", str(Path(args.chat_template).resolve())]
     passed = ("max_queued_requests", "stream_interval", "stall_timeout", "max_n",
-              "max_local_prefill_tokens", "local_prefill_queue_tokens")  # fmt: skip
+              "max_local_prefill_tokens", "local_prefill_queue_tokens",
+              "tool_call_parser")  # fmt: skip
     for name in passed:
         if getattr(args, name, None) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -382,6 +383,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat-template", default=None, metavar="FILE",
         help="passed to the router: a Jinja chat template instead of the model's",
+    )  # fmt: skip
+    parser.add_argument(
+        "--tool-call-parser", default=None,
+        choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+        help="passed to the router: how the model writes a tool call (default: auto)",
     )  # fmt: skip
     parser.add_argument(
         "--max-queued-requests", type=int, default=None, help="passed to the router"

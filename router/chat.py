@@ -51,12 +51,67 @@ MAX_CHAT_CHARS = 1 << 20
 """Most characters of message content in one conversation (the text prompt's limit)."""
 
 
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "mistral")
+"""The formats of a tool call in a model's answer that the gateway parses (docs/tools.md)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A call an assistant turn made: `arguments` is JSON text."""
+
+    id: str
+    name: str
+    arguments: str
+
+
 @dataclass(frozen=True, slots=True)
 class ChatMessage:
-    """One turn: `role` is one of ROLES, `content` plain text (checked by `render`)."""
+    """One turn: `role` is one of ROLES, `content` plain text (checked by `render`); `name`,
+    `tool_call_id` and `tool_calls` reach the template only when set (OpenAI's fields)."""
 
     role: str
     content: str
+    name: str = ""
+    tool_call_id: str = ""
+    tool_calls: tuple[ToolCall, ...] = ()
+
+    def for_template(self) -> dict[str, Any]:
+        """The message as transformers passes it to a template: a tool call's arguments as an
+        object where they parse (templates `tojson` them), else the text as given."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [
+                {"id": c.id, "type": "function",
+                 "function": {"name": c.name, "arguments": _arguments(c.arguments)}}
+                for c in self.tool_calls
+            ]  # fmt: skip
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def detect_tool_call_parser(source: str | None) -> str:
+    """The tool-call format a chat template teaches its model, from the markers it writes:
+    Hermes' `<tool_call>` (Qwen2.5, Hermes, SmolLM3), Mistral's `[TOOL_CALLS]`, Llama 3's
+    `<|python_tag|>` / `ipython` role; "" when it shows none."""
+    if not source:
+        return ""
+    if "<tool_call>" in source:
+        return "hermes"
+    if "[TOOL_CALLS]" in source:
+        return "mistral"
+    if "<|python_tag|>" in source or "ipython" in source:
+        return "llama3_json"
+    return ""
 
 
 class ChatTemplate:
@@ -70,6 +125,7 @@ class ChatTemplate:
         """Raises ValueError when `source` does not compile."""
         self.source = source
         self.special_tokens = dict(special_tokens or {})
+        self.tool_call_parser = detect_tool_call_parser(source)  # the router's flag may override
         self.unavailable_reason = (
             "the model directory has no chat template (the router's --chat-template FILE gives one)"
         )
@@ -106,15 +162,22 @@ class ChatTemplate:
             broken.unavailable_reason = f"the model's {exc}"
             return broken
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
-        """The prompt text of `messages`. Raises InvalidArgument naming `messages` (empty, too
-        long, the template unavailable or failing) or `messages[i].role` / `.content`."""
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        *,
+        add_generation_prompt: bool,
+        tools: Sequence[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text of `messages`, with `tools` (OpenAI's function entries) where the
+        request has them. Raises InvalidArgument naming `messages` (empty, too long, the
+        template unavailable or failing) or `messages[i].role` / `.content`."""
         if self._template is None:
             raise InvalidArgument("messages", self.unavailable_reason)
         _check(messages)
         variables: dict[str, Any] = {
-            "messages": [{"role": m.role, "content": m.content} for m in messages],
-            "tools": None,
+            "messages": [m.for_template() for m in messages],
+            "tools": list(tools) if tools else None,
             "documents": None,
             "add_generation_prompt": add_generation_prompt,
             **self.special_tokens,

@@ -48,6 +48,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with messages) instead of the model's own, or for a model without one; a file that "
         "cannot be read or does not compile stops the router at start",
     )  # fmt: skip
+    parser.add_argument(
+        "--tool-call-parser", default="auto",
+        choices=["auto", "hermes", "llama3_json", "mistral", "none"],
+        help="how the model writes a tool call, for the HTTP gateway to parse (ModelInfo."
+        "tool_call_parser); auto: detected from the chat template's markers (docs/tools.md)",
+    )  # fmt: skip
     add_server_arguments(parser, default_port=50051)
     parser.add_argument("--prefill", action="append", default=[], help="static prefill address")
     parser.add_argument("--decode", action="append", default=[], help="static decode address")

@@ -8,12 +8,16 @@ into INVALID_ARGUMENT with a `BadRequest.FieldViolation`.
 from __future__ import annotations
 
 import dataclasses
+import json
+import re
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from pagedserve.errors import InvalidArgument
 from pagedserve.protoconv import sampling_from_proto, sampling_to_proto
-from pagedserve.router.chat import ChatMessage
+from pagedserve.router.chat import ChatMessage, ToolCall
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
 from pagedserve.sampling_params import DEFAULT_MAX_N, SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2
@@ -115,16 +119,60 @@ def _prompt_ids(
     return ids
 
 
+MAX_TOOLS = 128
+"""Most functions one request may offer the model (OpenAI's limit)."""
+
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+
+
+def chat_messages(msg: generation_pb2.ChatMessages) -> list[ChatMessage]:
+    """The conversation, with OpenAI's name / tool_call_id / tool_calls where set."""
+    return [
+        ChatMessage(
+            m.role,
+            m.content,
+            m.name,
+            m.tool_call_id,
+            tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
+        )  # fmt: skip
+        for m in msg.messages
+    ]
+
+
+def template_tools(tools: Sequence[generation_pb2.Tool]) -> list[dict[str, Any]] | None:
+    """`GenerateRequest.tools` as transformers gives them to a template (OpenAI's function
+    entries, parameters as an object); InvalidArgument naming `tools[i]...`."""
+    if not tools:
+        return None
+    if len(tools) > MAX_TOOLS:
+        raise InvalidArgument("tools", f"at most {MAX_TOOLS} tools, got {len(tools)}")
+    out = []
+    for i, tool in enumerate(tools):
+        if not _TOOL_NAME.fullmatch(tool.name):
+            raise InvalidArgument(f"tools[{i}].name", "1-64 letters, digits, '_' or '-', got "
+                                  f"{tool.name!r}")  # fmt: skip
+        try:
+            parameters = json.loads(tool.parameters) if tool.parameters else {}
+        except ValueError as e:
+            raise InvalidArgument(f"tools[{i}].parameters", f"not valid JSON: {e}") from None
+        if not isinstance(parameters, dict):
+            raise InvalidArgument(f"tools[{i}].parameters", "must be a JSON schema object")
+        function = {"name": tool.name, "description": tool.description, "parameters": parameters}
+        out.append({"type": "function", "function": function})
+    return out
+
+
 def _chat_prompt_ids(
     msg: generation_pb2.GenerateRequest, tokenizer: RouterTokenizer, card: ModelCard
 ) -> list[int]:
     """Render the conversation with the model's template; the text holds its special tokens."""
     if not tokenizer.chat.available:
         raise InvalidArgument("messages", tokenizer.chat.unavailable_reason)
-    messages = [ChatMessage(m.role, m.content) for m in msg.messages.messages]
+    messages = chat_messages(msg.messages)
     add_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
+    tools = template_tools(msg.tools)
     try:
-        text = tokenizer.chat.render(messages, add_generation_prompt=add_prompt)
+        text = tokenizer.chat.render(messages, add_generation_prompt=add_prompt, tools=tools)
     except InvalidArgument as exc:
         raise exc.with_prefix("messages") from None
     _check_fits(text, "messages", tokenizer, card)

@@ -62,6 +62,7 @@ class RouterOptions:
     max_model_len: int | None
     use_generation_config: bool
     chat_template: str | None  # the source of --chat-template FILE (read, compiled), or None
+    tool_call_parser: str  # --tool-call-parser: auto, none or one of chat.TOOL_CALL_PARSERS
     host: str
     port: int
     advertise_address: str | None
@@ -101,6 +102,7 @@ class RouterOptions:
             max_model_len=args.max_model_len,
             use_generation_config=args.generation_config != "none",
             chat_template=read_template_file(args.chat_template) if args.chat_template else None,
+            tool_call_parser=getattr(args, "tool_call_parser", "auto"),
             host=args.host,
             port=args.port,
             advertise_address=args.advertise_address,
@@ -156,6 +158,10 @@ def build_servicer(
         use_generation_config=options.use_generation_config,
     )
     tokenizer = RouterTokenizer.from_model_dir(options.model, options.chat_template)
+    if options.tool_call_parser != "auto":
+        tokenizer.chat.tool_call_parser = "" if options.tool_call_parser == "none" else (
+            options.tool_call_parser
+        )  # fmt: skip
     registry = index = None
     if options.redis_url:
         client = connect(options.redis_url)

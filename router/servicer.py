@@ -154,6 +154,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             architecture=card.architecture,
             max_logprobs=MAX_LOGPROBS,
             has_chat_template=self.tokenizer.chat.available,
+            tool_call_parser=self.tokenizer.chat.tool_call_parser,
         )
 
     async def GetClusterStatus(self, request, context) -> generation_pb2.ClusterStatus:  # noqa: N802

@@ -11,7 +11,7 @@ of these RPCs. Bad input raises `InvalidArgument` naming the field.
 from __future__ import annotations
 
 from pagedserve.errors import InvalidArgument
-from pagedserve.router.chat import ChatMessage
+from pagedserve.router.convert import chat_messages
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
 from pagedserve.v1 import generation_pb2
 
@@ -57,7 +57,7 @@ def _render(msg: generation_pb2.TokenizeRequest, tokenizer: RouterTokenizer) -> 
     """The conversation's prompt text (InvalidArgument naming `messages...` as Generate's)."""
     if not tokenizer.chat.available:
         raise InvalidArgument("messages", tokenizer.chat.unavailable_reason)
-    messages = [ChatMessage(m.role, m.content) for m in msg.messages.messages]
+    messages = chat_messages(msg.messages)
     add_prompt = msg.add_generation_prompt if msg.HasField("add_generation_prompt") else True
     try:
         return tokenizer.chat.render(messages, add_generation_prompt=add_prompt)

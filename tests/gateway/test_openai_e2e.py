@@ -331,7 +331,7 @@ BAD = {  # body changes -> the OpenAI parameter the 400 must name
     "n": {"n": 0},
     "logit_bias": {"logit_bias": {"5": 101.0}},
     "top_logprobs": {"top_logprobs": 2},
-    "tools": {"tools": [{"type": "function", "function": {"name": "f"}}]},
+    "tools": {"tools": [{"type": "function", "function": {"name": "f"}}] * 2},  # one name twice
     "response_format": {"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}},
     "seed": {"seed": -3},
     "messages": {"messages": []},

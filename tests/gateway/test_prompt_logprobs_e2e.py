@@ -19,23 +19,6 @@ from pagedserve.sampling_params import SamplingParams
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_chat_model, clusters):
-    return clusters.get(tiny_chat_model, http_port=0), tiny_chat_model
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    url = cluster[0].http_url
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(cluster) -> str:
-    return cluster[1].name
-
-
 def hf_prompt_logprobs(model_dir, prompt: list[int]) -> tuple[list[float], list[int]]:
     """transformers' logprob of each prompt token after the first, and the argmax before it."""
     with torch.no_grad():

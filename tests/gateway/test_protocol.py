@@ -17,6 +17,8 @@ from pagedserve.gateway.errors import GatewayError, from_rpc_error
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.v1 import common_pb2, generation_pb2
 
+F = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+
 
 def chat(**body) -> ChatCompletionRequest:
     return ChatCompletionRequest.model_validate(
@@ -71,8 +73,14 @@ def test_chat_messages_roles_and_text_parts():
         ({"logit_bias": {"one": 2}}, "logit_bias"),
         ({"functions": [{"name": "f"}]}, "functions"),
         ({"prompt_logprobs": 1}, "prompt_logprobs"),
-        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"tools": [{"type": "retrieval", "function": {"name": "f"}}]}, "tools[0].type"),
+        ({"tools": [F, F]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
+        ({"tools": [F], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+         "tool_choice"),
+        ({"tools": [F], "tool_choice": "sometimes"}, "tool_choice"),
+        ({"tools": [F], "tool_choice": "required", "response_format": {"type": "json_object"}},
+         "tool_choice"),
         ({"response_format": {"type": "json_schema"}}, "response_format"),
         ({"response_format": {"type": "xml"}}, "response_format"),
         ({"guided_regex": "a+", "guided_choice": ["x"]}, "guided_choice"),
@@ -83,7 +91,7 @@ def test_chat_messages_roles_and_text_parts():
         ({"continue_final_message": True}, "continue_final_message"),
         ({"messages": [{"role": "user", "content": [{"type": "input_audio"}]}]},
          "messages[0].content"),
-        ({"messages": [{"role": "assistant", "tool_calls": [{"id": "x"}]}]},
+        ({"messages": [{"role": "user", "tool_calls": [{"function": {"name": "f"}}]}]},
          "messages[0].tool_calls"),
     ],
 )  # fmt: skip

@@ -24,23 +24,6 @@ class Pet(BaseModel):
     kind: Literal["cat", "dog"]
 
 
-@pytest.fixture(scope="module")
-def cluster(tiny_chat_model, clusters):
-    return clusters.get(tiny_chat_model, http_port=0), tiny_chat_model
-
-
-@pytest.fixture(scope="module")
-def client(cluster):
-    url = cluster[0].http_url
-    with openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120) as c:
-        yield c
-
-
-@pytest.fixture(scope="module")
-def model(cluster) -> str:
-    return cluster[1].name
-
-
 def is_pet(text: str | None) -> bool:
     try:
         Pet.model_validate_json(text or "")

@@ -3,12 +3,13 @@ and bad conversations are INVALID_ARGUMENT naming the field (router/chat.py, rou
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from support.chat_templates import CHATML, STRICT, TOOLKIT, model_with_template
+from support.chat_templates import CHATML, HERMES, STRICT, TOOLKIT, model_with_template
 from support.smollm2 import smollm2_dir
 from transformers import AutoTokenizer
 
@@ -161,3 +162,61 @@ def test_the_router_renders_without_torch_or_transformers(model_dirs):
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60)
+
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+TOOL_LOOP = [
+    {"role": "user", "content": "Weather in Oslo?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "weather", "arguments": {"city": "Oslo"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "weather", "content": "12 C, rain"},
+]  # fmt: skip
+
+
+def test_tools_and_tool_calls_reach_the_template_as_transformers_do(tiny_llama, tmp_path):
+    model_dir = model_with_template(tiny_llama, tmp_path / "hermes", HERMES)
+    tools = [{"type": "function", "function": {"name": "weather", "description": "Now.",
+                                               "parameters": WEATHER}}]  # fmt: skip
+    msg = generation_pb2.GenerateRequest()
+    msg.messages.SetInParent()
+    for m in TOOL_LOOP:
+        turn = msg.messages.messages.add(role=m["role"], content=m["content"],
+                                         name=m.get("name", ""),
+                                         tool_call_id=m.get("tool_call_id", ""))  # fmt: skip
+        for call in m.get("tool_calls", ()):
+            turn.tool_calls.add(id=call["id"], name=call["function"]["name"],
+                                arguments=json.dumps(call["function"]["arguments"]))  # fmt: skip
+    msg.tools.add(name="weather", description="Now.", parameters=json.dumps(WEATHER))
+    tokenizer = RouterTokenizer.from_model_dir(model_dir)
+    assert tokenizer.chat.tool_call_parser == "hermes"
+    ours = convert.router_request(msg, tokenizer, read_model_card(model_dir)).prompt_token_ids
+    hf = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    want = hf.apply_chat_template(TOOL_LOOP, tools=tools, add_generation_prompt=True,
+                                  tokenize=False)  # fmt: skip
+    assert "<tools>" in want and "<tool_call>" in want and "<tool_response>" in want
+    assert ours == hf(want, add_special_tokens=False)["input_ids"]
+
+
+@pytest.mark.parametrize(
+    ("source", "parser"),
+    [(HERMES, "hermes"), ("{{ '[TOOL_CALLS]' }}", "mistral"),
+     ("{{ '<|python_tag|>' }}", "llama3_json"), (CHATML, ""), (None, "")],
+)  # fmt: skip
+def test_the_tool_call_format_is_detected_from_the_template(source, parser):
+    assert ChatTemplate(source).tool_call_parser == parser
+
+
+def test_bad_tools_are_invalid_argument_naming_them(model_dirs):
+    tokenizer = RouterTokenizer.from_model_dir(model_dirs["chatml"])
+    card = read_model_card(model_dirs["chatml"])
+    for tool, field in (
+        (generation_pb2.Tool(name="bad name"), "tools[0].name"),
+        (generation_pb2.Tool(name="f", parameters="{nope"), "tools[0].parameters"),
+        (generation_pb2.Tool(name="f", parameters="[]"), "tools[0].parameters"),
+    ):
+        msg = request([USER])
+        msg.tools.append(tool)
+        with pytest.raises(InvalidArgument) as info:
+            convert.router_request(msg, tokenizer, card)
+        assert info.value.field == field

@@ -4,7 +4,7 @@ CHATML follows the shape of SmolLM2-Instruct's template (ChatML turns, a default
 when the conversation has none); STRICT is a Llama-2-like template written with one tag per line
 (so trim_blocks/lstrip_blocks matter), with `bos_token`, `eos_token`, a default system prompt, a
 `{% generation %}` block and `raise_exception` for roles it does not know; TOOLKIT uses
-`namespace`, `{% continue %}` and `tojson`.
+`namespace`, `{% continue %}` and `tojson`; HERMES shows tools and tool calls as Qwen2.5 does.
 """
 
 from __future__ import annotations
@@ -55,6 +55,22 @@ TOOLKIT = (
     "{% set ns.n = ns.n + 1 %}{{ ns.n }}:{{ m | tojson }}\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}>{% endif %}"
+)
+
+HERMES = (  # Qwen2.5's way with tools, cut down: tools in the system turn, calls as <tool_call>
+    "{%- if tools %}<|im_start|>system\nYou may call:\n<tools>"
+    "{%- for tool in tools %}\n{{ tool | tojson }}{%- endfor %}\n</tools>\n"
+    'Answer with <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n'
+    "{%- endif %}"
+    "{%- for m in messages %}"
+    "{%- if m.role == 'tool' %}<|im_start|>user\n<tool_response>{{ m.content }}"
+    "</tool_response><|im_end|>\n"
+    "{%- elif m.tool_calls %}<|im_start|>assistant\n{{ m.content }}"
+    "{%- for c in m.tool_calls %}<tool_call>\n{{ {'name': c.function.name, "
+    "'arguments': c.function.arguments} | tojson }}\n</tool_call>{%- endfor %}<|im_end|>\n"
+    "{%- else %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{%- endif %}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
 )
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "config.json")

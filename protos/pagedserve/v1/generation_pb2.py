@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\xc8\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\t \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\n \x01(\x08H\x02\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x0b \x01(\rH\x03\x88\x01\x01\x12\x19\n\x11max_tokens_to_fit\x18\x0c \x01(\x08\x42\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_promptB\x12\n\x10_stream_interval\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pagedserve.v1.Logprobs\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\r\n\x05index\x18\t \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.pagedserve.v1.LogprobsB\x0e\n\x0cmatched_stop\"\xed\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12/\n\x08messages\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xcb\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\"\x19\n\x17GetClusterStatusRequest\"\xba\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.pagedserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\'\n\x04load\x18\x06 \x01(\x0b\x32\x19.pagedserve.v1.LoadReport\x12\x10\n\x08restarts\x18\x07 \x01(\r\"t\n\rClusterStatus\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.pagedserve.v1.WorkerStatus\x12\x1d\n\x15prefix_cache_hit_rate\x18\x02 \x01(\x02\x12\x16\n\x0eindex_degraded\x18\x03 \x01(\x08\x32\xe7\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12X\n\x10GetClusterStatus\x12&.pagedserve.v1.GetClusterStatusRequest\x1a\x1c.pagedserve.v1.ClusterStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1epagedserve/v1/generation.proto\x12\rpagedserve.v1\x1a\x1apagedserve/v1/common.proto\"\xec\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x17.pagedserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\t \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x04 \x01(\x0b\x32\x1d.pagedserve.v1.SamplingParams\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x12\n\ncache_salt\x18\x06 \x01(\t\x12\x0e\n\x06stream\x18\x07 \x01(\x08\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x08 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\n \x01(\x08H\x02\x88\x01\x01\x12\x1c\n\x0fstream_interval\x18\x0b \x01(\rH\x03\x88\x01\x01\x12\x19\n\x11max_tokens_to_fit\x18\x0c \x01(\x08\x12\"\n\x05tools\x18\r \x03(\x0b\x32\x13.pagedserve.v1.ToolB\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_promptB\x12\n\x10_stream_interval\"=\n\x04Tool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"}\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12+\n\ntool_calls\x18\x05 \x03(\x0b\x32\x17.pagedserve.v1.ToolCall\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.pagedserve.v1.ChatMessage\"\xcc\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12)\n\x08logprobs\x18\x04 \x03(\x0b\x32\x17.pagedserve.v1.Logprobs\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.pagedserve.v1.Usage\x12\x32\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.pagedserve.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x07 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x08 \x01(\rH\x00\x12\r\n\x05index\x18\t \x01(\r\x12\x30\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x17.pagedserve.v1.LogprobsB\x0e\n\x0cmatched_stop\"\xed\x01\n\x0fTokenizeRequest\x12\x0e\n\x04text\x18\x01 \x01(\tH\x00\x12/\n\x08messages\x18\x03 \x01(\x0b\x32\x1b.pagedserve.v1.ChatMessagesH\x00\x12\x1f\n\x12\x61\x64\x64_special_tokens\x18\x02 \x01(\x08H\x01\x88\x01\x01\x12\"\n\x15\x61\x64\x64_generation_prompt\x18\x04 \x01(\x08H\x02\x88\x01\x01\x12\x19\n\x11return_token_strs\x18\x05 \x01(\x08\x42\x08\n\x06promptB\x15\n\x13_add_special_tokensB\x18\n\x16_add_generation_prompt\"9\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12\x12\n\ntoken_strs\x18\x02 \x03(\t\"&\n\x11\x44\x65tokenizeRequest\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\"\"\n\x12\x44\x65tokenizeResponse\x12\x0c\n\x04text\x18\x01 \x01(\t\"\x15\n\x13GetModelInfoRequest\"\xe5\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x12\n\nblock_size\x18\x04 \x01(\r\x12\x15\n\reos_token_ids\x18\x05 \x03(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x14\n\x0c\x61rchitecture\x18\x07 \x01(\t\x12\x14\n\x0cmax_logprobs\x18\x08 \x01(\r\x12\x19\n\x11has_chat_template\x18\t \x01(\x08\x12\x18\n\x10tool_call_parser\x18\n \x01(\t\"\x19\n\x17GetClusterStatusRequest\"\xba\x01\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.pagedserve.v1.WorkerRole\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x13\n\x0bincarnation\x18\x04 \x01(\t\x12\r\n\x05\x61live\x18\x05 \x01(\x08\x12\'\n\x04load\x18\x06 \x01(\x0b\x32\x19.pagedserve.v1.LoadReport\x12\x10\n\x08restarts\x18\x07 \x01(\r\"t\n\rClusterStatus\x12,\n\x07workers\x18\x01 \x03(\x0b\x32\x1b.pagedserve.v1.WorkerStatus\x12\x1d\n\x15prefix_cache_hit_rate\x18\x02 \x01(\x02\x12\x16\n\x0eindex_degraded\x18\x03 \x01(\x08\x32\xe7\x03\n\nGeneration\x12M\n\x08Generate\x12\x1e.pagedserve.v1.GenerateRequest\x1a\x1f.pagedserve.v1.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.pagedserve.v1.AbortRequest\x1a\x1c.pagedserve.v1.AbortResponse\x12K\n\x08Tokenize\x12\x1e.pagedserve.v1.TokenizeRequest\x1a\x1f.pagedserve.v1.TokenizeResponse\x12Q\n\nDetokenize\x12 .pagedserve.v1.DetokenizeRequest\x1a!.pagedserve.v1.DetokenizeResponse\x12L\n\x0cGetModelInfo\x12\".pagedserve.v1.GetModelInfoRequest\x1a\x18.pagedserve.v1.ModelInfo\x12X\n\x10GetClusterStatus\x12&.pagedserve.v1.GetClusterStatusRequest\x1a\x1c.pagedserve.v1.ClusterStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,31 +33,35 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pagedserve.v1.generation_pb
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_GENERATEREQUEST']._serialized_start=78
-  _globals['_GENERATEREQUEST']._serialized_end=534
-  _globals['_CHATMESSAGE']._serialized_start=536
-  _globals['_CHATMESSAGE']._serialized_end=580
-  _globals['_CHATMESSAGES']._serialized_start=582
-  _globals['_CHATMESSAGES']._serialized_end=642
-  _globals['_GENERATERESPONSE']._serialized_start=645
-  _globals['_GENERATERESPONSE']._serialized_end=977
-  _globals['_TOKENIZEREQUEST']._serialized_start=980
-  _globals['_TOKENIZEREQUEST']._serialized_end=1217
-  _globals['_TOKENIZERESPONSE']._serialized_start=1219
-  _globals['_TOKENIZERESPONSE']._serialized_end=1276
-  _globals['_DETOKENIZEREQUEST']._serialized_start=1278
-  _globals['_DETOKENIZEREQUEST']._serialized_end=1316
-  _globals['_DETOKENIZERESPONSE']._serialized_start=1318
-  _globals['_DETOKENIZERESPONSE']._serialized_end=1352
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1354
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1375
-  _globals['_MODELINFO']._serialized_start=1378
-  _globals['_MODELINFO']._serialized_end=1581
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1583
-  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1608
-  _globals['_WORKERSTATUS']._serialized_start=1611
-  _globals['_WORKERSTATUS']._serialized_end=1797
-  _globals['_CLUSTERSTATUS']._serialized_start=1799
-  _globals['_CLUSTERSTATUS']._serialized_end=1915
-  _globals['_GENERATION']._serialized_start=1918
-  _globals['_GENERATION']._serialized_end=2405
+  _globals['_GENERATEREQUEST']._serialized_end=570
+  _globals['_TOOL']._serialized_start=572
+  _globals['_TOOL']._serialized_end=633
+  _globals['_TOOLCALL']._serialized_start=635
+  _globals['_TOOLCALL']._serialized_end=690
+  _globals['_CHATMESSAGE']._serialized_start=692
+  _globals['_CHATMESSAGE']._serialized_end=817
+  _globals['_CHATMESSAGES']._serialized_start=819
+  _globals['_CHATMESSAGES']._serialized_end=879
+  _globals['_GENERATERESPONSE']._serialized_start=882
+  _globals['_GENERATERESPONSE']._serialized_end=1214
+  _globals['_TOKENIZEREQUEST']._serialized_start=1217
+  _globals['_TOKENIZEREQUEST']._serialized_end=1454
+  _globals['_TOKENIZERESPONSE']._serialized_start=1456
+  _globals['_TOKENIZERESPONSE']._serialized_end=1513
+  _globals['_DETOKENIZEREQUEST']._serialized_start=1515
+  _globals['_DETOKENIZEREQUEST']._serialized_end=1553
+  _globals['_DETOKENIZERESPONSE']._serialized_start=1555
+  _globals['_DETOKENIZERESPONSE']._serialized_end=1589
+  _globals['_GETMODELINFOREQUEST']._serialized_start=1591
+  _globals['_GETMODELINFOREQUEST']._serialized_end=1612
+  _globals['_MODELINFO']._serialized_start=1615
+  _globals['_MODELINFO']._serialized_end=1844
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_start=1846
+  _globals['_GETCLUSTERSTATUSREQUEST']._serialized_end=1871
+  _globals['_WORKERSTATUS']._serialized_start=1874
+  _globals['_WORKERSTATUS']._serialized_end=2060
+  _globals['_CLUSTERSTATUS']._serialized_start=2062
+  _globals['_CLUSTERSTATUS']._serialized_end=2178
+  _globals['_GENERATION']._serialized_start=2181
+  _globals['_GENERATION']._serialized_end=2668
 # @@protoc_insertion_point(module_scope)
