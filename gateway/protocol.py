@@ -3,11 +3,12 @@
 Parameters follow the OpenAI API reference; vLLM's extra sampling parameters are accepted where
 pagedserve has them (`top_k`, `min_p`, `repetition_penalty`, `ignore_eos`, `min_tokens`,
 `stop_token_ids`, `skip_special_tokens`, `priority`, `cache_salt`, `add_special_tokens`,
-`add_generation_prompt`, `continue_final_message`, `allowed_token_ids`, `use_beam_search`,
-`length_penalty`, `structured_outputs` and the `guided_*` grammars). `response_format` and the
-grammars become one `StructuredOutput` (docs/structured_output.md). Unknown fields are ignored,
-as OpenAI's and vLLM's servers do; a parameter pagedserve cannot honour (tools, `suffix`,
-image content, REFUSED_FIELDS) is a 400 naming it, never silently dropped. Range checks are the
+`add_generation_prompt`, `continue_final_message`, `allowed_token_ids`, `bad_words`,
+`use_beam_search`, `length_penalty`, `structured_outputs` and the `guided_*` grammars).
+`response_format` and the grammars become one `StructuredOutput` (docs/structured_output.md);
+tools go through gateway/tools.py (docs/tools.md). Unknown fields are ignored, as OpenAI's and
+vLLM's servers do; a parameter pagedserve cannot honour (`suffix`, image content,
+REFUSED_FIELDS) is a 400 naming it, never silently dropped. Range checks are the
 router's (one place, the same for gRPC clients); the gateway checks only what the protos cannot
 carry (negative integers) and what is OpenAI's own (model, content parts, `best_of` > n with
 `stream`).
@@ -73,6 +74,7 @@ class _Sampling(BaseModel):
     priority: Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)] = 0
     cache_salt: str | None = None
     allowed_token_ids: list[UInt32] | None = None
+    bad_words: list[str] | None = None
     use_beam_search: bool | None = None
     length_penalty: float | None = None
     # vLLM's structured outputs: `structured_outputs` (newer) and the `guided_*` extras
@@ -134,6 +136,7 @@ class _Sampling(BaseModel):
         out.stop.extend([self.stop] if isinstance(self.stop, str) else self.stop or [])
         out.stop_token_ids.extend(self.stop_token_ids or [])
         out.allowed_token_ids.extend(self.allowed_token_ids or [])
+        out.bad_words.extend(self.bad_words or [])
         for key, bias in (self.logit_bias or {}).items():
             out.logit_bias[_token_id(key)] = bias
         if self.use_beam_search:
@@ -372,7 +375,7 @@ def _sampling_param(field: str, logprobs: str, *, max_tokens: str, grammar: str)
 
 REFUSED_FIELDS = (
     "functions", "function_call", "audio", "prediction", "web_search_options",
-    "prompt_logprobs", "bad_words", "guided_whitespace_pattern", "include_stop_str_in_output",
+    "prompt_logprobs", "guided_whitespace_pattern", "include_stop_str_in_output",
     "truncate_prompt_tokens", "logits_processors", "vllm_xargs", "return_tokens_as_token_ids",
 )  # fmt: skip
 """OpenAI's and vLLM's request fields this server does not honour: a 400 naming the field

@@ -6,7 +6,7 @@ Per row, in the order vLLM and Hugging Face use:
         │
         ├─► logprobs (log_softmax of these RAW logits: vLLM's default "raw_logprobs")
         │
-        ├─► min_tokens (eos / stop ids → -inf) ─► allowed_token_ids ─► logit_bias
+        ├─► min_tokens (eos / stop ids → -inf) ─► allowed_token_ids ─► bad_words ─► logit_bias
         ├─► repetition ─► frequency + presence penalties
         │
         ├─ greedy row:  argmax (lowest index on ties)
@@ -186,6 +186,7 @@ def _has_penalties(row: SamplingRow) -> bool:
         or p.presence_penalty != 0.0
         or bool(p.logit_bias)
         or bool(p.allowed_token_ids)
+        or bool(p.bad_word_ids)
         or bool(_min_tokens_banned(row))
     )
 
@@ -195,9 +196,9 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
 
 
 def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    """Apply min_tokens, allowed_token_ids, logit_bias, repetition, frequency and presence
-    penalties in place to one [V] row. Where min_tokens and allowed_token_ids together leave no
-    token, the allowed ones stay (min_tokens yields)."""
+    """Apply min_tokens, allowed_token_ids, bad words, logit_bias, repetition, frequency and
+    presence penalties in place to one [V] row. Where min_tokens and allowed_token_ids together
+    leave no token, the allowed ones stay (min_tokens yields); bad words yield the same way."""
     p = row.params
     vocab_size = logits.shape[0]
     if p.allowed_token_ids:
@@ -211,6 +212,12 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         logits[_ids(banned, vocab_size, logits.device)] = _NEG_INF
         if before is not None and bool(torch.isneginf(logits).all()):
             logits.copy_(before)
+    banned_words = _bad_word_bans(p.bad_word_ids, row.output_token_ids)
+    if banned_words:
+        kept = logits.clone()
+        logits[_ids(banned_words, vocab_size, logits.device)] = _NEG_INF
+        if bool(torch.isneginf(logits).all()):  # NOTE: nothing left (a grammar's one token)
+            logits.copy_(kept)
     pairs = [(t, b) for t, b in p.logit_bias if 0 <= t < vocab_size]
     if pairs:
         ids = torch.tensor([t for t, _ in pairs], dtype=torch.long)
@@ -226,6 +233,19 @@ def _apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
         output = _ids(row.output_token_ids, vocab_size, logits.device)
         counts = torch.bincount(output, minlength=vocab_size).to(torch.float32)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).float()
+
+
+def _bad_word_bans(sequences: Sequence[Sequence[int]], output: Sequence[int]) -> list[int]:
+    """The last token of each bad-word sequence whose other tokens end the output (vLLM's
+    NoBadWords rule: a one-token word is always banned)."""
+    banned = []
+    for seq in sequences:
+        head = len(seq) - 1
+        if head == 0 or (
+            len(output) >= head and list(output[len(output) - head :]) == list(seq[:-1])
+        ):
+            banned.append(seq[-1])
+    return banned
 
 
 def _ids(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> torch.Tensor:

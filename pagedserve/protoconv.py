@@ -61,6 +61,8 @@ def sampling_from_proto(
         (token_id, _float32(bias)) for token_id, bias in sorted(msg.logit_bias.items())
     )
     values["allowed_token_ids"] = tuple(msg.allowed_token_ids)
+    values["bad_words"] = tuple(msg.bad_words)
+    values["bad_word_ids"] = tuple(tuple(seq.ids) for seq in msg.bad_word_ids)
     if msg.HasField("structured_output"):
         values["structured_output"] = structured_from_proto(msg.structured_output)
     return SamplingParams(**values)  # type: ignore[arg-type]
@@ -100,6 +102,8 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
         stop_token_ids=params.stop_token_ids,
         logit_bias=dict(params.logit_bias),
         allowed_token_ids=params.allowed_token_ids,
+        bad_words=params.bad_words,
+        bad_word_ids=[common_pb2.TokenSequence(ids=ids) for ids in params.bad_word_ids],
     )
     for name in _SCALARS:
         value = getattr(params, name)

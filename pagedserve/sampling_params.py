@@ -45,6 +45,12 @@ MAX_CHOICES = 256
 MAX_LOGIT_BIAS = 1024
 """Most entries of `logit_bias` (OpenAI allows 300 tokens; lm-eval-style uses send a handful)."""
 
+MAX_BAD_WORDS = 64
+"""Most `bad_words` per request (each becomes up to two token sequences)."""
+
+MAX_BAD_WORD_TOKENS = 64
+"""Longest token sequence of a bad word."""
+
 MAX_ABS_LOGIT_BIAS = 100.0
 """Biases live in `[-MAX_ABS_LOGIT_BIAS, MAX_ABS_LOGIT_BIAS]` (OpenAI)."""
 
@@ -149,6 +155,9 @@ class SamplingParams:
       not allow are masked before sampling. Not with beam search, `ignore_eos` or `min_tokens`.
     - `logit_bias`: (token id, bias) pairs, sorted by id, added to the logits before sampling.
     - `allowed_token_ids`: only these may be sampled; empty allows every token.
+    - `bad_words`: text the output must not contain; the router turns each into token
+      sequences (`bad_word_ids`, with and without a leading space), and the sampler bans the
+      token that would complete one after the output's last tokens.
     - `prompt_logprobs`: logprobs of each prompt token after the first given the tokens before
       it, with this many top alternatives (0: the token's own only); `None` returns none. A
       request with them takes no prefix-cache hit (every position is computed). Not with beam
@@ -178,6 +187,8 @@ class SamplingParams:
     structured_output: StructuredOutput | None = None
     logit_bias: tuple[tuple[int, float], ...] = ()
     allowed_token_ids: tuple[int, ...] = ()
+    bad_words: tuple[str, ...] = ()
+    bad_word_ids: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs: int | None = None
 
     @property
@@ -264,6 +275,20 @@ class SamplingParams:
         for i, t in enumerate(self.allowed_token_ids):
             if not 0 <= t < upper:
                 _fail("allowed_token_ids", f"allowed_token_ids[{i}]={t} is outside [0, {upper})")
+        self._validate_bad_words(upper)
+
+    def _validate_bad_words(self, upper: float) -> None:
+        if len(self.bad_words) > MAX_BAD_WORDS:
+            _fail("bad_words", f"at most {MAX_BAD_WORDS}, got {len(self.bad_words)}")
+        for i, word in enumerate(self.bad_words):
+            if not isinstance(word, str) or not 0 < len(word) <= MAX_STOP_STRING_LEN:
+                _fail("bad_words", f"bad_words[{i}] must be 1-{MAX_STOP_STRING_LEN} characters")
+        if len(self.bad_word_ids) > 2 * MAX_BAD_WORDS:
+            _fail("bad_word_ids", f"at most {2 * MAX_BAD_WORDS} sequences")
+        for i, ids in enumerate(self.bad_word_ids):
+            if not 0 < len(ids) <= MAX_BAD_WORD_TOKENS or not all(0 <= t < upper for t in ids):
+                _fail("bad_word_ids", f"bad_word_ids[{i}]: 1-{MAX_BAD_WORD_TOKENS} ids in "
+                      f"[0, {upper})")  # fmt: skip
 
     def _validate_samples(self, max_n: int | None) -> None:
         if self.n < 1:

@@ -19,7 +19,12 @@ from pagedserve.errors import InvalidArgument
 from pagedserve.protoconv import sampling_from_proto, sampling_to_proto
 from pagedserve.router.chat import ChatMessage, ToolCall
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
-from pagedserve.sampling_params import DEFAULT_MAX_N, SamplingParams
+from pagedserve.sampling_params import (
+    DEFAULT_MAX_N,
+    MAX_BAD_WORDS,
+    MAX_STOP_STRING_LEN,
+    SamplingParams,
+)
 from pagedserve.v1 import common_pb2, generation_pb2
 
 MAX_REQUEST_ID_LEN = 128
@@ -67,6 +72,8 @@ def router_request(
         params = sampling_from_proto(msg.sampling, card.sampling_defaults)
     except InvalidArgument as exc:
         raise exc.with_prefix("sampling") from None
+    if params.bad_words:
+        params = dataclasses.replace(params, bad_word_ids=bad_word_ids(params, tokenizer))
     if msg.sampling.use_beam_search and not msg.sampling.HasField("temperature"):
         params = dataclasses.replace(params, temperature=0.0)  # NOTE: not the model's default
     if msg.max_tokens_to_fit and not msg.sampling.HasField("max_tokens"):
@@ -197,6 +204,22 @@ def _check_fits(text: str, field: str, tokenizer: RouterTokenizer, card: ModelCa
             f"at least {at_least} prompt tokens leave no room under max_model_len "
             f"{card.max_model_len}",
         )
+
+
+def bad_word_ids(params: SamplingParams, tokenizer: RouterTokenizer) -> tuple[tuple[int, ...], ...]:
+    """`params.bad_word_ids` and the token sequences of `params.bad_words`: each word as it
+    starts a text and after a space (vLLM's two forms), without special tokens. Words past the
+    limits are left to `validate` (nothing is tokenized for them)."""
+    words = params.bad_words
+    if len(words) > MAX_BAD_WORDS or any(len(w) > MAX_STOP_STRING_LEN for w in words):
+        return params.bad_word_ids
+    out = list(params.bad_word_ids)
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids and ids not in out:
+                out.append(ids)
+    return tuple(out)
 
 
 def continuation(request: RouterRequest, generated: list[int]) -> RouterRequest:

@@ -49,7 +49,8 @@ def test_grammars_and_logits_controls_survive_the_wire():
     ]
     for grammar in grammars:
         params = SamplingParams(structured_output=grammar, logit_bias=((3, -100.0), (7, 0.5)),
-                                allowed_token_ids=(1, 2))  # fmt: skip
+                                allowed_token_ids=(1, 2), bad_words=("no", "never"),
+                                bad_word_ids=((4,), (5, 6)))  # fmt: skip
         wire = sampling_to_proto(params).SerializeToString()
         assert sampling_from_proto(common_pb2.SamplingParams.FromString(wire)) == params
 

@@ -120,9 +120,11 @@ def test_every_singular_sampling_param_has_presence() -> None:
     repeated = sorted(field.name for field in fields if field.is_repeated)
     without_presence = [f.name for f in fields if not f.is_repeated and not f.has_presence]
     # logit_bias is a map (a repeated entry message)
-    assert repeated == ["allowed_token_ids", "logit_bias", "stop", "stop_token_ids"]
+    assert repeated == [
+        "allowed_token_ids", "bad_word_ids", "bad_words", "logit_bias", "stop", "stop_token_ids"
+    ]  # fmt: skip
     assert without_presence == []
-    assert len(fields) == 24
+    assert len(fields) == 26
 
 
 def test_explicit_zero_sampling_param_survives_serialization() -> None:

@@ -220,3 +220,18 @@ def test_logit_bias_and_allowed_token_ids_steer_greedy_tokens(model_dir):
     [few] = engine.generate([prompt], dataclasses.replace(greedy, allowed_token_ids=allowed))
     assert set(few.output_token_ids) <= set(allowed) and len(few.output_token_ids) == 8
     engine.check_integrity()
+
+
+def test_bad_word_sequences_are_never_completed(model_dir):
+    engine = make_engine(model_dir)
+    prompt = prompts(1)[0]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    [plain] = engine.generate([prompt], greedy)
+    first, second = plain.output_token_ids[:2]
+    one = dataclasses.replace(greedy, bad_word_ids=((first,),))
+    [without] = engine.generate([prompt], one)
+    assert first not in without.output_token_ids
+    two = dataclasses.replace(greedy, bad_word_ids=((first, second),))
+    [steered] = engine.generate([prompt], two)
+    assert steered.output_token_ids[0] == first and steered.output_token_ids[1] != second
+    engine.check_integrity()

@@ -131,3 +131,18 @@ def test_logit_bias_and_allowed_token_ids_steer_the_answer(client, model, cluste
         extra_body={"allowed_token_ids": [token]},
     )  # fmt: skip
     assert allowed.choices[0].text == forced.choices[0].text != plain.choices[0].text
+
+
+def test_bad_words_win_over_a_bias_toward_them(client, model, cluster):
+    tokenizer = AutoTokenizer.from_pretrained(cluster[1])
+    token = tokenizer.convert_tokens_to_ids("dd")
+    body = dict(model=model, prompt="Say:", temperature=0.0, max_tokens=5)
+    forced = client.completions.create(**body, logit_bias={str(token): 100})
+    assert forced.choices[0].text == "dd" * 5
+    banned = client.completions.create(
+        **body, logit_bias={str(token): 100}, extra_body={"bad_words": ["dd"]}
+    )
+    assert "dd" not in banned.choices[0].text
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(**body, extra_body={"bad_words": ["x" * 300]})
+    assert info.value.body["param"] == "bad_words"

@@ -1,11 +1,13 @@
-"""The router's side of structured output: a moved stream's grammar replays the tokens already
+"""The router's side of structured output and logits controls: bad words become token
+sequences; a moved stream's grammar replays the tokens already
 sent (`resumed_tokens`), and a field a worker names (a grammar only the workers can compile)
 reaches the client under the GenerateRequest path."""
 
 from __future__ import annotations
 
-from pagedserve.router.convert import RouterRequest, continuation
+from pagedserve.router.convert import RouterRequest, bad_word_ids, continuation
 from pagedserve.router.servicer import request_field
+from pagedserve.router.tokenizer import RouterTokenizer
 from pagedserve.sampling_params import SamplingParams, StructuredOutput
 
 
@@ -32,3 +34,18 @@ def test_worker_fields_get_their_request_path():
     assert request_field("structured_output.grammar") == "sampling.structured_output.grammar"
     assert request_field("logit_bias") == "sampling.logit_bias"
     assert request_field("prompt_token_ids") == "prompt_token_ids"
+
+
+def test_bad_words_become_their_token_sequences_with_and_without_a_space(tiny_llama):
+    tokenizer = RouterTokenizer.from_model_dir(tiny_llama)
+    params = SamplingParams(bad_words=("hello", " world"), bad_word_ids=((9,),))
+    got = bad_word_ids(params, tokenizer)
+    want = [(9,)]
+    for word in ("hello", "world"):
+        for text in (word, " " + word):
+            ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+            if ids not in want:
+                want.append(ids)
+    assert got == tuple(want) and len(got) >= 3
+    too_many = SamplingParams(bad_words=("x",) * 65)
+    assert bad_word_ids(too_many, tokenizer) == ()  # left to validate, which names the field
