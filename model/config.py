@@ -19,7 +19,14 @@ from pagedserve.model.quant import WeightQuant
 if TYPE_CHECKING:
     from pagedserve.model.tensor_parallel import Shard
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+SUPPORTED_ARCHITECTURES = (
+    "LlamaForCausalLM",
+    "MistralForCausalLM",
+    "Qwen2ForCausalLM",
+    "Qwen3ForCausalLM",
+)
+# NOTE: Qwen2 and Qwen3 configs share their sliding-window rules (Qwen2Config.__post_init__)
+_QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # NOTE: rope types whose frequencies depend on the current sequence length (dynamic, longrope)
 # would need a per-step recomputation; they are refused rather than silently approximated.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -28,7 +35,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama-family decoder, normalised across Llama, Mistral and Qwen2 configs."""
+    """A Llama-family decoder, normalised across Llama, Mistral, Qwen2 and Qwen3 configs."""
 
     model_dir: Path
     architecture: str
@@ -46,6 +53,7 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
+    qk_norm: bool  # an RMSNorm over each q and k head before rope (Qwen3)
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     rope_type: str
     dtype: torch.dtype
@@ -98,7 +106,10 @@ def load_model_config(
     raw = json.loads(path.read_text())
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"model: architecture {arch!r} is not supported {SUPPORTED_ARCHITECTURES}")
+        raise ValueError(
+            f"model: architecture {arch!r} (config.json `architectures`) is not supported; "
+            f"pagedserve runs {', '.join(SUPPORTED_ARCHITECTURES)} (docs/models.md)"
+        )
     hf = _hf_config(model_dir, raw, arch)
     rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
@@ -132,6 +143,7 @@ def load_model_config(
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
+        qk_norm=arch == "Qwen3ForCausalLM",
         sliding_windows=_sliding_windows(arch, hf),
         rope_type=rope_type,
         dtype=model_dtype,
@@ -143,9 +155,9 @@ def load_model_config(
     )
 
 
-# The defaults transformers' LlamaConfig, MistralConfig and Qwen2Config give the fields pagedserve
-# reads when config.json leaves them out (tests/model/test_config_reader.py checks every one
-# against AutoConfig).
+# The defaults transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config give the
+# fields pagedserve reads when config.json leaves them out (tests/model/test_config_reader.py
+# checks every one against AutoConfig).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -169,6 +181,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
         "layer_types": None,
     },
+    "Qwen3ForCausalLM": {
+        "vocab_size": 151936, "hidden_size": 4096, "intermediate_size": 22016,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+        "head_dim": 128, "hidden_act": "silu", "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None,
+        "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
+        "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
+    },
 }  # fmt: skip
 _DEFAULT_ROPE_THETA = 10_000.0
 _PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta"}
@@ -187,7 +207,7 @@ def _hf_config(model_dir: Path, raw: dict[str, Any], arch: str) -> Any:
 
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     fields = {**_DEFAULTS[arch], **raw, "rope_parameters": rope}
-    if arch == "Qwen2ForCausalLM":  # NOTE: Qwen2Config.__post_init__, step for step
+    if arch in _QWEN:  # NOTE: Qwen2Config.__post_init__ (Qwen3Config's too), step for step
         if not fields["use_sliding_window"]:
             fields["sliding_window"] = None
         if fields["layer_types"] is None:
@@ -217,6 +237,9 @@ def _plain_rope(raw: dict[str, Any]) -> dict[str, Any] | None:
 def _biases(arch: str, hf: Any) -> tuple[bool, bool, bool]:
     if arch == "Qwen2ForCausalLM":
         return True, False, False
+    if arch == "Qwen3ForCausalLM":  # NOTE: o_proj follows attention_bias; the MLP has none
+        attention_bias = bool(getattr(hf, "attention_bias", False))
+        return attention_bias, attention_bias, False
     if arch == "MistralForCausalLM":
         return False, False, False
     attention_bias = bool(getattr(hf, "attention_bias", False))
@@ -227,7 +250,7 @@ def _sliding_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
     window = getattr(hf, "sliding_window", None)
     if arch == "MistralForCausalLM":
         return (window,) * hf.num_hidden_layers
-    if arch == "Qwen2ForCausalLM":
+    if arch in _QWEN:
         layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (None,) * hf.num_hidden_layers

@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
 
 One forward takes a flattened batch: the prefill chunks and decode tokens of many sequences laid
 end to end, with positions and an `AttentionMetadata` that maps them onto the cache. Module and
@@ -145,6 +145,12 @@ class Attention(nn.Module):
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
+        # Qwen3: each q and k head RMS-normed over head_dim before rope (one weight per norm)
+        self.q_norm: RMSNorm | None = None
+        self.k_norm: RMSNorm | None = None
+        if config.qk_norm:
+            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
         self.group: Group | None = None  # set by `LlamaForCausalLM.join` on a rank of N > 1
         self.fused = False  # q/k/v in one weight (`fuse_rows`)
 
@@ -156,14 +162,15 @@ class Attention(nn.Module):
         meta: AttentionMetadata,
     ) -> torch.Tensor:
         num_tokens, heads, kv_heads = x.shape[0], self.num_heads, self.num_kv_heads
-        if self.fused:
+        if self.fused and self.q_norm is None:
             qkv = cpu_linear.linear(x, self.fused_weight, self.fused_bias)
             qk, v = qkv.view(num_tokens, -1, self.head_dim).split([heads + kv_heads, kv_heads], 1)
             q, k = rotate(qk, rope).split([heads, kv_heads], dim=1)
         else:
-            q = rotate(self.q_proj(x).view(num_tokens, heads, self.head_dim), rope)
-            k = rotate(self.k_proj(x).view(num_tokens, kv_heads, self.head_dim), rope)
-            v = self.v_proj(x).view(num_tokens, kv_heads, self.head_dim)
+            q, k, v = self._qkv(x)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = rotate(q, rope), rotate(k, rope)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
         scales = kv_cache.layer_scales(self.layer_idx)  # None unless the cache is 8-bit
         dispatch.write_kv(k_cache, v_cache, k, v, meta, scales)
@@ -171,6 +178,15 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta, self.scale, self.sliding_window, scales
         )
         return _reduce(self.group, self.o_proj(out.reshape(num_tokens, -1)))
+
+    def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q [T, heads, D], k and v [T, kv_heads, D], before any norm or rope."""
+        shape = (x.shape[0], -1, self.head_dim)
+        if self.fused:
+            qkv = cpu_linear.linear(x, self.fused_weight, self.fused_bias).view(shape)
+            q, k, v = qkv.split([self.num_heads, self.num_kv_heads, self.num_kv_heads], dim=1)
+            return q, k, v
+        return self.q_proj(x).view(shape), self.k_proj(x).view(shape), self.v_proj(x).view(shape)
 
 
 class MLP(nn.Module):

@@ -5,7 +5,8 @@ path's ~14 calls per layer added ~10 ms more; `NativeStack` replaces the loop ov
 one call that runs the same kernels. It takes a step when every part of it is what the kernels
 compute — float32 on CPU, a plain (unquantized) float32 KV cache, single-token rows only, at
 most `max_rows` of them, no tensor parallelism, Llama's layer (fused fp32 q/k/v and gate/up, or
-int8 / int4 linears the native kernels read, SiLU, at most one sliding window) — and
+int8 / int4 linears the native kernels read, SiLU, at most one sliding window, no q/k norms:
+Qwen3's layers take the Python path) — and
 otherwise `forward` returns None and the model runs its Python path. Its outputs are the Python
 path's except for SiLU's exponential (a few ulp: docs/kernels.md).
 """
@@ -130,6 +131,8 @@ def _layer(
         return None
     attn, mlp = module.self_attn, module.mlp
     if type(attn) is not Attention or type(mlp) is not MLP or mlp.act_fn is not F.silu:
+        return None
+    if attn.q_norm is not None or attn.k_norm is not None:  # NOTE: Qwen3's per-head norms
         return None
     if not (_is_norm(module.input_layernorm) and _is_norm(module.post_attention_layernorm)):
         return None

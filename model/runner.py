@@ -80,7 +80,8 @@ def weight_bytes(config: ModelConfig) -> int:
             else:
                 weights += quantized_bytes(i, o, config.quantization, size)
     biases = (q + 2 * kv) * config.qkv_bias + h * config.o_bias + (2 * inner + h) * config.mlp_bias
-    weights += config.num_layers * (biases + 2 * h) * size
+    norms = 2 * h + 2 * config.head_dim * config.qk_norm
+    weights += config.num_layers * (biases + norms) * size
     table = config.vocab_size * h
     embedding = q8_0(gguf_weights.EMBEDDING, h, config.vocab_size) or table * size
     head = 0 if config.tie_word_embeddings else (

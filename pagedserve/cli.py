@@ -25,7 +25,15 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
         help="write a small random-weight Llama-family model and tokenizer (offline)",
     )
     p.add_argument("dir", help="output directory (created)")
-    p.add_argument("--arch", default="llama", choices=["llama", "mistral", "qwen2"])
+    p.add_argument(
+        "--arch",
+        "--family",
+        dest="arch",
+        default="llama",
+        choices=["llama", "mistral", "qwen2", "qwen3"],
+        help="the model family (config.json architectures: LlamaForCausalLM, "
+        "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM)",
+    )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)
     p.add_argument("--heads", type=int, default=4)

@@ -154,11 +154,35 @@ def _missing_extra() -> str | None:
     return f"needs {', '.join(missing)}: pip install 'pagedserve[models]'"
 
 
+# `general.architecture` of the GGUF files pagedserve converts. NOTE: not qwen3: transformers'
+# GGUF reader takes its head_dim from Qwen3Config's default (it maps no `attention.key_length`),
+# and the quantized-block loader (model/gguf_weights.py) reorders q/k rows as llama.cpp
+# permutes Llama's, which it does not for Qwen3. A Qwen3 model is served from its safetensors.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """The file's `general.architecture` (its header only is read)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields.get("general.architecture")
+    if field is None:
+        raise ValueError(f"model: {gguf.name} has no general.architecture: not a model GGUF")
+    return bytes(field.parts[field.data[0]]).decode("utf-8")
+
+
 def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
     """Dequantize `gguf` into `out` (a new directory)."""
     problem = _missing_extra()
     if problem:
         raise ValueError(f"model: converting a GGUF file {problem}")
+    arch = gguf_architecture(gguf)
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(
+            f"model: {gguf.name} is a {arch!r} GGUF; pagedserve converts GGUF files of "
+            f"{', '.join(GGUF_ARCHITECTURES)} only (Qwen3: serve its Hugging Face safetensors "
+            "directory; docs/models.md)"
+        )
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

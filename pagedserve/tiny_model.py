@@ -45,9 +45,11 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen3Config,
 )
 
-ARCHS = ("llama", "mistral", "qwen2")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+WINDOWED_ARCHS = ("mistral", "qwen3")  # the archs `sliding_window` applies to
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # trained first, in this order, so their ids are:
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -81,9 +83,13 @@ def make_tiny_model(
 ) -> Path:
     """Write a tiny checkpoint + tokenizer into `out_dir` (created if missing) and return its path.
 
+    qwen3 (`Qwen3ForCausalLM`) gets q/k norms and a head_dim of 2 * hidden / heads, so that a
+    runtime that derives head_dim from hidden / heads fails; its `sliding_window` applies to the
+    second half of the layers (`max_window_layers`), as Qwen's configs lay windows out.
+
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
-    plus 256 byte symbols, or `sliding_window` on an arch other than mistral.
+    plus 256 byte symbols, or `sliding_window` on an arch other than mistral and qwen3.
     """
     _validate(arch, hidden, heads, kv_heads, vocab, dtype, sliding_window)
     out = Path(out_dir)
@@ -147,9 +153,9 @@ def _validate(
     min_vocab = len(SPECIAL_TOKENS) + NUM_BYTE_SYMBOLS
     if vocab < min_vocab:
         raise ValueError(f"vocab must be >= {min_vocab} (specials + bytes), got vocab={vocab}")
-    if sliding_window is not None and arch != "mistral":
+    if sliding_window is not None and arch not in WINDOWED_ARCHS:
         raise ValueError(
-            f"sliding_window is only supported for arch='mistral', got arch={arch!r} "
+            f"sliding_window is only supported for arch in {WINDOWED_ARCHS}, got arch={arch!r} "
             f"sliding_window={sliding_window}"
         )
 
@@ -224,6 +230,14 @@ def build_config(
         return LlamaConfig(head_dim=hidden // heads, **common)
     if arch == "mistral":
         return MistralConfig(head_dim=hidden // heads, sliding_window=sliding_window, **common)
+    if arch == "qwen3":
+        return Qwen3Config(
+            head_dim=2 * hidden // heads,
+            use_sliding_window=sliding_window is not None,
+            sliding_window=sliding_window,
+            max_window_layers=layers // 2,
+            **common,
+        )
     return Qwen2Config(use_sliding_window=False, **common)
 
 

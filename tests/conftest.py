@@ -70,6 +70,12 @@ def tiny_llama(make_tiny) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3(make_tiny) -> Path:
+    """`Qwen3ForCausalLM`: q/k norms, head_dim 32 (not hidden / heads = 16), no biases."""
+    return make_tiny("qwen3")
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama with the ChatML chat template (one directory for the session, so that the
     clusters of every test that serves it can be one)."""

@@ -68,6 +68,23 @@ def test_qwen2_has_nonzero_qkv_biases(build: Builder) -> None:
     assert attn.o_proj.bias is None
 
 
+def test_qwen3_has_random_q_k_norms_over_its_own_head_dim(build: Builder) -> None:
+    model = AutoModelForCausalLM.from_pretrained(build(arch="qwen3"))
+    assert type(model).__name__ == "Qwen3ForCausalLM"
+    assert model.config.head_dim == 32 != model.config.hidden_size // 4
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.shape == (2 * 32, 64) and attn.o_proj.weight.shape == (64, 4 * 32)
+    for norm in (attn.q_norm, attn.k_norm):
+        assert norm.weight.shape == (32,) and norm.weight.std() > 0.05
+    assert all(p.bias is None for p in (attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj))
+
+
+def test_qwen3_sliding_window_covers_the_upper_half_of_the_layers(build: Builder) -> None:
+    config = AutoModelForCausalLM.from_pretrained(build(arch="qwen3", sliding_window=8)).config
+    assert (config.use_sliding_window, config.sliding_window) == (True, 8)
+    assert config.layer_types == ["full_attention", "sliding_attention"]
+
+
 def test_norm_weights_are_random_around_one(build: Builder) -> None:
     model = AutoModelForCausalLM.from_pretrained(build())
     for norm in (model.model.norm, model.model.layers[1].input_layernorm):

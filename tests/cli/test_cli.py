@@ -19,6 +19,20 @@ def pagedserve(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
+def generate_matches_transformers(model_dir) -> None:
+    """`pagedserve generate --model DIR` (in-process) prints transformers' greedy text."""
+    out = pagedserve(
+        "generate", "--model", str(model_dir), "--prompt", "The oven", "--max-tokens", "8"
+    )
+    assert out.returncode == 0, out.stderr
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    ids = tokenizer("The oven", return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
+    assert out.stdout.rstrip("\n") == tokenizer.decode(want, skip_special_tokens=True)
+
+
 def test_make_tiny_model_then_generate_matches_transformers(tmp_path):
     model_dir = tmp_path / "tiny"
     made = pagedserve(
@@ -33,17 +47,16 @@ def test_make_tiny_model_then_generate_matches_transformers(tmp_path):
         300,
     )
 
-    out = pagedserve(
-        "generate", "--model", str(model_dir), "--prompt", "The oven", "--max-tokens", "8"
-    )
-    assert out.returncode == 0, out.stderr
+    generate_matches_transformers(model_dir)
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    ids = tokenizer("The oven", return_tensors="pt")["input_ids"]
-    with torch.no_grad():
-        want = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :]
-    assert out.stdout.rstrip("\n") == tokenizer.decode(want, skip_special_tokens=True)
+
+def test_make_tiny_model_family_qwen3_generates_as_transformers(tmp_path):
+    model_dir = tmp_path / "tiny-qwen3"
+    made = pagedserve("make-tiny-model", "--family", "qwen3", str(model_dir), "--layers", "1")
+    assert made.returncode == 0, made.stderr
+    config = json.loads((model_dir / "config.json").read_text())
+    assert (config["architectures"], config["head_dim"]) == (["Qwen3ForCausalLM"], 32)
+    generate_matches_transformers(model_dir)
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path):

@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
 QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
+QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 SMALL = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
 }  # fmt: skip
@@ -29,6 +30,7 @@ CONFIGS = {
     "llama-all-defaults": LLAMA,
     "mistral-all-defaults": MISTRAL,
     "qwen2-all-defaults": QWEN2,
+    "qwen3-all-defaults": QWEN3,
     "llama-top-level-rope-theta": {**LLAMA, **SMALL, "rope_theta": 500000.0},
     "llama-rope-parameters": {
         **LLAMA, **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}
@@ -65,6 +67,19 @@ CONFIGS = {
         **QWEN2, **SMALL, "num_key_value_heads": None, "dtype": "bfloat16",
         "eos_token_id": 151645,
     },
+    "qwen3-window-on-head-dim-64": {
+        **QWEN3, **SMALL, "use_sliding_window": True, "sliding_window": 64,
+        "max_window_layers": 2, "head_dim": 64,
+    },
+    "qwen3-window-off-attention-bias-mlp-bias-ignored": {
+        **QWEN3, **SMALL, "sliding_window": 64, "attention_bias": True, "mlp_bias": True,
+        "tie_word_embeddings": True, "eos_token_id": [151645, 151643],
+    },
+    "qwen3-layer-types-null-kv-heads": {
+        **QWEN3, **SMALL, "use_sliding_window": True, "sliding_window": 32,
+        "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
+        "num_key_value_heads": None,
+    },
 }  # fmt: skip
 
 
@@ -88,7 +103,7 @@ def test_a_plain_config_reads_as_transformers_reads_it(name, tmp_path, monkeypat
     assert ours.hidden_act in ACTIVATIONS
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
 def test_the_tiny_models_read_as_transformers_reads_them(make_tiny, arch, monkeypatch):
     model_dir = make_tiny(arch)
     assert load_model_config(model_dir) == through_transformers(monkeypatch, model_dir)

@@ -16,7 +16,13 @@ from pagedserve.model.loader import load_model
 
 @pytest.mark.parametrize(
     ("arch", "kwargs"),
-    [("llama", {}), ("qwen2", {}), ("mistral", {}), ("llama", {"tie_word_embeddings": True})],
+    [
+        ("llama", {}),
+        ("qwen2", {}),
+        ("qwen3", {}),
+        ("mistral", {}),
+        ("llama", {"tie_word_embeddings": True}),
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_weight_bytes_are_the_loaded_models(make_tiny, arch, kwargs, dtype):

@@ -41,6 +41,8 @@ VARIANTS = {
         },
     ),
     "mistral-sliding-window-24": ("mistral", {"sliding_window": 24}),
+    # NOTE: layer 0 full attention, layer 1 windowed (max_window_layers), as Qwen lays them out
+    "qwen3-sliding-window-24": ("qwen3", {"sliding_window": 24}),
     "tied-embeddings": ("llama", {"tie_word_embeddings": True}),
 }
 
@@ -94,8 +96,10 @@ def test_unsupported_architecture_is_a_clear_error(tiny_llama, tmp_path):
     config = json.loads((model_dir / "config.json").read_text())
     config["architectures"] = ["GPT2LMHeadModel"]
     (model_dir / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel"):
+    with pytest.raises(ValueError, match="GPT2LMHeadModel") as info:
         load_model_config(model_dir)
+    for supported in ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        assert supported in str(info.value)
 
 
 def test_missing_files_are_clear_errors(tiny_llama, tmp_path: Path):

@@ -124,3 +124,19 @@ def test_prefill_rows_and_batches_past_its_bound_take_the_layer_path(tiny_llama)
         ids, positions = torch.ones(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
         assert stack.forward(ids, positions, _meta(query_lens)) is None
     assert torch.equal(cache.tensor, before), "a declined step writes nothing"
+
+
+def test_the_stack_declines_qwen3s_q_k_norms_and_the_layer_path_matches_transformers(
+    tiny_qwen3, stack_calls
+):
+    """Its kernels compute Llama's attention: a layer with q/k norms must take the Python path
+    (the same model without them would be built)."""
+    model, cache = _model_and_cache(tiny_qwen3)
+    assert NativeStack.build(model, cache) is None
+    for layer in model.model.layers:
+        layer.self_attn.q_norm = layer.self_attn.k_norm = None
+    assert NativeStack.build(model, cache) is not None, "declined for another reason"
+    prompts = make_prompts((5, 30))
+    for prompt, (tokens, _) in zip(prompts, _decode(tiny_qwen3, None, prompts), strict=True):
+        assert tokens == hf_greedy(tiny_qwen3, torch.float32, tuple(prompt))[0]
+    assert not stack_calls

@@ -1,0 +1,97 @@
+"""Qwen3 (`Qwen3ForCausalLM`): Llama's decoder with an RMSNorm over each q and k head before
+rope, its own head_dim, o_proj's bias following `attention_bias`, Qwen2's sliding-window rules.
+The oracle tests (test_oracle.py, test_model_variants.py, test_native_stack.py) run the tiny
+Qwen3 beside the other families; here: what is Qwen3's own (the config's defaults, scheduling
+under pressure, a GGUF refused, one real cluster)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from gguf import GGUFWriter
+from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
+
+from pagedserve.client import Client
+from pagedserve.decode_worker.plan import PreemptionMode
+from pagedserve.fetch_model import fetch_model
+from pagedserve.model.config import load_model_config
+from pagedserve.sampling_params import SamplingParams
+
+
+def test_qwen3_defaults_are_its_own_head_dim_q_k_norms_and_no_biases(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["Qwen3ForCausalLM"]}))
+    config = load_model_config(tmp_path)
+    assert (config.hidden_size, config.num_heads, config.head_dim) == (4096, 32, 128)
+    assert config.qk_norm and not (config.qkv_bias or config.o_bias or config.mlp_bias)
+    assert config.sliding_windows == (None,) * 32
+
+
+def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(tiny_qwen3):
+    """Small chunks and a KV pool too small for every sequence at once: sequences are
+    swapped out and back in, and every token still equals transformers'."""
+    prompts = make_prompts((3, 90, 20, 150, 1, 64), seed=11)
+    engine = make_engine(
+        tiny_qwen3, block_size=8, num_blocks=40, num_swap_blocks=64, max_num_batched_tokens=32,
+        preemption_mode=PreemptionMode.SWAP,
+    )  # fmt: skip
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    swapped = 0
+    while engine.has_unfinished:
+        swapped += len(engine.step().plan.preempted)
+        engine.check_integrity()
+    engine.close()
+    assert swapped >= 1, "the pool must run short"
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(tiny_qwen3, torch.float32, tuple(prompt))[0]
+
+
+def test_two_tensor_parallel_ranks_keep_transformers_tokens(tiny_qwen3):
+    """Each rank holds half the heads and the whole (replicated) q/k norm weights."""
+    prompts = make_prompts((6, 40), seed=13)
+    engine = make_engine(tiny_qwen3, block_size=8, num_blocks=64, tensor_parallel_size=2)
+    try:
+        seqs = engine.generate(prompts, GREEDY)
+        assert engine.runner.config.num_heads == 2
+    finally:
+        engine.close()
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(tiny_qwen3, torch.float32, tuple(prompt))[0]
+
+
+def test_a_qwen3_gguf_is_refused_before_conversion_naming_it(tmp_path):
+    gguf = tmp_path / "tiny-qwen3.gguf"
+    writer = GGUFWriter(str(gguf), "qwen3")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match="'qwen3' GGUF.*llama") as info:
+        fetch_model(str(gguf), tmp_path / "out")
+    assert "safetensors" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cluster_serves_qwen3_concurrently_as_transformers(tiny_qwen3, clusters):
+    started = clusters.get(tiny_qwen3)
+    prompts = make_prompts((1, 9, 17, 40, 75), seed=12)
+    params = SamplingParams(temperature=0.0, max_tokens=16)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        with Client(started.router_address) as client:
+            stream = client.generate(prompts[i], params, timeout=120)
+            results[i] = [t for part in stream for t in part.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for i, prompt in enumerate(prompts):
+        want = hf_greedy(tiny_qwen3, torch.float32, tuple(prompt))[0][: params.max_tokens]
+        assert results.get(i) == want, f"prompt {i} of {len(prompt)} tokens"
