@@ -206,12 +206,17 @@ def test_a_grammar_xgrammar_cannot_compile_is_refused_by_name_and_holds_nothing(
     engine.check_integrity()
 
 
-def test_logit_bias_and_allowed_token_ids_steer_greedy_tokens(model_dir):
+def test_logit_bias_allowed_token_ids_and_bad_words_steer_greedy_tokens(model_dir):
     engine = make_engine(model_dir)
     prompt = prompts(1)[0]
     greedy = SamplingParams(temperature=0.0, max_tokens=8)
     [plain] = engine.generate([prompt], greedy)
-    first = plain.output_token_ids[0]
+    first, second = plain.output_token_ids[:2]
+    [without] = engine.generate([prompt], dataclasses.replace(greedy, bad_word_ids=((first,),)))
+    assert first not in without.output_token_ids
+    pair = dataclasses.replace(greedy, bad_word_ids=((first, second),))
+    [steered] = engine.generate([prompt], pair)
+    assert steered.output_token_ids[0] == first and steered.output_token_ids[1] != second
     [banned] = engine.generate([prompt], dataclasses.replace(greedy, logit_bias=((first, -100.0),)))
     assert banned.output_token_ids[0] != first
     [forced] = engine.generate([prompt], dataclasses.replace(greedy, logit_bias=((77, 100.0),)))
@@ -219,19 +224,4 @@ def test_logit_bias_and_allowed_token_ids_steer_greedy_tokens(model_dir):
     allowed = (40, 41, 42)
     [few] = engine.generate([prompt], dataclasses.replace(greedy, allowed_token_ids=allowed))
     assert set(few.output_token_ids) <= set(allowed) and len(few.output_token_ids) == 8
-    engine.check_integrity()
-
-
-def test_bad_word_sequences_are_never_completed(model_dir):
-    engine = make_engine(model_dir)
-    prompt = prompts(1)[0]
-    greedy = SamplingParams(temperature=0.0, max_tokens=8)
-    [plain] = engine.generate([prompt], greedy)
-    first, second = plain.output_token_ids[:2]
-    one = dataclasses.replace(greedy, bad_word_ids=((first,),))
-    [without] = engine.generate([prompt], one)
-    assert first not in without.output_token_ids
-    two = dataclasses.replace(greedy, bad_word_ids=((first, second),))
-    [steered] = engine.generate([prompt], two)
-    assert steered.output_token_ids[0] == first and steered.output_token_ids[1] != second
     engine.check_integrity()
