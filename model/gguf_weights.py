@@ -17,8 +17,9 @@ blocks instead: the file's own codes and scales, never dequantized to fp32 and q
     Q4 codes: byte j holds weight j (low nibble) and weight j + 16 (high nibble)
 
 In ATen's packed int4 format (`w = (q - 8) * scale + zero`) that is scale = d and zero = 0
-(Q4_0) or m + 8 d (Q4_1). llama.cpp stores q and k rows permuted for its rotary layout;
-transformers' GGUF loader undoes it, and so do we (the same row permutation of the codes).
+(Q4_0) or m + 8 d (Q4_1). llama.cpp stores q and k rows permuted for its rotary layout in
+files of its "llama" architecture (Llama, Mistral); transformers' GGUF loader undoes it for
+those, and so do we (the same row permutation of the codes); a qwen2 file keeps HF's order.
 Other tensor types (F32, F16, K-quants) load from the safetensors as before.
 """
 
@@ -35,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedserve.fetch_model import SOURCE_FILE, known_gguf
+from pagedserve.fetch_model import SOURCE_FILE, gguf_architecture, known_gguf
 
 if TYPE_CHECKING:
     from pagedserve.model.quant import WeightQuant
@@ -162,6 +163,10 @@ def quantized_tensors(
     int4's decoder linears, Q8_0 (codes, scale) for int8's and for the embedding and head."""
     from gguf import GGUFReader  # NOTE: optional dependency, as in `block_kinds`
 
+    # NOTE: llama.cpp permutes q/k rows for its "llama" architecture only (Mistral is converted
+    # as one); transformers undoes it for that architecture only, and so do we: a qwen2 file's
+    # rows are stored in Hugging Face order
+    permuted = gguf_architecture(gguf) == "llama"
     for tensor in GGUFReader(str(gguf)).tensors:
         named = _checkpoint_name(tensor.name)
         kind = tensor.tensor_type.name
@@ -175,7 +180,7 @@ def quantized_tensors(
             if kind == "Q8_0"
             else decode_q4(blocks, kind, in_features)
         )
-        if part in ("attn_q", "attn_k"):
+        if permuted and part in ("attn_q", "attn_k"):
             order = torch.from_numpy(
                 _rope_rows(payload[0].shape[0], num_heads if part == "attn_q" else num_kv_heads)
             )

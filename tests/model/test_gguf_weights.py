@@ -126,15 +126,16 @@ def _permute_rows(rows: np.ndarray, num_heads: int) -> np.ndarray:
     return stored
 
 
-def q8_0_model(source: Path, out: Path, tied: bool) -> Path:
+def q8_0_model(source: Path, out: Path, tied: bool, arch: str = "llama") -> Path:
     """`source`'s weights through Q8_0: a GGUF of its decoder linears, embedding and (untied)
     head, and beside it a converted directory holding their dequantization, as fetch-model
-    writes one."""
+    writes one. `arch`: the file's general.architecture; llama.cpp permutes q/k rows for
+    "llama" only."""
     shutil.copytree(source, out)
     config = json.loads((out / "config.json").read_text())
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     weights = load_file(str(out / "model.safetensors"))
-    writer = GGUFWriter(str(out / "model.Q8_0.gguf"), "llama")
+    writer = GGUFWriter(str(out / "model.Q8_0.gguf"), arch)
     parts = {v: k for k, v in gguf_weights._NAMES.items()}
     for name, tensor in sorted(weights.items()):
         if name == gguf_weights.EMBEDDING:
@@ -147,7 +148,7 @@ def q8_0_model(source: Path, out: Path, tied: bool) -> Path:
         else:
             continue
         rows = tensor.float().numpy()
-        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
+        if arch == "llama" and gguf_name.endswith(("attn_q.weight", "attn_k.weight")):
             rows = _permute_rows(rows, heads if "attn_q" in gguf_name else kv_heads)
         blocks = quants.quantize(rows, GGMLQuantizationType.Q8_0)
         writer.add_tensor(gguf_name, blocks, raw_dtype=GGMLQuantizationType.Q8_0)
@@ -169,11 +170,14 @@ def q8_0_model(source: Path, out: Path, tied: bool) -> Path:
     return out
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
+@pytest.mark.parametrize(
+    ("tied", "arch"), [(False, "llama"), (True, "llama"), (False, "qwen2")],
+    ids=["untied", "tied", "qwen2-rows-unpermuted"],
+)  # fmt: skip
 def test_a_q8_0_file_loads_from_its_blocks_under_int8_and_equals_transformers(
-    tiny_llama, tmp_path, monkeypatch, tied
+    tiny_llama, tmp_path, monkeypatch, tied, arch
 ):
-    model_dir = q8_0_model(tiny_llama, tmp_path / "q8", tied)
+    model_dir = q8_0_model(tiny_llama, tmp_path / "q8", tied, arch)
     read = []
     real = QuantizedLinear.load_weight
     monkeypatch.setattr(QuantizedLinear, "load_weight", lambda s, w: read.append(1) or real(s, w))
