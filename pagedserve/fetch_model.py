@@ -155,9 +155,8 @@ def _missing_extra() -> str | None:
 
 
 # `general.architecture` of the GGUF files pagedserve converts. NOTE: not qwen3: transformers'
-# GGUF reader takes its head_dim from Qwen3Config's default (it maps no `attention.key_length`),
-# and the quantized-block loader (model/gguf_weights.py) reorders q/k rows as llama.cpp
-# permutes Llama's, which it does not for Qwen3. A Qwen3 model is served from its safetensors.
+# GGUF reader takes its head_dim from Qwen3Config's default (it maps no `attention.key_length`).
+# A Qwen3 model is served from its safetensors.
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
