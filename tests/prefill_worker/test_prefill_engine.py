@@ -11,12 +11,13 @@ import pytest
 import torch
 from support.oracle import hf_greedy, hf_model, make_engine, make_prompts
 from support.waits import wait_until
+from transformers import AutoTokenizer
 
 from pagedserve.errors import InvalidArgument
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.lease_table import LeaseState, LeaseStats
 from pagedserve.prefill_worker.worker import PrefillWorker
-from pagedserve.sampling_params import SamplingParams
+from pagedserve.sampling_params import SamplingParams, StructuredOutput
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8)
 
@@ -222,3 +223,21 @@ def test_the_engine_alone_steps_without_a_thread_and_hands_prompts_back(tiny_lla
     engine.free(seq.block_table)
     engine.check_integrity()
     assert engine.pool.num_used == 0
+
+
+def test_a_structured_first_token_follows_its_grammar_and_leaves_no_matcher(tiny_llama):
+    config = PrefillEngineConfig(num_blocks=16, max_num_batched_tokens=64, use_shm=False)
+    engine = PrefillEngine.from_model_dir(str(tiny_llama), config)
+    (prompt,) = make_prompts((20,), seed=5)
+    grammar = StructuredOutput("choice", choices=("yes", "no"))
+    seq = engine.new_sequence(prompt, SamplingParams(temperature=0.0, max_tokens=4,
+                                                     structured_output=grammar),
+                              request_id="choice")  # fmt: skip
+    engine.add_sequence(seq)
+    while engine.has_unfinished:
+        engine.step()
+    first = AutoTokenizer.from_pretrained(tiny_llama).decode(seq.output_token_ids)
+    assert first and ("yes".startswith(first) or "no".startswith(first)), first
+    assert engine.runner.sampler.grammars.num_matchers == 0, "a handed-back prompt keeps none"
+    engine.free(seq.block_table)
+    engine.check_integrity()
