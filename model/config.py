@@ -24,6 +24,8 @@ SUPPORTED_ARCHITECTURES = (
     "MistralForCausalLM",
     "Qwen2ForCausalLM",
     "Qwen3ForCausalLM",
+    "Olmo2ForCausalLM",
+    "GraniteForCausalLM",
 )
 # NOTE: Qwen2 and Qwen3 configs share their sliding-window rules (Qwen2Config.__post_init__)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -35,7 +37,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama-family decoder, normalised across Llama, Mistral, Qwen2 and Qwen3 configs."""
+    """A Llama-family decoder, normalised across Llama, Mistral, Qwen2, Qwen3, OLMo 2 and Granite
+    configs. The fields with defaults after `raw` are the family variants; their defaults are
+    Llama's layer."""
 
     model_dir: Path
     architecture: str
@@ -53,7 +57,9 @@ class ModelConfig:
     qkv_bias: bool
     o_bias: bool
     mlp_bias: bool
-    qk_norm: bool  # an RMSNorm over each q and k head before rope (Qwen3)
+    # RMSNorms of q and k before rope: "" none; "head" over each head (Qwen3); "projection" over
+    # the whole q and k projections, every head at once (OLMo 2)
+    qk_norm: str
     sliding_windows: tuple[int | None, ...]  # per layer; None = full attention
     rope_type: str
     dtype: torch.dtype
@@ -63,6 +69,22 @@ class ModelConfig:
     quantization: WeightQuant | None = None  # the linear layers' weights (model/quant.py)
     kv_cache_dtype: torch.dtype | None = None  # stored KV elements; None = `dtype` (kv_cache.py)
     tp: Shard | None = None  # one tensor-parallel rank's part of the model (tensor_parallel.py)
+    # OLMo 2: norms after attention and MLP, on the residual branch (`post_attention_layernorm`,
+    # `post_feedforward_layernorm`), none before
+    post_norms: bool = False
+    # OLMo 2: norms apply their weight, and rope rotates, in float32 before the cast back
+    late_casts: bool = False
+    embedding_multiplier: float = 1.0  # Granite: the embeddings scaled
+    residual_multiplier: float = 1.0  # Granite: each residual branch scaled before its add
+    attention_multiplier: float | None = None  # Granite: the attention's scale; None: D**-0.5
+    logits_scaling: float = 1.0  # Granite: the logits divided by it
+
+    @property
+    def attention_scale(self) -> float:
+        """q.k's factor before the softmax: Granite's `attention_multiplier`, else D**-0.5."""
+        if self.attention_multiplier is not None:
+            return self.attention_multiplier
+        return self.head_dim**-0.5
 
     def fingerprint(self, revision: str = "") -> bytes:
         """The block-hash fingerprint of the KV this model produces (docs/hashing.md): its
@@ -143,7 +165,7 @@ def load_model_config(
         qkv_bias=qkv_bias,
         o_bias=o_bias,
         mlp_bias=mlp_bias,
-        qk_norm=arch == "Qwen3ForCausalLM",
+        qk_norm=_QK_NORMS.get(arch, ""),
         sliding_windows=_sliding_windows(arch, hf),
         rope_type=rope_type,
         dtype=model_dtype,
@@ -152,12 +174,30 @@ def load_model_config(
         raw=raw,
         quantization=quantization,
         kv_cache_dtype=None if stored == model_dtype else stored,
+        post_norms=arch == "Olmo2ForCausalLM",
+        late_casts=arch == "Olmo2ForCausalLM",
+        **_multipliers(arch, hf),
     )
 
 
-# The defaults transformers' LlamaConfig, MistralConfig, Qwen2Config and Qwen3Config give the
-# fields pagedserve reads when config.json leaves them out (tests/model/test_config_reader.py
-# checks every one against AutoConfig).
+_QK_NORMS = {"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection"}
+
+
+def _multipliers(arch: str, hf: Any) -> dict[str, Any]:
+    if arch != "GraniteForCausalLM":
+        return {}
+    return {
+        "embedding_multiplier": float(hf.embedding_multiplier),
+        "residual_multiplier": float(hf.residual_multiplier),
+        # NOTE: GraniteConfig's default is 1.0, not head_dim**-0.5
+        "attention_multiplier": float(hf.attention_multiplier),
+        "logits_scaling": float(hf.logits_scaling),
+    }
+
+
+# The defaults transformers' config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
+# Olmo2Config, GraniteConfig) give the fields pagedserve reads when config.json leaves them out
+# (tests/model/test_config_reader.py checks every one against AutoConfig).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -188,6 +228,22 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "rms_norm_eps": 1e-6, "bos_token_id": None, "eos_token_id": None,
         "tie_word_embeddings": False, "attention_bias": False, "use_sliding_window": False,
         "sliding_window": 4096, "max_window_layers": 28, "layer_types": None,
+    },
+    # NOTE: Olmo2Config and GraniteConfig have no head_dim field: hidden / heads unless given
+    "Olmo2ForCausalLM": {
+        "vocab_size": 50304, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-5,
+        "bos_token_id": None, "eos_token_id": 50279, "tie_word_embeddings": False,
+        "attention_bias": False,
+    },
+    "GraniteForCausalLM": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "hidden_act": "silu", "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
+        "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "attention_bias": False, "mlp_bias": False, "embedding_multiplier": 1.0,
+        "logits_scaling": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
     },
 }  # fmt: skip
 _DEFAULT_ROPE_THETA = 10_000.0
@@ -237,8 +293,8 @@ def _plain_rope(raw: dict[str, Any]) -> dict[str, Any] | None:
 def _biases(arch: str, hf: Any) -> tuple[bool, bool, bool]:
     if arch == "Qwen2ForCausalLM":
         return True, False, False
-    if arch == "Qwen3ForCausalLM":  # NOTE: o_proj follows attention_bias; the MLP has none
-        attention_bias = bool(getattr(hf, "attention_bias", False))
+    if arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"):  # NOTE: o follows attention_bias
+        attention_bias = bool(getattr(hf, "attention_bias", False))  # ... and no MLP bias
         return attention_bias, attention_bias, False
     if arch == "MistralForCausalLM":
         return False, False, False

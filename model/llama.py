@@ -1,4 +1,4 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite) over a paged KV cache.
 
 One forward takes a flattened batch: the prefill chunks and decode tokens of many sequences laid
 end to end, with positions and an `AttentionMetadata` that maps them onto the cache. Module and
@@ -6,7 +6,10 @@ parameter names follow the Hugging Face checkpoints, so weights load by name.
 
 NOTE: the arithmetic mirrors transformers' modeling code operation for operation (RMSNorm in
 float32 then cast, rope cos/sin in float32 then cast, separate q/k/v projections), so that fp32
-logits agree to ~1e-6 and bf16 greedy tokens agree exactly.
+logits agree to ~1e-6 and bf16 greedy tokens agree exactly. A family's own parts are data on
+`ModelConfig` and small optional parts of the layer: q/k norms (Qwen3 per head, OLMo 2 over the
+projection), OLMo 2's post-norm layer (`PostNormDecoderLayer`) and float32 casts (`LateCastRMSNorm`,
+rope), Granite's multipliers (embeddings, residual branches, attention scale, logits).
 """
 
 from __future__ import annotations
@@ -94,6 +97,28 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(input_dtype), x
 
 
+class LateCastRMSNorm(RMSNorm):
+    """OLMo 2's RMSNorm: the weight multiplies the float32 normalised values, then the cast back
+    (Llama's casts first). The same in float32, where the native kernel computes it."""
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if x.dtype == torch.float32:
+            return super().add_norm(x, residual)
+        if residual is not None:
+            x = x + residual
+        x32 = x.to(torch.float32)
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32).to(x.dtype), x
+
+
+def make_norm(config: ModelConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm over `size` features."""
+    kind = LateCastRMSNorm if config.late_casts else RMSNorm
+    return kind(size, config.rms_norm_eps)
+
+
 class RotaryEmbedding:
     """cos/sin tables [max_position_embeddings, head_dim], computed once in float32.
 
@@ -138,19 +163,23 @@ class Attention(nn.Module):
         self.num_heads = config.num_heads
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
-        self.scale = config.head_dim**-0.5
+        self.scale = config.attention_scale
         self.sliding_window = config.sliding_windows[layer_idx]
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.v_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
         self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_bias)
-        # Qwen3: each q and k head RMS-normed over head_dim before rope (one weight per norm)
+        # q and k RMS-normed before rope: each head over head_dim (Qwen3), or each whole
+        # projection over heads x head_dim (OLMo 2)
         self.q_norm: RMSNorm | None = None
         self.k_norm: RMSNorm | None = None
-        if config.qk_norm:
-            self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
-            self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps)
+        self.qk_norm = config.qk_norm
+        if config.qk_norm == "head":
+            self.q_norm = make_norm(config, config.head_dim)
+            self.k_norm = make_norm(config, config.head_dim)
+        elif config.qk_norm == "projection":
+            self.q_norm, self.k_norm = make_norm(config, q_size), make_norm(config, kv_size)
         self.group: Group | None = None  # set by `LlamaForCausalLM.join` on a rank of N > 1
         self.fused = False  # q/k/v in one weight (`fuse_rows`)
 
@@ -169,8 +198,9 @@ class Attention(nn.Module):
         else:
             q, k, v = self._qkv(x)
             if self.q_norm is not None and self.k_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
-            q, k = rotate(q, rope), rotate(k, rope)
+                q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
+            # NOTE: float32 rope tables (OLMo 2) rotate in float32; the cast is a no-op otherwise
+            q, k = rotate(q, rope).to(x.dtype), rotate(k, rope).to(x.dtype)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
         scales = kv_cache.layer_scales(self.layer_idx)  # None unless the cache is 8-bit
         dispatch.write_kv(k_cache, v_cache, k, v, meta, scales)
@@ -178,6 +208,12 @@ class Attention(nn.Module):
             q, k_cache, v_cache, meta, self.scale, self.sliding_window, scales
         )
         return _reduce(self.group, self.o_proj(out.reshape(num_tokens, -1)))
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H, D] normed per head, or over all of a row's H x D values (`qk_norm`)."""
+        if self.qk_norm == "head":
+            return norm(x)
+        return norm(x.reshape(x.shape[0], -1)).view(x.shape)
 
     def _qkv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q [T, heads, D], k and v [T, kv_heads, D], before any norm or rope."""
@@ -221,8 +257,9 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
         self.mlp = MLP(config)
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.input_layernorm = make_norm(config, config.hidden_size)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0: Llama's
 
     def forward(
         self,
@@ -236,9 +273,39 @@ class DecoderLayer(nn.Module):
         them, in the same call (`RMSNorm.add_norm`). `residual` is None for the first layer."""
         h, residual = self.input_layernorm.add_norm(x, residual)
         h, residual = self.post_attention_layernorm.add_norm(
-            self.self_attn(h, rope, kv_cache, meta), residual
+            self._scaled(self.self_attn(h, rope, kv_cache, meta)), residual
         )
-        return self.mlp(h), residual
+        return self._scaled(self.mlp(h)), residual
+
+    def _scaled(self, branch: torch.Tensor) -> torch.Tensor:
+        m = self.residual_multiplier
+        return branch if m == 1.0 else branch * m
+
+
+class PostNormDecoderLayer(nn.Module):
+    """OLMo 2's layer: no norm before attention or the MLP; each one's output is normed before
+    its residual add:  h = x + norm1(attn(x));  out = h + norm2(mlp(h))."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx)
+        self.mlp = MLP(config)
+        self.post_attention_layernorm = make_norm(config, config.hidden_size)
+        self.post_feedforward_layernorm = make_norm(config, config.hidden_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: RopeTables,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`DecoderLayer.forward`'s contract: (the normed MLP output, the stream it is added to)."""
+        if residual is not None:
+            x = x + residual
+        h = x + self.post_attention_layernorm(self.self_attn(x, rope, kv_cache, meta))
+        return self.post_feedforward_layernorm(self.mlp(h)), h
 
 
 class DecoderStack(nn.Module):
@@ -247,8 +314,9 @@ class DecoderStack(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        layer = PostNormDecoderLayer if config.post_norms else DecoderLayer
+        self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
+        self.norm = make_norm(config, config.hidden_size)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -303,7 +371,7 @@ class LlamaForCausalLM(nn.Module):
             if hidden is not None:
                 return hidden
         x, residual = self._embed(input_ids), None
-        rope = self.rope.at(positions, x.dtype)
+        rope = self.rope.at(positions, torch.float32 if self.config.late_casts else x.dtype)
         for layer in self.model.layers:
             x, residual = layer(x, residual, rope, kv_cache, meta)
         return self.model.norm.add_norm(x, residual)[0]
@@ -315,19 +383,26 @@ class LlamaForCausalLM(nn.Module):
         return self._native[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings of `input_ids`, times `embedding_multiplier` (Granite's)."""
+        m = self.config.embedding_multiplier
         if self.group is None:
-            return self.model.embed_tokens(input_ids)
-        assert self.config.tp is not None
-        start, end = self.config.tp.vocab
-        outside = (input_ids < start) | (input_ids >= end)
-        x = self.model.embed_tokens((input_ids - start).masked_fill(outside, 0))
-        return self.group.all_reduce(x.masked_fill(outside[:, None], 0.0))
+            x = self.model.embed_tokens(input_ids)
+        else:
+            assert self.config.tp is not None
+            start, end = self.config.tp.vocab
+            outside = (input_ids < start) | (input_ids >= end)
+            x = self.model.embed_tokens((input_ids - start).masked_fill(outside, 0))
+            x = self.group.all_reduce(x.masked_fill(outside[:, None], 0.0))
+        return x if m == 1.0 else x * m
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab]. On tensor-parallel ranks rank 0 gathers every rank's
-        vocabulary slice; the others get their own slice back (and never sample)."""
+        vocabulary slice; the others get their own slice back (and never sample). Granite's
+        are divided by `logits_scaling`, as transformers divides them, in the model's dtype."""
         logits = self.lm_head(hidden)
+        if self.config.logits_scaling != 1.0:
+            logits = logits / self.config.logits_scaling
         if self.group is None:
             return logits
         gathered = self.group.gather_last_dim(logits)

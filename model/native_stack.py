@@ -5,8 +5,10 @@ path's ~14 calls per layer added ~10 ms more; `NativeStack` replaces the loop ov
 one call that runs the same kernels. It takes a step when every part of it is what the kernels
 compute — float32 on CPU, a plain (unquantized) float32 KV cache, single-token rows only, at
 most `max_rows` of them, no tensor parallelism, Llama's layer (fused fp32 q/k/v and gate/up, or
-int8 / int4 linears the native kernels read, SiLU, at most one sliding window, no q/k norms:
-Qwen3's layers take the Python path) — and
+int8 / int4 linears the native kernels read, SiLU, at most one sliding window, no q/k norms,
+Llama's pre-norms and RMSNorm, no residual multiplier: Qwen3's, OLMo 2's and Granite's layers
+take the Python path; the attention scale is the model's own, Granite's `attention_multiplier`
+included, and the embedding multiplier and logits scaling lie outside the stack) — and
 otherwise `forward` returns None and the model runs its Python path. Its outputs are the Python
 path's except for SiLU's exponential (a few ulp: docs/kernels.md).
 """
@@ -106,7 +108,7 @@ class NativeStack:
             rows, *self.shape, block_size, blk, pos, cos.data_ptr(), sin.data_ptr(),
             slots.data_ptr(), plan.tables.data_ptr(), plan.tables.stride(0),
             plan.query_rows.data_ptr(), plan.firsts.data_ptr(), window.data_ptr(),
-            plan.ends.data_ptr(), config.rms_norm_eps, config.head_dim**-0.5,
+            plan.ends.data_ptr(), config.rms_norm_eps, config.attention_scale,
             torch.get_num_threads(),
         )  # fmt: skip
         cpu_stack.run(self.layers, step, self.model.model.norm.weight, x, self.scratch)
@@ -132,7 +134,9 @@ def _layer(
     attn, mlp = module.self_attn, module.mlp
     if type(attn) is not Attention or type(mlp) is not MLP or mlp.act_fn is not F.silu:
         return None
-    if attn.q_norm is not None or attn.k_norm is not None:  # NOTE: Qwen3's per-head norms
+    if attn.q_norm is not None or attn.k_norm is not None:  # NOTE: Qwen3's, OLMo 2's q/k norms
+        return None
+    if module.residual_multiplier != 1.0:  # NOTE: Granite's scaled residual branches
         return None
     if not (_is_norm(module.input_layernorm) and _is_norm(module.post_attention_layernorm)):
         return None

@@ -69,6 +69,9 @@ class Shard:
             why = f"does not divide the MLP's {config.intermediate_size} features"
         elif config.vocab_size % size:
             why = f"does not divide the vocabulary of {config.vocab_size} tokens"
+        elif size > 1 and config.qk_norm == "projection":
+            # NOTE: the norm's mean runs over every head; a rank holds only its own (OLMo 2)
+            why = "needs 1: the q/k norms span every head (OLMo 2)"
         if why is not None:
             raise ValueError(f"tensor_parallel_size: {size} {why}")
         return cls(rank, size, heads, kv, config.head_dim, config.intermediate_size,

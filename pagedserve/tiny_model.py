@@ -39,8 +39,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 from transformers import (
     AutoModelForCausalLM,
     GenerationConfig,
+    GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    Olmo2Config,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -48,7 +50,7 @@ from transformers import (
     Qwen3Config,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
 WINDOWED_ARCHS = ("mistral", "qwen3")  # the archs `sliding_window` applies to
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # trained first, in this order, so their ids are:
@@ -56,6 +58,12 @@ BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
 ROPE_THETA = 10_000.0
 NORM_STD = 0.1
 NUM_BYTE_SYMBOLS = 256
+# NOTE: none of them 1.0 (nor the attention's 1 / sqrt(head_dim)), so a runtime that drops or
+# misplaces one produces other logits (real Granite 3 checkpoints: 12, 0.22, 1/128, 8 or 16)
+GRANITE_MULTIPLIERS: dict[str, Any] = {
+    "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.15,
+    "logits_scaling": 8.0,
+}  # fmt: skip
 
 
 def corpus_path() -> Path:
@@ -86,6 +94,8 @@ def make_tiny_model(
     qwen3 (`Qwen3ForCausalLM`) gets q/k norms and a head_dim of 2 * hidden / heads, so that a
     runtime that derives head_dim from hidden / heads fails; its `sliding_window` applies to the
     second half of the layers (`max_window_layers`), as Qwen's configs lay windows out.
+    olmo2 (`Olmo2ForCausalLM`) gets its post-norms and q/k norms over the whole projections;
+    granite (`GraniteForCausalLM`) the multipliers of `GRANITE_MULTIPLIERS`.
 
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
@@ -238,6 +248,10 @@ def build_config(
             max_window_layers=layers // 2,
             **common,
         )
+    if arch == "olmo2":
+        return Olmo2Config(**common)
+    if arch == "granite":
+        return GraniteConfig(**GRANITE_MULTIPLIERS, **common)
     return Qwen2Config(use_sliding_window=False, **common)
 
 

@@ -19,6 +19,8 @@ ARCH_CLASSES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "olmo2": "Olmo2ForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
 BOS, EOS, PAD = 0, 1, 2
 
@@ -83,6 +85,23 @@ def test_qwen3_sliding_window_covers_the_upper_half_of_the_layers(build: Builder
     config = AutoModelForCausalLM.from_pretrained(build(arch="qwen3", sliding_window=8)).config
     assert (config.use_sliding_window, config.sliding_window) == (True, 8)
     assert config.layer_types == ["full_attention", "sliding_attention"]
+
+
+def test_olmo2_has_post_norms_and_random_q_k_norms_over_the_projections(build: Builder) -> None:
+    layer = AutoModelForCausalLM.from_pretrained(build(arch="olmo2")).model.layers[0]
+    assert not hasattr(layer, "input_layernorm")
+    attn = layer.self_attn
+    for norm, size in ((attn.q_norm, 4 * 16), (attn.k_norm, 2 * 16),
+                       (layer.post_feedforward_layernorm, 64)):  # fmt: skip
+        assert norm.weight.shape == (size,) and norm.weight.std() > 0.05
+
+
+def test_granite_multipliers_are_none_of_them_one(build: Builder) -> None:
+    config = AutoModelForCausalLM.from_pretrained(build(arch="granite")).config
+    multipliers = (config.embedding_multiplier, config.residual_multiplier,
+                   config.attention_multiplier, config.logits_scaling)  # fmt: skip
+    assert multipliers == (12.0, 0.22, 0.15, 8.0)
+    assert config.attention_multiplier != 16**-0.5
 
 
 def test_norm_weights_are_random_around_one(build: Builder) -> None:

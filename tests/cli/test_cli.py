@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -50,12 +51,19 @@ def test_make_tiny_model_then_generate_matches_transformers(tmp_path):
     generate_matches_transformers(model_dir)
 
 
-def test_make_tiny_model_family_qwen3_generates_as_transformers(tmp_path):
-    model_dir = tmp_path / "tiny-qwen3"
-    made = pagedserve("make-tiny-model", "--family", "qwen3", str(model_dir), "--layers", "1")
+@pytest.mark.parametrize(
+    ("family", "architecture"),
+    [("qwen3", "Qwen3ForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
+     ("granite", "GraniteForCausalLM")],
+)  # fmt: skip
+def test_make_tiny_model_family_generates_as_transformers(tmp_path, family, architecture):
+    model_dir = tmp_path / f"tiny-{family}"
+    made = pagedserve("make-tiny-model", "--family", family, str(model_dir), "--layers", "1")
     assert made.returncode == 0, made.stderr
     config = json.loads((model_dir / "config.json").read_text())
-    assert (config["architectures"], config["head_dim"]) == (["Qwen3ForCausalLM"], 32)
+    assert config["architectures"] == [architecture]
+    if family == "qwen3":
+        assert config["head_dim"] == 32
     generate_matches_transformers(model_dir)
 
 

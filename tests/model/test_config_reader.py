@@ -22,6 +22,8 @@ LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
 MISTRAL = {"architectures": ["MistralForCausalLM"], "model_type": "mistral"}
 QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
+OLMO2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}
+GRANITE = {"architectures": ["GraniteForCausalLM"], "model_type": "granite"}
 SMALL = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
 }  # fmt: skip
@@ -31,6 +33,8 @@ CONFIGS = {
     "mistral-all-defaults": MISTRAL,
     "qwen2-all-defaults": QWEN2,
     "qwen3-all-defaults": QWEN3,
+    "olmo2-all-defaults": OLMO2,
+    "granite-all-defaults": GRANITE,
     "llama-top-level-rope-theta": {**LLAMA, **SMALL, "rope_theta": 500000.0},
     "llama-rope-parameters": {
         **LLAMA, **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}
@@ -80,6 +84,15 @@ CONFIGS = {
         "layer_types": ["full_attention", "sliding_attention", "sliding_attention"],
         "num_key_value_heads": None,
     },
+    "olmo2-attention-bias-head-dim-mlp-bias-ignored": {
+        **OLMO2, **SMALL, "attention_bias": True, "mlp_bias": True, "head_dim": 32,
+        "num_key_value_heads": None, "tie_word_embeddings": True, "eos_token_id": 100257,
+    },
+    "granite-multipliers-biases": {
+        **GRANITE, **SMALL, "embedding_multiplier": 12, "residual_multiplier": 0.22,
+        "attention_multiplier": 0.0078125, "logits_scaling": 16, "attention_bias": True,
+        "mlp_bias": True, "rms_norm_eps": 1e-5, "eos_token_id": 0,
+    },
 }  # fmt: skip
 
 
@@ -103,7 +116,7 @@ def test_a_plain_config_reads_as_transformers_reads_it(name, tmp_path, monkeypat
     assert ours.hidden_act in ACTIVATIONS
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite"])
 def test_the_tiny_models_read_as_transformers_reads_them(make_tiny, arch, monkeypatch):
     model_dir = make_tiny(arch)
     assert load_model_config(model_dir) == through_transformers(monkeypatch, model_dir)

@@ -20,6 +20,8 @@ from pagedserve.model.loader import load_model
         ("llama", {}),
         ("qwen2", {}),
         ("qwen3", {}),
+        ("olmo2", {}),
+        ("granite", {}),
         ("mistral", {}),
         ("llama", {"tie_word_embeddings": True}),
     ],  # fmt: skip

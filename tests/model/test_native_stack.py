@@ -14,6 +14,7 @@ from support.oracle import hf_greedy, make_engine, make_prompts, run_engine
 
 from pagedserve.kernels import cpu_linear, cpu_native, cpu_stack
 from pagedserve.kernels.dispatch import AttentionMetadata
+from pagedserve.model import config as config_module
 from pagedserve.model import native_stack
 from pagedserve.model.native_stack import NativeStack
 from pagedserve.model.quant import weight_quant
@@ -140,3 +141,45 @@ def test_the_stack_declines_qwen3s_q_k_norms_and_the_layer_path_matches_transfor
     for prompt, (tokens, _) in zip(prompts, _decode(tiny_qwen3, None, prompts), strict=True):
         assert tokens == hf_greedy(tiny_qwen3, torch.float32, tuple(prompt))[0]
     assert not stack_calls
+
+
+@pytest.mark.parametrize("arch", ["olmo2", "granite"])
+def test_the_stack_declines_olmo2s_post_norms_and_granites_residual_multiplier(
+    make_tiny, arch, stack_calls
+):
+    """OLMo 2's layer (norms after attention and MLP, q/k norms over the whole projections,
+    norms weighted in float32) and Granite's scaled residual branches are not what the kernels
+    compute: their decode steps take the layer path, whose tokens are transformers'."""
+    model_dir = make_tiny(arch)
+    model, cache = _model_and_cache(model_dir)
+    assert NativeStack.build(model, cache) is None
+    prompts = make_prompts((5, 30))
+    for prompt, (tokens, _) in zip(prompts, _decode(model_dir, None, prompts), strict=True):
+        assert tokens == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
+    assert not stack_calls
+
+
+def test_the_stack_computes_with_granites_attention_scale_and_embedding_multiplier(
+    make_tiny, monkeypatch, stack_calls
+):
+    """Granite's model with its residual multiplier at 1 (so the stack takes it): the stack's
+    attention scale is `attention_multiplier` (0.15, not 1 / sqrt(16)) and its embeddings are
+    multiplied, as on the layer path."""
+    real = config_module._multipliers
+
+    def unscaled_residuals(arch, hf):
+        return {**real(arch, hf), "residual_multiplier": 1.0}
+
+    monkeypatch.setattr(config_module, "_multipliers", unscaled_residuals)
+    model_dir = make_tiny("granite")
+    model, cache = _model_and_cache(model_dir)
+    assert model.model.layers[0].self_attn.scale == 0.15
+    assert NativeStack.build(model, cache) is not None
+    prompts = make_prompts((5, 30))
+    stacked = _decode(model_dir, None, prompts)
+    assert len(stack_calls) >= 15, "decode steps must run through the stack"
+    monkeypatch.setattr(native_stack, "enabled", False)
+    layered = _decode(model_dir, None, prompts)
+    for (tokens, logits), (want_tokens, want_logits) in zip(stacked, layered, strict=True):
+        assert tokens == want_tokens
+        assert (logits - want_logits).abs().max().item() < 1e-4
