@@ -4,7 +4,7 @@ Granite (`GraniteForCausalLM`: Llama's layer with an embedding multiplier, scale
 branches, `attention_multiplier` as the attention's scale, logits divided by `logits_scaling`).
 The oracle tests (test_oracle.py, test_native_stack.py, test_config_reader.py) run both tiny
 models beside the other families; here: what is their own (the configs' defaults, scheduling
-under pressure, tensor parallelism, a GGUF refused). No cluster test: the end-to-end cluster
+under pressure — for Qwen3 too —, tensor parallelism, a GGUF refused). No cluster test: the end-to-end cluster
 (test_qwen3.py) is started for one model, and another costs the suite a cluster start."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def test_granite_defaults_are_multipliers_of_one_and_an_attention_scale_of_one(t
     assert config.logits_scaling == 1.0 and not config.qk_norm and not config.post_norms
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "granite"])
+@pytest.mark.parametrize("arch", ["qwen3", "olmo2", "granite"])
 def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(make_tiny, arch):
     """Small chunks and a KV pool too small for every sequence at once: sequences are
     swapped out and back in, and every token still equals transformers'."""

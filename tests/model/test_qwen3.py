@@ -15,7 +15,6 @@ from gguf import GGUFWriter
 from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
 
 from pagedserve.client import Client
-from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config
 from pagedserve.sampling_params import SamplingParams
@@ -27,25 +26,6 @@ def test_qwen3_defaults_are_its_own_head_dim_q_k_norms_and_no_biases(tmp_path):
     assert (config.hidden_size, config.num_heads, config.head_dim) == (4096, 32, 128)
     assert config.qk_norm and not (config.qkv_bias or config.o_bias or config.mlp_bias)
     assert config.sliding_windows == (None,) * 32
-
-
-def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(tiny_qwen3):
-    """Small chunks and a KV pool too small for every sequence at once: sequences are
-    swapped out and back in, and every token still equals transformers'."""
-    prompts = make_prompts((3, 90, 20, 150, 1, 64), seed=11)
-    engine = make_engine(
-        tiny_qwen3, block_size=8, num_blocks=40, num_swap_blocks=64, max_num_batched_tokens=32,
-        preemption_mode=PreemptionMode.SWAP,
-    )  # fmt: skip
-    seqs = [engine.add_request(p, GREEDY) for p in prompts]
-    swapped = 0
-    while engine.has_unfinished:
-        swapped += len(engine.step().plan.preempted)
-        engine.check_integrity()
-    engine.close()
-    assert swapped >= 1, "the pool must run short"
-    for prompt, seq in zip(prompts, seqs, strict=True):
-        assert seq.output_token_ids == hf_greedy(tiny_qwen3, torch.float32, tuple(prompt))[0]
 
 
 def test_two_tensor_parallel_ranks_keep_transformers_tokens(tiny_qwen3):
