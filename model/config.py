@@ -29,8 +29,10 @@ SUPPORTED_ARCHITECTURES = (
 )
 # NOTE: Qwen2 and Qwen3 configs share their sliding-window rules (Qwen2Config.__post_init__)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
-# NOTE: rope types whose frequencies depend on the current sequence length (dynamic, longrope)
-# would need a per-step recomputation; they are refused rather than silently approximated.
+# NOTE: transformers recomputes the frequencies of `dynamic` and `longrope` in each forward from
+# the longest position in it (beyond max_position_embeddings, resp. the original one), so a token's
+# rotation depends on its batch and the keys already cached; pagedserve's rope tables are fixed,
+# so both are refused rather than served approximately.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -135,7 +137,10 @@ def load_model_config(
     hf = _hf_config(model_dir, raw, arch)
     rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ValueError(f"model: rope_type {rope_type!r} is not supported {SUPPORTED_ROPE_TYPES}")
+        raise ValueError(
+            f"model: rope_scaling.rope_type {rope_type!r} (config.json) is not supported; "
+            f"pagedserve runs {', '.join(SUPPORTED_ROPE_TYPES)} (docs/models.md)"
+        )
     activation(hf.hidden_act)  # NOTE: refused here, at load, not at the first forward
     num_heads = hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads

@@ -134,10 +134,46 @@ def test_the_rope_frequencies_of_a_plain_config_are_transformers(tmp_path, monke
     assert torch.equal(ours[0], theirs[0]) and ours[1] == theirs[1] == 1.0
 
 
-def test_scaled_rope_is_read_by_transformers(tmp_path):
-    raw = {**LLAMA, **SMALL, "rope_scaling": {"rope_type": "linear", "factor": 2.0}}
+# Scaled ropes as config.json files spell them: Llama 3.1's `rope_scaling` beside a top-level
+# `rope_theta`, the legacy `type` key, transformers 5's `rope_parameters`
+SCALED = {
+    "llama3-llama-3.1": {
+        **LLAMA, **SMALL, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3",
+        },
+    },
+    "linear-legacy-type": {**LLAMA, **SMALL, "rope_scaling": {"type": "linear", "factor": 2.0}},
+    "yarn-legacy-type": {
+        **QWEN2, **SMALL, "rope_theta": 1e6, "max_position_embeddings": 131072,
+        "rope_scaling": {
+            "type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768,
+        },
+    },
+    "yarn-parameters-attention-factor-betas": {
+        **LLAMA, **SMALL, "rope_parameters": {
+            "rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0, "attention_factor": 0.8,
+            "beta_fast": 16.0, "beta_slow": 2.0, "original_max_position_embeddings": 64,
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(SCALED))
+def test_a_scaled_rope_is_transformers_frequencies_and_cos_sin_factor(name, tmp_path, monkeypatch):
+    from transformers import AutoConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    raw = SCALED[name]
     assert config_module._plain_rope(raw) is None
-    assert load_model_config(write(tmp_path, raw)).rope_type == "linear"
+    model_dir = write(tmp_path, raw)
+    ours = load_model_config(model_dir)
+    assert ours.rope_type == name.split("-")[0]
+    inv_freq, scaling = config_module.rope_frequencies(ours)
+    theirs = LlamaRotaryEmbedding(AutoConfig.from_pretrained(model_dir))
+    assert torch.equal(inv_freq, theirs.inv_freq) and scaling == theirs.attention_scaling
+    assert ours == through_transformers(monkeypatch, model_dir)
 
 
 def test_an_unknown_activation_is_refused_at_load_naming_hidden_act(tmp_path):

@@ -16,6 +16,9 @@ from pagedserve.model.loader import load_model
 from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.sampling_params import SamplingParams
 
+# NOTE: the scaled ropes' original context (64) is shorter than the longest prompt (130) and
+# than the second prompt's output (40 + 32 tokens), so their scaling is exercised where it acts
+ORIGINAL_CONTEXT = 64
 VARIANTS = {
     "rope-linear": ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 4.0}}),
     "rope-llama3": (
@@ -23,10 +26,10 @@ VARIANTS = {
         {
             "rope_scaling": {
                 "rope_type": "llama3",
-                "factor": 8.0,
+                "factor": 4.0,
                 "low_freq_factor": 1.0,
                 "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 256,
+                "original_max_position_embeddings": ORIGINAL_CONTEXT,
             }
         },
     ),
@@ -36,7 +39,7 @@ VARIANTS = {
             "rope_scaling": {
                 "rope_type": "yarn",
                 "factor": 4.0,
-                "original_max_position_embeddings": 512,
+                "original_max_position_embeddings": ORIGINAL_CONTEXT,
             }
         },
     ),
@@ -48,14 +51,46 @@ VARIANTS = {
 
 
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
-def test_config_variant_greedy_matches_transformers(make_tiny, variant):
+def test_config_variant_greedy_tokens_and_logits_match_transformers(make_tiny, variant):
+    """fp32, with prefill in chunks of at most 48 tokens beside the other prompts' decodes."""
     arch, kwargs = VARIANTS[variant]
     model_dir = make_tiny(arch, **kwargs)
     prompts = make_prompts((5, 40, 130))
-    _, seqs = run_engine(model_dir, prompts, block_size=8, num_blocks=64)
+    engine, seqs = run_engine(
+        model_dir, prompts, record_logits=True, block_size=8, num_blocks=64,
+        max_num_batched_tokens=48,
+    )  # fmt: skip
     for prompt, seq in zip(prompts, seqs, strict=True):
-        want, _ = hf_greedy(model_dir, torch.float32, tuple(prompt))
+        want, want_logits = hf_greedy(model_dir, torch.float32, tuple(prompt))
         assert seq.output_token_ids == want, f"{variant}: prompt of {len(prompt)} tokens"
+        max_err = (torch.stack(engine.logits[seq.request_id]) - want_logits).abs().max().item()
+        assert max_err < 1e-4, f"{variant}: prompt of {len(prompt)}: max |logit diff| {max_err:.2e}"
+
+
+REFUSED_ROPES = {
+    # NOTE: transformers grows dynamic's base past max_position_embeddings, and switches longrope
+    # to its long factors past the original context, per forward (model/config.py)
+    "dynamic": {"rope_type": "dynamic", "factor": 4.0},
+    "longrope": {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 8,
+        "long_factor": [4.0] * 8,
+        "original_max_position_embeddings": ORIGINAL_CONTEXT,
+    },
+}
+
+
+@pytest.mark.parametrize("rope_type", sorted(REFUSED_ROPES))
+def test_a_rope_type_served_wrong_is_refused_at_load_naming_it(tiny_llama, tmp_path, rope_type):
+    model_dir = tmp_path / rope_type
+    shutil.copytree(tiny_llama, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config.pop("rope_parameters", None)  # NOTE: written as Llama 3's config.json spells rope
+    config["rope_scaling"] = REFUSED_ROPES[rope_type]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"rope_scaling.rope_type '{rope_type}'") as info:
+        load_model_config(model_dir)
+    assert "default, linear, llama3, yarn" in str(info.value)
 
 
 def test_mixed_prefill_chunks_and_decodes_in_one_forward_match_transformers(tiny_llama):

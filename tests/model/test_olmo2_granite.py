@@ -4,8 +4,9 @@ Granite (`GraniteForCausalLM`: Llama's layer with an embedding multiplier, scale
 branches, `attention_multiplier` as the attention's scale, logits divided by `logits_scaling`).
 The oracle tests (test_oracle.py, test_native_stack.py, test_config_reader.py) run both tiny
 models beside the other families; here: what is their own (the configs' defaults, scheduling
-under pressure — for Qwen3 too —, tensor parallelism, a GGUF refused). No cluster test: the end-to-end cluster
-(test_qwen3.py) is started for one model, and another costs the suite a cluster start."""
+under pressure — for Qwen3 too —, tensor parallelism, a GGUF refused). No cluster test: the
+end-to-end cluster (test_qwen3.py) is started for one model, and another costs the suite a
+cluster start."""
 
 from __future__ import annotations
 
