@@ -40,7 +40,7 @@ from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model import tp_ranks
-from pagedserve.model.config import ModelConfig, load_model_config
+from pagedserve.model.config import ModelConfig, load_model_config, model_len
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
 from pagedserve.model.requests.batch import RunnerOutput
@@ -128,7 +128,7 @@ class DecodeEngine:
         self.model_config = model_config
         self.config = config
         self.runner = runner
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = model_len(model_config, config.max_model_len)
         # NOTE: computed exactly as the prefill worker does, so block hashes and the layout
         # compat hash agree across the two (docs/hashing.md).
         self.fingerprint = model_config.fingerprint(revision)

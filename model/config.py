@@ -333,3 +333,16 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
 
     inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, "cpu")
     return inv_freq.float(), float(scaling)
+
+
+def model_len(config: ModelConfig, max_model_len: int | None) -> int:
+    """The longest prompt + output an engine serves: `max_model_len` (a worker's
+    `--max-model-len`), else the model's max_position_embeddings. ValueError past the latter:
+    the rope tables end there (model/llama.py), and a longer position would fail mid-request."""
+    limit = config.max_position_embeddings
+    if max_model_len is not None and max_model_len > limit:
+        raise ValueError(
+            f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+            f"{limit} (its rope tables end there)"
+        )
+    return max_model_len or limit

@@ -28,7 +28,7 @@ from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import ShmKVPool, ShmOffer, layout_compat_hash
-from pagedserve.model.config import ModelConfig, load_model_config
+from pagedserve.model.config import ModelConfig, load_model_config, model_len
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
 from pagedserve.model.requests.batch import RunnerOutput, StepPlan
@@ -95,7 +95,7 @@ class PrefillEngine:
         self.config = config
         self.runner = runner
         self.shm_pool = shm_pool
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.max_model_len = model_len(model_config, config.max_model_len)
         # NOTE: computed exactly as the decode worker does, so block hashes and the layout
         # compat hash agree across the two (docs/hashing.md).
         self.fingerprint = model_config.fingerprint(revision)

@@ -13,9 +13,10 @@ import pytest
 import torch
 from transformers.activations import ACT2FN
 
+from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.model import config as config_module
 from pagedserve.model.activations import ACTIVATIONS
-from pagedserve.model.config import load_model_config
+from pagedserve.model.config import load_model_config, model_len
 
 ROOT = Path(__file__).resolve().parents[2]
 LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama"}
@@ -203,3 +204,13 @@ def test_a_worker_loads_a_plain_model_without_importing_transformers(tiny_llama)
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "[]"
+
+
+def test_max_model_len_stops_at_the_rope_tables(tiny_llama):
+    config = load_model_config(tiny_llama)
+    limit = config.max_position_embeddings
+    assert model_len(config, None) == limit and model_len(config, 64) == 64
+    with pytest.raises(ValueError, match="--max-model-len") as info:
+        DecodeEngine.from_model_dir(str(tiny_llama), DecodeEngineConfig(
+            block_size=16, num_blocks=8, num_swap_blocks=0, max_model_len=limit + 1))  # fmt: skip
+    assert str(limit) in str(info.value)
