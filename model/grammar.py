@@ -128,16 +128,18 @@ class Grammars:
     def _synced(self, row: SamplingRow, grammar: StructuredOutput) -> Any:
         """The row's matcher, having accepted exactly the row's tokens."""
         replay = grammar.resumed_tokens
-        tokens = [*row.prompt_token_ids[len(row.prompt_token_ids) - replay :]] if replay else []
-        tokens.extend(row.output_token_ids)
+        prompt, output = row.prompt_token_ids, row.output_token_ids
         key = (grammar.kind, grammar.spec, grammar.choices)
         state = self._matchers.get(row.request_id)
-        if state is None or state.key != key or state.accepted > len(tokens):
+        if state is None or state.key != key or state.accepted > replay + len(output):
             import xgrammar  # noqa: PLC0415
 
             state = _Matcher(xgrammar.GrammarMatcher(self.compile(grammar)), key, 0)
             self._matchers[row.request_id] = state
-        for token in tokens[state.accepted :]:
+        # NOTE: only the tokens it has not taken (usually one): no copy of the whole output
+        start = state.accepted
+        replayed = prompt[len(prompt) - replay + start :] if start < replay else ()
+        for token in [*replayed, *output[max(start - replay, 0) :]]:
             if not state.matcher.accept_token(token):
                 raise RuntimeError(
                     f"{row.request_id}: token {token} breaks its grammar after {state.accepted} "
