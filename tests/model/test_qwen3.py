@@ -2,22 +2,19 @@
 rope, its own head_dim, o_proj's bias following `attention_bias`, Qwen2's sliding-window rules.
 The oracle tests (test_oracle.py, test_model_variants.py, test_native_stack.py) run the tiny
 Qwen3 beside the other families; here: what is Qwen3's own (the config's defaults, scheduling
-under pressure, a GGUF refused, one real cluster)."""
+under pressure, a GGUF refused); its cluster test is in test_family_clusters.py."""
 
 from __future__ import annotations
 
 import json
-import threading
 
 import pytest
 import torch
 from gguf import GGUFWriter
 from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
 
-from pagedserve.client import Client
 from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config
-from pagedserve.sampling_params import SamplingParams
 
 
 def test_qwen3_defaults_are_its_own_head_dim_q_k_norms_and_no_biases(tmp_path):
@@ -54,24 +51,3 @@ def test_a_qwen3_gguf_is_refused_before_conversion_naming_it(tmp_path):
         fetch_model(str(gguf), tmp_path / "out")
     assert "safetensors" in str(info.value)
     assert not (tmp_path / "out").exists()
-
-
-def test_a_cluster_serves_qwen3_concurrently_as_transformers(tiny_qwen3, clusters):
-    started = clusters.get(tiny_qwen3)
-    prompts = make_prompts((1, 9, 17, 40, 75), seed=12)
-    params = SamplingParams(temperature=0.0, max_tokens=16)
-    results: dict[int, list[int]] = {}
-
-    def run(i: int) -> None:
-        with Client(started.router_address) as client:
-            stream = client.generate(prompts[i], params, timeout=120)
-            results[i] = [t for part in stream for t in part.token_ids]
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(180)
-    for i, prompt in enumerate(prompts):
-        want = hf_greedy(tiny_qwen3, torch.float32, tuple(prompt))[0][: params.max_tokens]
-        assert results.get(i) == want, f"prompt {i} of {len(prompt)} tokens"
