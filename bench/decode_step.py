@@ -1,8 +1,8 @@
 """Decode step A/B/C: the torch path, the native CPU kernels layer by layer, and the native stack
 (every layer in one call, model/native_stack.py), in one engine.
 
-    python -m pagedserve.bench.decode_step [--model DIR] [--batches 1 16 48] [--rounds 4]
-        [--dtype float32|bfloat16]
+    python -m pagedserve.bench.decode_step [--model DIR | --families NAME...]
+        [--batches 1 16 48] [--rounds 4] [--dtype float32|bfloat16]
     pagedserve bench decode-step ...
 
 One `DecodeEngine` per batch size runs B greedy requests (prompts of 32-255 random tokens);
@@ -11,6 +11,11 @@ once all are decoding, rounds cycle through the three arms (`cpu_native.enabled`
 sees the same engine, weights, batch and (nearly) the same context lengths, so the ratios are
 what the kernels change; the machine's noise falls on all of them. Without `--model`, a tiny
 random Llama (4 layers, hidden 256) is used.
+
+`--families llama qwen3 gemma2 ...` runs one tiny model of each family instead (the same shape:
+4 layers, hidden 256, 4 heads, 2 KV heads; `pagedserve make-tiny-model --family`), one table row
+per family and batch, with whether the native stack took the family's layer ("declined": its
+decode steps take the layer-by-layer path), so a family that falls off the fast path shows.
 """
 
 from __future__ import annotations
@@ -30,15 +35,17 @@ from pagedserve.kernels import cpu_native
 from pagedserve.model import native_stack
 from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.tiny_model import ARCHS
 
 
-def model_or_tiny(model_dir: str | None, scratch: str) -> str:
-    """`model_dir`, or a tiny random Llama (4 layers, hidden 256) written to `scratch`."""
+def model_or_tiny(model_dir: str | None, scratch: str, family: str = "llama") -> str:
+    """`model_dir`, or a tiny random model of `family` (4 layers, hidden 256) written to
+    `scratch`."""
     if model_dir is not None:
         return model_dir
     from pagedserve.tiny_model import make_tiny_model
 
-    return str(make_tiny_model(scratch, layers=4, hidden=256, heads=4, kv_heads=2))
+    return str(make_tiny_model(scratch, arch=family, layers=4, hidden=256, heads=4, kv_heads=2))
 
 
 def decoding_engine(
@@ -78,8 +85,11 @@ ARMS = {"torch": (False, False), "native": (True, False), "stack": (True, True)}
 """arm -> (`cpu_native.enabled`, `native_stack.enabled`)"""
 
 
-def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Milliseconds per decode step, per round, in each arm."""
+def step_times(
+    model_dir: str, batch: int, args: argparse.Namespace
+) -> tuple[dict[str, list[float]], bool]:
+    """(milliseconds per decode step, per round, in each arm; whether the native stack took the
+    model in its arm)."""
     rounds, steps = args.rounds, args.steps
     max_tokens = 2 + len(ARMS) * rounds * (steps + 1)
     engine = decoding_engine(model_dir, batch, max_tokens, dtype=args.dtype,
@@ -94,15 +104,19 @@ def step_times(model_dir: str, batch: int, args: argparse.Namespace) -> dict[str
                 for _ in range(steps):
                     engine.step()
                 times[arm].append((time.perf_counter() - start) / steps * 1e3)
+        stacked = engine.runner.model._native_stack(engine.runner.kv_cache) is not None
     finally:
         cpu_native.enabled = native_stack.enabled = True
         engine.close()
-    return times
+    return times, stacked
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pagedserve bench decode-step", description=__doc__)
-    p.add_argument("--model", default=None, help="HF model dir (default: a tiny 4-layer Llama)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", default=None, help="HF model dir (default: a tiny Llama)")
+    source.add_argument("--families", nargs="+", default=None, choices=ARCHS, metavar="FAMILY",
+                        help=f"a tiny model of each ({', '.join(ARCHS)})")  # fmt: skip
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 48])
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--steps", type=int, default=8)
@@ -122,21 +136,43 @@ def main(argv: Sequence[str] | None = None) -> int:
     if reason is not None:
         print(f"the native kernel is unavailable here: {reason}")
         return 1
+    print(f"# torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"dtype {args.dtype or 'of the checkpoint'}")  # fmt: skip
+    if args.families:
+        _family_table(args)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = model_or_tiny(args.model, tmp)
-        print(f"# {model_dir} ({args.dtype or 'its dtype'}), torch {torch.__version__}, "
-              f"{torch.get_num_threads()} threads")  # fmt: skip
+        print(f"# {model_dir}")
         print("| B | torch path ms/step | native kernels ms/step | native stack ms/step | "
               "torch / native | native / stack |")  # fmt: skip
         print("|---|---|---|---|---|---|")
         for batch in args.batches:
-            times = step_times(model_dir, batch, args)
-            ms = {arm: statistics.median(t) for arm, t in times.items()}
-            print(
-                f"| {batch} | {ms['torch']:.1f} | {ms['native']:.1f} | {ms['stack']:.1f} | "
-                f"{_ratio(times, 'torch', 'native')} | {_ratio(times, 'native', 'stack')} |"
-            )
+            times, _ = step_times(model_dir, batch, args)
+            print(f"| {batch} | {_cells(times)} |")
     return 0
+
+
+def _family_table(args: argparse.Namespace) -> None:
+    print("| family | B | torch path ms/step | native kernels ms/step | native stack ms/step | "
+          "torch / native | native / stack | native stack |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for family in args.families:
+        with tempfile.TemporaryDirectory() as tmp:
+            model_dir = model_or_tiny(None, tmp, family)
+            for batch in args.batches:
+                times, stacked = step_times(model_dir, batch, args)
+                taken = "yes" if stacked else "declined"
+                print(f"| {family} | {batch} | {_cells(times)} | {taken} |", flush=True)
+
+
+def _cells(times: dict[str, list[float]]) -> str:
+    """The median ms of each arm and the two ratios, as table cells."""
+    ms = {arm: statistics.median(t) for arm, t in times.items()}
+    return (
+        f"{ms['torch']:.1f} | {ms['native']:.1f} | {ms['stack']:.1f} | "
+        f"{_ratio(times, 'torch', 'native')} | {_ratio(times, 'native', 'stack')}"
+    )
 
 
 def _ratio(times: dict[str, list[float]], slow: str, fast: str) -> str:

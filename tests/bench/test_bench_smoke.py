@@ -78,6 +78,24 @@ def test_decode_step_runs_every_arm_and_restores_the_kernels(capsys, flags):
     assert cpu_native.enabled and native_stack.enabled  # left on for whatever runs next
 
 
+def test_decode_step_per_family_shows_which_families_the_native_stack_takes(capsys):
+    from pagedserve.cli import main as cli
+    from pagedserve.kernels import cpu_native
+
+    rc = cli(["bench", "decode-step", "--families", "llama", "qwen3", "--batches", "2",
+              "--rounds", "1", "--steps", "2"])  # fmt: skip
+    printed = capsys.readouterr().out
+    if cpu_native.unavailable_reason() is not None:
+        assert rc == 1
+        return
+    assert rc == 0
+    rows = {line.split("|")[1].strip(): line.split("|") for line in printed.splitlines()
+            if line.startswith(("| llama |", "| qwen3 |"))}  # fmt: skip
+    assert rows["llama"][-2].strip() == "yes"  # Llama's layer: the one-call native stack
+    assert rows["qwen3"][-2].strip() == "declined"  # q/k norms: the layer-by-layer path
+    assert all(float(row[3]) > 0 for row in rows.values())
+
+
 def test_grpc_messages_reads_every_message_both_ways_and_stops_its_server(capsys):
     from pagedserve.cli import main as cli
 
