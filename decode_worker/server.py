@@ -17,7 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedserve import worker_server
-from pagedserve.cluster import ClusterMember, join
+from pagedserve.cluster import ClusterMember, join, model_key
 from pagedserve.core_share import open_core_share
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB, add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
@@ -29,7 +29,14 @@ from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import EngineLoop, client_tls_from_args
 from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag
-from pagedserve.metrics import CounterSource, Gauge, TransferCounts, register_state
+from pagedserve.metrics import (
+    CounterSource,
+    Gauge,
+    PhaseMetrics,
+    PreemptionCounts,
+    TransferCounts,
+    register_state,
+)
 from pagedserve.model.tp_pipes import RankLost
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.v1 import decode_pb2_grpc
@@ -92,8 +99,9 @@ async def serve(
 ) -> int:
     """Serve `engine` on a `grpc.aio` server until `stop` is set, then drain and stop."""
     tracing = setup_tracing(
-        "pagedserve-decode", args.otlp_traces_endpoint, include_text=args.trace_include_text
-    )
+        "pagedserve-decode", args.otlp_traces_endpoint, include_text=args.trace_include_text,
+        protocol=args.otlp_traces_protocol,
+    )  # fmt: skip
     death = worker_server.LoopDeath(stop)
     core_share = open_core_share(args.core_share, set_threads=engine.runner.set_threads)
     worker = DecodeWorker(
@@ -104,7 +112,11 @@ async def serve(
         hooks=WorkerHooks(engine_loop, core_share, death),
     )
     _register_metrics(worker)
-    start_metrics_server(args.metrics_port, args.host)
+    worker.phases = PhaseMetrics()
+    start_metrics_server(
+        args.metrics_port, args.host, model_key(args.served_model_name, args.model),
+        args.metrics_names,
+    )  # fmt: skip
     servicer = DecodeServicer(worker)
     bound = await worker_server.bind(args, "decode", [_servicer_adder(servicer)], [SERVICE_NAME])
     death.handle = bound.handle
@@ -152,10 +164,10 @@ def _register_metrics(worker: DecodeWorker) -> None:
                   lambda: load().kv_cache_usage),
             Gauge("kv_blocks_cached", "Blocks kept for prefix reuse (ref count 0).",
                   lambda: load().kv_blocks_cached),
-            Gauge("num_preemptions", "Preemptions since start (swap + recompute).",
-                  lambda: worker.engine.scheduler.stats.num_preemptions),
         ],
         [
+            CounterSource("", lambda: PreemptionCounts(
+                worker.engine.scheduler.stats.num_preemptions)),
             CounterSource("decode_", lambda: worker.engine.scheduler.stats),
             CounterSource("kv_import_", lambda: worker.importer.stats),
             CounterSource("kv_transfer_", lambda: TransferCounts(

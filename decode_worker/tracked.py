@@ -12,6 +12,7 @@ Touched under the worker's lock only.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import INVALID_SPAN, Span, Tracer, set_span_in_context
@@ -20,7 +21,30 @@ from pagedserve.decode_worker.convert import DecodeCall
 from pagedserve.decode_worker.kv_import import ImportCancel
 from pagedserve.decode_worker.plan import DecodePlan
 from pagedserve.decode_worker.streams import AnyStream, Delta
+from pagedserve.metrics import PhaseMetrics
 from pagedserve.model.requests.sequence import FinishReason, Sequence
+
+
+@dataclass(slots=True)
+class RequestClock:
+    """When a request's phases began on this worker (time.monotonic(); 0.0: not yet)."""
+
+    queued: float = 0.0  # its KV ready (imported, or to be computed here)
+    scheduled: float = 0.0  # first scheduled
+    first_token: float = 0.0  # the first token made here
+    last_token: float = 0.0  # the latest token made here
+
+    def observe(self, phases: PhaseMetrics, prefill_here: bool, generated: int) -> None:
+        """The request's queue, prefill (computed here only) and decode times, and its tokens."""
+        if self.queued and self.scheduled:
+            phases.queue.observe(self.scheduled - self.queued)
+        start = self.scheduled
+        if prefill_here and self.scheduled and self.first_token:
+            phases.prefill.observe(self.first_token - self.scheduled)
+            start = self.first_token
+        if start and self.last_token:
+            phases.decode.observe(self.last_token - start)
+        phases.generation_tokens.observe(generated)
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +66,7 @@ class TrackedRequest:
     interval: int = 1  # stream_interval: the least new tokens per delta (but the first, last)
     ended: set[int] = field(default_factory=set)  # samples whose last delta was sent
     num_preemptions: int = 0
+    clock: RequestClock = field(default_factory=RequestClock)
 
     @classmethod
     def for_call(
@@ -79,6 +104,9 @@ class TrackedRequest:
         first_here = self.prefill_here and self.num_sent.get(index, 1) == 0
         new = slice(self.num_sent.get(index, 1), seq.num_output_tokens)
         self.num_sent[index] = seq.num_output_tokens
+        self.clock.last_token = time.monotonic()
+        if not self.clock.first_token:
+            self.clock.first_token = self.clock.last_token
         self.num_preemptions = max(self.num_preemptions, num_preemptions)
         return Delta(
             token_ids=seq.output_token_ids[new],
@@ -114,6 +142,12 @@ class TrackedRequest:
         """`decode.queue`: from the KV ready (imported, or to be computed here) until the
         request is first scheduled (`trace_plan` ends it)."""
         self.queue_span = tracer.start_span("decode.queue", context=set_span_in_context(self.span))
+        self.clock.queued = time.monotonic()
+
+    def observe(self, phases: PhaseMetrics) -> None:
+        """Its phase histograms (every sample ended)."""
+        generated = sum(m.num_output_tokens for m in self.members)
+        self.clock.observe(phases, self.prefill_here, generated)
 
     def end_spans(self) -> None:
         """End the request's spans (every sample ended), with its usage and outcome."""
@@ -144,6 +178,7 @@ def trace_plan(plan: DecodePlan, tracked: dict[str, TrackedRequest]) -> None:
         if request is not None and request.queue_span is not None:
             request.queue_span.end()
             request.queue_span = None
+            request.clock.scheduled = time.monotonic()
     events = [("preempt", p.seq, {"mode": p.mode.value, "blocks": p.num_blocks})
               for p in plan.preempted]  # fmt: skip
     events += [("swap-in", seq, {}) for seq in plan.swapped_in]

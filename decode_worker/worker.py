@@ -45,6 +45,7 @@ from pagedserve.decode_worker.streams import AnyStream, Delta, RequestStream, pu
 from pagedserve.decode_worker.tracked import TrackedRequest, request_of, trace_plan
 from pagedserve.errors import InvalidArgument, Unavailable
 from pagedserve.grpcutil import EngineLoop
+from pagedserve.metrics import PhaseMetrics
 from pagedserve.model.requests.batch import ScheduledSequence
 from pagedserve.model.requests.sequence import FinishReason, Sequence, fork_samples
 from pagedserve.model.tp_pipes import RankLost
@@ -70,6 +71,7 @@ class DecodeWorker:
     ) -> None:
         self.engine = engine
         self.tracing = tracing or setup_tracing("pagedserve-decode", None)
+        self.phases: PhaseMetrics | None = None  # the server's histograms (none in tests)
         self.worker_id = worker_id
         self.lock = threading.RLock()
         self.importer = KvImporter(engine, self.lock, producers or ProducerClients())
@@ -430,6 +432,8 @@ class DecodeWorker:
         if tracked.all_ended:
             del self._tracked[request_of(tracked.seq)]
             tracked.end_spans()
+            if self.phases is not None:
+                tracked.observe(self.phases)
 
     def _flush(self) -> None:
         """Publish the deltas queued so far (lock held): one hand-over per step.

@@ -15,6 +15,7 @@ any) parents the gateway's span, whose context travels to the router (one trace 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -41,7 +42,7 @@ from pagedserve.gateway.metrics import GatewayMetrics
 from pagedserve.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from pagedserve.gateway.tools import ToolStream, take_calls
 from pagedserve.grpcutil import RECONNECT_OPTIONS, ClientTLS, make_channel
-from pagedserve.telemetry import Tracing, context_from, metadata, span_context
+from pagedserve.telemetry import Tracing, context_from, export_registry, metadata, span_context
 from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
 ROUTER_SERVICE = "pagedserve.v1.Generation"  # the router's readiness service in grpc.health
@@ -57,6 +58,7 @@ class GatewaySettings:
     max_message_bytes: int = 64 << 20
     request_timeout_s: float | None = None  # deadline of each Generate call (None: none)
     health_timeout_s: float = 1.0
+    metrics_names: str = "pagedserve"  # --metrics-names
 
 
 class RouterConnection:
@@ -93,6 +95,14 @@ class RouterConnection:
         except grpc.aio.AioRpcError:
             return False
         return answer.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def model_name(self) -> str:
+        """The served model's name for the metrics' `model_name` label: the one the router
+        last answered; asked for without credentials when not yet known ("" if it refuses)."""
+        if self._model is None:
+            with contextlib.suppress(GatewayError):
+                await self.model_info([])
+        return self._model.model_name if self._model is not None else ""
 
     async def model_info(
         self, md: list[tuple[str, str]], *, fresh: bool = False
@@ -148,7 +158,7 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     app.state.router = router
     app.state.metrics = metrics
     _add_error_handlers(app)
-    _add_info_routes(app, router, metrics)
+    _add_info_routes(app, router, metrics, settings.metrics_names)
     _add_tokenizer_routes(app, router, settings)
     endpoints = Endpoints(router, metrics, tracing, settings)
 
@@ -163,7 +173,9 @@ def create_app(settings: GatewaySettings) -> FastAPI:
     return app
 
 
-def _add_info_routes(app: FastAPI, router: RouterConnection, metrics: GatewayMetrics) -> None:
+def _add_info_routes(
+    app: FastAPI, router: RouterConnection, metrics: GatewayMetrics, naming: str
+) -> None:
     """Health, metrics and the model list."""
 
     @app.get("/health")
@@ -181,7 +193,8 @@ def _add_info_routes(app: FastAPI, router: RouterConnection, metrics: GatewayMet
 
     @app.get("/metrics")
     async def prometheus() -> Response:
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        exported = export_registry(await router.model_name(), naming, metrics.registry)
+        return Response(generate_latest(exported), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models(request: Request) -> Response:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 
-from pagedserve.cli_options import add_client_tls_arguments, add_serving_arguments
+from pagedserve.cli_options import (
+    add_client_tls_arguments,
+    add_metrics_names_argument,
+    add_serving_arguments,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -17,6 +21,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a completion may take before it is cancelled (default: no limit)",
     )  # fmt: skip
     add_serving_arguments(parser)
+    add_metrics_names_argument(parser)  # NOTE: its /metrics is on --port
     group = parser.add_argument_group("TLS")
     group.add_argument("--https-cert", default=None, help="serve HTTPS with this certificate")
     group.add_argument("--https-key", default=None, help="its private key")

@@ -27,13 +27,16 @@ def main(args: argparse.Namespace) -> int:
     if bool(args.https_cert) != bool(args.https_key):
         print("--https-cert and --https-key: give both or neither", file=sys.stderr)
         return 2
-    tracing = setup_tracing("pagedserve-gateway", args.otlp_traces_endpoint)
+    tracing = setup_tracing(
+        "pagedserve-gateway", args.otlp_traces_endpoint, protocol=args.otlp_traces_protocol
+    )
     settings = GatewaySettings(
         router=args.router,
         tls=client_tls_from_args(args),
         tracing=tracing,
         max_message_bytes=args.max_message_bytes,
         request_timeout_s=args.request_timeout,
+        metrics_names=args.metrics_names,
     )
     sock = listening_socket(args.host, args.port)
     config = uvicorn.Config(

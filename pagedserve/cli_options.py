@@ -166,8 +166,17 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
         "--trace-include-text", action="store_true", help="put prompt/output text in spans"
     )
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")
+    add_metrics_names_argument(parser)
 
     add_tls_arguments(parser)
+
+
+def add_metrics_names_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-names", default="pagedserve", choices=("pagedserve", "vllm"),
+        help="the names of the Prometheus series: pagedserve's (`pagedserve:*`), or vLLM's "
+        "(`vllm:*`, for dashboards and autoscalers written for vLLM; docs/metrics.md)",
+    )  # fmt: skip
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +185,12 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
     parser.add_argument(
         "--otlp-traces-endpoint", default=None,
-        help="OTLP/gRPC collector, e.g. http://jaeger:4317 (default: OTEL_* variables, else off)",
+        help="OTLP collector, e.g. http://jaeger:4317 (default: OTEL_* variables, else off)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--otlp-traces-protocol", default=None, choices=("grpc", "http/protobuf"),
+        help="how spans reach the collector: OTLP over gRPC (port 4317) or HTTP (4318; "
+        "default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL, else grpc)",
     )  # fmt: skip
 
 

@@ -32,6 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pagedserve import core_share
 from pagedserve.cli_options import (
     add_kv_cache_dtype_argument,
+    add_metrics_names_argument,
     add_quantization_arguments,
     add_tensor_parallel_argument,
     add_tls_arguments,
@@ -181,9 +182,22 @@ def _common_flags(args: argparse.Namespace) -> list[str]:
             common.append("--quantize-lm-head")
     if getattr(args, "max_model_len", None):
         common += ["--max-model-len", str(args.max_model_len)]
+    common += _otlp_flags(args)
+    return common + _metrics_names_flags(args) + _tls_flags(args)
+
+
+def _otlp_flags(args: argparse.Namespace) -> list[str]:
+    flags = []
     if getattr(args, "otlp_traces_endpoint", None):
-        common += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
-    return common + _tls_flags(args)
+        flags += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    if getattr(args, "otlp_traces_protocol", None):
+        flags += ["--otlp-traces-protocol", args.otlp_traces_protocol]
+    return flags
+
+
+def _metrics_names_flags(args: argparse.Namespace) -> list[str]:
+    naming = getattr(args, "metrics_names", "pagedserve")
+    return [] if naming == "pagedserve" else ["--metrics-names", naming]
 
 
 def _start_gateway(
@@ -193,8 +207,7 @@ def _start_gateway(
     certificate when it has one)."""
     argv = [sys.executable, "-m", "pagedserve.cli", "gateway", "--router", cluster.router_address,
             "--host", args.host, "--port", str(args.http_port)]  # fmt: skip
-    if getattr(args, "otlp_traces_endpoint", None):
-        argv += ["--otlp-traces-endpoint", args.otlp_traces_endpoint]
+    argv += _otlp_flags(args) + _metrics_names_flags(args)
     if getattr(args, "tls_cert", None):
         argv += ["--https-cert", args.tls_cert, "--https-key", args.tls_key]
     for name in ("tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name"):
@@ -365,7 +378,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "workers share the host's cores: cores / busy workers each, before every step)",
     )  # fmt: skip
     parser.add_argument("--otlp-traces-endpoint", default=None, help="passed to every service")
+    parser.add_argument(
+        "--otlp-traces-protocol", default=None, choices=("grpc", "http/protobuf"),
+        help="passed to every service (default: OTEL_* variables, else grpc)",
+    )  # fmt: skip
     parser.add_argument("--metrics", action="store_true", help="give every service a metrics port")
+    add_metrics_names_argument(parser)  # NOTE: passed to every service
     parser.add_argument("--start-timeout", type=float, default=120.0)
     parser.add_argument(
         "--max-restarts", type=int, default=DEFAULT_POLICY.max_restarts,

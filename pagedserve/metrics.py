@@ -5,6 +5,9 @@ Two kinds:
 - **State metrics** read at scrape time from counters the components already keep (load
   reports, scheduler, lease and index stats): `StateCollector`, so no hot path pays for them.
 
+What a scrape sees is `telemetry.export_registry`'s view of them: every `pagedserve:` series with a
+`model_name` label, under pagedserve's names or (`--metrics-names vllm`) vLLM's.
+
 docs/metrics.md lists every name.
 """
 
@@ -17,8 +20,52 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-PREFIX = "pagedserve:"
+from pagedserve.telemetry import METRICS_PREFIX as PREFIX
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 60)
+_PHASE_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000)
+
+
+class PhaseMetrics:
+    """vLLM's per-request histograms, each observed by the service that sees the phase: queue
+    and prefill time on the worker that queues and computes the prompt, decode time and the
+    token counts where the tokens are made or streamed, inter-token latency on the router (as
+    the client sees it). A service observes only what it sees; the others stay empty."""
+
+    def __init__(self, registry: CollectorRegistry = REGISTRY) -> None:
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(PREFIX + name, doc, buckets=buckets, registry=registry)
+
+        self.queue = hist(
+            "request_queue_time_seconds",
+            "Time a request waited in this worker's queue.",
+            _PHASE_BUCKETS,
+        )
+        self.prefill = hist(
+            "request_prefill_time_seconds",
+            "First scheduled to first token, on the worker that prefilled.",
+            _PHASE_BUCKETS,
+        )
+        self.decode = hist(
+            "request_decode_time_seconds", "First to last token of a request.", _PHASE_BUCKETS
+        )
+        self.itl = hist(
+            "inter_token_latency_seconds",
+            "Time between a request's successive tokens.",
+            _LATENCY_BUCKETS,
+        )
+        self.prompt_tokens = hist(
+            "request_prompt_tokens", "Prompt tokens per request.", _TOKEN_BUCKETS
+        )
+        self.generation_tokens = hist("request_generation_tokens",
+                                      "Generated tokens per request.", _TOKEN_BUCKETS)  # fmt: skip
+
+    def tokens_arrived(self, gap_s: float, count: int) -> None:
+        """`count` tokens arrived together `gap_s` after the request's previous ones: each is
+        counted with the gap's share (a delta of several tokens is several intervals)."""
+        for _ in range(count):
+            self.itl.observe(gap_s / count)
 
 
 class RequestMetrics:
@@ -51,6 +98,7 @@ class RequestMetrics:
             PREFIX + "requests_aborted", "Requests aborted.", ["cause"], registry=registry
         )
         self.prompt_and_cached = (0, 0)  # the two counters' totals, for ClusterStatus
+        self.phases = PhaseMetrics(registry)
 
     def finished(
         self,
@@ -68,9 +116,12 @@ class RequestMetrics:
         prompt_total, cached_total = self.prompt_and_cached
         self.prompt_and_cached = (prompt_total + prompt, cached_total + cached)
         self.generation_tokens.inc(generated)
+        self.phases.prompt_tokens.observe(prompt)
+        self.phases.generation_tokens.observe(generated)
         self.e2e.observe(e2e_s)
         if ttft_s is not None:
             self.ttft.observe(ttft_s)
+            self.phases.decode.observe(e2e_s - ttft_s)
             if generated > 1:
                 self.tpot.observe((e2e_s - ttft_s) / (generated - 1))
 
@@ -129,6 +180,21 @@ class PrefixCacheCounts:
 
     queries: int
     hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokenCounts:
+    """Prompt tokens a prefill worker computed / found in its prefix cache, since start."""
+
+    computed: int
+    cached: int
+
+
+@dataclass(frozen=True, slots=True)
+class PreemptionCounts:
+    """vLLM's `num_preemptions`: sequences preempted (swap + recompute), since start."""
+
+    num_preemptions: int
 
 
 @dataclass(frozen=True, slots=True)

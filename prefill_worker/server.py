@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve import worker_server
-from pagedserve.cluster import ClusterMember, join
+from pagedserve.cluster import ClusterMember, join, model_key
 from pagedserve.core_share import open_core_share
 from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import (
@@ -35,7 +35,14 @@ from pagedserve.grpcutil import (
 from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerLoad, compat_tag, new_incarnation
-from pagedserve.metrics import CounterSource, Gauge, PrefixCacheCounts, register_state
+from pagedserve.metrics import (
+    CounterSource,
+    Gauge,
+    PhaseMetrics,
+    PrefixCacheCounts,
+    PromptTokenCounts,
+    register_state,
+)
 from pagedserve.model.tp_pipes import RankLost
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, worker_load
@@ -138,11 +145,16 @@ async def serve(
 ) -> int:
     """Serve `worker` on a `grpc.aio` server until `stop` is set, then drain and stop."""
     tracing = setup_tracing(
-        "pagedserve-prefill", args.otlp_traces_endpoint, include_text=args.trace_include_text
-    )
+        "pagedserve-prefill", args.otlp_traces_endpoint, include_text=args.trace_include_text,
+        protocol=args.otlp_traces_protocol,
+    )  # fmt: skip
     servicer = PrefillServicer(worker, Identity("", "", ""), tracing)
     _register_metrics(worker)
-    start_metrics_server(args.metrics_port, args.host)
+    servicer.phases = PhaseMetrics()
+    start_metrics_server(
+        args.metrics_port, args.host, model_key(args.served_model_name, args.model),
+        args.metrics_names,
+    )  # fmt: skip
     bound = await worker_server.bind(args, "prefill", [_servicer_adder(servicer)], [SERVICE_NAME])
     wiring.death.handle = bound.handle
     me = Identity(bound.worker_id, new_incarnation(), bound.address)
@@ -256,12 +268,12 @@ def _register_metrics(worker: PrefillWorker) -> None:
                   lambda: pool.usage),
             Gauge("kv_blocks_cached", "Blocks kept for prefix reuse (ref count 0).",
                   lambda: pool.num_cached),
-            Gauge("prompt_tokens_computed", "Prompt tokens computed since start.",
-                  lambda: engine.num_prompt_tokens_computed),
-            Gauge("prompt_tokens_cached", "Prompt tokens served from the prefix cache.",
-                  lambda: engine.num_prompt_tokens_cached),
         ],
         [
+            CounterSource("prompt_tokens_", lambda: PromptTokenCounts(
+                computed=engine.num_prompt_tokens_computed,
+                cached=engine.num_prompt_tokens_cached,
+            )),
             CounterSource("kv_leases_", worker.leases.stats, gauge_fields=("active",)),
             CounterSource("prefix_cache_", lambda: PrefixCacheCounts(
                 queries=engine.num_prompt_tokens_computed + engine.num_prompt_tokens_cached,

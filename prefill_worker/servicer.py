@@ -22,6 +22,7 @@ import grpc
 from pagedserve.errors import Unavailable
 from pagedserve.grpcutil import time_remaining
 from pagedserve.kvstore.transfer import iter_block_chunks
+from pagedserve.metrics import PhaseMetrics
 from pagedserve.prefill_worker import convert
 from pagedserve.prefill_worker.lease_table import LeaseState
 from pagedserve.prefill_worker.worker import PrefillFailed, PrefillWorker
@@ -46,6 +47,7 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
         self.me = me
         self.draining = False
         self.load_delay_s = test_load_delay_s()
+        self.phases: PhaseMetrics | None = None  # the server's histograms (none in tests)
 
     async def Prefill(self, request, context):  # noqa: N802 - gRPC method name
         if self.draining:
@@ -81,7 +83,16 @@ class PrefillServicer(prefill_pb2_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         trace = {k: v for k, v in context.invocation_metadata() if k in TRACE_KEYS}
         self._record_spans(result, context_from(trace))
+        self._observe(result)
         return convert.prefill_response(result, self.worker.engine, self.me, trace)
+
+    def _observe(self, result) -> None:
+        """The request's queue and prefill times and its prompt length, in the histograms."""
+        if self.phases is None or not result.started_ns:
+            return
+        self.phases.queue.observe((result.started_ns - result.enqueued_ns) / 1e9)
+        self.phases.prefill.observe((result.finished_ns - result.started_ns) / 1e9)
+        self.phases.prompt_tokens.observe(result.seq.num_prompt_tokens)
 
     def _record_spans(self, result, parent) -> None:
         """prefill.queue and prefill.compute, from the times the worker recorded."""

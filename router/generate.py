@@ -156,7 +156,7 @@ class Orchestrator:
         span = self.tracing.tracer.start_span(
             "router.generate", context=trace_parent, attributes=attributes
         )
-        outcome = Outcome()
+        outcome = Outcome(on_tokens=self.metrics.phases.tokens_arrived)
         try:
             several = req.params.num_samples > 1 or req.params.use_beam_search
             run_fn = self._run_samples if several else self._run

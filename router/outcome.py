@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from opentelemetry.trace import Span, Status, StatusCode, Tracer
@@ -30,14 +31,23 @@ class Outcome:
     generated: int = 0
     cached: int = 0  # prompt tokens a prefix cache served
     reason: str | None = None
+    # (gap since the previous tokens, how many arrived): inter-token latency as streamed
+    on_tokens: Callable[[float, int], None] | None = None
+    last_tokens_at: float = 0.0
 
     def first_token(self) -> None:
         """The client got its first token now (kept: a moved stream's restart is not one)."""
         if self.ttft_s is None:
-            self.ttft_s = time.monotonic() - self.started
+            self.last_tokens_at = time.monotonic()
+            self.ttft_s = self.last_tokens_at - self.started
 
     def count(self, generated: int, cached: int) -> None:
         """The tokens the client got so far, and the prompt tokens a prefix cache served."""
+        new = generated - max(self.generated, 1)  # NOTE: the first token is TTFT's, not a gap
+        if new > 0 and self.last_tokens_at and self.on_tokens is not None:
+            now = time.monotonic()
+            self.on_tokens(now - self.last_tokens_at, new)
+            self.last_tokens_at = now
         self.generated, self.cached = generated, cached
 
 

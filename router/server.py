@@ -74,7 +74,9 @@ class RouterOptions:
     load_poll_interval_s: float
     drain_timeout_s: float
     metrics_port: int | None
+    metrics_names: str  # --metrics-names
     otlp_traces_endpoint: str | None
+    otlp_traces_protocol: str | None  # --otlp-traces-protocol (None: OTEL_* variables, else grpc)
     trace_include_text: bool
     api_key_file: str | None
     server_tls: ServerTLS | None
@@ -114,7 +116,9 @@ class RouterOptions:
             load_poll_interval_s=args.load_poll_interval,
             drain_timeout_s=args.drain_timeout,
             metrics_port=args.metrics_port,
+            metrics_names=args.metrics_names,
             otlp_traces_endpoint=args.otlp_traces_endpoint,
+            otlp_traces_protocol=args.otlp_traces_protocol,
             trace_include_text=args.trace_include_text,
             api_key_file=args.api_key_file,
             server_tls=server_tls_from_args(args),
@@ -188,6 +192,7 @@ def build_servicer(
         "pagedserve-router",
         options.otlp_traces_endpoint,
         include_text=options.trace_include_text,
+        protocol=options.otlp_traces_protocol,
     )
     servicer = GenerationServicer(
         tokenizer, card, workers, policy, options.settings(fingerprint),
@@ -277,7 +282,9 @@ async def _serve(options: RouterOptions, stop: threading.Event) -> int:
     tls = options.server_tls
     router = await start_router(options, RequestMetrics(), keys=keys, tls=tls)
     _register_state_metrics(router.servicer)
-    metrics_port = start_metrics_server(options.metrics_port, options.host)
+    metrics_port = start_metrics_server(
+        options.metrics_port, options.host, router.servicer.card.name, options.metrics_names
+    )
     address = options.advertise_address or f"{options.host}:{router.handle.port}"
     if metrics_port is not None:
         log.info("metrics on :%d/metrics", metrics_port)

@@ -3,14 +3,17 @@ collector on loopback; Prometheus metrics that move; a dead collector never hurt
 
 from __future__ import annotations
 
+import re
 import threading
 import urllib.request
 
 import grpc
 import pytest
 from support.clusters import up_args
+from support.metric_docs import documented_metrics
 from support.oracle import make_prompts
 from support.otlp_receiver import OtlpReceiver
+from support.probes import samples, scrape
 
 from pagedserve.client import Client
 from pagedserve.launcher import start_cluster
@@ -28,16 +31,6 @@ def traced(make_tiny, clusters):
     with clusters.private(make_tiny("llama"), **flags) as cluster:
         yield cluster, receiver
     receiver.stop()
-
-
-def scrape(port: int) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
 
 
 def test_one_trace_per_request_with_parent_links_transfer_and_preemption(traced):
@@ -142,11 +135,11 @@ def test_metrics_endpoints_expose_names_that_move(traced):
     assert "pagedserve:index_degraded" in router
 
     decode = scrape(ports["decode-0"])
-    assert decode["pagedserve:num_preemptions"] >= 1  # from the previous test's load
+    assert decode["pagedserve:num_preemptions_total"] >= 1  # from the previous test's load
     assert (
         decode["pagedserve:decode_num_preemptions_swap_total"]
         + decode["pagedserve:decode_num_preemptions_recompute_total"]
-        == decode["pagedserve:num_preemptions"]
+        == decode["pagedserve:num_preemptions_total"]
     )
     assert "pagedserve:kv_cache_usage_perc" in decode
     prefill = scrape(ports["prefill-0"])
@@ -154,6 +147,76 @@ def test_metrics_endpoints_expose_names_that_move(traced):
     assert prefill["pagedserve:kv_leases_active"] == 0
     assert prefill["pagedserve:prefix_cache_queries_total"] >= 820
     assert decode["pagedserve:kv_transfer_bytes_shm_total"] > 0
+
+
+# the request histograms each service observes (docs/metrics.md, "Request phases")
+PHASES = {
+    "router": ("inter_token_latency_seconds", "request_decode_time_seconds",
+               "request_prompt_tokens", "request_generation_tokens"),
+    "prefill-0": ("request_queue_time_seconds", "request_prefill_time_seconds",
+                  "request_prompt_tokens"),
+    "decode-0": ("request_queue_time_seconds", "request_decode_time_seconds",
+                 "request_generation_tokens"),
+}  # fmt: skip
+SECTIONS = {"router": "Router", "prefill-0": "Prefill worker", "decode-0": "Decode worker"}
+# labelled counters whose first sample comes with their first event
+AFTER_THEIR_EVENT = {"pagedserve:requests_rejected_total", "pagedserve:requests_aborted_total"}
+
+
+def test_every_series_names_the_model_and_each_service_observes_its_phases(traced, make_tiny):
+    cluster, _ = traced
+    model_dir = make_tiny("llama")
+    ports = {c.name: c.metrics_port for c in cluster.children if c.metrics_port}
+    with Client(cluster.router_address) as client:
+        list(client.generate(make_prompts((30,), seed=63)[0], LONG, timeout=60))
+    for service, phases in PHASES.items():
+        names: set[str] = set()
+        scraped = samples(metrics_page(ports[service]), names)
+        assert names == {model_dir.name}, service  # every series, one model
+        for phase in phases:
+            assert scraped[f"pagedserve:{phase}_count"] >= 1, (service, phase)
+        families = {re.sub(r"\{.*$", "", k) for k in scraped}
+        families |= {re.sub(r"_(bucket|count|sum|created)$", "", f) for f in families}
+        missing = documented_metrics(SECTIONS[service]) - families - AFTER_THEIR_EVENT
+        assert not missing, (service, missing)
+
+
+def metrics_page(port: int) -> str:
+    return urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+
+
+# vLLM's request metrics (docs.vllm.ai, "Production Metrics", v1), as `--metrics-names vllm`
+# exports them across a cluster's services
+VLLM_SERIES = {
+    "vllm:num_requests_running", "vllm:num_requests_waiting", "vllm:kv_cache_usage_perc",
+    "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total",
+    "vllm:prompt_tokens_total", "vllm:generation_tokens_total",
+    "vllm:request_success_total", "vllm:num_preemptions_total",
+    "vllm:time_to_first_token_seconds_count", "vllm:e2e_request_latency_seconds_count",
+    "vllm:inter_token_latency_seconds_count", "vllm:request_queue_time_seconds_count",
+    "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+    "vllm:request_prompt_tokens_count", "vllm:request_generation_tokens_count",
+    "vllm:request_time_per_output_token_seconds_count",
+}  # fmt: skip
+
+
+def test_vllm_names_cover_vllm_request_metrics_on_every_service(make_tiny, clusters):
+    model_dir = make_tiny("llama")
+    with clusters.private(model_dir, metrics=True, metrics_names="vllm", http_port=0) as cluster:
+        with Client(cluster.router_address) as client:
+            list(client.generate(make_prompts((30,), seed=64)[0], LONG, timeout=60))
+        seen: set[str] = set()
+        for child in cluster.children:
+            if child.metrics_port is None and child.name != "gateway":
+                continue
+            port = child.metrics_port or int(cluster.http_url.rsplit(":", 1)[1])
+            names: set[str] = set()
+            scraped = samples(metrics_page(port), names)
+            assert names == {model_dir.name}, child.name
+            assert not [k for k in scraped if k.startswith("pagedserve:")], child.name
+            seen |= {re.sub(r"\{.*$", "", k) for k in scraped}
+    assert seen >= VLLM_SERIES, VLLM_SERIES - seen
+    assert "vllm:gateway_requests_in_flight" in seen
 
 
 def test_an_unreachable_collector_does_not_hurt_serving_or_stopping(make_tiny, tmp_path_factory):

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import time
 
-from support.otlp_receiver import OtlpReceiver
+import pytest
+from support.otlp_receiver import OtlpHttpReceiver, OtlpReceiver
 
 from pagedserve.telemetry import context_from, current_carrier, setup_tracing
 
@@ -49,3 +50,27 @@ def test_an_unreachable_collector_costs_at_most_the_flush_timeout():
     start = time.monotonic()
     tracing.shutdown()
     assert time.monotonic() - start < 3.0
+
+
+@pytest.mark.parametrize("how", ["flag", "environment"])
+def test_spans_reach_an_otlp_http_collector(how, monkeypatch):
+    receiver = OtlpHttpReceiver().start()
+    try:
+        if how == "flag":
+            tracing = setup_tracing("svc-h", receiver.endpoint, protocol="http/protobuf")
+        else:
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "http/protobuf")
+            tracing = setup_tracing("svc-h", receiver.endpoint)
+        with tracing.tracer.start_as_current_span("over-http"):
+            pass
+        tracing.shutdown()
+        spans = receiver.wait_for(lambda s: len(s) == 1)
+    finally:
+        receiver.stop()
+    assert (spans[0].name, spans[0].service) == ("over-http", "svc-h")
+    assert receiver.paths == ["/v1/traces"]
+
+
+def test_an_unknown_otlp_protocol_is_refused_naming_the_flag():
+    with pytest.raises(ValueError, match="--otlp-traces-protocol: 'http/json'"):
+        setup_tracing("svc", "http://127.0.0.1:9", protocol="http/json")

@@ -22,6 +22,7 @@ import openai
 import pytest
 from support.otlp_receiver import OtlpReceiver
 from support.ports import free_port
+from support.probes import samples
 from support.waits import wait_until
 
 from pagedserve.client import Client
@@ -404,13 +405,16 @@ def test_unknown_model_and_route_are_404(client, url):
     assert status == 404 and "error" in answer
 
 
-def test_health_livez_and_metrics(url):
+def test_health_livez_and_metrics(url, model_name):
     assert http(url, "/health", method="GET")[0] == 200
     assert http(url, "/livez", method="GET")[0] == 200
     status, headers, text = http(url, "/metrics", method="GET")
     assert status == 200 and headers["Content-Type"].startswith("text/plain")
-    assert 'pagedserve:gateway_requests_total{endpoint="chat",status="200"}' in text
-    assert 'pagedserve:gateway_requests_total{endpoint="chat",status="400"}' in text
+    model_names: set[str] = set()
+    series = samples(text, model_names)
+    assert 'pagedserve:gateway_requests_total{endpoint="chat",status="200"}' in series
+    assert 'pagedserve:gateway_requests_total{endpoint="chat",status="400"}' in series
+    assert model_names == {model_name}  # the model the router serves, on every series
 
 
 def wait_idle(grpc_client, timeout_s: float) -> bool:

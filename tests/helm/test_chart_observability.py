@@ -13,12 +13,12 @@ from chart import (
     PENDING_FLAGS,
     RELEASE,
     ROLES,
-    ROOT,
     Doc,
     container,
     flag,
     of_kind,
 )
+from support.metric_docs import documented_metrics
 
 pytestmark = LINUX_AMD64_ONLY
 
@@ -64,24 +64,6 @@ def test_tracing_reaches_every_role(renders: dict[str, list[Doc]]) -> None:
         assert "--trace-include-text" not in container(renders["defaults"], role)["args"]
 
 
-def documented_metrics() -> set[str]:
-    """Every metric name docs/metrics.md lists ({a,b} alternatives expanded, labels dropped)."""
-    text = (ROOT / "docs" / "metrics.md").read_text()
-    names: set[str] = set()
-    for cell in re.findall(r"^\| (.+?) \| \w+ \|", text, flags=re.MULTILINE):
-        for token in re.findall(r"`([^`]+)`", cell):
-            pending = [re.sub(r"\{[a-z_, ]+\}$", "", token)]  # `name{label}`
-            while pending:
-                name = pending.pop()
-                match = re.search(r"\{([a-z_,]+)\}", name)
-                if match is None:
-                    names.add(name if name.startswith("pagedserve:") else f"pagedserve:{name}")
-                    continue
-                for part in match.group(1).split(","):
-                    pending.append(name[: match.start()] + part + name[match.end() :])
-    return names
-
-
 def test_dashboard_charts_documented_metrics(renders: dict[str, list[Doc]]) -> None:
     docs = renders["production"]
     (config,) = [
@@ -103,7 +85,7 @@ def test_dashboard_charts_documented_metrics(renders: dict[str, list[Doc]]) -> N
     assert used <= documented_metrics(), used - documented_metrics()
     for wanted in (
         "pagedserve:kv_cache_usage_perc", "pagedserve:decode_num_swap_out_bytes_total",
-        "pagedserve:decode_num_preemptions_swap_total", "pagedserve:prompt_tokens_cached",
+        "pagedserve:decode_num_preemptions_swap_total", "pagedserve:prompt_tokens_cached_total",
         "pagedserve:time_to_first_token_seconds", "pagedserve:time_per_output_token_seconds",
         "pagedserve:num_requests_waiting", "pagedserve:gateway_requests_total",
     ):  # fmt: skip

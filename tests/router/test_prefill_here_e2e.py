@@ -67,8 +67,8 @@ def test_short_prompts_prefilled_on_the_decode_worker_equal_transformers(here_an
     }
     assert routed == {"prefill_here": len(short), "prefill_worker": len(lens) - len(short)}
     # the prefill worker computed the long prompts only
-    computed = prefill["pagedserve:prompt_tokens_computed"]
-    assert computed - prefill_before["pagedserve:prompt_tokens_computed"] == sum(lens) - sum(short)
+    name = "pagedserve:prompt_tokens_computed_total"
+    assert prefill[name] - prefill_before[name] == sum(lens) - sum(short)
     with Client(here.router_address) as client:
         assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10.0), (
             "condition not met in time"

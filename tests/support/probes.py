@@ -3,6 +3,7 @@ held per worker, a child process by name, a service's Prometheus samples, a stre
 
 from __future__ import annotations
 
+import re
 import urllib.request
 
 from pagedserve.client import Client
@@ -22,14 +23,34 @@ def child(cluster: Cluster, prefix: str) -> Child:
 
 
 def scrape(port: int | None) -> dict[str, float]:
-    """Every sample of the /metrics page on `port`, by its name (with labels)."""
+    """Every sample of the /metrics page on `port`, by its name (with labels, less
+    `model_name`: see `samples`)."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-    return {
-        name: float(value)
-        for line in text.splitlines()
-        if line and not line.startswith("#")
-        for name, _, value in [line.rpartition(" ")]
-    }
+    return samples(text)
+
+
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+def samples(text: str, model_names: set[str] | None = None) -> dict[str, float]:
+    """The samples of a Prometheus text page by name and labels, e.g. `a_total{x="1"}`. Every
+    `pagedserve:` / `vllm:` sample must carry a `model_name` label (asserted); it is left out
+    of the key and its values are added to `model_names` when given."""
+    values = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name, _, labels_text = series.partition("{")
+        labels = dict(_LABEL.findall(labels_text))
+        if name.startswith(("pagedserve:", "vllm:")):
+            assert "model_name" in labels, f"no model_name label: {line}"
+            if model_names is not None:
+                model_names.add(labels["model_name"])
+        labels.pop("model_name", None)
+        inner = ",".join(f'{k}="{v}"' for k, v in labels.items())
+        values[f"{name}{{{inner}}}" if inner else name] = float(value)
+    return values
 
 
 def tokens_of(parts) -> list[int]:

@@ -13,6 +13,7 @@ from pathlib import Path
 import grpc
 
 from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from support.probes import samples
 
 START_TIMEOUT_S = 90.0
 
@@ -61,10 +62,7 @@ class Process:
         """One sample of `pagedserve:{name}` from the process's /metrics."""
         url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=5) as response:
-            for line in response.read().decode().splitlines():
-                if line.startswith(f"pagedserve:{name} "):
-                    return float(line.split()[1])
-        raise KeyError(name)
+            return samples(response.read().decode())[f"pagedserve:{name}"]
 
 
 def start(role: str, args: list[str], log_path: Path, *, metrics_port: int | None = None):
