@@ -395,7 +395,10 @@ class KvImporter:
                 )
             return None
         if not found.found:
-            log.warning("%s: lease %s ended before the copy finished", seq.request_id, handle)
+            log.warning(
+                "%s: lease %s ended before the copy finished", seq.request_id, handle,
+                extra={"request_id": seq.request_id},
+            )  # fmt: skip
         return bool(found.found)
 
     def _pull(self, handle: KvHandleInfo, blocks: dict[int, BlockId]) -> str:
@@ -541,7 +544,10 @@ class KvImporter:
         with self.lock:
             self.stats.num_recomputed += 1
             self.stats.recompute_reasons[reason] += 1
-        log.info("%s: recomputing the prompt (%s)", seq.request_id, reason)
+        log.info(
+            "%s: recomputing the prompt (%s)", seq.request_id, reason,
+            extra={"request_id": seq.request_id},
+        )  # fmt: skip
         return reason
 
     def close(self) -> None:

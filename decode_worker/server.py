@@ -29,6 +29,7 @@ from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import EngineLoop, client_tls_from_args
 from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag
+from pagedserve.logs import setup_logging
 from pagedserve.metrics import (
     CounterSource,
     Gauge,
@@ -78,6 +79,7 @@ def build_engine(args: argparse.Namespace) -> DecodeEngine:
 
 def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Run a decode worker until `stop` (made here, set by SIGTERM / SIGINT, when not given)."""
+    setup_logging(args.log_level, args.log_format)
     return worker_server.run("decode", stop, lambda stop, loop: _start(args, stop, loop))
 
 

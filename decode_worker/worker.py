@@ -196,7 +196,9 @@ class DecodeWorker:
             try:
                 reason = self.importer.import_kv(tracked.seq, call.handle, report, tracked.cancel)
             except Exception:
-                log.exception("%s: KV import failed", call.request_id)
+                log.exception(
+                    "%s: KV import failed", call.request_id, extra={"request_id": call.request_id}
+                )
                 with self.lock:
                     self.engine.kv.free(tracked.seq.block_table)
                 reason = report.outcome = "import error"
@@ -347,7 +349,10 @@ class DecodeWorker:
             self._fail_all()
             return
         for seq in culprits:
-            log.error("%s: failed alone after a failed step; ending it with ERROR", seq.request_id)
+            log.error(
+                "%s: failed alone after a failed step; ending it with ERROR", seq.request_id,
+                extra={"request_id": seq.request_id},
+            )  # fmt: skip
             self.engine.abort(seq.request_id)
             seq.finish(FinishReason.ERROR)
             self.engine.errors[seq.request_id] = f"{seq.request_id}: decode step failed"

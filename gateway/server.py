@@ -17,13 +17,14 @@ import uvicorn
 
 from pagedserve.gateway.app import GatewaySettings, create_app
 from pagedserve.grpcutil import client_tls_from_args
+from pagedserve.logs import setup_logging
 from pagedserve.telemetry import setup_tracing
 
 log = logging.getLogger(__name__)
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args.log_level, args.log_format)
     if bool(args.https_cert) != bool(args.https_key):
         print("--https-cert and --https-key: give both or neither", file=sys.stderr)
         return 2
@@ -44,7 +45,9 @@ def main(args: argparse.Namespace) -> int:
         loop="asyncio",
         http="h11",
         lifespan="on",
-        log_level="warning",
+        # NOTE: uvicorn's own records through our handler (--log-format), warnings and worse
+        log_config=None,
+        log_level=max(logging.WARNING, logging.getLevelName(args.log_level.upper())),
         access_log=False,
         timeout_graceful_shutdown=int(args.drain_timeout),
         ssl_certfile=args.https_cert,

@@ -14,6 +14,7 @@ from pagedserve.cli_options import (
     add_quantization_arguments,
     add_tensor_parallel_argument,
 )
+from pagedserve.config_file import add_config_argument, parse_args
 
 if TYPE_CHECKING:
     from pagedserve.client import Client
@@ -285,16 +286,19 @@ def _add_cluster(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("router", help="run the router (public pagedserve.v1.Generation API)")
     router_arguments(p)
+    add_config_argument(p)
     p.set_defaults(func=_run_router)
     p = sub.add_parser("up", help="run Redis, router, prefill and decode workers together")
     from pagedserve.launcher import add_arguments as up_arguments
 
     up_arguments(p)
+    add_config_argument(p)
     p.set_defaults(func=_run_up)
     p = sub.add_parser("gateway", help="run the OpenAI-compatible HTTP API in front of a router")
     from pagedserve.gateway.cli_args import add_arguments as gateway_arguments
 
     gateway_arguments(p)
+    add_config_argument(p)
     p.set_defaults(func=_run_gateway)
     p = sub.add_parser("status", help="print the cluster view of a running router")
     p.add_argument("--router", default="127.0.0.1:50051")
@@ -388,6 +392,7 @@ def _add_prefill(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("prefill", help="run a prefill worker (gRPC pagedserve.v1.PrefillWorker)")
     add_arguments(p)
+    add_config_argument(p)
     p.set_defaults(func=_run_prefill)
 
 
@@ -406,6 +411,7 @@ def _add_decode(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("decode", help="run a decode worker (gRPC pagedserve.v1.DecodeWorker)")
     add_arguments(p)
+    add_config_argument(p)
     p.set_defaults(func=_run_decode)
 
 
@@ -446,10 +452,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     # NOTE: benchmark subcommands own their options (parsed where torch is already imported).
-    args, rest = parser.parse_known_args(argv)
-    if rest and not getattr(args, "passthrough", False):
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    args.rest = rest
+    args = parse_args(parser, sys.argv[1:] if argv is None else argv)
+    if args.rest and not getattr(args, "passthrough", False):
+        parser.error(f"unrecognized arguments: {' '.join(args.rest)}")
     try:
         if getattr(args, "model", None):
             from pagedserve.fetch_model import resolve_model_dir

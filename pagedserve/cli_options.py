@@ -7,6 +7,8 @@ import argparse
 import re
 import socket
 
+from pagedserve.logs import add_logging_arguments
+
 _UNITS = {"": 1, "k": 1000, "m": 1000**2, "g": 1000**3, "t": 1000**4}
 _UNITS |= {"ki": 1024, "mi": 1024**2, "gi": 1024**3, "ti": 1024**4}
 
@@ -180,7 +182,7 @@ def add_metrics_names_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
-    """What every server takes, the HTTP gateway included: message size, drain, traces."""
+    """What every server takes, the HTTP gateway included: message size, drain, traces, logs."""
     parser.add_argument("--max-message-bytes", type=bytes_arg, default=parse_bytes("64MiB"))
     parser.add_argument("--drain-timeout", type=float, default=30.0, help="seconds")
     parser.add_argument(
@@ -192,6 +194,7 @@ def add_serving_arguments(parser: argparse.ArgumentParser) -> None:
         help="how spans reach the collector: OTLP over gRPC (port 4317) or HTTP (4318; "
         "default: OTEL_EXPORTER_OTLP_TRACES_PROTOCOL / OTEL_EXPORTER_OTLP_PROTOCOL, else grpc)",
     )  # fmt: skip
+    add_logging_arguments(parser)
 
 
 def add_tls_arguments(parser: argparse.ArgumentParser) -> None:

@@ -42,6 +42,7 @@ from pagedserve.cli_options import (
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
+from pagedserve.logs import add_logging_arguments
 from pagedserve.router.chat import read_template_file
 from pagedserve.signals import stop_on_signals
 from pagedserve.supervisor import (
@@ -50,6 +51,7 @@ from pagedserve.supervisor import (
     Cluster,
     CrashLoop,
     RestartPolicy,
+    StartFailed,
     StartInterrupted,
     Supervisor,
     await_ready,
@@ -90,7 +92,7 @@ def _start_redis(log_dir: Path) -> Child | None:
             child.address = f"127.0.0.1:{port}"
             return child
         time.sleep(0.05)
-    raise RuntimeError("redis-server did not start")
+    raise StartFailed("redis", f"no answer on 127.0.0.1:{port} after 10 s", "", child.log_path)
 
 
 def wait_healthy(
@@ -163,9 +165,13 @@ def _start_all(
     await_ready(router, args.start_timeout, stop)
     cluster.router_address = router.address
     router.pin_port()
-    wait_healthy(
-        router.address, "pagedserve.v1.Generation", args.start_timeout, client_tls_from_args(args)
-    )
+    try:
+        wait_healthy(
+            router.address, "pagedserve.v1.Generation", args.start_timeout,
+            client_tls_from_args(args),
+        )  # fmt: skip
+    except RuntimeError as exc:
+        raise StartFailed("router", "not healthy", str(exc), router.log_path) from None
     if getattr(args, "http_port", None) is not None:
         _start_gateway(args, log_dir, cluster, stop)
 
@@ -173,6 +179,8 @@ def _start_all(
 def _common_flags(args: argparse.Namespace) -> list[str]:
     """Flags the router and every worker take alike (the model, what enters block hashes)."""
     common = ["--model", args.model, "--block-size", str(args.block_size)]
+    if getattr(args, "served_model_name", None):
+        common += ["--served-model-name", args.served_model_name]
     if args.dtype:
         common += ["--dtype", args.dtype]
     if getattr(args, "quantization", None):
@@ -183,7 +191,7 @@ def _common_flags(args: argparse.Namespace) -> list[str]:
     if getattr(args, "max_model_len", None):
         common += ["--max-model-len", str(args.max_model_len)]
     common += _otlp_flags(args)
-    return common + _metrics_names_flags(args) + _tls_flags(args)
+    return common + _metrics_names_flags(args) + _tls_flags(args) + _log_flags(args)
 
 
 def _otlp_flags(args: argparse.Namespace) -> list[str]:
@@ -200,6 +208,15 @@ def _metrics_names_flags(args: argparse.Namespace) -> list[str]:
     return [] if naming == "pagedserve" else ["--metrics-names", naming]
 
 
+def _log_flags(args: argparse.Namespace) -> list[str]:
+    """`--log-level` and `--log-format`, the same for every child (Redis aside)."""
+    flags = []
+    for name in ("log_level", "log_format"):
+        if getattr(args, name, None):
+            flags += [f"--{name.replace('_', '-')}", getattr(args, name)]
+    return flags
+
+
 def _start_gateway(
     args: argparse.Namespace, log_dir: Path, cluster: Cluster, stop: threading.Event | None
 ) -> None:
@@ -207,7 +224,7 @@ def _start_gateway(
     certificate when it has one)."""
     argv = [sys.executable, "-m", "pagedserve.cli", "gateway", "--router", cluster.router_address,
             "--host", args.host, "--port", str(args.http_port)]  # fmt: skip
-    argv += _otlp_flags(args) + _metrics_names_flags(args)
+    argv += _otlp_flags(args) + _metrics_names_flags(args) + _log_flags(args)
     if getattr(args, "tls_cert", None):
         argv += ["--https-cert", args.tls_cert, "--https-key", args.tls_key]
     for name in ("tls_ca", "tls_client_cert", "tls_client_key", "tls_server_name"):
@@ -341,6 +358,12 @@ def add_local_prefill_arguments(parser: argparse.ArgumentParser) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", required=True, help="model directory, or FILE.gguf")
+    parser.add_argument(
+        "--served-model-name", default=None, metavar="NAME",
+        help="passed to the router and every worker: the model's name in the APIs (the "
+        "gateway's /v1/models, GetModelInfo, a request's `model`) and in Redis keys "
+        "(default: the model directory's name)",
+    )  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=50051, help="the router's port (0: free)")
     parser.add_argument("--prefill", type=int, default=1, help="number of prefill workers")
@@ -423,6 +446,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="also run the OpenAI-compatible HTTP gateway on this port (0: a free one)",
     )  # fmt: skip
     add_tls_arguments(parser)
+    add_logging_arguments(parser)  # NOTE: passed to every child but Redis
 
 
 def main(args: argparse.Namespace) -> int:
@@ -443,6 +467,9 @@ def main(args: argparse.Namespace) -> int:
     except StartInterrupted:
         print("pagedserve up: stopped during start-up", file=sys.stderr)
         return 0
+    except StartFailed as exc:  # NOTE: one line; the child's log has the details
+        print(f"pagedserve up: error: {exc.line}", file=sys.stderr)
+        return 1
     try:
         for child in cluster.children:
             metrics = f"  metrics :{child.metrics_port}" if child.metrics_port else ""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -93,6 +94,19 @@ class StartInterrupted(Exception):
     """A stop was requested (SIGTERM / SIGINT) before the cluster was ready."""
 
 
+class StartFailed(RuntimeError):
+    """A child did not become ready: `line` says which, how, why and where its log is (one
+    line, what `pagedserve up` prints); str() adds the log's tail (for tests and callers)."""
+
+    def __init__(
+        self, child: str, how: str, reason: str, log_path: Path | None, tail: str = ""
+    ) -> None:
+        self.line = f"{child} did not start ({how})" + (f": {reason}" if reason else "")
+        if log_path is not None:
+            self.line += f"; log: {log_path}"
+        super().__init__(f"{self.line}\n{tail}" if tail else self.line)
+
+
 def _check_stop(stop: threading.Event | None) -> None:
     if stop is not None and stop.is_set():
         raise StartInterrupted("stopped during start-up")
@@ -145,9 +159,26 @@ def await_ready(child: Child, timeout_s: float, stop: threading.Event | None = N
     line = result[0] if result else ""
     if not line.startswith("READY"):
         tail = child.log_path.read_text()[-3000:]
-        raise RuntimeError(f"{child.name} did not start (see {child.log_path}):\n{tail}")
+        how, reason = failure_reason(child.proc, tail, timeout_s)
+        raise StartFailed(child.name, how, reason, child.log_path, tail)
     child.address = line.split()[2]
     child.note_segments()
+
+
+# NOTE: how a command's own refusal starts (cli.main): "pagedserve prefill: error: model: ..."
+_OWN_ERROR = re.compile(r"^pagedserve [\w-]+: error: ")
+
+
+def failure_reason(proc: subprocess.Popen, log_tail: str, timeout_s: float) -> tuple[str, str]:
+    """How a child that printed no READY line failed (its exit, or still not ready after
+    `timeout_s`) and why: its last log line (its own error, or the exception a traceback ends
+    with), without the command's `pagedserve X: error:` prefix."""
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(2)  # NOTE: its stdout closed; it may not have exited quite yet
+    rc = proc.poll()
+    lines = [line.strip() for line in log_tail.splitlines() if line.strip()]
+    last = _OWN_ERROR.sub("", lines[-1]) if lines else ""
+    return (f"not ready after {timeout_s:g} s" if rc is None else describe_exit(rc)), last
 
 
 def shm_segments(pid: int) -> list[str]:

@@ -1,7 +1,7 @@
-"""What the prefill and the decode worker's `server.py` do alike: the process skeleton (log
-format, signals, the engine loop on the main thread), the engine config's sizing
-(engine_sizing.py), what a dying loop does to health, binding, joining the registry, READY and
-the drain. Each `server.py` keeps only what its worker does differently.
+"""What the prefill and the decode worker's `server.py` do alike: the process skeleton
+(signals, the engine loop on the main thread), the engine config's sizing (engine_sizing.py),
+what a dying loop does to health, binding, joining the registry, READY and the drain. Each
+`server.py` keeps only what its worker does differently (and sets up its logging, logs.py).
 
     run(role, stop, start) ── SIGTERM / SIGINT set `stop`
       start(stop, loop)        load the model, build the engine and worker (WorkerHooks)
@@ -48,7 +48,6 @@ def run(
     returns the coroutine function that serves, or None when `stop` was set meanwhile (after
     releasing what it loaded). That coroutine runs on a side thread's event loop while the
     worker's loop takes the main thread (EngineLoop); its result is the exit status."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if stop is None:
         stop = threading.Event()
         stop_on_signals(stop)
@@ -116,9 +115,13 @@ def connect_registry(args: argparse.Namespace) -> tuple[redis.Redis, str] | None
 
 
 async def announce_ready(bound: Bound, *, ready: bool = True) -> None:
-    """Start serving, turn health to `ready`, print `READY <worker_id> <address>`."""
+    """Start serving, turn health to `ready`, print `READY <worker_id> <address>` (and log
+    it: a worker's log says when it served)."""
     await bound.handle.server.start()
     await bound.handle.set_ready(ready)
+    log.info(
+        "serving as %s at %s%s", bound.worker_id, bound.address, "" if ready else " (not ready)"
+    )
     print(f"READY {bound.worker_id} {bound.address}", flush=True)
 
 

@@ -35,6 +35,7 @@ from pagedserve.grpcutil import (
 from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerLoad, compat_tag, new_incarnation
+from pagedserve.logs import setup_logging
 from pagedserve.metrics import (
     CounterSource,
     Gauge,
@@ -94,6 +95,7 @@ def build_engine(args: argparse.Namespace) -> PrefillEngine:
 
 def main(args: argparse.Namespace, stop: threading.Event | None = None) -> int:
     """Run a prefill worker until `stop` (made here, set by SIGTERM / SIGINT, when not given)."""
+    setup_logging(args.log_level, args.log_format)
     if args.heartbeat_interval is not None and not 0 < args.heartbeat_interval < args.worker_ttl:
         raise ValueError("heartbeat-interval: must be in (0, --worker-ttl)")
     return worker_server.run("prefill", stop, lambda stop, loop: _start(args, stop, loop))

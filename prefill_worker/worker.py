@@ -346,7 +346,9 @@ class PrefillWorker:
             try:
                 output = self.engine.execute(alone)
             except Exception:
-                log.exception("%s: prefill failed alone after a failed step", rid)
+                log.exception(
+                    "%s: prefill failed alone after a failed step", rid, extra={"request_id": rid}
+                )
                 culprits.append(item.seq)
                 continue
             self._apply(alone, output)

@@ -365,7 +365,10 @@ class WorkerClients:
             sample_id = f"{request_id}#{index}"
             await stub.Abort(common_pb2.AbortRequest(request_id=sample_id), timeout=2.0)
         except grpc.aio.AioRpcError:
-            log.warning("%s: could not stop sample %d on %s", request_id, index, worker.worker_id)
+            log.warning(
+                "%s: could not stop sample %d on %s", request_id, index, worker.worker_id,
+                extra={"request_id": request_id},
+            )  # fmt: skip
 
     async def release_unclaimed(self, active: ActiveRequest) -> None:
         """End the lease no decode worker took: ReleaseKv by its handle, or Abort by the request

@@ -153,4 +153,5 @@ def record(
                 "e2e_s": round(e2e_s, 4),
             }
         ),
+        extra={"request_id": req.request_id},
     )

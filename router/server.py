@@ -33,6 +33,7 @@ from pagedserve.grpcutil import (
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, compat_tag, connect
+from pagedserve.logs import setup_logging
 from pagedserve.metrics import CounterSource, Gauge, RequestMetrics, register_state
 from pagedserve.router.auth import ApiKeys, AuthInterceptor, load_api_keys
 from pagedserve.router.chat import read_template_file
@@ -270,7 +271,7 @@ async def start_router(
 
 
 def main(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    setup_logging(args.log_level, args.log_format)
     options = RouterOptions.from_args(args)
     stop = threading.Event()
     stop_on_signals(stop)
