@@ -3,7 +3,9 @@ gate_up_proj weights loaded into our q/k/v and gate/up, rope over the first
 partial_rotary_factor of each head, one sliding window on every layer, and LongRoPE served with
 its short factors where no sequence can outgrow original_max_position_embeddings (refused at
 worker start otherwise). test_oracle.py runs the tiny Phi-3 beside the other families (fp32
-tokens and logits at three block sizes, bf16 and fp16 tokens); here: what is its own."""
+tokens and logits at three block sizes, mixed prompt lengths batched together), and
+test_native_stack.py checks that the one-call stack declines partial rotary; here: what is its
+own."""
 
 from __future__ import annotations
 
@@ -93,6 +95,15 @@ def test_a_fused_weight_of_the_wrong_rows_is_named():
     sizes = phi3.fused_row_sizes(4, 2, 16, 128)
     with pytest.raises(ValueError, match=r"model.layers.0.mlp.gate_up_proj.weight has 250 rows"):
         phi3.split_fused("model.layers.0.mlp.gate_up_proj.weight", torch.zeros(250, 64), sizes)
+
+
+def test_bfloat16_greedy_tokens_match_transformers(tiny_phi3):
+    """The partial rotation's pass-through dims are concatenated in bf16, as transformers does."""
+    prompts = make_prompts((1, 17, 70), seed=9)
+    _, seqs = run_engine(tiny_phi3, prompts, block_size=16, num_blocks=64, dtype="bfloat16")
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        want, _ = hf_greedy(tiny_phi3, torch.bfloat16, tuple(prompt))
+        assert seq.output_token_ids == want, f"prompt of {len(prompt)} tokens"
 
 
 def test_chunked_prefill_swap_preemption_and_a_sliding_window_keep_transformers_tokens(
