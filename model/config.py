@@ -13,6 +13,7 @@ import torch
 from pagedserve.generation_config import eos_token_ids, read_generation_config
 from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache import kv_cache_dtype as kv_cache_dtype_from_name
+from pagedserve.model import phi3
 from pagedserve.model.activations import activation
 from pagedserve.model.quant import WeightQuant
 
@@ -26,6 +27,7 @@ SUPPORTED_ARCHITECTURES = (
     "Qwen3ForCausalLM",
     "Olmo2ForCausalLM",
     "GraniteForCausalLM",
+    "Phi3ForCausalLM",
 )
 # NOTE: Qwen2 and Qwen3 configs share their sliding-window rules (Qwen2Config.__post_init__)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -34,14 +36,17 @@ _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
 # rotation depends on its batch and the keys already cached; pagedserve's rope tables are fixed,
 # so both are refused rather than served approximately.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# NOTE: Phi3Config accepts only these; `longrope` is served while every position stays within
+# original_max_position_embeddings (`model_len`), where transformers always uses short_factor
+PHI3_ROPE_TYPES = ("default", "longrope")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama-family decoder, normalised across Llama, Mistral, Qwen2, Qwen3, OLMo 2 and Granite
-    configs. The fields with defaults after `raw` are the family variants; their defaults are
-    Llama's layer."""
+    """A Llama-family decoder, normalised across Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite
+    and Phi-3 configs. The fields with defaults after `raw` are the family variants; their
+    defaults are Llama's layer."""
 
     model_dir: Path
     architecture: str
@@ -80,6 +85,16 @@ class ModelConfig:
     residual_multiplier: float = 1.0  # Granite: each residual branch scaled before its add
     attention_multiplier: float | None = None  # Granite: the attention's scale; None: D**-0.5
     logits_scaling: float = 1.0  # Granite: the logits divided by it
+    # Phi-3 (`partial_rotary_factor`): rope rotates the first `rotary_dim` of each head's dims,
+    # the rest pass through; None: all of head_dim
+    rotary_dim: int | None = None
+    # longrope (Phi-3): the context past which transformers switches to long_factor
+    original_max_position_embeddings: int | None = None
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each head rope rotates (its tables' width)."""
+        return self.rotary_dim if self.rotary_dim is not None else self.head_dim
 
     @property
     def attention_scale(self) -> float:
@@ -134,12 +149,15 @@ def load_model_config(
             f"model: architecture {arch!r} (config.json `architectures`) is not supported; "
             f"pagedserve runs {', '.join(SUPPORTED_ARCHITECTURES)} (docs/models.md)"
         )
+    if arch == phi3.ARCHITECTURE and quantization is not None:
+        raise ValueError(f"--quantization {quantization.method}: not tested for {arch}; omit it")
     hf = _hf_config(model_dir, raw, arch)
     rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    rope_types = PHI3_ROPE_TYPES if arch == "Phi3ForCausalLM" else SUPPORTED_ROPE_TYPES
+    if rope_type not in rope_types:
         raise ValueError(
             f"model: rope_scaling.rope_type {rope_type!r} (config.json) is not supported; "
-            f"pagedserve runs {', '.join(SUPPORTED_ROPE_TYPES)} (docs/models.md)"
+            f"pagedserve runs {', '.join(rope_types)} (docs/models.md)"
         )
     activation(hf.hidden_act)  # NOTE: refused here, at load, not at the first forward
     num_heads = hf.num_attention_heads
@@ -182,6 +200,7 @@ def load_model_config(
         post_norms=arch == "Olmo2ForCausalLM",
         late_casts=arch == "Olmo2ForCausalLM",
         **_multipliers(arch, hf),
+        **phi3.rope_fields(arch, hf, head_dim, rope_type),
     )
 
 
@@ -202,7 +221,7 @@ def _multipliers(arch: str, hf: Any) -> dict[str, Any]:
 
 # The defaults transformers' config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
 # Olmo2Config, GraniteConfig) give the fields pagedserve reads when config.json leaves them out
-# (tests/model/test_config_reader.py checks every one against AutoConfig).
+# (tests/model/test_config_reader.py checks every one against AutoConfig). Phi3Config's: phi3.py.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 11008,
@@ -250,6 +269,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "attention_bias": False, "mlp_bias": False, "embedding_multiplier": 1.0,
         "logits_scaling": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
     },
+    "Phi3ForCausalLM": phi3.DEFAULTS,
 }  # fmt: skip
 _DEFAULT_ROPE_THETA = 10_000.0
 _PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta"}
@@ -301,7 +321,7 @@ def _biases(arch: str, hf: Any) -> tuple[bool, bool, bool]:
     if arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"):  # NOTE: o follows attention_bias
         attention_bias = bool(getattr(hf, "attention_bias", False))  # ... and no MLP bias
         return attention_bias, attention_bias, False
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
         return False, False, False
     attention_bias = bool(getattr(hf, "attention_bias", False))
     return attention_bias, attention_bias, bool(getattr(hf, "mlp_bias", False))
@@ -309,7 +329,7 @@ def _biases(arch: str, hf: Any) -> tuple[bool, bool, bool]:
 
 def _sliding_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
     window = getattr(hf, "sliding_window", None)
-    if arch == "MistralForCausalLM":
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # NOTE: one window on every layer
         return (window,) * hf.num_hidden_layers
     if arch in _QWEN:
         layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
@@ -318,15 +338,15 @@ def _sliding_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
 
 
 def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [head_dim // 2] float32, attention_scaling) for the checkpoint's rope type.
+    """(inv_freq [rope_dim // 2] float32, attention_scaling) for the checkpoint's rope type.
 
-    Uses transformers' own rope initialisers, so scaled ropes (linear, llama3, yarn) agree with
-    the oracle bit for bit.
+    Uses transformers' own rope initialisers, so scaled ropes (linear, llama3, yarn; longrope's
+    short factors, as `model_len` allows it) agree with the oracle bit for bit.
     """
     hf = _hf_config(config.model_dir, config.raw, config.architecture)
     if config.rope_type == "default":
-        base = hf.rope_parameters["rope_theta"]
-        exponents = torch.arange(0, config.head_dim, 2, dtype=torch.float) / config.head_dim
+        base, dim = hf.rope_parameters["rope_theta"], config.rope_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
         return 1.0 / (base**exponents), 1.0
     # NOTE: imported here, for scaled ropes only: transformers costs a worker ~2 s of start-up
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
@@ -338,11 +358,14 @@ def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
 def model_len(config: ModelConfig, max_model_len: int | None) -> int:
     """The longest prompt + output an engine serves: `max_model_len` (a worker's
     `--max-model-len`), else the model's max_position_embeddings. ValueError past the latter:
-    the rope tables end there (model/llama.py), and a longer position would fail mid-request."""
+    the rope tables end there (model/llama.py), and a longer position would fail mid-request;
+    for longrope, ValueError past original_max_position_embeddings (model/phi3.py)."""
     limit = config.max_position_embeddings
     if max_model_len is not None and max_model_len > limit:
         raise ValueError(
             f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
             f"{limit} (its rope tables end there)"
         )
-    return max_model_len or limit
+    served = max_model_len or limit
+    phi3.check_longrope_len(config.rope_type, config.original_max_position_embeddings, served)
+    return served

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3) over a paged KV
+cache.
 
 One forward takes a flattened batch: the prefill chunks and decode tokens of many sequences laid
 end to end, with positions and an `AttentionMetadata` that maps them onto the cache. Module and
@@ -9,7 +10,8 @@ float32 then cast, rope cos/sin in float32 then cast, separate q/k/v projections
 logits agree to ~1e-6 and bf16 greedy tokens agree exactly. A family's own parts are data on
 `ModelConfig` and small optional parts of the layer: q/k norms (Qwen3 per head, OLMo 2 over the
 projection), OLMo 2's post-norm layer (`PostNormDecoderLayer`) and float32 casts (`LateCastRMSNorm`,
-rope), Granite's multipliers (embeddings, residual branches, attention scale, logits).
+rope), Granite's multipliers (embeddings, residual branches, attention scale, logits), Phi-3's
+partial rotary (`rotate`; its fused checkpoint weights are the loader's, model/phi3.py).
 """
 
 from __future__ import annotations
@@ -120,7 +122,7 @@ def make_norm(config: ModelConfig, size: int) -> RMSNorm:
 
 
 class RotaryEmbedding:
-    """cos/sin tables [max_position_embeddings, head_dim], computed once in float32.
+    """cos/sin tables [max_position_embeddings, rope_dim], computed once in float32.
 
     NOTE: plain tensors, not module buffers, so that `model.to(dtype)` never rounds them; they
     are cast to the activation dtype per use, as transformers does.
@@ -147,9 +149,13 @@ RopeTables = tuple[torch.Tensor, torch.Tensor]
 
 def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     """x [T, H, D] rotated by its rows' positions (the same arithmetic for every head: q's and
-    k's heads side by side are rotated in one go)."""
+    k's heads side by side are rotated in one go); tables narrower than D rotate the first dims
+    of each head only."""
     cos, sin = tables
-    half = x.shape[-1] // 2
+    dim = cos.shape[-1]
+    if dim < x.shape[-1]:  # NOTE: partial rotary (Phi-3): the rest of each head passes through
+        return torch.cat((rotate(x[..., :dim], tables), x[..., dim:]), dim=-1)
+    half = dim // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 

@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.cpu_native import has_bf16_arithmetic
-from pagedserve.model import gguf_weights
+from pagedserve.model import gguf_weights, phi3
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import Linear, LlamaForCausalLM, RotaryEmbedding
 from pagedserve.model.quant import (
@@ -125,6 +125,9 @@ def _load_safetensors(
 ) -> None:
     """Every tensor of the checkpoint not yet `loaded` (from a GGUF's blocks) into `params` or
     `quantized`; their names added to `loaded`."""
+    row_sizes = phi3.fused_row_sizes(
+        config.num_heads, config.num_kv_heads, config.head_dim, config.intermediate_size
+    )
     for path in safetensors_files(config.model_dir):
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():  # noqa: SIM118 - safe_open is not a dict
@@ -132,19 +135,32 @@ def _load_safetensors(
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
-                tensor = f.get_tensor(name)
-                if config.tp is not None:  # NOTE: one tensor-parallel rank's part of it
-                    tensor = config.tp.tensor(name, tensor)
-                if name in quantized:
-                    try:
-                        quantized[name].load_weight(tensor)
-                    except ValueError as exc:
-                        raise ValueError(f"model: {name}: {exc}") from None
-                elif name in params:
-                    _copy_param(params[name], tensor, name, config.dtype)
-                else:
-                    raise ValueError(f"model: unexpected tensor {name!r} in {path.name}")
-                loaded.add(name)
+                # NOTE: Phi-3's fused qkv_proj / gate_up_proj come as our q/k/v, gate/up rows
+                for part, tensor in phi3.split_fused(name, f.get_tensor(name), row_sizes):
+                    _load_tensor(config, params, quantized, part, tensor, path)
+                    loaded.add(part)
+
+
+def _load_tensor(
+    config: ModelConfig,
+    params: dict[str, torch.Tensor],
+    quantized: dict[str, QuantizedLinear],
+    name: str,
+    tensor: torch.Tensor,
+    path: Path,
+) -> None:
+    """One checkpoint tensor into the parameter (or quantized layer) of its name."""
+    if config.tp is not None:  # NOTE: one tensor-parallel rank's part of it
+        tensor = config.tp.tensor(name, tensor)
+    if name in quantized:
+        try:
+            quantized[name].load_weight(tensor)
+        except ValueError as exc:
+            raise ValueError(f"model: {name}: {exc}") from None
+    elif name in params:
+        _copy_param(params[name], tensor, name, config.dtype)
+    else:
+        raise ValueError(f"model: unexpected tensor {name!r} in {path.name}")
 
 
 def _gguf_blocks(config: ModelConfig) -> tuple[Path, dict[str, str]] | None:

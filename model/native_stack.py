@@ -6,9 +6,10 @@ one call that runs the same kernels. It takes a step when every part of it is wh
 compute — float32 on CPU, a plain (unquantized) float32 KV cache, single-token rows only, at
 most `max_rows` of them, no tensor parallelism, Llama's layer (fused fp32 q/k/v and gate/up, or
 int8 / int4 linears the native kernels read, SiLU, at most one sliding window, no q/k norms,
-Llama's pre-norms and RMSNorm, no residual multiplier: Qwen3's, OLMo 2's and Granite's layers
-take the Python path; the attention scale is the model's own, Granite's `attention_multiplier`
-included, and the embedding multiplier and logits scaling lie outside the stack) — and
+Llama's pre-norms and RMSNorm, no residual multiplier, rope over whole heads: Qwen3's, OLMo
+2's and Granite's layers and Phi-3's partial rotary take the Python path; the attention scale
+is the model's own, Granite's `attention_multiplier` included, the rope tables are the model's,
+longrope's included, and the embedding multiplier and logits scaling lie outside the stack) — and
 otherwise `forward` returns None and the model runs its Python path. Its outputs are the Python
 path's except for SiLU's exponential (a few ulp: docs/kernels.md).
 """
@@ -62,6 +63,7 @@ class NativeStack:
             or kv_cache.codes.dtype != torch.float32
             or kv_cache.codes.device.type != "cpu"
             or config.head_dim % 16
+            or config.rope_dim != config.head_dim  # NOTE: its kernel rotates whole heads
             or config.head_dim > 512
             or config.num_heads > cpu_native.MAX_HEADS
             or len({w for w in config.sliding_windows if w is not None}) > 1

@@ -43,6 +43,7 @@ from transformers import (
     LlamaConfig,
     MistralConfig,
     Olmo2Config,
+    Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
@@ -50,8 +51,8 @@ from transformers import (
     Qwen3Config,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
-WINDOWED_ARCHS = ("mistral", "qwen3")  # the archs `sliding_window` applies to
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3")
+WINDOWED_ARCHS = ("mistral", "qwen3", "phi3")  # the archs `sliding_window` applies to
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # trained first, in this order, so their ids are:
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -64,6 +65,8 @@ GRANITE_MULTIPLIERS: dict[str, Any] = {
     "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.15,
     "logits_scaling": 8.0,
 }  # fmt: skip
+# NOTE: Phi-4-mini's: rope rotates 3/4 of each head (12 of 16 dims here)
+PHI3_PARTIAL_ROTARY_FACTOR = 0.75
 
 
 def corpus_path() -> Path:
@@ -88,6 +91,7 @@ def make_tiny_model(
     rope_scaling: dict[str, Any] | None = None,
     tie_word_embeddings: bool = False,
     sliding_window: int | None = None,
+    partial_rotary_factor: float = PHI3_PARTIAL_ROTARY_FACTOR,
 ) -> Path:
     """Write a tiny checkpoint + tokenizer into `out_dir` (created if missing) and return its path.
 
@@ -95,11 +99,14 @@ def make_tiny_model(
     runtime that derives head_dim from hidden / heads fails; its `sliding_window` applies to the
     second half of the layers (`max_window_layers`), as Qwen's configs lay windows out.
     olmo2 (`Olmo2ForCausalLM`) gets its post-norms and q/k norms over the whole projections;
-    granite (`GraniteForCausalLM`) the multipliers of `GRANITE_MULTIPLIERS`.
+    granite (`GraniteForCausalLM`) the multipliers of `GRANITE_MULTIPLIERS`; phi3
+    (`Phi3ForCausalLM`) its fused qkv_proj / gate_up_proj weights and `partial_rotary_factor`
+    (default `PHI3_PARTIAL_ROTARY_FACTOR`; a longrope `rope_scaling` may carry
+    `original_max_position_embeddings`, which Phi3Config keeps beside it).
 
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
-    plus 256 byte symbols, or `sliding_window` on an arch other than mistral and qwen3.
+    plus 256 byte symbols, or `sliding_window` on an arch other than mistral, qwen3 and phi3.
     """
     _validate(arch, hidden, heads, kv_heads, vocab, dtype, sliding_window)
     out = Path(out_dir)
@@ -117,6 +124,7 @@ def make_tiny_model(
         rope_scaling=rope_scaling,
         tie_word_embeddings=tie_word_embeddings,
         sliding_window=sliding_window,
+        partial_rotary_factor=partial_rotary_factor,
     )
     model = build_model(config, seed=seed, init_std=init_std, dtype=DTYPES[dtype])
     model.generation_config = GenerationConfig(
@@ -220,6 +228,7 @@ def build_config(
     rope_scaling: dict[str, Any] | None,
     tie_word_embeddings: bool,
     sliding_window: int | None,
+    partial_rotary_factor: float = PHI3_PARTIAL_ROTARY_FACTOR,
 ) -> PretrainedConfig:
     """The transformers config for `arch`; RoPE goes into `rope_parameters` (transformers 5)."""
     common: dict[str, Any] = dict(
@@ -252,7 +261,22 @@ def build_config(
         return Olmo2Config(**common)
     if arch == "granite":
         return GraniteConfig(**GRANITE_MULTIPLIERS, **common)
+    if arch == "phi3":
+        return _phi3_config(common, sliding_window, partial_rotary_factor)
     return Qwen2Config(use_sliding_window=False, **common)
+
+
+def _phi3_config(
+    common: dict[str, Any], sliding_window: int | None, partial_rotary_factor: float
+) -> PretrainedConfig:
+    # NOTE: Phi3Config puts its own `original_max_position_embeddings` (default 4096) into a
+    # longrope's parameters, over the one given there
+    rope = dict(common.pop("rope_parameters"), partial_rotary_factor=partial_rotary_factor)
+    original = rope.get("original_max_position_embeddings", common["max_position_embeddings"])
+    return Phi3Config(
+        rope_parameters=rope, original_max_position_embeddings=original,
+        sliding_window=sliding_window, **common,
+    )  # fmt: skip
 
 
 def rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:

@@ -75,6 +75,29 @@ def tiny_qwen3(make_tiny) -> Path:
     return make_tiny("qwen3")
 
 
+# A tiny Phi-3 with longrope: short and long factors of rotary_dim / 2 = 6 distinct values, an
+# original context of 64 within max_position_embeddings 256 (attention factor sqrt(1 + ln 4 /
+# ln 64), not 1)
+PHI3_LONGROPE = {
+    "rope_type": "longrope", "original_max_position_embeddings": 64,
+    "short_factor": [1.0 + 0.37 * i for i in range(6)],
+    "long_factor": [3.0 + 1.5 * i for i in range(6)],
+}  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3(make_tiny) -> Path:
+    """`Phi3ForCausalLM`: fused qkv_proj / gate_up_proj in the checkpoint, rope over 12 of each
+    head's 16 dims (partial_rotary_factor 0.75, Phi-4-mini's)."""
+    return make_tiny("phi3")
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_longrope(make_tiny) -> Path:
+    """The tiny Phi-3 with `PHI3_LONGROPE` (original_max_position_embeddings 64)."""
+    return make_tiny("phi3", max_position_embeddings=256, rope_scaling=PHI3_LONGROPE)
+
+
 @pytest.fixture(scope="session")
 def tiny_chat_model(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama with the ChatML chat template (one directory for the session, so that the

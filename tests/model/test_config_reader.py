@@ -25,6 +25,7 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 OLMO2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}
 GRANITE = {"architectures": ["GraniteForCausalLM"], "model_type": "granite"}
+PHI3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
 SMALL = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
 }  # fmt: skip
@@ -36,6 +37,11 @@ CONFIGS = {
     "qwen3-all-defaults": QWEN3,
     "olmo2-all-defaults": OLMO2,
     "granite-all-defaults": GRANITE,
+    "phi3-all-defaults": PHI3,
+    "phi3-window-kv-heads-eos-list": {
+        **PHI3, **SMALL, "sliding_window": 47, "eos_token_id": [32000, 32007],
+        "rope_theta": 250000.0,
+    },
     "llama-top-level-rope-theta": {**LLAMA, **SMALL, "rope_theta": 500000.0},
     "llama-rope-parameters": {
         **LLAMA, **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}
@@ -117,7 +123,7 @@ def test_a_plain_config_reads_as_transformers_reads_it(name, tmp_path, monkeypat
     assert ours.hidden_act in ACTIVATIONS
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3"])
 def test_the_tiny_models_read_as_transformers_reads_them(make_tiny, arch, monkeypatch):
     model_dir = make_tiny(arch)
     assert load_model_config(model_dir) == through_transformers(monkeypatch, model_dir)

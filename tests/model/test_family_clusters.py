@@ -37,6 +37,7 @@ FAMILIES: dict[str, dict[str, object]] = {
     "qwen3": {"sliding_window": 48},
     "olmo2": {},
     "granite": {},
+    "phi3": {"sliding_window": 48},  # and partial rotary (tiny_model.py)
 }
 
 

@@ -183,3 +183,34 @@ def test_the_stack_computes_with_granites_attention_scale_and_embedding_multipli
     for (tokens, logits), (want_tokens, want_logits) in zip(stacked, layered, strict=True):
         assert tokens == want_tokens
         assert (logits - want_logits).abs().max().item() < 1e-4
+
+
+# A full-rotary Phi-3 with longrope (factors of head_dim / 2 = 8), original context 64
+PHI3_FULL_LONGROPE = {
+    "rope_type": "longrope", "original_max_position_embeddings": 64,
+    "short_factor": [1.0 + 0.3 * i for i in range(8)],
+    "long_factor": [2.0 + 1.5 * i for i in range(8)],
+}  # fmt: skip
+
+
+def test_the_stack_declines_phi3s_partial_rotary_and_reads_longropes_tables(make_tiny, stack_calls):
+    """Its kernel rotates whole heads: Phi-3's partial rotary takes the layer path. A longrope
+    model within its original context rotates by fixed (short-factor) tables, which the stack
+    reads as the layer path does: tokens and logits are transformers'."""
+    partial = make_tiny("phi3")
+    assert NativeStack.build(*_model_and_cache(partial)) is None
+    model_dir = make_tiny(
+        "phi3", partial_rotary_factor=1.0, max_position_embeddings=256,
+        rope_scaling=PHI3_FULL_LONGROPE,
+    )  # fmt: skip
+    assert NativeStack.build(*_model_and_cache(model_dir, max_model_len=64)) is not None
+    prompts = make_prompts((5, 30))
+    engine, seqs = run_engine(
+        model_dir, prompts, record_logits=True, block_size=8, num_blocks=32, max_model_len=64
+    )
+    assert len(stack_calls) >= 15, "decode steps must run through the stack"
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        want_tokens, want_logits = hf_greedy(model_dir, torch.float32, tuple(prompt))
+        assert seq.output_token_ids == want_tokens
+        got = torch.stack(engine.logits[seq.request_id])
+        assert (got - want_logits).abs().max().item() < 1e-4

@@ -12,7 +12,7 @@ import torch
 from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3"])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_fp32_greedy_tokens_and_logits_match_transformers(make_tiny, arch, block_size):
     model_dir = make_tiny(arch)
