@@ -132,6 +132,7 @@ class Hide(importlib.abc.MetaPathFinder):
 
 sys.meta_path.insert(0, Hide())
 import pagedserve.cli, pagedserve.router.server, pagedserve.gateway.server, pagedserve.client
+import pagedserve.fetch_model  # `pagedserve ROLE --model DIR` resolves DIR with it
 pagedserve.cli.build_parser()
 print(json.dumps(sorted({m.split(".")[0] for m in sys.modules})))
 """

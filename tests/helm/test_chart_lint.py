@@ -40,7 +40,8 @@ CRD_API_VERSIONS = (
 @pytest.mark.parametrize(
     "case",
     [
-        "defaults", "gpu", "servicemonitor-without-api", "tracing", "gateway-ingress-restricted",
+        "defaults", "gpu", "keda", "servicemonitor-without-api", "tracing",
+        "gateway-ingress-restricted",
         "production", "tls-secret-fetch-model", "tls-router-client-auth",
     ],
 )  # fmt: skip
