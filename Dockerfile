@@ -2,6 +2,8 @@
 # pagedserve: one image for the router, prefill and decode workers (`pagedserve <role> ...`).
 #
 #   CPU (default):   docker build -t pagedserve:0.1.0 .
+#   torch-free router and gateway (the Helm chart's router.image / gateway.image):
+#                    docker build --target slim -t pagedserve:0.1.0-slim .
 #   CUDA:            docker build -t pagedserve:0.1.0-cu128 \
 #                      --build-arg TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 .
 #                    (CUDA torch wheels carry their CUDA libraries; the node provides the driver)
@@ -12,6 +14,8 @@
 # there), so it runs with a read-only root filesystem and an emptyDir on /tmp. Models are mounted,
 # never downloaded (HF_HUB_OFFLINE=1).
 ARG BASE_IMAGE=python:3.11-slim
+# NOTE: the slim target never takes a CUDA base: router and gateway need no GPU
+ARG SLIM_BASE_IMAGE=python:3.11-slim
 
 FROM ${BASE_IMAGE} AS build
 # NOTE: torch is installed first and pinned (as in the Makefile) so that no dependency range can
@@ -40,7 +44,53 @@ COPY bench ./bench
 COPY gateway ./gateway
 RUN pip install . && python -c "import pagedserve.cli; pagedserve.cli.build_parser()"
 
-FROM ${BASE_IMAGE}
+# The slim target: router and gateway only (no torch, triton, transformers or xgrammar: they
+# import none, see the import-linter contracts). pagedserve's own dependencies would pull torch,
+# so it is installed --no-deps over requirements-slim.txt (what the two roles import).
+FROM ${SLIM_BASE_IMAGE} AS slim-build
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+RUN python3 -m venv /opt/pagedserve
+ENV PATH=/opt/pagedserve/bin:$PATH
+WORKDIR /src
+COPY requirements-slim.txt ./
+RUN pip install -r requirements-slim.txt
+COPY pyproject.toml README.md ./
+COPY pagedserve ./pagedserve
+COPY protos ./protos
+COPY router ./router
+COPY prefill_worker ./prefill_worker
+COPY decode_worker ./decode_worker
+COPY kvstore ./kvstore
+COPY model ./model
+COPY kernels ./kernels
+COPY bench ./bench
+COPY gateway ./gateway
+# NOTE: the check fails the build if either role's import path ever reaches torch
+RUN pip install --no-deps . \
+    && python -c "import sys, pagedserve.cli, pagedserve.router.server, pagedserve.gateway.server; \
+pagedserve.cli.build_parser(); \
+heavy = {'torch', 'triton', 'transformers', 'xgrammar'} & set(sys.modules); \
+sys.exit(f'slim image imports {heavy}' if heavy else 0)"
+
+FROM ${SLIM_BASE_IMAGE} AS slim
+RUN useradd --uid 10001 --user-group --no-create-home --home-dir /tmp --shell /usr/sbin/nologin pagedserve
+COPY --from=slim-build /opt/pagedserve /opt/pagedserve
+ENV PATH=/opt/pagedserve/bin:$PATH \
+    HOME=/tmp \
+    XDG_CACHE_HOME=/tmp/.cache \
+    HF_HOME=/tmp/.cache/huggingface \
+    HF_HUB_OFFLINE=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1
+WORKDIR /tmp
+USER 10001:10001
+# router, gateway (the chart sets --port; these are the CLI defaults)
+EXPOSE 50051 8000
+ENTRYPOINT ["pagedserve"]
+CMD ["--help"]
+
+# The full image (the default target, the last stage): every role.
+FROM ${BASE_IMAGE} AS full
 ENV DEBIAN_FRONTEND=noninteractive
 # NOTE: a C compiler at run time: the native CPU decode kernel is built for the pod's own CPU on
 # first use (kernels/cpu_native.py, into $XDG_CACHE_HOME); without one, CPU decode falls back to

@@ -135,7 +135,7 @@ async def serve(
     if member is not None:
         await asyncio.to_thread(member.leave)
     servicer.end_deliveries()  # NOTE: else each router's Deliver stream holds the grace period
-    await bound.handle.server.stop(grace=1.0)
+    await bound.handle.stop(grace=1.0)
     servicer.close()
     worker.close()
     tracing.shutdown()

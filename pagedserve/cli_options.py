@@ -169,6 +169,11 @@ def add_server_arguments(parser: argparse.ArgumentParser, default_port: int) -> 
     )
     parser.add_argument("--metrics-port", type=int, default=None, help="Prometheus /metrics")
     add_metrics_names_argument(parser)
+    parser.add_argument(
+        "--health-port", type=int, default=None,
+        help="also serve grpc.health.v1.Health alone, in plaintext, on this port of --host "
+        "(for probes that cannot speak TLS, e.g. kubelet's gRPC probes; no other service)",
+    )  # fmt: skip
 
     add_tls_arguments(parser)
 

@@ -183,6 +183,37 @@ class ServerHandle:
     port: int
     service_names: tuple[str, ...]
     loop: asyncio.AbstractEventLoop
+    # NOTE: `health_address`'s plaintext server: the same HealthServicer, nothing else
+    health_server: grpc.aio.Server | None = None
+    health_port: int | None = None
+
+    async def add_health_port(self, address: str | None) -> None:
+        """`--health-port`: a second server at `address` (None: none), plaintext, with only this
+        server's `grpc.health.v1.Health` (the same statuses; no reflection, no other service),
+        for probes that cannot speak TLS (kubelet's). On the server's loop, before `start()`, which
+        starts both.
+        RuntimeError if `address` cannot be bound."""
+        if address is None:
+            return
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", 4096)])
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        try:
+            self.health_port = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise RuntimeError(f"cannot bind the health port {address}: {exc}") from exc
+        self.health_server = server
+
+    async def start(self) -> None:
+        """Start the server and, with a health port, its health-only server."""
+        await self.server.start()
+        if self.health_server is not None:
+            await self.health_server.start()
+
+    async def stop(self, grace: float | None) -> None:
+        """Stop both; the health server last, so probes see NOT_SERVING while streams drain."""
+        await self.server.stop(grace)
+        if self.health_server is not None:
+            await self.health_server.stop(None)
 
     async def set_ready(self, ready: bool) -> None:
         """Readiness of every service this server hosts; `""` (liveness) stays SERVING."""
@@ -438,6 +469,11 @@ def make_channel(
     if tls.server_name:
         opts.append(("grpc.ssl_target_name_override", tls.server_name))
     return module.secure_channel(address, tls.credentials(), options=opts)
+
+
+def health_address(host: str, port: int | None) -> str | None:
+    """`--host` and `--health-port` as the address `ServerHandle.add_health_port` takes."""
+    return None if port is None else f"{host}:{port}"
 
 
 def _read(path: str | None) -> bytes | None:

@@ -26,7 +26,13 @@ import redis
 from pagedserve.cli_options import default_worker_id
 from pagedserve.cluster import model_key
 from pagedserve.core_share import one_torch_thread
-from pagedserve.grpcutil import EngineLoop, ServerHandle, build_server, server_tls_from_args
+from pagedserve.grpcutil import (
+    EngineLoop,
+    ServerHandle,
+    build_server,
+    health_address,
+    server_tls_from_args,
+)
 from pagedserve.kvstore.worker_registry import connect
 from pagedserve.model.tp_pipes import RankLost
 from pagedserve.signals import stop_on_signals
@@ -102,6 +108,7 @@ async def bind(
         max_message_bytes=args.max_message_bytes,
         tls=server_tls_from_args(args),
     )
+    await handle.add_health_port(health_address(args.host, getattr(args, "health_port", None)))
     address = args.advertise_address or f"{args.host}:{handle.port}"
     worker_id = args.worker_id or default_worker_id(role, handle.port)
     return Bound(handle, address, worker_id)
@@ -117,7 +124,7 @@ def connect_registry(args: argparse.Namespace) -> tuple[redis.Redis, str] | None
 async def announce_ready(bound: Bound, *, ready: bool = True) -> None:
     """Start serving, turn health to `ready`, print `READY <worker_id> <address>` (and log
     it: a worker's log says when it served)."""
-    await bound.handle.server.start()
+    await bound.handle.start()
     await bound.handle.set_ready(ready)
     log.info(
         "serving as %s at %s%s", bound.worker_id, bound.address, "" if ready else " (not ready)"

@@ -181,7 +181,7 @@ async def serve(
     worker.stop()  # NOTE: no step may publish after the index entries are cleared
     if cluster is not None:
         await asyncio.to_thread(cluster.leave)
-    await bound.handle.server.stop(grace=1.0)
+    await bound.handle.stop(grace=1.0)
     worker.close()
     tracing.shutdown()
     return 1 if isinstance(worker.death, RankLost) else 0

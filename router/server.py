@@ -28,6 +28,7 @@ from pagedserve.grpcutil import (
     ServerTLS,
     build_server,
     client_tls_from_args,
+    health_address,
     server_tls_from_args,
 )
 from pagedserve.kvstore.hashing import model_fingerprint
@@ -90,6 +91,7 @@ class RouterOptions:
     stall_timeout_s: float
     max_migrations: int
     decode_delivery: bool
+    health_port: int | None = None  # --health-port: plaintext grpc.health.v1 only
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> RouterOptions:
@@ -134,6 +136,7 @@ class RouterOptions:
             stall_timeout_s=args.stall_timeout,
             max_migrations=args.max_migrations,
             decode_delivery=args.decode_delivery,
+            health_port=args.health_port,
         )
 
     def settings(self, fingerprint: bytes) -> RouterSettings:
@@ -236,7 +239,7 @@ class RunningRouter:
         await self.handle.set_ready(False)
         if self.poller is not None:
             self.poller.cancel()
-        await self.handle.server.stop(grace_s)
+        await self.handle.stop(grace_s)
         await self.servicer.orchestrator.clients.close()
         await self.workers.close()
         self.servicer.tracing.shutdown()
@@ -263,7 +266,8 @@ async def start_router(
         # RetryInfo), not gRPC core's pending-call limit (a bare CANCELLED)
         max_pending_calls=max(DEFAULT_MAX_PENDING_CALLS, 4 * options.max_queued_requests),
     )
-    await handle.server.start()
+    await handle.add_health_port(health_address(options.host, options.health_port))
+    await handle.start()
     router = RunningRouter(servicer, workers, handle, options.load_poll_interval_s)
     await router.refresh()
     router.poller = asyncio.create_task(router.poll_forever(), name="load-poller")

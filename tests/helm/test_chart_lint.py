@@ -31,6 +31,7 @@ KUBERNETES_MINORS = ("1.31.0", "1.37.0")  # the chart's kubeVersion floor and th
 CRD_API_VERSIONS = (
     "monitoring.coreos.com/v1",
     "cert-manager.io/v1",
+    "keda.sh/v1alpha1",
     "gateway.networking.k8s.io/v1",
 )
 
@@ -39,7 +40,8 @@ CRD_API_VERSIONS = (
 @pytest.mark.parametrize(
     "case",
     [
-        "defaults", "gpu", "servicemonitor-without-api", "tracing", "gateway-ingress-restricted",
+        "defaults", "gpu", "keda", "servicemonitor-without-api", "tracing",
+        "gateway-ingress-restricted",
         "production", "tls-secret-fetch-model", "tls-router-client-auth",
     ],
 )  # fmt: skip

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import pytest
 from chart import (
+    HEALTH_PORT,
     LINUX_AMD64_ONLY,
     MATRIX,
+    PROBES,
     ROLES,
     TLS_CASES,
-    TLS_DIR,
     Doc,
     Tools,
     _set,
@@ -17,9 +18,7 @@ from chart import (
     deployment,
     flag,
     of_kind,
-    probe_args,
     render,
-    server_name,
 )
 
 pytestmark = LINUX_AMD64_ONLY
@@ -35,23 +34,27 @@ def pod_specs(docs: list[Doc]) -> list[tuple[str, Doc]]:
 
 @pytest.mark.parametrize("case", list(MATRIX))
 def test_probes_hit_the_grpc_health_service(renders: dict[str, list[Doc]], case: str) -> None:
+    """Kubelet's native gRPC probes everywhere, no exec probe (no Python start per probe): on the
+    service port, or under TLS (which kubelet's probes cannot speak) on `--health-port`, the
+    plaintext Health-only port (tests/security/test_health_port.py runs it)."""
     for role, (service, port) in ROLES.items():
         box = container(renders[case], role)
-        (grpc_port,) = [p for p in box["ports"] if p["name"] == "grpc"]
-        assert grpc_port["containerPort"] == port
+        ports = {p["name"]: p["containerPort"] for p in box["ports"]}
+        assert ports["grpc"] == port
         assert flag(box["args"], "--port") == str(port)
         assert flag(box["args"], "--host") == "0.0.0.0"
+        tls = case in TLS_CASES
+        assert flag(box["args"], "--health-port") == (str(HEALTH_PORT) if tls else None)
+        assert ports.get("health") == (HEALTH_PORT if tls else None)
         for probe, asked in (("readinessProbe", service), ("livenessProbe", ""),
                              ("startupProbe", "")):  # fmt: skip
-            if case in TLS_CASES:  # NOTE: kubelet's grpc probes cannot speak TLS
-                assert "grpc" not in box[probe]
-                args = probe_args(box[probe])
-                assert (args.port, args.service) == (port, asked)
-                # the probe dials as the roles that call this one do
-                assert (args.tls_ca, args.tls_server_name) == (
-                    f"{TLS_DIR}/ca.crt", server_name(case))  # fmt: skip
-            else:
-                assert box[probe]["grpc"] == {"port": port, "service": asked}
+            assert "exec" not in box[probe]
+            assert box[probe]["grpc"] == {"port": HEALTH_PORT if tls else port, "service": asked}
+    for _, pod in pod_specs(renders[case]):  # Redis's `redis-cli ping` is the one exec probe
+        for box in pod["containers"]:
+            commands = [box[p]["exec"]["command"] for p in PROBES if "exec" in box.get(p, {})]
+            assert not [c for c in commands if "python" in c[0]], box["name"]
+            assert not commands or box["name"] == "redis"
 
 
 def test_termination_grace_outlasts_prestop_and_drain(renders: dict[str, list[Doc]]) -> None:

@@ -44,8 +44,9 @@ def test_defaults_render_three_roles_a_gateway_and_a_bundled_redis(
         "Service": 6,  # the router's headless one for the gateways
         "StatefulSet": 1,
         "PodDisruptionBudget": 4,
-        "NetworkPolicy": 5,
+        "NetworkPolicy": 6,
         "ServiceAccount": 1,
+        "Pod": 1,  # the `helm test` hook and its NetworkPolicy (test_chart_helm_test.py)
     }
     docs = renders["defaults"]
     assert deployment(docs, "router")["spec"]["replicas"] == 2
@@ -83,7 +84,7 @@ def test_external_redis_drops_the_bundled_one(renders: dict[str, list[Doc]]) -> 
     docs = renders["external-redis"]
     assert of_kind(docs, "StatefulSet") == []
     assert len(of_kind(docs, "Service")) == 5  # router, its headless one, prefill, decode, gateway
-    assert len(of_kind(docs, "NetworkPolicy")) == 4
+    assert len(of_kind(docs, "NetworkPolicy")) == 5  # no Redis one; the helm test pod's
     for role in ROLES:
         assert flag(container(docs, role)["args"], "--redis-url") == EXTERNAL_REDIS
 

@@ -1,25 +1,22 @@
 """TLS and API keys (issue 20): every file a flag names is traced to the volume and Secret key
 that holds it, each role gets its TLS flags, cert-manager's Certificate names every Service, the
-TLS exec probe is run against a real TLS server, and API keys reach the router only."""
+probes' plaintext health port stays out of Services and NetworkPolicies, and API keys reach the
+router only."""
 
 from __future__ import annotations
 
 import base64
-import datetime
 import os
 import subprocess
-import sys
-from pathlib import Path
-from typing import Any
 
 import pytest
 from chart import (
     API_KEYS,
     CHART,
     GATEWAY,
+    HEALTH_PORT,
     LINUX_AMD64_ONLY,
     NAMESPACE,
-    PROBE_SCRIPT,
     PROBES,
     PRODUCTION,
     RELEASE,
@@ -38,26 +35,19 @@ from chart import (
     flag,
     mounted_file,
     of_kind,
-    probe_args,
     render,
     server_name,
 )
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from pagedserve.grpcutil import LoopThread, ServerTLS, build_server
 from pagedserve.router.auth import ApiKeys
 
 pytestmark = LINUX_AMD64_ONLY
 
 
 def command_lines(box: Doc) -> list[list[str]]:
-    """The container's args and its exec probes' commands."""
-    return [box.get("args", [])] + [
-        box[p]["exec"]["command"] for p in PROBES if "exec" in box.get(p, {})
-    ]
+    """The container's args (the only command lines: no exec probes)."""
+    assert not [p for p in PROBES if "exec" in box.get(p, {})]
+    return [box.get("args", [])]
 
 
 def tls_secret(case: str) -> str:
@@ -83,10 +73,6 @@ def test_files_the_flags_name_are_mounted_from_the_right_secret_keys(
                     f"{RELEASE}-pagedserve-api-keys", "api-keys")  # fmt: skip
                 assert mounted_file(pod, box, flag(argv, "--api-key-file") or "") == (
                     "secret", *keys)  # fmt: skip
-            if argv[:2] == ["python", PROBE_SCRIPT]:
-                script = PROBE_SCRIPT.rsplit("/", 1)[1]
-                expected = ("configMap", f"{RELEASE}-pagedserve-grpc-probe", script)
-                assert mounted_file(pod, box, PROBE_SCRIPT) == expected
         if box["name"] == "model-download":
             continue
         # only the files its flags name: no private key where nothing serves or presents one
@@ -117,97 +103,26 @@ def test_tls_flags_follow_each_role(renders: dict[str, list[Doc]], case: str) ->
         assert {a for a in args if a.startswith(("--tls-", "--https-"))} == flags, role
         if "--tls-server-name" in flags:
             assert flag(args, "--tls-server-name") == server_name(case)
-    for role in ROLES:
-        box = container(renders[case], role)
-        for probe in PROBES:
-            args = probe_args(box[probe])
-            assert args.tls_server_name == server_name(case)
-            # the probe shows a certificate where the server asks for one
-            assert (args.tls_client_cert is not None) == ("--tls-client-ca" in expected[role])
     for role in (*ROLES, "gateway"):
         assert not [a for a in container(renders["defaults"], role)["args"] if "tls" in a]
 
 
-# The chart's certificate: one CA, and one leaf for every pod (server and client auth, the usages
-# the Certificate asks cert-manager for) valid for the server name the dialing roles check.
-def _issue(subject: str, key: Any, ca_key: Any, *, ca: bool, san: str | None = None) -> Any:
-    now = datetime.datetime.now(datetime.UTC)
-    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, subject)])
-    issuer = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "release-ca")])
-    builder = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(issuer)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=5))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
-    )  # fmt: skip
-    if san is not None:
-        usages = [ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH]
-        builder = builder.add_extension(x509.ExtendedKeyUsage(usages), critical=False)
-        builder = builder.add_extension(
-            x509.SubjectAlternativeName([x509.DNSName(san)]), critical=False
-        )
-    return builder.sign(ca_key, hashes.SHA256())
-
-
-def write_release_secret(directory: Path, san: str) -> dict[str, bytes]:
-    """ca.crt, tls.crt and tls.key as the tls Secret holds them, written to `directory`."""
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    pem = serialization.Encoding.PEM
-    files = {
-        "ca.crt": _issue("release-ca", ca_key, ca_key, ca=True).public_bytes(pem),
-        "tls.crt": _issue("pagedserve", key, ca_key, ca=False, san=san).public_bytes(pem),
-        "tls.key": key.private_bytes(
-            pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
-        ),
-    }
-    directory.mkdir(parents=True)
-    for name, data in files.items():
-        (directory / name).write_bytes(data)
-    return files
-
-
-def test_tls_exec_probe_checks_health_over_mtls(
-    renders: dict[str, list[Doc]], tmp_path: Path
-) -> None:
-    """The prefill worker's rendered probes, run against a real mTLS gRPC health server."""
-    docs = renders["production"]
-    files = write_release_secret(tmp_path / "tls", SERVER_NAME)
-    (script,) = [c for c in of_kind(docs, "ConfigMap") if c["metadata"]["name"].endswith("probe")]
-    (tmp_path / "probe").mkdir()
-    (tmp_path / "probe" / "grpc_health_probe.py").write_text(script["data"]["grpc_health_probe.py"])
-    box = container(docs, "prefill")
-    loop = LoopThread("probe-test")
-    tls = ServerTLS(files["tls.crt"], files["tls.key"], files["ca.crt"])
-    handle = loop.run(
-        build_server([], ["pagedserve.v1.PrefillWorker"], address="127.0.0.1:0", tls=tls)
-    )
-    loop.run(handle.server.start())
-
-    def run(probe: str, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess[str]:
-        command = [
-            arg.replace("/etc/pagedserve", str(tmp_path)) for arg in box[probe]["exec"]["command"]
-        ]
-        command[0] = sys.executable
-        command[command.index("--port") + 1] = str(handle.port)
-        for option in drop:
-            at = command.index(option)
-            del command[at : at + 2]
-        return subprocess.run(command, capture_output=True, text=True, timeout=30)
-
-    try:
-        assert run("livenessProbe").returncode == 0  # alive while the model loads
-        not_ready = run("readinessProbe")
-        assert not_ready.returncode == 1 and "NOT_SERVING" in not_ready.stderr
-        loop.run(handle.set_ready(True))
-        assert run("readinessProbe").returncode == 0, run("readinessProbe").stderr
-        assert run("startupProbe").returncode == 0
-        # mTLS: without the pod's certificate the worker refuses the handshake
-        refused = run("readinessProbe", drop=("--tls-client-cert", "--tls-client-key"))
-        assert refused.returncode == 1 and "UNAVAILABLE" in refused.stderr
-    finally:
-        loop.run(handle.server.stop(0))
-        loop.close()
+@pytest.mark.parametrize("case", TLS_CASES)
+def test_health_port_is_for_kubelet_only(renders: dict[str, list[Doc]], case: str) -> None:
+    """The plaintext health port is in no Service, and the NetworkPolicies open only the TLS
+    ports (and metrics) to pods: kubelet reaches it from the node, which NetworkPolicy always
+    lets in; another pod cannot even learn a health status over plaintext."""
+    docs = renders[case]
+    for service in of_kind(docs, "Service"):
+        targets = {p.get("targetPort") for p in service["spec"]["ports"]}
+        assert "health" not in targets and HEALTH_PORT not in targets
+        assert HEALTH_PORT not in {p["port"] for p in service["spec"]["ports"]}
+    for policy in of_kind(docs, "NetworkPolicy"):
+        for rule in policy["spec"]["ingress"]:
+            assert HEALTH_PORT not in {p["port"] for p in rule["ports"]}
+    for role in ROLES:
+        box = container(docs, role)
+        assert {p["grpc"]["port"] for p in (box[probe] for probe in PROBES)} == {HEALTH_PORT}
 
 
 def test_cert_manager_certificate_names_every_service(renders: dict[str, list[Doc]]) -> None:

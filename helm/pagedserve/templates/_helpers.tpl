@@ -69,6 +69,31 @@ app.kubernetes.io/part-of: pagedserve
 {{- include "pagedserve.imageRef" (dict "image" .Values.image "default" .Chart.AppVersion) }}
 {{- end }}
 
+{{/*
+The image of a role: (dict "root" $ "component" x). Router and gateway run the torch-free image
+(the Dockerfile's `slim` target: `<role>.image`, repository defaulting to image.repository and
+tag to <appVersion>-slim); prefill and decode the full one (`image`).
+*/}}
+{{- define "pagedserve.roleImage" -}}
+{{- $root := .root -}}
+{{- if has .component (list "router" "gateway") }}
+{{- $own := (index $root.Values .component).image -}}
+{{- $image := dict "repository" (default $root.Values.image.repository $own.repository) "tag" $own.tag "digest" $own.digest -}}
+{{- include "pagedserve.imageRef" (dict "image" $image "default" (printf "%s-slim" $root.Chart.AppVersion)) }}
+{{- else }}
+{{- include "pagedserve.image" $root }}
+{{- end }}
+{{- end }}
+
+{{/* The pull policy of a role's image: (dict "root" $ "component" x). */}}
+{{- define "pagedserve.rolePullPolicy" -}}
+{{- if has .component (list "router" "gateway") }}
+{{- (index .root.Values .component).image.pullPolicy }}
+{{- else }}
+{{- .root.Values.image.pullPolicy }}
+{{- end }}
+{{- end }}
+
 {{/* Redis ------------------------------------------------------------------------------- */}}
 
 {{/* The value of --redis-url: a literal, or $(PAGEDSERVE_REDIS_URL) filled from a Secret. */}}
@@ -85,6 +110,11 @@ app.kubernetes.io/part-of: pagedserve
 {{- end }}
 
 {{/* Pods -------------------------------------------------------------------------------- */}}
+
+{{/* "true" when a role's values (.Values.prefill, ...) turn its KEDA ScaledObject on. */}}
+{{- define "pagedserve.kedaEnabled" -}}
+{{- if and (hasKey .autoscaling "keda") .autoscaling.keda.enabled }}true{{ end }}
+{{- end }}
 
 {{/* terminationGracePeriodSeconds: preStop sleep + drain timeout + a margin for the process exit. */}}
 {{- define "pagedserve.gracePeriod" -}}
@@ -169,13 +199,13 @@ A role's Deployment. Call with (dict "root" $ "component" "prefill" "values" .Va
 {{- $args = concat $args (include "pagedserve.engineArgs" $ctx | fromYamlArray) -}}
 {{- end }}
 {{- $args = concat $args (include "pagedserve.tlsArgs" $ctx | fromYamlArray) -}}
+{{- if $root.Values.tls.enabled }}
+{{- /* NOTE: the probes' plaintext port (Health only); in no Service, open to no pod */}}
+{{- $args = concat $args (list "--health-port" (toString (int $root.Values.tls.healthPort))) -}}
+{{- end }}
 {{- $args = concat $args (default list .extraArgs) $v.extraArgs -}}
 {{- $tls := $root.Values.tls.enabled -}}
 {{- $probe := dict "root" $root "component" .component "port" $v.port -}}
-{{- $probeFiles := list -}}
-{{- if $tls }}
-{{- $probeFiles = include "pagedserve.tlsProbeCommand" (merge (dict "service" "") $probe) | fromYamlArray -}}
-{{- end }}
 apiVersion: apps/v1
 kind: Deployment
 metadata:
@@ -189,7 +219,7 @@ metadata:
     checkov.io/skip1: CKV_K8S_35=the Redis URL Secret reaches --redis-url through an env var
   {{- end }}
 spec:
-  {{- if not $v.autoscaling.enabled }}
+  {{- if not (or $v.autoscaling.enabled (include "pagedserve.kedaEnabled" $v)) }}
   replicas: {{ $v.replicas }}
   {{- end }}
   revisionHistoryLimit: 5
@@ -228,7 +258,8 @@ spec:
       {{- if and $gpu $root.Values.gpu.runtimeClassName }}
       runtimeClassName: {{ $root.Values.gpu.runtimeClassName }}
       {{- end }}
-      {{- with $v.nodeSelector }}
+      {{- $nodeSelector := merge (deepCopy $v.nodeSelector) (ternary $root.Values.gpu.nodeSelector dict $gpu) }}
+      {{- with $nodeSelector }}
       nodeSelector:
         {{- toYaml . | nindent 8 }}
       {{- end }}
@@ -251,8 +282,8 @@ spec:
       {{- end }}
       containers:
         - name: {{ .component }}
-          image: {{ include "pagedserve.image" $root }}
-          imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+          image: {{ include "pagedserve.roleImage" $ctx }}
+          imagePullPolicy: {{ include "pagedserve.rolePullPolicy" $ctx }}
           args:
             {{- range $args }}
             - {{ . | quote }}
@@ -293,6 +324,11 @@ spec:
               containerPort: {{ $root.Values.metrics.port }}
               protocol: TCP
             {{- end }}
+            {{- if $tls }}
+            - name: health
+              containerPort: {{ $root.Values.tls.healthPort }}
+              protocol: TCP
+            {{- end }}
           startupProbe:
             {{- include "pagedserve.grpcProbe" (merge (dict "service" "" "timing" $v.probes.startup) $probe) | nindent 12 }}
           readinessProbe:
@@ -327,9 +363,6 @@ spec:
             - name: tls
               mountPath: {{ $root.Values.tls.mountPath }}
               readOnly: true
-            - name: grpc-probe
-              mountPath: /etc/pagedserve/probe
-              readOnly: true
             {{- end }}
             {{- with .extraMounts }}
             {{- toYaml . | nindent 12 }}
@@ -351,10 +384,7 @@ spec:
             sizeLimit: {{ $v.shmSizeLimit }}
         {{- end }}
         {{- if $tls }}
-        {{- include "pagedserve.tlsVolume" (dict "root" $root "paths" (concat $args $probeFiles)) | nindent 8 }}
-        - name: grpc-probe
-          configMap:
-            name: {{ include "pagedserve.componentName" (dict "root" $root "component" "grpc-probe") }}
+        {{- include "pagedserve.tlsVolume" (dict "root" $root "paths" $args) | nindent 8 }}
         {{- end }}
         {{- with include "pagedserve.modelDownloadVolumes" $root }}
         {{- . | nindent 8 }}

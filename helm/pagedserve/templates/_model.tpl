@@ -67,9 +67,11 @@ configs and chat template.
 {{- $d := $root.Values.model.download -}}
 {{- $out := printf "/cache/%s" (include "pagedserve.modelDownloadDir" $root) -}}
 {{- $hf := eq $d.method "huggingface" -}}
+{{- /* NOTE: a router's `hf download` runs on its own (slim) image; fetch-model needs torch */}}
+{{- $role := dict "root" $root "component" (ternary "router" "prefill" (and $hf .tokenizerOnly)) -}}
 - name: model-download
-  image: {{ include "pagedserve.image" $root }}
-  imagePullPolicy: {{ $root.Values.image.pullPolicy }}
+  image: {{ include "pagedserve.roleImage" $role }}
+  imagePullPolicy: {{ include "pagedserve.rolePullPolicy" $role }}
   {{- if $hf }}
   {{- $args := list "download" $d.repo "--revision" $d.hfRevision "--local-dir" $out }}
   {{- /* NOTE: a router needs the tokenizer, config and chat template, never the weights */}}

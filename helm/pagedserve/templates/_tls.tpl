@@ -72,46 +72,21 @@ certificate; the gateway gets HTTPS with gateway.https.enabled.
 {{- end }}
 
 {{/*
-The command of an exec probe that checks grpc.health.v1 over TLS (kubelet's grpc probes speak
-plaintext only): (dict "root" $ "component" x "port" 50061 "service" "pagedserve.v1...").
-*/}}
-{{- define "pagedserve.tlsProbeCommand" -}}
-{{- $root := .root -}}
-{{- $cmd := list "python" "/etc/pagedserve/probe/grpc_health_probe.py" "--port" (toString (int .port)) "--service" .service -}}
-{{- $cmd = concat $cmd (list "--tls-ca" (include "pagedserve.tlsFile" (dict "root" $root "key" "ca.crt")) "--tls-server-name" (include "pagedserve.tlsServerName" $root)) -}}
-{{- if include "pagedserve.tlsClientAuth" . }}
-{{- $cmd = concat $cmd (list "--tls-client-cert" (include "pagedserve.tlsFile" (dict "root" $root "key" "tls.crt")) "--tls-client-key" (include "pagedserve.tlsFile" (dict "root" $root "key" "tls.key"))) -}}
-{{- end }}
-{{- toYaml $cmd }}
-{{- end }}
-
-{{/*
-A gRPC health probe: kubelet's native grpc probe, or with tls.enabled the exec probe above.
+A gRPC health probe: kubelet's native grpc probe, on the service port, or with tls.enabled on
+the plaintext health-only port (`--health-port`: kubelet's grpc probes cannot speak TLS).
 (dict "root" $ "component" x "port" P "service" S "timing" <values probe>)
 */}}
 {{- define "pagedserve.grpcProbe" -}}
-{{- if .root.Values.tls.enabled -}}
-exec:
-  command:
-    {{- range include "pagedserve.tlsProbeCommand" . | fromYamlArray }}
-    - {{ . | quote }}
-    {{- end }}
-periodSeconds: {{ .timing.periodSeconds }}
-failureThreshold: {{ .timing.failureThreshold }}
-# NOTE: a Python start and a TLS handshake, more than a native probe needs
-timeoutSeconds: 5
-{{- else -}}
 grpc:
-  port: {{ .port }}
+  port: {{ ternary .root.Values.tls.healthPort .port .root.Values.tls.enabled }}
   service: {{ .service | quote }}
 periodSeconds: {{ .timing.periodSeconds }}
 failureThreshold: {{ .timing.failureThreshold }}
 timeoutSeconds: 3
 {{- end }}
-{{- end }}
 
 {{/*
-The TLS Secret volume with only the files a container names (args and probe commands):
+The TLS Secret volume with only the files a container names (its args):
 (dict "root" $ "paths" <list of strings>). Empty when none.
 */}}
 {{- define "pagedserve.tlsVolume" -}}
