@@ -17,7 +17,8 @@
  *     x      = (silu(g) * u) @ Wd.T             and the next layer adds r
  *
  * so its outputs are the Python path's, except for silu's exponential (libmvec's expf here,
- * torch's own there: a few ulp).
+ * torch's own there: a few ulp). Its attention has no soft cap: model/native_stack.py declines a
+ * layer with one (Gemma 2's).
  */
 #pragma GCC optimize("fp-contract=off") /* rope: two products and a sum, each rounded, as torch */
 
