@@ -246,9 +246,12 @@ def paged_attention(
     ratio = num_heads // num_kv_heads
     interp = _interpreting()
     is_decode = max_query_len == 1
-    block_m = max(16 if is_decode else (128 if interp else 64), triton.next_power_of_2(ratio))
-    block_q = block_m // ratio
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # NOTE: prefill tiles of 64 rows at head_dim 256 (Gemma) would hold q and acc at 64 x 256
+    # fp32 each (64 KiB of shared memory for q alone): 32 rows there
+    prefill_m = 128 if interp else (64 if head_dim_pad <= 128 else 32)
+    block_m = max(16 if is_decode else prefill_m, triton.next_power_of_2(ratio))
+    block_q = block_m // ratio
     tile_n = 64 if interp or head_dim_pad <= 64 else 32
     out = torch.empty_like(query)
     if num_tokens == 0:
