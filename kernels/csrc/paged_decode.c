@@ -6,6 +6,7 @@
  * the process). Per sequence, for its attended positions [first, end):
  *
  *     scores[r][p] = scale * q[r] . K[p][r / groups]       (r: query head, groups = hq / hkv)
+ *     scores[r][p] = tanh(scores[r][p] / cap) * cap        (only with a soft cap: Gemma 2)
  *     w[r][p]      = exp(scores[r][p] - max_p scores[r])    (glibc's vector expf, <= 4 ulp)
  *     out[r]       = sum_p w[r][p] * V[p][r / groups] / sum_p w[r][p]
  *
@@ -14,6 +15,11 @@
  *
  * bf16 (paged_decode_bf16) computes what torch's CPU flash attention computes, step for step,
  * so that it stays within fp32 summation-order noise of the SDPA transformers runs (see there).
+ * It has no soft cap (transformers runs Gemma 2's capped attention eagerly, not as SDPA: bf16
+ * with a cap takes the torch path).
+ *
+ * A soft cap of 0 means none: then the kernel is what it was without one (one test per
+ * sequence, none per score); with one, a pass over each sequence's score rows caps them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,6 +43,14 @@ static void softmax_rows(float *scores, int hq, int64_t len, int64_t padded, flo
         }
         sums[r] = vf_sum(total);
     }
+}
+
+/* Each query head's row of scores [hq][padded] (len used) capped as transformers' eager
+ * attention caps them (Gemma 2): tanh(score / cap) * cap, each step rounded to fp32. */
+static void softcap_rows(float *scores, int hq, int64_t len, int64_t padded, float cap) {
+    for (int r = 0; r < hq; r++)
+        for (int64_t j = 0; j < len; j++)
+            scores[r * padded + j] = tanhf(scores[r * padded + j] / cap) * cap;
 }
 
 /* out[r] = acc[r] / sums[r] for each query head. */
@@ -74,13 +88,14 @@ static inline __attribute__((always_inline)) vf loadv(const void *base, int64_t 
 
 /* The fp32 and 8-bit entry points' body; `kind` is a constant at each call, so each is compiled on its own.
  * Codes are scaled once per position and head (the K scale multiplies the dot product, the V
- * scale the weight), never per element; fp32 accumulation throughout. */
+ * scale the weight), never per element; fp32 accumulation throughout. `cap` > 0: the scores
+ * are soft-capped (softcap_rows) before the softmax. */
 static inline __attribute__((always_inline)) int decode(
     const float *q, int64_t q_tok, const void *k, const void *v, int64_t blk, int64_t pos,
     const float *ks, const float *vs, int64_t sblk, const int64_t *tables, int64_t tstride,
     const int64_t *qrow, const int64_t *trow, const int64_t *first, const int64_t *end,
     float *out, int64_t o_tok, int n, int hq, int hkv, int d, int bs, float scale, int threads,
-    int kind, const float *lut) {
+    int kind, const float *lut, float cap) {
     const int groups = hq / hkv, chunks = d / PS_VEC;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -111,6 +126,7 @@ static inline __attribute__((always_inline)) int decode(
                     kind == F32 ? dot * scale : dot * ks[b * sblk + h] * scale;
             }
         }
+        if (cap > 0.0f) softcap_rows(scores, hq, len, padded, cap);
         float sums[64]; /* hq <= 64: checked by the caller */
         softmax_rows(scores, hq, len, padded, sums);
         memset(acc, 0, sizeof(float) * hq * d);
@@ -142,9 +158,11 @@ int paged_decode_f32(
     const int64_t *qrow, const int64_t *trow, /* per sequence: its query row, its table row */
     const int64_t *first, const int64_t *end, /* per sequence: attended positions */
     float *out, int64_t o_tok,            /* output [rows, hq, d], row stride o_tok */
-    int n, int hq, int hkv, int d, int bs, float scale, int threads) {
+    int n, int hq, int hkv, int d, int bs, float scale,
+    float softcap,                        /* > 0: scores soft-capped; 0: none */
+    int threads) {
     return decode(q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow, first,
-                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL);
+                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL, softcap);
 }
 
 enum { KV_SPLIT = 512 }; /* torch's CPU flash attention: keys in blocks of 512, online softmax */
@@ -253,7 +271,8 @@ int paged_decode_bf16(
 
 /* The same attention over an 8-bit cache (kernels/kv_quant.py): K and V hold codes, int8
  * (fp8 == 0) or float8 e4m3 (fp8 == 1, decoded through the table lut), and each (block, KV
- * head) has a float32 scale: value = code * scale. ~1e-7 relative from dequantizing first. */
+ * head) has a float32 scale: value = code * scale. ~1e-7 relative from dequantizing first.
+ * `softcap` as paged_decode_f32's. */
 int paged_decode_q8(
     const float *q, int64_t q_tok,
     const uint8_t *k, const uint8_t *v,   /* the layer's K and V code views (1 byte each) */
@@ -263,12 +282,13 @@ int paged_decode_q8(
     const int64_t *qrow, const int64_t *trow,
     const int64_t *first, const int64_t *end,
     float *out, int64_t o_tok,
-    int n, int hq, int hkv, int d, int bs, float scale, int threads, int fp8, const float *lut) {
+    int n, int hq, int hkv, int d, int bs, float scale, float softcap, int threads, int fp8,
+    const float *lut) {
     if (fp8)
         return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
-                      end, out, o_tok, n, hq, hkv, d, bs, scale, threads, E4M3, lut);
+                      end, out, o_tok, n, hq, hkv, d, bs, scale, threads, E4M3, lut, softcap);
     return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
-                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, I8, lut);
+                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, I8, lut, softcap);
 }
 
 /* A decode step's int8 KV write (kernels/kv_quant.py's rule, bit for bit): token t goes to slot
