@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.cpu_native import has_bf16_arithmetic
-from pagedserve.model import gguf_weights
+from pagedserve.model import gguf_weights, moe
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import Linear, LlamaForCausalLM, RotaryEmbedding
 from pagedserve.model.quant import (
@@ -70,7 +70,8 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     loaded = _load_gguf_blocks(config, model, quantized, blocks)
     _load_safetensors(config, params, quantized, loaded)
     model.tie_weights()
-    expected = {n for n in [*params, *quantized, *(blocks[1] if blocks else ())]}
+    expected = {n for n in [*quantized, *(blocks[1] if blocks else ())]}
+    expected.update(key for name, param in params.items() for key in moe.part_keys(name, param))
     expected -= {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(expected - loaded)
     if missing:
@@ -135,6 +136,8 @@ def _load_safetensors(
                 tensor = f.get_tensor(name)
                 if config.tp is not None:  # NOTE: one tensor-parallel rank's part of it
                     tensor = config.tp.tensor(name, tensor)
+                if config.is_moe and _load_moe(name, tensor, params, config.dtype, loaded):
+                    continue
                 if name in quantized:
                     try:
                         quantized[name].load_weight(tensor)
@@ -145,6 +148,30 @@ def _load_safetensors(
                 else:
                     raise ValueError(f"model: unexpected tensor {name!r} in {path.name}")
                 loaded.add(name)
+
+
+def _load_moe(
+    name: str,
+    tensor: torch.Tensor,
+    params: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    loaded: set[str],
+) -> bool:
+    """Load checkpoint tensor `name` of a mixture of experts where its name is not the module's:
+    Mixtral's `block_sparse_moe.*`, one expert's gate, up or down weight (into its slice of the
+    stacked experts, model/moe.py), or a whole stack. False, doing nothing, for other names."""
+    own = moe.checkpoint_name(name)
+    part = moe.expert_part(own, params)
+    if part is not None:
+        key, target = part
+        _copy_param(target, tensor, name, dtype)
+        loaded.add(key)
+        return True
+    if own not in params or (own == name and not own.endswith(moe.STACKED)):
+        return False  # NOTE: a tensor of the module's own name, loaded as any other
+    _copy_param(params[own], tensor, name, dtype)
+    loaded.update(moe.part_keys(own, params[own]))
+    return True
 
 
 def _gguf_blocks(config: ModelConfig) -> tuple[Path, dict[str, str]] | None:

@@ -1,4 +1,4 @@
-"""Build a tiny random-weight Llama-family checkpoint and a byte-level BPE tokenizer, offline.
+"""Build a tiny random-weight Llama-family (or mixture-of-experts) checkpoint and a byte-level BPE tokenizer, offline.
 
 `make_tiny_model(out_dir, ...)` writes a directory that `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` load without network access:
@@ -42,16 +42,24 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
-WINDOWED_ARCHS = ("mistral", "qwen3")  # the archs `sliding_window` applies to
+ARCHS = (
+    "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "mixtral", "qwen2_moe", "qwen3_moe"
+)  # fmt: skip
+WINDOWED_ARCHS = ("mistral", "qwen3", "mixtral")  # the archs `sliding_window` applies to
+# The mixtures of experts: 8 experts, 2 per token; Qwen's experts have a quarter of
+# `intermediate` features (Qwen2-MoE's shared expert all of them), Mixtral's all of them
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # trained first, in this order, so their ids are:
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -96,6 +104,11 @@ def make_tiny_model(
     second half of the layers (`max_window_layers`), as Qwen's configs lay windows out.
     olmo2 (`Olmo2ForCausalLM`) gets its post-norms and q/k norms over the whole projections;
     granite (`GraniteForCausalLM`) the multipliers of `GRANITE_MULTIPLIERS`.
+    The mixtures of experts have `NUM_EXPERTS` experts, `EXPERTS_PER_TOKEN` per token: mixtral
+    (`MixtralForCausalLM`, renormalised top-k weights) in every layer; qwen2_moe
+    (`Qwen2MoeForCausalLM`) in every layer, top-k weights not renormalised, with a gated shared
+    expert; qwen3_moe (`Qwen3MoeForCausalLM`, q/k norms, renormalised top-k weights) in every
+    layer but the last, a dense MLP there (`mlp_only_layers`).
 
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
@@ -252,7 +265,36 @@ def build_config(
         return Olmo2Config(**common)
     if arch == "granite":
         return GraniteConfig(**GRANITE_MULTIPLIERS, **common)
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return _moe_config(arch, layers, hidden, heads, intermediate, sliding_window, common)
     return Qwen2Config(use_sliding_window=False, **common)
+
+
+def _moe_config(
+    arch: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    intermediate: int,
+    sliding_window: int | None,
+    common: dict[str, Any],
+) -> PretrainedConfig:
+    experts = {"num_experts_per_tok": EXPERTS_PER_TOKEN}
+    if arch == "mixtral":
+        return MixtralConfig(
+            head_dim=hidden // heads, sliding_window=sliding_window, num_local_experts=NUM_EXPERTS,
+            **experts, **common,
+        )  # fmt: skip
+    qwen = {**experts, "num_experts": NUM_EXPERTS, "moe_intermediate_size": intermediate // 4}
+    if arch == "qwen2_moe":
+        return Qwen2MoeConfig(
+            use_sliding_window=False, shared_expert_intermediate_size=intermediate,
+            norm_topk_prob=False, **qwen, **common,
+        )  # fmt: skip
+    return Qwen3MoeConfig(
+        head_dim=2 * hidden // heads, norm_topk_prob=True,
+        mlp_only_layers=[layers - 1] if layers > 1 else [], **qwen, **common,
+    )  # fmt: skip
 
 
 def rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
