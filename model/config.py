@@ -282,7 +282,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     # `intermediate_size` features
     "MixtralForCausalLM": {
         "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
-        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": None,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
         "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
         "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
         "sliding_window": None, "num_experts_per_tok": 2, "num_local_experts": 8,

@@ -46,8 +46,9 @@ def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
 
 def weight_bytes(config: ModelConfig) -> int:
     """Bytes of a Llama-family model's weights in its dtype (embeddings, every layer's
-    attention, MLP or mixture of experts and norms, the final norm and, unless tied, the LM head), as loaded: tensors
-    a GGUF's Q8_0 blocks give (model/gguf_weights.py) count as int8 with float32 group scales."""
+    attention, MLP or mixture of experts and norms, the final norm and, unless tied, the LM
+    head), as loaded: tensors a GGUF's Q8_0 blocks give (model/gguf_weights.py) count as int8
+    with float32 group scales."""
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q, inner, size = (
         config.num_heads * config.head_dim,

@@ -31,8 +31,17 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
         dest="arch",
         default="llama",
         # NOTE: pagedserve.tiny_model's ARCHS, spelled out: importing it imports transformers
-        choices=["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "mixtral",
-                 "qwen2_moe", "qwen3_moe"],  # fmt: skip
+        choices=[
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "olmo2",
+            "granite",
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+        ],  # fmt: skip
         help="the model family (config.json architectures: LlamaForCausalLM, "
         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, "
         "GraniteForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)",

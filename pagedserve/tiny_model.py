@@ -1,4 +1,5 @@
-"""Build a tiny random-weight Llama-family (or mixture-of-experts) checkpoint and a byte-level BPE tokenizer, offline.
+"""Build a tiny random-weight Llama-family (or mixture-of-experts) checkpoint and a byte-level
+BPE tokenizer, offline.
 
 `make_tiny_model(out_dir, ...)` writes a directory that `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` load without network access:
@@ -279,7 +280,7 @@ def _moe_config(
     sliding_window: int | None,
     common: dict[str, Any],
 ) -> PretrainedConfig:
-    experts = {"num_experts_per_tok": EXPERTS_PER_TOKEN}
+    experts: dict[str, Any] = {"num_experts_per_tok": EXPERTS_PER_TOKEN}
     if arch == "mixtral":
         return MixtralConfig(
             head_dim=hidden // heads, sliding_window=sliding_window, num_local_experts=NUM_EXPERTS,
@@ -291,10 +292,11 @@ def _moe_config(
             use_sliding_window=False, shared_expert_intermediate_size=intermediate,
             norm_topk_prob=False, **qwen, **common,
         )  # fmt: skip
+    # NOTE: Qwen3MoeConfig has no head_dim field; its attention reads one given as an extra key
+    qwen["head_dim"] = 2 * hidden // heads
     return Qwen3MoeConfig(
-        head_dim=2 * hidden // heads, norm_topk_prob=True,
-        mlp_only_layers=[layers - 1] if layers > 1 else [], **qwen, **common,
-    )  # fmt: skip
+        norm_topk_prob=True, mlp_only_layers=[layers - 1] if layers > 1 else [], **qwen, **common
+    )
 
 
 def rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
