@@ -57,7 +57,12 @@ from transformers import (
 ARCHS = (
     "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "mixtral", "qwen2_moe", "qwen3_moe"
 )  # fmt: skip
-WINDOWED_ARCHS = ("mistral", "qwen3", "mixtral")  # the archs `sliding_window` applies to
+WINDOWED_ARCHS = (
+    "mistral",
+    "qwen3",
+    "mixtral",
+    "qwen2_moe",
+)  # the archs `sliding_window` applies to
 # The mixtures of experts: 8 experts, 2 per token; Qwen's experts have a quarter of
 # `intermediate` features (Qwen2-MoE's shared expert all of them), Mixtral's all of them
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
@@ -102,7 +107,8 @@ def make_tiny_model(
 
     qwen3 (`Qwen3ForCausalLM`) gets q/k norms and a head_dim of 2 * hidden / heads, so that a
     runtime that derives head_dim from hidden / heads fails; its `sliding_window` applies to the
-    second half of the layers (`max_window_layers`), as Qwen's configs lay windows out.
+    second half of the layers (`max_window_layers`), as Qwen's configs lay windows out;
+    qwen2_moe's to its even layers (0, 2, ...), as Qwen2MoeConfig lays them out.
     olmo2 (`Olmo2ForCausalLM`) gets its post-norms and q/k norms over the whole projections;
     granite (`GraniteForCausalLM`) the multipliers of `GRANITE_MULTIPLIERS`.
     The mixtures of experts have `NUM_EXPERTS` experts, `EXPERTS_PER_TOKEN` per token: mixtral
@@ -113,7 +119,7 @@ def make_tiny_model(
 
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
-    plus 256 byte symbols, or `sliding_window` on an arch other than mistral and qwen3.
+    plus 256 byte symbols, or `sliding_window` on an arch not in `WINDOWED_ARCHS`.
     """
     _validate(arch, hidden, heads, kv_heads, vocab, dtype, sliding_window)
     out = Path(out_dir)
@@ -288,8 +294,10 @@ def _moe_config(
         )  # fmt: skip
     qwen = {**experts, "num_experts": NUM_EXPERTS, "moe_intermediate_size": intermediate // 4}
     if arch == "qwen2_moe":
+        # NOTE: a window on the even layers below max_window_layers: layer 0 of 2
         return Qwen2MoeConfig(
-            use_sliding_window=False, shared_expert_intermediate_size=intermediate,
+            use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+            max_window_layers=layers, shared_expert_intermediate_size=intermediate,
             norm_topk_prob=False, **qwen, **common,
         )  # fmt: skip
     # NOTE: Qwen3MoeConfig has no head_dim field; its attention reads one given as an extra key
