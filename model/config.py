@@ -15,6 +15,7 @@ from pagedserve.kvstore.hashing import model_fingerprint
 from pagedserve.kvstore.kv_cache import kv_cache_dtype as kv_cache_dtype_from_name
 from pagedserve.model import phi3
 from pagedserve.model.activations import activation
+from pagedserve.model.moe_config import MOE_ARCHITECTURES, moe_fields
 from pagedserve.model.quant import WeightQuant
 
 if TYPE_CHECKING:
@@ -28,6 +29,9 @@ SUPPORTED_ARCHITECTURES = (
     "Olmo2ForCausalLM",
     "GraniteForCausalLM",
     "Phi3ForCausalLM",
+    "MixtralForCausalLM",
+    "Qwen2MoeForCausalLM",
+    "Qwen3MoeForCausalLM",
 )
 # NOTE: Qwen2 and Qwen3 configs share their sliding-window rules (Qwen2Config.__post_init__)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
@@ -44,9 +48,9 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
-    """A Llama-family decoder, normalised across Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite
-    and Phi-3 configs. The fields with defaults after `raw` are the family variants; their
-    defaults are Llama's layer."""
+    """A Llama-family decoder, normalised across Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite,
+    Phi-3, Mixtral, Qwen2-MoE and Qwen3-MoE configs. The fields with defaults after `raw` are the
+    family variants; their defaults are Llama's layer."""
 
     model_dir: Path
     architecture: str
@@ -90,11 +94,27 @@ class ModelConfig:
     rotary_dim: int | None = None
     # longrope (Phi-3): the context past which transformers switches to long_factor
     original_max_position_embeddings: int | None = None
+    # Mixture of experts (Mixtral, Qwen2-MoE, Qwen3-MoE; model/moe.py): the MLP of the layers
+    # `sparse_layers` marks is a router over `num_experts` SwiGLU experts of
+    # `moe_intermediate_size` features, `experts_per_token` of them per token
+    num_experts: int = 0
+    experts_per_token: int = 0
+    norm_topk_prob: bool = False  # the top-k probabilities renormalised to sum to 1
+    moe_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's gated shared expert; 0: none
+    sparse_layers: tuple[bool, ...] = ()  # per layer: its MLP is the MoE block; (): none is
+    # Mixtral: the top-k weights scale the experts' outputs in float32 (Qwen: in the model dtype)
+    float32_routing_weights: bool = False
 
     @property
     def rope_dim(self) -> int:
         """The dims of each head rope rotates (its tables' width)."""
         return self.rotary_dim if self.rotary_dim is not None else self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        """Some layer's MLP is a mixture of experts."""
+        return any(self.sparse_layers)
 
     @property
     def attention_scale(self) -> float:
@@ -151,6 +171,11 @@ def load_model_config(
         )
     if arch == phi3.ARCHITECTURE and quantization is not None:
         raise ValueError(f"--quantization {quantization.method}: not tested for {arch}; omit it")
+    if quantization is not None and arch in MOE_ARCHITECTURES:
+        raise ValueError(
+            f"--quantization {quantization.name}: {arch} (a mixture of experts) is served "
+            "unquantized only (its experts are not quantized layers; docs/models.md)"
+        )
     hf = _hf_config(model_dir, raw, arch)
     rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
     rope_types = PHI3_ROPE_TYPES if arch == "Phi3ForCausalLM" else SUPPORTED_ROPE_TYPES
@@ -201,10 +226,13 @@ def load_model_config(
         late_casts=arch == "Olmo2ForCausalLM",
         **_multipliers(arch, hf),
         **phi3.rope_fields(arch, hf, head_dim, rope_type),
+        **moe_fields(arch, hf),
     )
 
 
-_QK_NORMS = {"Qwen3ForCausalLM": "head", "Olmo2ForCausalLM": "projection"}
+_QK_NORMS = {
+    "Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "Olmo2ForCausalLM": "projection"
+}  # fmt: skip
 
 
 def _multipliers(arch: str, hf: Any) -> dict[str, Any]:
@@ -270,7 +298,40 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "logits_scaling": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 1.0,
     },
     "Phi3ForCausalLM": phi3.DEFAULTS,
+    # NOTE: MixtralConfig's rope_theta defaults to 1e6 (`_DEFAULT_THETAS`); its experts have
+    # `intermediate_size` features
+    "MixtralForCausalLM": {
+        "vocab_size": 32000, "hidden_size": 4096, "intermediate_size": 14336,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": None, "hidden_act": "silu", "max_position_embeddings": 4096 * 32,
+        "rms_norm_eps": 1e-5, "bos_token_id": 1, "eos_token_id": 2, "tie_word_embeddings": False,
+        "sliding_window": None, "num_experts_per_tok": 2, "num_local_experts": 8,
+    },
+    # NOTE: Qwen2MoeConfig's `sliding_window` is 0, not None, when `use_sliding_window` is off
+    "Qwen2MoeForCausalLM": {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 5632,
+        "num_hidden_layers": 24, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "bos_token_id": None, "eos_token_id": None, "tie_word_embeddings": False,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+        "layer_types": None, "qkv_bias": True, "decoder_sparse_step": 1,
+        "moe_intermediate_size": 1408, "shared_expert_intermediate_size": 5632,
+        "num_experts_per_tok": 4, "num_experts": 60, "norm_topk_prob": False,
+        "mlp_only_layers": None,
+    },
+    # NOTE: Qwen3MoeConfig has no head_dim field (hidden / heads unless given) and stores
+    # `num_experts` as `num_local_experts`
+    "Qwen3MoeForCausalLM": {
+        "vocab_size": 151936, "hidden_size": 2048, "intermediate_size": 6144,
+        "num_hidden_layers": 24, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "hidden_act": "silu", "max_position_embeddings": 32768, "rms_norm_eps": 1e-6,
+        "bos_token_id": None, "eos_token_id": None, "tie_word_embeddings": False,
+        "attention_bias": False, "use_sliding_window": False, "sliding_window": 4096,
+        "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
+        "num_local_experts": 128, "norm_topk_prob": False, "mlp_only_layers": None,
+    },
 }  # fmt: skip
+_DEFAULT_THETAS = {"MixtralForCausalLM": 1_000_000.0}
 _DEFAULT_ROPE_THETA = 10_000.0
 _PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta"}
 
@@ -287,7 +348,10 @@ def _hf_config(model_dir: Path, raw: dict[str, Any], arch: str) -> Any:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
-    fields = {**_DEFAULTS[arch], **raw, "rope_parameters": rope}
+    theta = _DEFAULT_THETAS.get(arch, _DEFAULT_ROPE_THETA)  # NOTE: the config class's
+    fields = {**_DEFAULTS[arch], **raw, "rope_parameters": {"rope_theta": theta, **rope}}
+    if "num_experts" in raw and "num_local_experts" in fields:  # NOTE: their attribute_map
+        fields["num_local_experts"] = raw["num_experts"]
     if arch in _QWEN:  # NOTE: Qwen2Config.__post_init__ (Qwen3Config's too), step for step
         if not fields["use_sliding_window"]:
             fields["sliding_window"] = None
@@ -298,12 +362,25 @@ def _hf_config(model_dir: Path, raw: dict[str, Any], arch: str) -> Any:
                 else "full_attention"
                 for i in range(fields["num_hidden_layers"])
             ]
+    if arch == "Qwen3MoeForCausalLM" and not fields["use_sliding_window"]:
+        fields["sliding_window"] = None  # NOTE: Qwen3MoeConfig.__post_init__
+    if arch == "Qwen2MoeForCausalLM":  # NOTE: Qwen2MoeConfig.__post_init__, step for step
+        if not fields["use_sliding_window"]:
+            fields["sliding_window"] = 0
+        if fields["layer_types"] is None:
+            fields["layer_types"] = [
+                "sliding_attention"
+                if (i + 1) % 2 and i < fields["max_window_layers"] and fields["use_sliding_window"]
+                else "full_attention"
+                for i in range(fields["num_hidden_layers"])
+            ]
     return SimpleNamespace(**fields)
 
 
 def _plain_rope(raw: dict[str, Any]) -> dict[str, Any] | None:
     """`{"rope_type": "default", "rope_theta": ...}` when config.json asks for plain rope (in any
-    of the spellings transformers accepts); None for anything else."""
+    of the spellings transformers accepts; without "rope_theta" where it names none); None for
+    anything else."""
     if "partial_rotary_factor" in raw:
         return None
     params = raw.get("rope_scaling") or raw.get("rope_parameters") or {}
@@ -311,27 +388,43 @@ def _plain_rope(raw: dict[str, Any]) -> dict[str, Any] | None:
         return None
     if params.get("rope_type", params.get("type", "default")) != "default":
         return None
-    theta = params.get("rope_theta", raw.get("rope_theta", _DEFAULT_ROPE_THETA))
-    return {"rope_type": "default", "rope_theta": theta}
+    theta = params.get("rope_theta", raw.get("rope_theta"))
+    return (
+        {"rope_type": "default"} if theta is None else {"rope_type": "default", "rope_theta": theta}
+    )
 
 
 def _biases(arch: str, hf: Any) -> tuple[bool, bool, bool]:
     if arch == "Qwen2ForCausalLM":
         return True, False, False
-    if arch in ("Qwen3ForCausalLM", "Olmo2ForCausalLM"):  # NOTE: o follows attention_bias
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"):
+        # NOTE: o follows attention_bias
         attention_bias = bool(getattr(hf, "attention_bias", False))  # ... and no MLP bias
         return attention_bias, attention_bias, False
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):
+    if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
         return False, False, False
+    if arch == "Qwen2MoeForCausalLM":
+        return bool(hf.qkv_bias), False, False
     attention_bias = bool(getattr(hf, "attention_bias", False))
     return attention_bias, attention_bias, bool(getattr(hf, "mlp_bias", False))
 
 
 def _sliding_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
     window = getattr(hf, "sliding_window", None)
-    if arch in ("MistralForCausalLM", "Phi3ForCausalLM"):  # NOTE: one window on every layer
+    # NOTE: one window on every layer
+    if arch in (
+        "MistralForCausalLM",
+        "Phi3ForCausalLM",
+        "MixtralForCausalLM",
+        "Qwen3MoeForCausalLM",
+    ):
         return (window,) * hf.num_hidden_layers
-    if arch in _QWEN:
+    if arch == "Qwen2MoeForCausalLM" and "sliding_attention" in hf.layer_types and not window:
+        raise ValueError(
+            "model: layer_types names sliding_attention layers but use_sliding_window is false "
+            "(config.json; Qwen2-MoE's window is then 0)"
+        )
+    if arch in (*_QWEN, "Qwen2MoeForCausalLM"):
         layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (None,) * hf.num_hidden_layers

@@ -1,5 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3) over a paged KV
-cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3; the mixtures of
+experts Mixtral, Qwen2-MoE, Qwen3-MoE, whose sparse MLPs are model/moe.py's) over a paged KV cache.
 
 One forward takes a flattened batch: the prefill chunks and decode tokens of many sequences laid
 end to end, with positions and an `AttentionMetadata` that maps them onto the cache. Module and
@@ -235,9 +235,11 @@ class MLP(nn.Module):
     fused_weight: torch.Tensor  # buffers of `fuse_rows`, when `fused`
     fused_bias: torch.Tensor | None
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, inner: int | None = None) -> None:
+        """A SwiGLU MLP of `inner` features (default: the config's `intermediate_size`)."""
         super().__init__()
-        size, inner, bias = config.hidden_size, config.intermediate_size, config.mlp_bias
+        size, bias = config.hidden_size, config.mlp_bias
+        inner = inner or config.intermediate_size
         self.gate_proj = Linear(size, inner, bias=bias)
         self.up_proj = Linear(size, inner, bias=bias)
         self.down_proj = Linear(inner, size, bias=bias)
@@ -253,6 +255,16 @@ class MLP(nn.Module):
         return _reduce(self.group, self.down_proj(self.act_fn(gate) * up))
 
 
+def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:
+    """Layer `layer_idx`'s MLP: the sparse mixture-of-experts block where the config's
+    `sparse_layers` says so (model/moe.py), else the dense `MLP`."""
+    if config.sparse_layers and config.sparse_layers[layer_idx]:
+        from pagedserve.model.moe import SparseMoeBlock  # NOTE: moe.py builds on this module
+
+        return SparseMoeBlock(config)
+    return MLP(config)
+
+
 def _reduce(group: Group | None, partial: torch.Tensor) -> torch.Tensor:
     """A row-parallel layer's output: the sum of every rank's part (tensor_parallel.py)."""
     return partial if group is None else group.all_reduce(partial)
@@ -262,7 +274,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int) -> None:
         super().__init__()
         self.self_attn = Attention(config, layer_idx)
-        self.mlp = MLP(config)
+        self.mlp = make_mlp(config, layer_idx)
         self.input_layernorm = make_norm(config, config.hidden_size)
         self.post_attention_layernorm = make_norm(config, config.hidden_size)
         self.residual_multiplier = config.residual_multiplier  # Granite's; 1.0: Llama's

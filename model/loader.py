@@ -11,7 +11,7 @@ from safetensors import safe_open
 
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.cpu_native import has_bf16_arithmetic
-from pagedserve.model import gguf_weights, phi3
+from pagedserve.model import gguf_weights, moe, phi3
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import Linear, LlamaForCausalLM, RotaryEmbedding
 from pagedserve.model.quant import (
@@ -70,7 +70,8 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     loaded = _load_gguf_blocks(config, model, quantized, blocks)
     _load_safetensors(config, params, quantized, loaded)
     model.tie_weights()
-    expected = {n for n in [*params, *quantized, *(blocks[1] if blocks else ())]}
+    expected = {n for n in [*quantized, *(blocks[1] if blocks else ())]}
+    expected.update(key for name, param in params.items() for key in moe.part_keys(name, param))
     expected -= {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = sorted(expected - loaded)
     if missing:
@@ -135,9 +136,13 @@ def _load_safetensors(
                     continue
                 if name == "lm_head.weight" and config.tie_word_embeddings:
                     continue
+                tensor = f.get_tensor(name)
+                # NOTE: tensor parallelism is refused for MoE: no rank's part to cut first
+                if config.is_moe and _load_moe(name, tensor, params, config.dtype, loaded):
+                    continue
                 # NOTE: Phi-3's fused qkv_proj / gate_up_proj come as our q/k/v, gate/up rows
-                for part, tensor in phi3.split_fused(name, f.get_tensor(name), row_sizes):
-                    _load_tensor(config, params, quantized, part, tensor, path)
+                for part, piece in phi3.split_fused(name, tensor, row_sizes):
+                    _load_tensor(config, params, quantized, part, piece, path)
                     loaded.add(part)
 
 
@@ -161,6 +166,30 @@ def _load_tensor(
         _copy_param(params[name], tensor, name, config.dtype)
     else:
         raise ValueError(f"model: unexpected tensor {name!r} in {path.name}")
+
+
+def _load_moe(
+    name: str,
+    tensor: torch.Tensor,
+    params: dict[str, torch.Tensor],
+    dtype: torch.dtype,
+    loaded: set[str],
+) -> bool:
+    """Load checkpoint tensor `name` of a mixture of experts where its name is not the module's:
+    Mixtral's `block_sparse_moe.*`, one expert's gate, up or down weight (into its slice of the
+    stacked experts, model/moe.py), or a whole stack. False, doing nothing, for other names."""
+    own = moe.checkpoint_name(name)
+    part = moe.expert_part(own, params)
+    if part is not None:
+        key, target = part
+        _copy_param(target, tensor, name, dtype)
+        loaded.add(key)
+        return True
+    if own not in params or (own == name and not own.endswith(moe.STACKED)):
+        return False  # NOTE: a tensor of the module's own name, loaded as any other
+    _copy_param(params[own], tensor, name, dtype)
+    loaded.update(moe.part_keys(own, params[own]))
+    return True
 
 
 def _gguf_blocks(config: ModelConfig) -> tuple[Path, dict[str, str]] | None:

@@ -68,6 +68,7 @@ class NativeStack:
             or config.head_dim > 512
             or config.num_heads > cpu_native.MAX_HEADS
             or len({w for w in config.sliding_windows if w is not None}) > 1
+            or config.is_moe  # NOTE: its kernels compute dense MLPs only
         ):
             return None
         keep: list[torch.Tensor] = []

@@ -18,7 +18,7 @@ import torch
 from pagedserve.kernels import dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
-from pagedserve.model import gguf_weights
+from pagedserve.model import gguf_weights, moe
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.gguf_weights import GROUP as GGUF_GROUP
 from pagedserve.model.grammar import Grammars
@@ -46,8 +46,9 @@ def kv_cache_spec(config: ModelConfig, block_size: int) -> KVCacheSpec:
 
 def weight_bytes(config: ModelConfig) -> int:
     """Bytes of a Llama-family model's weights in its dtype (embeddings, every layer's
-    attention, MLP and norms, the final norm and, unless tied, the LM head), as loaded: tensors
-    a GGUF's Q8_0 blocks give (model/gguf_weights.py) count as int8 with float32 group scales."""
+    attention, MLP or mixture of experts and norms, the final norm and, unless tied, the LM
+    head), as loaded: tensors a GGUF's Q8_0 blocks give (model/gguf_weights.py) count as int8
+    with float32 group scales."""
     h, kv = config.hidden_size, config.num_kv_heads * config.head_dim
     q, inner, size = (
         config.num_heads * config.head_dim,
@@ -83,6 +84,7 @@ def weight_bytes(config: ModelConfig) -> int:
     qk_norms = {"": 0, "head": 2 * config.head_dim, "projection": q + kv}[config.qk_norm]
     norms = 2 * h + qk_norms
     weights += config.num_layers * (biases + norms) * size
+    weights += moe.sparse_mlp_elements(config) * size  # NOTE: MoE models are never quantized
     table = config.vocab_size * h
     embedding = q8_0(gguf_weights.EMBEDDING, h, config.vocab_size) or table * size
     head = 0 if config.tie_word_embeddings else (

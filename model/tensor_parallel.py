@@ -74,6 +74,9 @@ class Shard:
             why = "needs 1: the q/k norms span every head (OLMo 2)"
         elif size > 1 and config.architecture == "Phi3ForCausalLM":
             why = "needs 1 for Phi3ForCausalLM (not tested on several ranks)"
+        elif size > 1 and config.is_moe:
+            # NOTE: the experts are not split across ranks (no tested sharding of them)
+            why = f"needs 1: {config.architecture} is a mixture of experts, served on one rank"
         if why is not None:
             raise ValueError(f"tensor_parallel_size: {size} {why}")
         return cls(rank, size, heads, kv, config.head_dim, config.intermediate_size,

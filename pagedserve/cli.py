@@ -31,10 +31,23 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
         "--family",
         dest="arch",
         default="llama",
-        choices=["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3"],
+        # NOTE: pagedserve.tiny_model's ARCHS, spelled out: importing it imports transformers
+        choices=[
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "olmo2",
+            "granite",
+            "phi3",
+            "mixtral",
+            "qwen2_moe",
+            "qwen3_moe",
+        ],
         help="the model family (config.json architectures: LlamaForCausalLM, "
         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, "
-        "GraniteForCausalLM, Phi3ForCausalLM)",
+        "GraniteForCausalLM, Phi3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
+        "Qwen3MoeForCausalLM)",
     )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)

@@ -158,7 +158,8 @@ def _missing_extra() -> str | None:
 # GGUF reader takes its head_dim from Qwen3Config's default (it maps no `attention.key_length`).
 # A Qwen3 model is served from its safetensors. Not olmo2, granite nor phi3 either: no
 # pagedserve test converts one (their norms, multipliers, fused weights, partial rotary and
-# q/k row order from llama.cpp are unchecked).
+# q/k row order from llama.cpp are unchecked). No mixture of experts either (qwen2moe,
+# qwen3moe, nor a llama one with experts: Mixtral's).
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -172,6 +173,14 @@ def gguf_architecture(gguf: Path) -> str:
     return bytes(field.parts[field.data[0]]).decode("utf-8")
 
 
+def gguf_expert_count(gguf: Path, arch: str) -> int:
+    """The file's `{arch}.expert_count`: a Mixtral GGUF is a "llama" one with experts."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(gguf)).fields.get(f"{arch}.expert_count")
+    return 0 if field is None else int(field.parts[field.data[0]][0])
+
+
 def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
     """Dequantize `gguf` into `out` (a new directory)."""
     problem = _missing_extra()
@@ -181,8 +190,16 @@ def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"model: {gguf.name} is a {arch!r} GGUF; pagedserve converts GGUF files of "
-            f"{', '.join(GGUF_ARCHITECTURES)} only (Qwen3, OLMo 2, Granite, Phi-3: serve the "
-            "model's Hugging Face safetensors directory; docs/models.md)"
+            f"{', '.join(GGUF_ARCHITECTURES)} only (Qwen3, OLMo 2, Granite, Phi-3, the mixtures "
+            "of experts: serve the model's Hugging Face safetensors directory; docs/models.md)"
+        )
+    experts = gguf_expert_count(gguf, arch)
+    if experts:
+        raise ValueError(
+            f"model: {gguf.name} is a mixture-of-experts {arch!r} GGUF ({arch}.expert_count "
+            f"{experts}, e.g. Mixtral); pagedserve converts dense GGUF files only (Mixtral, "
+            "Qwen2-MoE, Qwen3-MoE: serve the model's Hugging Face safetensors directory; "
+            "docs/models.md)"
         )
     import torch
     from safetensors.torch import save_file

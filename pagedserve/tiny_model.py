@@ -1,4 +1,5 @@
-"""Build a tiny random-weight Llama-family checkpoint and a byte-level BPE tokenizer, offline.
+"""Build a tiny random-weight Llama-family (or mixture-of-experts) checkpoint and a byte-level
+BPE tokenizer, offline.
 
 `make_tiny_model(out_dir, ...)` writes a directory that `AutoModelForCausalLM.from_pretrained` and
 `AutoTokenizer.from_pretrained` load without network access:
@@ -42,17 +43,27 @@ from transformers import (
     GraniteConfig,
     LlamaConfig,
     MistralConfig,
+    MixtralConfig,
     Olmo2Config,
     Phi3Config,
     PretrainedConfig,
     PreTrainedModel,
     PreTrainedTokenizerFast,
     Qwen2Config,
+    Qwen2MoeConfig,
     Qwen3Config,
+    Qwen3MoeConfig,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3")
-WINDOWED_ARCHS = ("mistral", "qwen3", "phi3")  # the archs `sliding_window` applies to
+ARCHS = (
+    "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3", "mixtral", "qwen2_moe",
+    "qwen3_moe",
+)  # fmt: skip
+# the archs `sliding_window` applies to
+WINDOWED_ARCHS = ("mistral", "qwen3", "phi3", "mixtral", "qwen2_moe")
+# The mixtures of experts: 8 experts, 2 per token; Qwen's experts have a quarter of
+# `intermediate` features (Qwen2-MoE's shared expert all of them), Mixtral's all of them
+NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # trained first, in this order, so their ids are:
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -97,16 +108,22 @@ def make_tiny_model(
 
     qwen3 (`Qwen3ForCausalLM`) gets q/k norms and a head_dim of 2 * hidden / heads, so that a
     runtime that derives head_dim from hidden / heads fails; its `sliding_window` applies to the
-    second half of the layers (`max_window_layers`), as Qwen's configs lay windows out.
+    second half of the layers (`max_window_layers`), as Qwen's configs lay windows out;
+    qwen2_moe's to its even layers (0, 2, ...), as Qwen2MoeConfig lays them out.
     olmo2 (`Olmo2ForCausalLM`) gets its post-norms and q/k norms over the whole projections;
     granite (`GraniteForCausalLM`) the multipliers of `GRANITE_MULTIPLIERS`; phi3
     (`Phi3ForCausalLM`) its fused qkv_proj / gate_up_proj weights and `partial_rotary_factor`
     (default `PHI3_PARTIAL_ROTARY_FACTOR`; a longrope `rope_scaling` may carry
     `original_max_position_embeddings`, which Phi3Config keeps beside it).
+    The mixtures of experts have `NUM_EXPERTS` experts, `EXPERTS_PER_TOKEN` per token: mixtral
+    (`MixtralForCausalLM`, renormalised top-k weights) in every layer; qwen2_moe
+    (`Qwen2MoeForCausalLM`) in every layer, top-k weights not renormalised, with a gated shared
+    expert; qwen3_moe (`Qwen3MoeForCausalLM`, q/k norms, renormalised top-k weights) in every
+    layer but the last, a dense MLP there (`mlp_only_layers`).
 
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
-    plus 256 byte symbols, or `sliding_window` on an arch other than mistral, qwen3 and phi3.
+    plus 256 byte symbols, or `sliding_window` on an arch not in `WINDOWED_ARCHS`.
     """
     _validate(arch, hidden, heads, kv_heads, vocab, dtype, sliding_window)
     out = Path(out_dir)
@@ -263,6 +280,8 @@ def build_config(
         return GraniteConfig(**GRANITE_MULTIPLIERS, **common)
     if arch == "phi3":
         return _phi3_config(common, sliding_window, partial_rotary_factor)
+    if arch in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        return _moe_config(arch, layers, hidden, heads, intermediate, sliding_window, common)
     return Qwen2Config(use_sliding_window=False, **common)
 
 
@@ -277,6 +296,36 @@ def _phi3_config(
         rope_parameters=rope, original_max_position_embeddings=original,
         sliding_window=sliding_window, **common,
     )  # fmt: skip
+
+
+def _moe_config(
+    arch: str,
+    layers: int,
+    hidden: int,
+    heads: int,
+    intermediate: int,
+    sliding_window: int | None,
+    common: dict[str, Any],
+) -> PretrainedConfig:
+    experts: dict[str, Any] = {"num_experts_per_tok": EXPERTS_PER_TOKEN}
+    if arch == "mixtral":
+        return MixtralConfig(
+            head_dim=hidden // heads, sliding_window=sliding_window, num_local_experts=NUM_EXPERTS,
+            **experts, **common,
+        )  # fmt: skip
+    qwen = {**experts, "num_experts": NUM_EXPERTS, "moe_intermediate_size": intermediate // 4}
+    if arch == "qwen2_moe":
+        # NOTE: a window on the even layers below max_window_layers: layer 0 of 2
+        return Qwen2MoeConfig(
+            use_sliding_window=sliding_window is not None, sliding_window=sliding_window,
+            max_window_layers=layers, shared_expert_intermediate_size=intermediate,
+            norm_topk_prob=False, **qwen, **common,
+        )  # fmt: skip
+    # NOTE: Qwen3MoeConfig has no head_dim field; its attention reads one given as an extra key
+    qwen["head_dim"] = 2 * hidden // heads
+    return Qwen3MoeConfig(
+        norm_topk_prob=True, mlp_only_layers=[layers - 1] if layers > 1 else [], **qwen, **common
+    )
 
 
 def rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:

@@ -99,6 +99,25 @@ def tiny_phi3_longrope(make_tiny) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_mixtral(make_tiny) -> Path:
+    """`MixtralForCausalLM`: 8 experts, 2 per token, in both layers."""
+    return make_tiny("mixtral")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe(make_tiny) -> Path:
+    """`Qwen2MoeForCausalLM`: 8 experts, 2 per token (not renormalised), a gated shared
+    expert, qkv biases."""
+    return make_tiny("qwen2_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe(make_tiny) -> Path:
+    """`Qwen3MoeForCausalLM`: q/k norms, 8 experts, 2 per token, in layer 0; layer 1 dense."""
+    return make_tiny("qwen3_moe")
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama with the ChatML chat template (one directory for the session, so that the
     clusters of every test that serves it can be one)."""

@@ -21,6 +21,8 @@ ARCH_CLASSES = {
     "qwen2": "Qwen2ForCausalLM",
     "olmo2": "Olmo2ForCausalLM",
     "granite": "GraniteForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
 }
 BOS, EOS, PAD = 0, 1, 2
 
@@ -102,6 +104,25 @@ def test_granite_multipliers_are_none_of_them_one(build: Builder) -> None:
                    config.attention_multiplier, config.logits_scaling)  # fmt: skip
     assert multipliers == (12.0, 0.22, 0.15, 8.0)
     assert config.attention_multiplier != 16**-0.5
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_the_mixtures_of_experts_have_8_random_experts_2_per_token(build: Builder, arch) -> None:
+    """Qwen2-MoE's shared expert and its gate are random; Qwen3-MoE's last layer is dense."""
+    model = AutoModelForCausalLM.from_pretrained(build(arch=arch))
+    assert type(model).__name__.lower().startswith(arch.replace("_", ""))
+    config, mlp = model.config, model.model.layers[0].mlp
+    assert (config.num_experts, config.num_experts_per_tok) == (8, 2)
+    inner = 128 if arch == "mixtral" else 32
+    assert mlp.experts.gate_up_proj.shape == (8, 2 * inner, 64)
+    assert mlp.experts.down_proj.std() > 0.05 and mlp.gate.weight.std() > 0.05
+    if arch == "qwen2_moe":
+        assert mlp.shared_expert.up_proj.weight.shape == (128, 64)
+        assert mlp.shared_expert_gate.weight.std() > 0.05
+        assert not config.norm_topk_prob
+    if arch == "qwen3_moe":
+        assert config.mlp_only_layers == [1] and config.norm_topk_prob
+        assert type(model.model.layers[1].mlp).__name__ == "Qwen3MoeMLP"
 
 
 def test_norm_weights_are_random_around_one(build: Builder) -> None:

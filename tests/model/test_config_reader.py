@@ -26,6 +26,9 @@ QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 OLMO2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}
 GRANITE = {"architectures": ["GraniteForCausalLM"], "model_type": "granite"}
 PHI3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
+MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
+QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}
+QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
 SMALL = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
 }  # fmt: skip
@@ -42,6 +45,9 @@ CONFIGS = {
         **PHI3, **SMALL, "sliding_window": 47, "eos_token_id": [32000, 32007],
         "rope_theta": 250000.0,
     },
+    "mixtral-all-defaults": MIXTRAL,
+    "qwen2_moe-all-defaults": QWEN2_MOE,
+    "qwen3_moe-all-defaults": QWEN3_MOE,
     "llama-top-level-rope-theta": {**LLAMA, **SMALL, "rope_theta": 500000.0},
     "llama-rope-parameters": {
         **LLAMA, **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}
@@ -100,6 +106,27 @@ CONFIGS = {
         "attention_multiplier": 0.0078125, "logits_scaling": 16, "attention_bias": True,
         "mlp_bias": True, "rms_norm_eps": 1e-5, "eos_token_id": 0,
     },
+    "mixtral-window-experts-top-1-theta": {
+        **MIXTRAL, **SMALL, "sliding_window": 64, "num_local_experts": 4,
+        "num_experts_per_tok": 1, "rope_theta": 1e4,
+    },
+    "qwen2_moe-window-on-no-bias-sparse-step-mlp-only": {
+        **QWEN2_MOE, **SMALL, "use_sliding_window": True, "sliding_window": 64,
+        "max_window_layers": 2, "qkv_bias": False, "decoder_sparse_step": 2,
+        "mlp_only_layers": [2], "norm_topk_prob": True, "shared_expert_intermediate_size": 96,
+    },
+    "qwen2_moe-no-experts-window-off": {
+        **QWEN2_MOE, **SMALL, "num_experts": 0, "sliding_window": 64,
+    },
+    "qwen3_moe-num-experts-window-on-head-dim-bias": {
+        **QWEN3_MOE, **SMALL, "num_experts": 16, "num_experts_per_tok": 2, "head_dim": 32,
+        "use_sliding_window": True, "sliding_window": 64, "attention_bias": True,
+        "mlp_only_layers": [0], "norm_topk_prob": True,
+    },
+    "qwen3_moe-window-off-num-local-experts": {
+        **QWEN3_MOE, **SMALL, "num_local_experts": 12, "sliding_window": 64,
+        "decoder_sparse_step": 3,
+    },
 }  # fmt: skip
 
 
@@ -123,7 +150,11 @@ def test_a_plain_config_reads_as_transformers_reads_it(name, tmp_path, monkeypat
     assert ours.hidden_act in ACTIVATIONS
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3"])
+@pytest.mark.parametrize(
+    "arch",
+    ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3", "mixtral", "qwen2_moe",
+     "qwen3_moe"],
+)  # fmt: skip
 def test_the_tiny_models_read_as_transformers_reads_them(make_tiny, arch, monkeypatch):
     model_dir = make_tiny(arch)
     assert load_model_config(model_dir) == through_transformers(monkeypatch, model_dir)

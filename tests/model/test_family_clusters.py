@@ -38,6 +38,9 @@ FAMILIES: dict[str, dict[str, object]] = {
     "olmo2": {},
     "granite": {},
     "phi3": {"sliding_window": 48},  # and partial rotary (tiny_model.py)
+    "mixtral": {"sliding_window": 48},
+    "qwen2_moe": {},  # a gated shared expert
+    "qwen3_moe": {},  # a dense last layer
 }
 
 

@@ -23,6 +23,9 @@ from pagedserve.model.loader import load_model
         ("olmo2", {}),
         ("granite", {}),
         ("mistral", {}),
+        ("mixtral", {}),
+        ("qwen2_moe", {}),
+        ("qwen3_moe", {}),
         ("llama", {"tie_word_embeddings": True}),
     ],  # fmt: skip
 )

@@ -44,6 +44,9 @@ VARIANTS = {
         },
     ),
     "mistral-sliding-window-24": ("mistral", {"sliding_window": 24}),
+    "mixtral-sliding-window-24": ("mixtral", {"sliding_window": 24}),  # Mistral's rule, experts
+    # NOTE: layer 0 windowed, layer 1 full attention, as Qwen2MoeConfig lays them out
+    "qwen2_moe-sliding-window-24": ("qwen2_moe", {"sliding_window": 24}),
     # NOTE: layer 0 full attention, layer 1 windowed (max_window_layers), as Qwen lays them out
     "qwen3-sliding-window-24": ("qwen3", {"sliding_window": 24}),
     "tied-embeddings": ("llama", {"tie_word_embeddings": True}),
