@@ -60,7 +60,8 @@ protos: $(STAMP) client-protoc
 # The protoc of clients/python's generated code (scripts/gen_client_protos.py): grpcio-tools
 # 1.62.3, whose protobuf 4.25 gencode loads on every protobuf runtime from 4.25.1 to 7.x. A venv
 # of its own: the main one's grpcio-tools is 1.85.1 (protobuf 7 gencode). tests/test_protos.py
-# regenerates with it.
+# regenerates with it. NOTE: grpcio-tools 1.62.3 has wheels for Python 3.8 to 3.12 only (a newer
+# $(PYTHON) would build it from source, for many minutes).
 CLIENT_PROTOC_VENV ?= .cache/client-protoc-venv
 
 client-protoc: $(CLIENT_PROTOC_VENV)/.installed

@@ -18,3 +18,12 @@ def test_every_package_folder_is_copied_into_the_image():
     tops = {folder.split("/")[0] for folder in mapping.values()}
     copied = set(re.findall(r"^COPY (\S+) \./\1$", (ROOT / "Dockerfile").read_text(), re.M))
     assert tops <= copied, f"not copied into the image: {sorted(tops - copied)}"
+
+
+def test_the_image_installs_the_client_distribution_before_pagedserve():
+    # NOTE: pagedserve depends on pagedserve-client, which no package index has
+    lines = (ROOT / "Dockerfile").read_text().splitlines()
+    assert "COPY clients/python ./clients/python" in lines
+    client = lines.index("RUN pip install ./clients/python")
+    (pagedserve,) = [i for i, line in enumerate(lines) if line.startswith("RUN pip install . ")]
+    assert client < pagedserve

@@ -12,6 +12,7 @@ tried again once the RetryInfo delay has passed."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.metadata
 import json
 import shutil
@@ -157,11 +158,13 @@ def test_sync_and_async_chats_equal_the_servers_greedy_answer(
 class Scripted(generation_pb2_grpc.GenerationServicer):
     """Generate answers each call by the next step of `script`: "unavailable" (a router that
     is restarting), "overloaded" (the router's full queue: RESOURCE_EXHAUSTED + RetryInfo of
-    DELAY_S), "answer" (tokens 1, then 2 and 3), "half" (token 1, then UNAVAILABLE)."""
+    DELAY_S), "answer" (tokens 1, then 2 and 3), "half" (token 1, then UNAVAILABLE), "hold"
+    (token 1, then waits; `cancelled` counts the calls the client cancelled)."""
 
     def __init__(self) -> None:
         self.script: list[str] = []
         self.calls: list[float] = []
+        self.cancelled = 0
 
     async def Generate(self, request, context):  # noqa: N802
         self.calls.append(time.monotonic())
@@ -171,6 +174,12 @@ class Scripted(generation_pb2_grpc.GenerationServicer):
         if step == "overloaded":
             raise ResourceExhausted("router queue is full", retry_after_s=DELAY_S)
         yield generation_pb2.GenerateResponse(token_ids=[1])
+        if step == "hold":
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
         if step == "half":
             await context.abort(grpc.StatusCode.UNAVAILABLE, "worker lost")
         yield generation_pb2.GenerateResponse(
@@ -261,3 +270,46 @@ def test_resource_exhausted_past_the_attempts_reaches_the_caller_with_its_delay(
     )
     assert out == {"error": "RESOURCE_EXHAUSTED", "retry_delay": DELAY_S}
     assert len(calls) == 2
+
+
+CLOSE = """
+import asyncio, sys, time
+from pagedserve_client import AsyncClient, Client
+
+address, mode = sys.argv[1], sys.argv[2]
+
+async def close_async():
+    async with AsyncClient(address) as client:
+        stream = client.generate("hi", max_tokens=3)
+        await stream.__anext__()
+        await stream.aclose()
+        print("closed", flush=True)
+        await asyncio.sleep(30)
+
+if mode == "sync":
+    with Client(address) as client:
+        stream = client.generate("hi", max_tokens=3)
+        next(stream)
+        stream.close()
+        print("closed", flush=True)
+        time.sleep(30)
+else:
+    asyncio.run(close_async())
+"""
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_closing_a_stream_early_cancels_the_call(venv_python, scripted, mode):
+    servicer, address = scripted
+    servicer.script, servicer.cancelled = ["hold"], 0
+    # NOTE: the client stays up after closing: only the close can have cancelled the call
+    args = [str(venv_python), "-I", "-c", CLOSE, address, mode]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd="/") as proc:
+        try:
+            assert proc.stdout.readline() == "closed\n"
+            waited = time.monotonic() + 5
+            while servicer.cancelled == 0 and time.monotonic() < waited:
+                time.sleep(0.02)
+            assert proc.poll() is None and servicer.cancelled == 1
+        finally:
+            proc.kill()

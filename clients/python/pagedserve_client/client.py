@@ -128,6 +128,6 @@ class Client:
                 if wait is None:
                     raise
             finally:
-                call.cancel()  # NOTE: no-op after the end; cancels at the router when closed early
+                call.cancel()  # NOTE: no-op after the end; closed early: cancels now, not at GC
             time.sleep(wait)
             attempt += 1
