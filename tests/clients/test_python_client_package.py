@@ -42,7 +42,7 @@ def link_distribution(name: str, site: Path) -> None:
     """Symlink one installed distribution's top-level modules and dist-info into `site`; in a
     namespace package (google/) only its own sub-packages, so google.rpc does not come along."""
     dist = importlib.metadata.distribution(name)
-    base = Path(dist.locate_file(""))
+    base = Path(str(dist.locate_file("")))
     entries = set()
     for file in dist.files or ():
         parts = file.parts
@@ -139,17 +139,12 @@ def test_sync_and_async_chats_equal_the_servers_greedy_answer(
     with Client(cluster.router_address) as client:
         parts = list(client.chat(MESSAGES, SamplingParams(0.0, max_tokens=8), timeout=60))
     expected_ids = [t for p in parts for t in p.token_ids]
+    reason = common_pb2.FinishReason.Name(parts[-1].finish_reason).removeprefix("FINISH_REASON_")
     for answer in (found["sync"], found["async"]):
         assert answer["token_ids"] == expected_ids
         assert answer["text"] == "".join(p.text for p in parts)
-        assert answer["chunks"] == len(parts) > 1  # streamed: the first token comes alone
-        assert answer["finish"][:-1] == [None] * (len(parts) - 1)
-        assert (
-            answer["finish"][-1]
-            == common_pb2.FinishReason.Name(parts[-1].finish_reason)
-            .removeprefix("FINISH_REASON_")
-            .lower()
-        )
+        assert answer["chunks"] > 1  # streamed: the first token comes alone
+        assert answer["finish"] == [None] * (answer["chunks"] - 1) + [reason.lower()]
         assert answer["usage"] == [parts[-1].usage.prompt_tokens, len(expected_ids)]
     assert found["models"] == [tiny_chat_model.name] * 2
     assert "decode" in found["roles"] and "prefill" in found["roles"]
@@ -306,7 +301,7 @@ def test_closing_a_stream_early_cancels_the_call(venv_python, scripted, mode):
     args = [str(venv_python), "-I", "-c", CLOSE, address, mode]
     with subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd="/") as proc:
         try:
-            assert proc.stdout.readline() == "closed\n"
+            assert proc.stdout is not None and proc.stdout.readline() == "closed\n"
             waited = time.monotonic() + 5
             while servicer.cancelled == 0 and time.monotonic() < waited:
                 time.sleep(0.02)
