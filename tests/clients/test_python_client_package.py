@@ -16,6 +16,7 @@ import asyncio
 import importlib.metadata
 import json
 import shutil
+import socket
 import subprocess
 import sys
 import time
@@ -241,6 +242,37 @@ def test_unavailable_is_retried_until_the_first_response(venv_python, scripted, 
         venv_python, scripted, ["unavailable", "answer"], mode, max_attempts=1
     )
     assert out == {"error": "UNAVAILABLE", "retry_delay": None} and len(calls) == 1
+
+
+NOT_UP = """
+import json, sys
+from pagedserve_client import Client, RetryPolicy
+
+with Client(sys.argv[1], retry=RetryPolicy(initial_backoff_s=0.5)) as client:
+    print(json.dumps([t for c in client.generate("hi", max_tokens=3) for t in c.token_ids]))
+"""
+
+
+def test_a_router_that_is_not_up_yet_is_retried_until_it_is(venv_python):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{probe.getsockname()[1]}"
+    args = [str(venv_python), "-I", "-c", NOT_UP, address]
+    with subprocess.Popen(args, stdout=subprocess.PIPE, text=True, cwd="/") as proc:
+        try:
+            time.sleep(0.3)  # NOTE: the client's first tries find the port closed
+            servicer = Scripted()
+            servicer.script = ["answer"]
+            build = build_server(
+                [lambda s: generation_pb2_grpc.add_GenerationServicer_to_server(servicer, s)],
+                ["pagedserve.v1.Generation"],
+                address=address,
+            )
+            with serving(build):
+                out, _ = proc.communicate(timeout=20)
+        finally:
+            proc.kill()
+    assert json.loads(out) == [1, 2, 3] and len(servicer.calls) == 1
 
 
 def test_unavailable_after_the_first_response_reaches_the_caller(venv_python, scripted):
