@@ -7,8 +7,9 @@ can only succeed with what the client declares being present.
 Against a real cluster: greedy chats, sync and asyncio, equal pagedserve.client.Client's. Against
 a tiny in-test server (it tests the CLIENT's retry policy, not pagedserve's servers; its
 RESOURCE_EXHAUSTED + RetryInfo trailer is written by the router's own ErrorInterceptor):
-UNAVAILABLE is retried until the first response and not after it, and RESOURCE_EXHAUSTED is
-tried again once the RetryInfo delay has passed."""
+UNAVAILABLE (a router restarting, or not listening yet) is retried until the first response and
+not after it, RESOURCE_EXHAUSTED is tried again once the RetryInfo delay has passed, and closing
+a stream early cancels its call."""
 
 from __future__ import annotations
 
