@@ -31,6 +31,8 @@ RUN if ! command -v python3 >/dev/null 2>&1 || ! python3 -m venv --help >/dev/nu
 ENV PATH=/opt/pagedserve/bin:$PATH
 RUN pip install --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}"
 WORKDIR /src
+COPY clients/python ./clients/python
+RUN pip install ./clients/python
 COPY pyproject.toml README.md ./
 COPY pagedserve ./pagedserve
 COPY protos ./protos
@@ -54,6 +56,8 @@ ENV PATH=/opt/pagedserve/bin:$PATH
 WORKDIR /src
 COPY requirements-slim.txt ./
 RUN pip install -r requirements-slim.txt
+COPY clients/python ./clients/python
+RUN pip install --no-deps ./clients/python
 COPY pyproject.toml README.md ./
 COPY pagedserve ./pagedserve
 COPY protos ./protos

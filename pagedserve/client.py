@@ -1,5 +1,9 @@
-"""A small Python client of the public API (what `pagedserve generate --router` and
-`pagedserve status` use; any gRPC language can do the same from the protos).
+"""The Python client of the public API that pagedserve's own CLI, benches and tests use
+(`pagedserve generate --router`, `pagedserve status`): pagedserve's SamplingParams in, the raw
+response messages out, no retries. It is built on the `pagedserve-client`
+distribution (clients/python/, import `pagedserve_client`: the channel, TLS, the API key,
+retries); applications use that one directly (typed results, asyncio, retries on by default,
+no torch).
 
 Security matches the router's: `tls_ca` turns TLS on (the CA the router's certificate must chain
 to), `tls_client_cert`/`tls_client_key` present a client certificate (mTLS), and `api_key` is sent
@@ -8,20 +12,15 @@ as `authorization: Bearer <key>` metadata on every call, `stub` calls included.
 
 from __future__ import annotations
 
-import collections
-import ipaddress
-import logging
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
-import grpc
-
-from pagedserve.grpcutil import RECONNECT_OPTIONS, client_tls_from_files, make_channel
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+from pagedserve_client import ChannelSettings, is_loopback, open_channel
 
-log = logging.getLogger(__name__)
+__all__ = ["Client", "format_status", "is_loopback"]
 
 
 class Client:
@@ -40,21 +39,17 @@ class Client:
         OSError when one cannot be read). The key is kept only inside the channel's metadata.
 
         The channel tries a router that went away again at least once a second
-        (`grpcutil.RECONNECT_OPTIONS`: a restarted router is used within a second of its
-        return, not after gRPC's default back-off of up to 120 s); `channel_options`, gRPC
-        channel arguments, are applied over these."""
-        tls = client_tls_from_files(tls_ca, tls_client_cert, tls_client_key, tls_server_name)
-        options = dict(RECONNECT_OPTIONS) | dict(channel_options)
-        self.channel = make_channel(address, tls, list(options.items()))
-        if api_key:
-            if tls is None and not is_loopback(address):
-                # NOTE: the address only: the key itself never reaches a log
-                log.warning(
-                    "sending an API key without TLS to %s: anyone on the path can read it "
-                    "(use --tls-ca)",
-                    address,
-                )
-            self.channel = grpc.intercept_channel(self.channel, _BearerAuth(api_key))
+        (`pagedserve_client.RECONNECT_OPTIONS`: a restarted router is used within a second of
+        its return, not after gRPC's default back-off of up to 120 s); `channel_options`, gRPC
+        channel arguments, are applied over these. No retries: a failed call raises at once
+        (pagedserve_client.Client retries)."""
+        settings = ChannelSettings(
+            tls_ca=tls_ca, tls_client_cert=tls_client_cert, tls_client_key=tls_client_key,
+            tls_server_name=tls_server_name, api_key=api_key, retry=None,
+            channel_options=channel_options,
+        )  # fmt: skip
+        self.channel = open_channel(address, settings)
+        # NOTE: pagedserve.v1's stub: responses are the messages the rest of pagedserve uses
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def close(self) -> None:
@@ -128,58 +123,6 @@ def _request(
         cache_salt=cache_salt,
         stream=True,
     )
-
-
-def is_loopback(address: str) -> bool:
-    """Whether a gRPC target (`host:port`, `[::1]:port`, `dns:///host:port`, `unix:path`) stays
-    on this machine. Unknown names count as remote."""
-    if address.startswith(("unix:", "unix-abstract:")):
-        return True
-    target = address.split("///", 1)[-1].removeprefix("ipv4:").removeprefix("ipv6:")
-    host = target.rsplit(":", 1)[0] if target.count(":") == 1 or "]" in target else target
-    host = host.strip("[]")
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
-class _CallDetails(
-    collections.namedtuple(
-        "_CallDetails",
-        ("method", "timeout", "metadata", "credentials", "wait_for_ready", "compression"),
-    ),
-    grpc.ClientCallDetails,
-):
-    pass
-
-
-class _BearerAuth(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor):
-    """Adds `authorization: Bearer <key>` to every unary and server-streaming call."""
-
-    def __init__(self, api_key: str) -> None:
-        self._metadata = (("authorization", f"Bearer {api_key}"),)
-
-    def _with_key(self, details: grpc.ClientCallDetails) -> _CallDetails:
-        metadata = (*(details.metadata or ()), *self._metadata)
-        return _CallDetails(
-            details.method, details.timeout, metadata, details.credentials,
-            getattr(details, "wait_for_ready", None), getattr(details, "compression", None),
-        )  # fmt: skip
-
-    def intercept_unary_unary(
-        self, continuation: Callable[..., Any], client_call_details: grpc.ClientCallDetails,
-        request: Any,
-    ) -> Any:  # fmt: skip
-        return continuation(self._with_key(client_call_details), request)
-
-    def intercept_unary_stream(
-        self, continuation: Callable[..., Any], client_call_details: grpc.ClientCallDetails,
-        request: Any,
-    ) -> Any:  # fmt: skip
-        return continuation(self._with_key(client_call_details), request)
 
 
 def format_status(status: generation_pb2.ClusterStatus) -> str:

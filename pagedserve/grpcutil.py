@@ -449,8 +449,8 @@ RECONNECT_OPTIONS: tuple[tuple[str, int], ...] = (
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-"""Channel options for a peer inside the cluster (and `pagedserve.client.Client`'s default):
-at most a second between reconnects."""
+"""Channel options for a peer inside the cluster: at most a second between reconnects (the
+client distribution's `pagedserve_client.RECONNECT_OPTIONS` are the same, for its channels)."""
 
 
 def make_channel(

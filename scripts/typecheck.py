@@ -1,4 +1,4 @@
-"""Run mypy over the `pagedserve` import tree.
+"""Run mypy over the `pagedserve` import tree, then over `pagedserve_client` (clients/python/).
 
 The packages live in top-level folders mapped by `[tool.setuptools.package-dir]` (architecture.md),
 which mypy cannot follow through the editable install's import hook. This lays the import tree
@@ -39,7 +39,10 @@ def build_tree() -> Path:
 def main() -> int:
     top = build_tree()
     cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), str(top)]
-    return subprocess.call(cmd, cwd=TREE, env={**os.environ, "MYPYPATH": str(TREE)})
+    status = subprocess.call(cmd, cwd=TREE, env={**os.environ, "MYPYPATH": str(TREE)})
+    # NOTE: the client distribution (clients/python/) on its own: a plain package, no mapping
+    client = [*cmd[:-1], str(ROOT / "clients" / "python" / "pagedserve_client")]
+    return status or subprocess.call(client, cwd=ROOT / "clients" / "python")
 
 
 if __name__ == "__main__":

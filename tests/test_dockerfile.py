@@ -142,7 +142,7 @@ def test_router_and_gateway_import_with_only_the_slim_requirements():
     """The router's, the gateway's and the CLI client's import paths, with every installed
     distribution that requirements-slim.txt does not pull hidden (torch included), import and
     build the CLI parser; nothing heavy is loaded."""
-    allowed = closure(slim_requirements()) | {"pagedserve"}
+    allowed = closure(slim_requirements()) | {"pagedserve", "pagedserve-client"}  # both --no-deps
     owners = metadata.packages_distributions()
     hidden = {
         top for top, dists in owners.items()
@@ -153,3 +153,15 @@ def test_router_and_gateway_import_with_only_the_slim_requirements():
                             capture_output=True, text=True, timeout=120, cwd="/")  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert not set(json.loads(result.stdout)) & HEAVY
+
+
+def test_the_image_installs_the_client_distribution_before_pagedserve():
+    # NOTE: pagedserve depends on pagedserve-client, which no package index has
+    for name, install in (("build", "pip install ."), ("slim-build", "pip install --no-deps .")):
+        steps = [f"{op} {value}" for op, value in stages()[name]]
+        assert "COPY clients/python ./clients/python" in steps, name
+        client = next(
+            i for i, s in enumerate(steps) if "pip install" in s and "clients/python" in s
+        )
+        pagedserve = next(i for i, s in enumerate(steps) if install in s and "clients" not in s)
+        assert client < pagedserve, name
