@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite; Gemma's layer, norms and
+ropes are model/gemma.py's) over a paged KV cache.
 
 One forward takes a flattened batch: the prefill chunks and decode tokens of many sequences laid
 end to end, with positions and an `AttentionMetadata` that maps them onto the cache. Module and
@@ -9,10 +10,13 @@ float32 then cast, rope cos/sin in float32 then cast, separate q/k/v projections
 logits agree to ~1e-6 and bf16 greedy tokens agree exactly. A family's own parts are data on
 `ModelConfig` and small optional parts of the layer: q/k norms (Qwen3 per head, OLMo 2 over the
 projection), OLMo 2's post-norm layer (`PostNormDecoderLayer`) and float32 casts (`LateCastRMSNorm`,
-rope), Granite's multipliers (embeddings, residual branches, attention scale, logits).
+rope), Granite's multipliers (embeddings, residual branches, attention scale, logits), Gemma's
+embedding multiplier and final-logit soft-capping.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -126,8 +130,10 @@ class RotaryEmbedding:
     are cast to the activation dtype per use, as transformers does.
     """
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
-        inv_freq, scaling = rope_frequencies(config)
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str = "cpu", layer_type: str | None = None
+    ) -> None:
+        inv_freq, scaling = rope_frequencies(config, layer_type)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -153,11 +159,15 @@ def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+NormMaker = Callable[[ModelConfig, int], RMSNorm]
+
+
 class Attention(nn.Module):
     fused_weight: torch.Tensor  # buffers of `fuse_rows`, when `fused`
     fused_bias: torch.Tensor | None
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, norm: NormMaker = make_norm) -> None:
+        """`norm` makes the q/k norms (Gemma's are its own)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
@@ -176,10 +186,9 @@ class Attention(nn.Module):
         self.k_norm: RMSNorm | None = None
         self.qk_norm = config.qk_norm
         if config.qk_norm == "head":
-            self.q_norm = make_norm(config, config.head_dim)
-            self.k_norm = make_norm(config, config.head_dim)
+            self.q_norm, self.k_norm = norm(config, config.head_dim), norm(config, config.head_dim)
         elif config.qk_norm == "projection":
-            self.q_norm, self.k_norm = make_norm(config, q_size), make_norm(config, kv_size)
+            self.q_norm, self.k_norm = norm(config, q_size), norm(config, kv_size)
         self.group: Group | None = None  # set by `LlamaForCausalLM.join` on a rank of N > 1
         self.fused = False  # q/k/v in one weight (`fuse_rows`)
 
@@ -309,23 +318,32 @@ class PostNormDecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """`model.*` in the checkpoints: embeddings, layers, final norm."""
+    """`model.*` in the checkpoints: embeddings, layers, final norm. `layer` and `norm` make a
+    family's own (Gemma's); the default the family's of this module."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: Callable[[ModelConfig, int], nn.Module] | None = None,
+        norm: NormMaker = make_norm,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        layer = PostNormDecoderLayer if config.post_norms else DecoderLayer
+        self.embed_tokens: nn.Embedding = Embedding(config.vocab_size, config.hidden_size)
+        if layer is None:
+            layer = PostNormDecoderLayer if config.post_norms else DecoderLayer
         self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
-        self.norm = make_norm(config, config.hidden_size)
+        self.norm = norm(config, config.hidden_size)
 
 
 class LlamaForCausalLM(nn.Module):
     """Hidden states for a flattened batch; logits only for the rows the caller asks for."""
 
+    stack: Callable[[ModelConfig], DecoderStack] = DecoderStack  # `model.*`: Gemma's own
+
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config)
+        self.model = self.stack(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope
         self.group: Group | None = None
@@ -383,7 +401,8 @@ class LlamaForCausalLM(nn.Module):
         return self._native[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings of `input_ids`, times `embedding_multiplier` (Granite's)."""
+        """The embeddings of `input_ids`, times `embedding_multiplier` (Granite's; Gemma's
+        sqrt(hidden), rounded to the model's dtype first as transformers rounds it)."""
         m = self.config.embedding_multiplier
         if self.group is None:
             x = self.model.embed_tokens(input_ids)
@@ -393,16 +412,24 @@ class LlamaForCausalLM(nn.Module):
             outside = (input_ids < start) | (input_ids >= end)
             x = self.model.embed_tokens((input_ids - start).masked_fill(outside, 0))
             x = self.group.all_reduce(x.masked_fill(outside[:, None], 0.0))
-        return x if m == 1.0 else x * m
+        if m == 1.0:
+            return x
+        if self.config.embedding_multiplier_in_dtype:
+            return x * torch.tensor(m, dtype=torch.float32).to(x.dtype)
+        return x * m
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab]. On tensor-parallel ranks rank 0 gathers every rank's
         vocabulary slice; the others get their own slice back (and never sample). Granite's
-        are divided by `logits_scaling`, as transformers divides them, in the model's dtype."""
+        are divided by `logits_scaling`, as transformers divides them, in the model's dtype;
+        Gemma's soft-capped (`final_logit_softcap`: cap * tanh(logits / cap)), in that dtype too."""
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         if self.group is None:
             return logits
         gathered = self.group.gather_last_dim(logits)

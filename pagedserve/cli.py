@@ -30,10 +30,10 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
         "--family",
         dest="arch",
         default="llama",
-        choices=["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite"],
+        choices=["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2", "gemma3"],
         help="the model family (config.json architectures: LlamaForCausalLM, "
         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, "
-        "GraniteForCausalLM)",
+        "GraniteForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM)",
     )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)

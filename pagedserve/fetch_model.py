@@ -157,7 +157,8 @@ def _missing_extra() -> str | None:
 # `general.architecture` of the GGUF files pagedserve converts. NOTE: not qwen3: transformers'
 # GGUF reader takes its head_dim from Qwen3Config's default (it maps no `attention.key_length`).
 # A Qwen3 model is served from its safetensors. Not olmo2 nor granite either: no pagedserve test
-# converts one (their norms, multipliers and q/k row order from llama.cpp are unchecked).
+# converts one (their norms, multipliers and q/k row order from llama.cpp are unchecked), nor
+# gemma2 / gemma3 (llama.cpp stores Gemma's norm weights with the 1 added: unchecked too).
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
 
@@ -180,8 +181,8 @@ def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"model: {gguf.name} is a {arch!r} GGUF; pagedserve converts GGUF files of "
-            f"{', '.join(GGUF_ARCHITECTURES)} only (Qwen3, OLMo 2, Granite: serve the model's "
-            "Hugging Face safetensors directory; docs/models.md)"
+            f"{', '.join(GGUF_ARCHITECTURES)} only (Qwen3, OLMo 2, Granite, Gemma 2, Gemma 3: "
+            "serve the model's Hugging Face safetensors directory; docs/models.md)"
         )
     import torch
     from safetensors.torch import save_file

@@ -38,6 +38,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
     GraniteConfig,
     LlamaConfig,
@@ -50,8 +52,9 @@ from transformers import (
     Qwen3Config,
 )
 
-ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite")
-WINDOWED_ARCHS = ("mistral", "qwen3")  # the archs `sliding_window` applies to
+ARCHS = ("llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2", "gemma3")
+GEMMA_ARCHS = ("gemma2", "gemma3")
+WINDOWED_ARCHS = ("mistral", "qwen3", *GEMMA_ARCHS)  # the archs `sliding_window` applies to
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SPECIAL_TOKENS = ("<s>", "</s>", "<pad>")  # trained first, in this order, so their ids are:
 BOS_ID, EOS_ID, PAD_ID = 0, 1, 2
@@ -64,6 +67,15 @@ GRANITE_MULTIPLIERS: dict[str, Any] = {
     "embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.15,
     "logits_scaling": 8.0,
 }  # fmt: skip
+# NOTE: Gemma's own values, each unlike the one a runtime falling back to Llama's would use:
+# a window the test prompts cross, a scale that is not 1 / sqrt(head_dim = 32), soft-caps small
+# enough to change logits of ~1 (real Gemma 2: window 4096, scalar 256 or 144, caps 50 and 30)
+GEMMA_WINDOW = 12
+GEMMA_QUERY_PRE_ATTN_SCALAR = 24
+GEMMA2_SOFTCAPS: dict[str, Any] = {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}
+# Gemma 3's global (full-attention) rope as its 4B-27B checkpoints have it; its local rope is
+# the default at theta 10000
+GEMMA3_GLOBAL_ROPE: dict[str, Any] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
 
 
 def corpus_path() -> Path:
@@ -96,10 +108,16 @@ def make_tiny_model(
     second half of the layers (`max_window_layers`), as Qwen's configs lay windows out.
     olmo2 (`Olmo2ForCausalLM`) gets its post-norms and q/k norms over the whole projections;
     granite (`GraniteForCausalLM`) the multipliers of `GRANITE_MULTIPLIERS`.
+    gemma2 (`Gemma2ForCausalLM`) and gemma3 (`Gemma3ForCausalLM`, model_type gemma3_text) get
+    head_dim 2 * hidden / heads, query_pre_attn_scalar `GEMMA_QUERY_PRE_ATTN_SCALAR`, sliding
+    layers (window `sliding_window`, default `GEMMA_WINDOW`) alternating with full ones, and
+    norm weights ~ N(0, 0.1) (Gemma's norms weigh by 1 + weight); gemma2 the soft-caps of
+    `GEMMA2_SOFTCAPS`, gemma3 q/k norms and two ropes (`rope_scaling`, default
+    `GEMMA3_GLOBAL_ROPE`, for its full layers).
 
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
-    plus 256 byte symbols, or `sliding_window` on an arch other than mistral and qwen3.
+    plus 256 byte symbols, or `sliding_window` on an arch other than mistral, qwen3 and gemma.
     """
     _validate(arch, hidden, heads, kv_heads, vocab, dtype, sliding_window)
     out = Path(out_dir)
@@ -236,6 +254,10 @@ def build_config(
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )
+    if arch in GEMMA_ARCHS:
+        # NOTE: untied (real Gemma ties them), or the tiny model's greedy output is mostly its
+        # last token again: the scaled embedding dominates the residual stream it is read from
+        return _gemma_config(arch, common, sliding_window)
     if arch == "llama":
         return LlamaConfig(head_dim=hidden // heads, **common)
     if arch == "mistral":
@@ -253,6 +275,32 @@ def build_config(
     if arch == "granite":
         return GraniteConfig(**GRANITE_MULTIPLIERS, **common)
     return Qwen2Config(use_sliding_window=False, **common)
+
+
+def _gemma_config(
+    arch: str, common: dict[str, Any], sliding_window: int | None
+) -> PretrainedConfig:
+    common = {
+        **common,
+        "head_dim": 2 * common["hidden_size"] // common["num_attention_heads"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": GEMMA_QUERY_PRE_ATTN_SCALAR,
+        "sliding_window": sliding_window or GEMMA_WINDOW,
+    }
+    if arch == "gemma2":  # NOTE: Gemma2Config windows every other layer, the first one first
+        return Gemma2Config(**GEMMA2_SOFTCAPS, **common)
+    global_rope = common.pop("rope_parameters")
+    if global_rope == rope_parameters(None):
+        global_rope = copy.deepcopy(GEMMA3_GLOBAL_ROPE)
+    ropes = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "full_attention": global_rope,
+    }
+    layer_types = [  # NOTE: windowed, full, windowed, ... (real Gemma 3: five to one)
+        "full_attention" if i % 2 else "sliding_attention"
+        for i in range(common["num_hidden_layers"])
+    ]
+    return Gemma3TextConfig(rope_parameters=ropes, layer_types=layer_types, **common)
 
 
 def rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
@@ -273,6 +321,8 @@ def build_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
+    # NOTE: Gemma's norms weigh by 1 + weight: centred on 0, their scale is ~1 as the others'
+    norm_centre = 0.0 if config.model_type in ("gemma2", "gemma3_text") else 1.0
     norm_params = {
         id(p)
         for module in model.modules()
@@ -283,7 +333,7 @@ def build_model(
         for _, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if id(param) in norm_params:
-                param.copy_(1.0 + NORM_STD * noise)
+                param.copy_(norm_centre + NORM_STD * noise)
             else:
                 param.copy_(init_std * noise)
     model = model.to(dtype)

@@ -54,7 +54,7 @@ def test_make_tiny_model_then_generate_matches_transformers(tmp_path):
 @pytest.mark.parametrize(
     ("family", "architecture"),
     [("qwen3", "Qwen3ForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
-     ("granite", "GraniteForCausalLM")],
+     ("granite", "GraniteForCausalLM"), ("gemma3", "Gemma3ForCausalLM")],
 )  # fmt: skip
 def test_make_tiny_model_family_generates_as_transformers(tmp_path, family, architecture):
     model_dir = tmp_path / f"tiny-{family}"

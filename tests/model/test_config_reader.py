@@ -25,6 +25,7 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 OLMO2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}
 GRANITE = {"architectures": ["GraniteForCausalLM"], "model_type": "granite"}
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
 SMALL = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
 }  # fmt: skip
@@ -36,6 +37,7 @@ CONFIGS = {
     "qwen3-all-defaults": QWEN3,
     "olmo2-all-defaults": OLMO2,
     "granite-all-defaults": GRANITE,
+    "gemma3-all-defaults": GEMMA3,
     "llama-top-level-rope-theta": {**LLAMA, **SMALL, "rope_theta": 500000.0},
     "llama-rope-parameters": {
         **LLAMA, **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}
@@ -94,6 +96,18 @@ CONFIGS = {
         "attention_multiplier": 0.0078125, "logits_scaling": 16, "attention_bias": True,
         "mlp_bias": True, "rms_norm_eps": 1e-5, "eos_token_id": 0,
     },
+    # NOTE: Gemma 3 1B's spelling: the pattern as an int, both thetas at the top level
+    "gemma3-pattern-thetas-window-softcap-bias": {
+        **GEMMA3, **SMALL, "head_dim": 32, "sliding_window_pattern": 2, "sliding_window": 16,
+        "rope_theta": 5e5, "rope_local_base_freq": 2e4, "query_pre_attn_scalar": 48,
+        "final_logit_softcapping": 30.0, "attention_bias": True, "mlp_bias": True,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "eos_token_id": [1, 106],
+        "tie_word_embeddings": False,
+    },
+    "gemma3-layer-types-one-kv-head": {
+        **GEMMA3, **SMALL, "num_key_value_heads": 1, "sliding_window": 8,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+    },
 }  # fmt: skip
 
 
@@ -117,7 +131,9 @@ def test_a_plain_config_reads_as_transformers_reads_it(name, tmp_path, monkeypat
     assert ours.hidden_act in ACTIVATIONS
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite"])
+@pytest.mark.parametrize(
+    "arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma3"]
+)
 def test_the_tiny_models_read_as_transformers_reads_them(make_tiny, arch, monkeypatch):
     model_dir = make_tiny(arch)
     assert load_model_config(model_dir) == through_transformers(monkeypatch, model_dir)

@@ -1,0 +1,226 @@
+"""Gemma 2 (`Gemma2ForCausalLM`) and Gemma 3 text (`Gemma3ForCausalLM`): Gemma's layer (four
+(1 + weight) RMSNorms, GeGLU), embeddings times sqrt(hidden), query_pre_attn_scalar's attention
+scale, sliding layers beside full ones; Gemma 2's soft-capped attention scores and logits;
+Gemma 3's per-head q/k norms and a rope per layer type (model/gemma.py). The tiny models
+(tests/conftest.py) window 12 tokens on layer 0: the prompts here are shorter than, as long as
+and longer than that. Here: exactness against transformers (fp32 tokens and logits, bf16 tokens,
+continuous batching, chunked prefill with swap preemption, one cluster), the configs' defaults,
+and what is refused at load."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+from gguf import GGUFWriter
+from support.oracle import GREEDY, hf_greedy, hf_model, make_engine, make_prompts
+
+from pagedserve.client import Client
+from pagedserve.decode_worker.plan import PreemptionMode
+from pagedserve.fetch_model import fetch_model
+from pagedserve.model.config import load_model_config, rope_frequencies
+from pagedserve.model.quant import weight_quant
+from pagedserve.sampling_params import SamplingParams
+
+GEMMA = ["gemma3"]
+# NOTE: the tiny models' embeddings are untied (pagedserve/tiny_model.py); real Gemma ties them
+VARIANTS = {"gemma3": ("gemma3", {}), "gemma3-tied": ("gemma3", {"tie_word_embeddings": True})}
+# NOTE: one set of prompts for every float32 test, so transformers runs each once a session:
+# shorter than, as long as and longer than the tiny models' window of 12
+PROMPTS = make_prompts((1, 12, 13, 40, 90, 150), seed=11)
+
+
+def _check_tokens_and_logits(model_dir, engine, prompts, seqs) -> None:
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        want_tokens, want_logits = hf_greedy(model_dir, torch.float32, tuple(prompt))
+        assert seq.output_token_ids == want_tokens, f"prompt of {len(prompt)} tokens"
+        got_logits = torch.stack(engine.logits[seq.request_id])
+        max_err = (got_logits - want_logits).abs().max().item()
+        assert max_err < 1e-4, f"prompt of {len(prompt)}: max |logit diff| {max_err:.2e}"
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_fp32_tokens_and_logits_are_transformers_with_requests_joining_mid_decode(
+    make_tiny, variant
+):
+    """Half the prompts start; the others join three decode steps later (continuous batching);
+    blocks of 8 tokens, so the window of 12 spans block boundaries."""
+    arch, kwargs = VARIANTS[variant]
+    model_dir = make_tiny(arch, **kwargs)
+    prompts = PROMPTS
+    engine = make_engine(model_dir, block_size=8, num_blocks=160)
+    engine.record_logits = True
+    seqs = [engine.add_request(p, GREEDY) for p in prompts[:3]]
+    for _ in range(3):
+        engine.step()
+    seqs += [engine.add_request(p, GREEDY) for p in prompts[3:]]
+    while engine.has_unfinished:
+        engine.step()
+    engine.check_integrity()
+    _check_tokens_and_logits(model_dir, engine, prompts, seqs)
+
+
+@pytest.mark.parametrize("arch", GEMMA)
+def test_bf16_greedy_tokens_are_transformers(make_tiny, arch):
+    """Exact equality: the model mirrors transformers' op order and casts in bf16 too (the
+    (1 + weight) norm in float32, the embedding multiplier rounded to bf16), so no near-tie
+    allowance is needed for these prompts."""
+    model_dir = make_tiny(arch)
+    prompts = PROMPTS[1::2]
+    engine = make_engine(model_dir, block_size=16, num_blocks=64, dtype="bfloat16")
+    seqs = engine.generate(prompts, GREEDY)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        want, _ = hf_greedy(model_dir, torch.bfloat16, tuple(prompt))
+        assert seq.output_token_ids == want, f"bf16: prompt of {len(prompt)} tokens"
+
+
+@pytest.mark.parametrize("arch", GEMMA)
+def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(make_tiny, arch):
+    """Chunks of 32 (each past the window of 12) and a KV pool too small for every sequence
+    at once: sequences are swapped out and back in, and every token equals transformers'."""
+    model_dir = make_tiny(arch)
+    prompts = PROMPTS
+    engine = make_engine(
+        model_dir, block_size=8, num_blocks=40, num_swap_blocks=64, max_num_batched_tokens=32,
+        preemption_mode=PreemptionMode.SWAP,
+    )  # fmt: skip
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    swapped = 0
+    while engine.has_unfinished:
+        swapped += len(engine.step().plan.preempted)
+        engine.check_integrity()
+    engine.close()
+    assert swapped >= 1, "the pool must run short"
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
+
+
+def test_gemma3_defaults_are_its_scale_windows_ropes_and_no_soft_caps(tmp_path):
+    raw = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = load_model_config(tmp_path)
+    assert (config.head_dim, config.attention_scale, config.hidden_act) == (
+        256, 256**-0.5, "gelu_pytorch_tanh"
+    )  # fmt: skip
+    assert config.embedding_multiplier == 2304**0.5 and config.embedding_multiplier_in_dtype
+    assert (config.norm_offset, config.sandwich_norms, config.qk_norm) == (1.0, True, "head")
+    assert config.attn_logit_softcap is None and config.final_logit_softcap is None
+    assert config.tie_word_embeddings and config.eos_token_ids == (1,)
+    # every sixth layer full attention (sliding_window_pattern 6), the others windowed
+    assert config.sliding_windows[:6] == (4096,) * 5 + (None,)
+    assert config.layer_ropes[:6] == ("sliding_attention",) * 5 + ("full_attention",)
+    assert config.rope_type == "default"
+
+
+# The plain spelling of Gemma 3 1B's config (rope_theta and rope_local_base_freq, the pattern
+# as an int) and the 4B-27B one (the global rope linearly scaled), small
+GEMMA3_ROPES = {
+    "plain": {"rope_theta": 1e6, "rope_local_base_freq": 1e4, "sliding_window_pattern": 3},
+    "linear": {
+        "rope_theta": 1e6, "rope_local_base_freq": 1e4, "rope_scaling": {
+            "rope_type": "linear", "factor": 8.0,
+        },
+    },
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", list(GEMMA3_ROPES))
+def test_gemma3_ropes_per_layer_type_are_transformers(tmp_path, name):
+    from transformers import AutoConfig
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RotaryEmbedding
+
+    raw = {
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "hidden_size": 64,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 32,
+        "num_hidden_layers": 6, **GEMMA3_ROPES[name],
+    }  # fmt: skip
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = load_model_config(tmp_path)
+    theirs = Gemma3RotaryEmbedding(AutoConfig.from_pretrained(tmp_path))
+    assert set(config.layer_ropes) == {"sliding_attention", "full_attention"}
+    for layer_type in ("sliding_attention", "full_attention"):
+        inv_freq, scaling = rope_frequencies(config, layer_type)
+        assert torch.equal(inv_freq, getattr(theirs, f"{layer_type}_inv_freq"))
+        assert scaling == getattr(theirs, f"{layer_type}_attention_scaling")
+    local, full = (rope_frequencies(config, t)[0] for t in ("sliding_attention", "full_attention"))
+    assert not torch.equal(local, full)
+
+
+def test_a_multimodal_gemma3_is_refused_naming_its_architecture_and_the_text_model(tmp_path):
+    raw = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="'Gemma3ForConditionalGeneration'.*Gemma3ForCausalLM"):
+        load_model_config(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"), [("use_bidirectional_attention", True), ("attn_logit_softcapping", 50.0)]
+)
+def test_gemma3_fields_transformers_does_not_apply_as_written_are_refused(tmp_path, field, value):
+    """Bidirectional attention is not causal decoding; transformers 5.25's Gemma 3 attention
+    never passes `attn_logit_softcapping` on: either is refused, naming the field."""
+    raw = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", field: value}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match=field):
+        load_model_config(tmp_path)
+
+
+@pytest.mark.parametrize("arch", GEMMA)
+def test_tensor_parallelism_and_quantization_are_refused_naming_the_flag(make_tiny, arch):
+    model_dir = make_tiny(arch)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 2 .*Gemma"):
+        make_engine(model_dir, block_size=8, num_blocks=64, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="--quantization int8 .*Gemma"):
+        make_engine(model_dir, block_size=8, num_blocks=64, quantization=weight_quant("int8"))
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
+def test_a_gemma_gguf_is_refused_before_conversion_naming_it(tmp_path, arch):
+    gguf = tmp_path / f"tiny-{arch}.gguf"
+    writer = GGUFWriter(str(gguf), arch)
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ValueError, match=f"'{arch}' GGUF.*llama") as info:
+        fetch_model(str(gguf), tmp_path / "out")
+    assert "safetensors" in str(info.value)
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_cluster_serves_gemma3_concurrently_as_transformers(tiny_gemma3, clusters):
+    """16 concurrent requests, prompts of 1 to 150 tokens (most past the window of 12)."""
+    started = clusters.get(tiny_gemma3)
+    prompts = PROMPTS + make_prompts((5, 11, 20, 33, 47, 64, 3, 17, 28, 8), seed=23)
+    params = SamplingParams(temperature=0.0, max_tokens=12)
+    results: dict[int, list[int]] = {}
+
+    def run(i: int) -> None:
+        with Client(started.router_address) as client:
+            stream = client.generate(prompts[i], params, timeout=120)
+            results[i] = [t for part in stream for t in part.token_ids]
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(180)
+    for i, prompt in enumerate(prompts):
+        want = hf_greedy(tiny_gemma3, torch.float32, tuple(prompt))[0][: params.max_tokens]
+        assert results.get(i) == want, f"prompt {i} of {len(prompt)} tokens"
+
+
+def test_the_tiny_gemma3s_two_ropes_and_norm_offset_are_not_trivial(tiny_gemma3):
+    """The tiny checkpoint exercises what a runtime could drop: its norm weights are near 0
+    (so (1 + weight) is not weight), and its layers' ropes differ."""
+    model = hf_model(tiny_gemma3, torch.float32)
+    norm = model.model.layers[0].input_layernorm.weight
+    assert norm.abs().mean() < 0.2
+    config = load_model_config(tiny_gemma3)
+    assert config.layer_ropes == ("sliding_attention", "full_attention")
+    assert config.sliding_windows == (12, None)
+    assert config.attention_scale != config.head_dim**-0.5
