@@ -237,6 +237,7 @@ def _attend_bucket(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     scale: float,
+    softcap: float | None,
 ) -> torch.Tensor:
     """Attention output [n, num_heads, head_dim] of the bucket's sequences."""
     q = query if bucket.rows is None else query.index_select(0, bucket.rows)
@@ -253,10 +254,12 @@ def _attend_bucket(
         value.index_fill_(0, bucket.pad, 0)
     key = key.view(n, bucket.cols * block_size, num_kv_heads, head_dim)[:, bucket.keys]
     value = value.view(n, bucket.cols * block_size, num_kv_heads, head_dim)[:, bucket.keys]
+    key, value = key.transpose(1, 2), value.transpose(1, 2)
+    if softcap is not None:  # NOTE: SDPA has no soft-capping: the eager formula
+        out = reference.softcapped_attention(packed, key, value, scale, softcap, bucket.mask)
+        return out.reshape(n, num_heads, head_dim)
     # NOTE: 4-D inputs: CPU SDPA takes its flash kernel only for 4-D (3-D falls back to math)
-    out = F.scaled_dot_product_attention(
-        packed, key.transpose(1, 2), value.transpose(1, 2), attn_mask=bucket.mask, scale=scale
-    )
+    out = F.scaled_dot_product_attention(packed, key, value, attn_mask=bucket.mask, scale=scale)
     return out.view(n, num_heads, head_dim)
 
 
@@ -267,15 +270,16 @@ def _run_plan(
     v_cache: torch.Tensor,
     scale: float,
     out: torch.Tensor | None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Decode outputs written into `out` (allocated when None) at each bucket's rows."""
     if plan.num_rows != query.shape[0]:
         raise ValueError(f"query: plan is for {plan.num_rows} rows, got {query.shape[0]}")
     if len(plan.buckets) == 1 and plan.buckets[0].rows is None and out is None:
-        return _attend_bucket(plan.buckets[0], query, k_cache, v_cache, scale)
+        return _attend_bucket(plan.buckets[0], query, k_cache, v_cache, scale, softcap)
     out = torch.empty_like(query) if out is None else out
     for bucket in plan.buckets:
-        got = _attend_bucket(bucket, query, k_cache, v_cache, scale)
+        got = _attend_bucket(bucket, query, k_cache, v_cache, scale, softcap)
         if bucket.rows is None:
             out.copy_(got)
         else:
@@ -292,15 +296,18 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     plan: DecodeBuckets | None = None,
+    *,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query per sequence: query [num_seqs, num_heads, head_dim] -> same shape.
 
     `plan` (from `plan_decode` with these tables, lengths and window) saves re-planning per layer.
+    `softcap`: the reference's (`reference.softcapped_attention`); None: plain SDPA.
     """
     if plan is None:
         ones = [1] * len(seq_lens)
         plan = plan_decode(block_tables, ones, seq_lens, k_cache, sliding_window)
-    return _run_plan(plan, query, k_cache, v_cache, scale, None)
+    return _run_plan(plan, query, k_cache, v_cache, scale, None, softcap)
 
 
 def paged_attention(
@@ -315,6 +322,7 @@ def paged_attention(
     plan: DecodeBuckets | None = None,
     *,
     native: cpu_native.NativePlan | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention (prefill, chunks, decode mixed): same contract as the reference.
 
@@ -331,13 +339,13 @@ def paged_attention(
             first = max(0, seq_len - q_len + 1 - sliding_window) if sliding_window else 0
             key, value = _gather(k_cache, v_cache, block_tables[i], first, seq_len)
             out[start:end] = reference.sequence_attention(
-                query[start:end], key, value, scale, sliding_window
+                query[start:end], key, value, scale, sliding_window, softcap
             )
         start = end
     if native is not None:
-        cpu_native.decode(native, query, k_cache, v_cache, scale, out)
+        cpu_native.decode(native, query, k_cache, v_cache, scale, out, softcap)
     elif any(q_len == 1 for q_len in query_lens):
         if plan is None:
             plan = plan_decode(block_tables, query_lens, seq_lens, k_cache, sliding_window)
-        _run_plan(plan, query, k_cache, v_cache, scale, out)
+        _run_plan(plan, query, k_cache, v_cache, scale, out, softcap)
     return out

@@ -144,41 +144,34 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_f32
-    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
-                   i32, i32, i32, i32, i32, ctypes.c_float, i32]  # fmt: skip
-    fn.restype = i32
-    fn = lib.paged_decode_bf16
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
-                   i32, i32, i32, i32, i32, ctypes.c_float, i32]  # fmt: skip
-    fn.restype = i32
-    fn = lib.kv_append_i8
-    fn.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32]
-    fn.restype = None
-    fn = lib.paged_decode_q8
-    fn.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr,
-                   i64, i32, i32, i32, i32, i32, ctypes.c_float, i32, i32, ptr]  # fmt: skip
-    fn.restype = i32
-    fn = lib.linear_i8g_f32
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32]
-    fn.restype = None
-    fn = lib.linear_i4g_f32
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32]
-    fn.restype = None
-    fn = lib.linear_f32
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-    fn.restype = None
-    fn = lib.gemm_f32
-    fn.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32]
-    fn.restype = i32
-    fn = lib.rms_norm_f32
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_float]
-    fn.restype = None
-    fn = lib.mask_logits_f32
-    fn.argtypes = [ptr, i64, ptr, i64, ptr, i64, i64]
-    fn.restype = None
+    for name, (args, result) in _signatures().items():
+        fn = getattr(lib, name)
+        fn.argtypes, fn.restype = args, result
     return lib
+
+
+def _signatures() -> dict[str, tuple[list[type], type | None]]:
+    """Each C entry point's argument and result types."""
+    ptr, i64, i32, f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_float
+    # query, K/V views and strides, tables, rows, firsts, ends, out, n, heads, kv heads, d, bs
+    attention = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, ptr, ptr, i64,
+                 i32, i32, i32, i32, i32]  # fmt: skip
+    q8 = [ptr, i64, ptr, ptr, i64, i64, ptr, ptr, i64, *attention[6:]]
+    return {
+        "paged_decode_f32": ([*attention, f32, f32, i32], i32),  # scale, softcap, threads
+        "paged_decode_bf16": ([*attention, f32, i32], i32),  # scale, threads
+        "kv_append_i8": ([ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32], None),
+        "paged_decode_q8": ([*q8, f32, f32, i32, i32, ptr], i32),  # ..., fp8, lut
+        "linear_i8g_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32], None),
+        "linear_i4g_f32": (
+            [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32],
+            None,
+        ),
+        "linear_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], None),
+        "gemm_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32),
+        "rms_norm_f32": ([ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32], None),
+        "mask_logits_f32": ([ptr, i64, ptr, i64, ptr, i64, i64], None),
+    }
 
 
 def _load() -> ctypes.CDLL | None:
@@ -209,14 +202,18 @@ def unavailable_reason() -> str | None:
     return _why_not
 
 
-def supports(query: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether this call can take the kernel (else the caller uses the torch path)."""
+def supports(query: torch.Tensor, k_cache: torch.Tensor, softcap: float | None = None) -> bool:
+    """Whether this call can take the kernel (else the caller uses the torch path).
+
+    NOTE: no soft cap in bf16: the bf16 kernel follows SDPA's roundings, and transformers runs
+    capped attention (Gemma 2) eagerly, rounding each step to bf16: the torch path does that."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
     return (
         enabled
         and query.device.type == "cpu"
         and query.dtype in NATIVE_DTYPES
+        and (softcap is None or query.dtype == torch.float32)
         and k_cache.dtype == query.dtype
         and head_dim % 16 == 0
         and num_heads <= MAX_HEADS
@@ -307,22 +304,27 @@ def decode(
     v_cache: torch.Tensor,
     scale: float,
     out: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of the plan's rows of `query` [rows, num_heads, head_dim] into the same rows of
-    `out` (same shape, contiguous); other rows of `out` are left as they are.
+    `out` (same shape, contiguous); other rows of `out` are left as they are. `softcap` (> 0)
+    caps the scaled logits, tanh(s / softcap) * softcap, as the reference does.
 
-    The caller has checked `supports(query, k_cache)` (once per layer, in dispatch)."""
+    The caller has checked `supports(query, k_cache, softcap)` (once per layer, in dispatch)."""
     lib, n = _rows(plan, query)
     if n == 0:
         return out
     assert out.is_contiguous() and out.shape == query.shape and v_cache.stride() == k_cache.stride()
     num_heads, head_dim = query.shape[1], query.shape[2]
     if query.dtype == torch.bfloat16:
+        if softcap is not None:
+            raise ValueError("softcap: the bf16 kernel has none (see `supports`)")
         # NOTE: bf16 widens to fp32 exactly; the kernel rounds where torch's SDPA rounds
         entry, query = lib.paged_decode_bf16, query.to(torch.float32)
-        threads = torch.get_num_threads()  # it splits a sequence's positions between threads
-    else:
-        entry, threads = lib.paged_decode_f32, _threads_for(n)
+        # scale, threads (it splits a sequence's positions between threads)
+        last: tuple[float | int, ...] = (scale, torch.get_num_threads())
+    else:  # scale, softcap (0: none), threads
+        entry, last = lib.paged_decode_f32, (scale, softcap or 0.0, _threads_for(n))
     failed = entry(
         query.data_ptr(), query.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
@@ -330,7 +332,7 @@ def decode(
         plan.query_rows.data_ptr(), plan.table_rows.data_ptr(),
         plan.firsts.data_ptr(), plan.ends.data_ptr(),
         out.data_ptr(), out.stride(0),
-        n, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], scale, threads,
+        n, num_heads, k_cache.shape[2], head_dim, k_cache.shape[1], *last,
     )  # fmt: skip
     if failed:
         raise MemoryError("native paged attention: scratch allocation failed")
@@ -351,6 +353,7 @@ def decode_quantized(
     scales: tuple[torch.Tensor, torch.Tensor],
     scale: float,
     out: torch.Tensor,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """`decode` over an 8-bit cache: codes read in place and scaled per (block, head), no
     dequantized copy. The caller has checked `supports_quantized`. A bf16 query is widened to
@@ -364,7 +367,7 @@ def decode_quantized(
     assert k_scales.stride() == v_scales.stride()
     if query.dtype != torch.float32:
         wide = decode_quantized(plan, query.float(), k_codes, v_codes, scales, scale,
-                                torch.empty(query.shape, dtype=torch.float32))  # fmt: skip
+                                torch.empty(query.shape, dtype=torch.float32), softcap)  # fmt: skip
         rows = plan.query_rows
         return out.index_copy_(0, rows, wide.index_select(0, rows).to(out.dtype))
     num_heads, head_dim = query.shape[1], query.shape[2]
@@ -376,7 +379,7 @@ def decode_quantized(
         plan.query_rows.data_ptr(), plan.table_rows.data_ptr(),
         plan.firsts.data_ptr(), plan.ends.data_ptr(),
         out.data_ptr(), out.stride(0),
-        n, num_heads, k_codes.shape[2], head_dim, k_codes.shape[1], scale,
+        n, num_heads, k_codes.shape[2], head_dim, k_codes.shape[1], scale, softcap or 0.0,
         _threads_for(n), int(k_codes.dtype == torch.float8_e4m3fn), _E4M3.data_ptr(),
     )  # fmt: skip
     if failed:

@@ -180,12 +180,20 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of this step's queries [num_tokens, num_heads, head_dim] over the paged cache.
+
+    `scale` multiplies q . k (any value: Gemma's query_pre_attn_scalar ** -0.5 as well as
+    head_dim ** -0.5). `softcap` (Gemma 2's attn_logit_softcapping, > 0) caps the scaled
+    logits to softcap * tanh(logit / softcap) before the causal/window mask and the softmax,
+    on every backend; None: no capping (every result as without the argument).
 
     An 8-bit cache (`scales` given) is read in place by the native CPU kernel for fp32 decode
     steps, and otherwise through a dense copy of the step's blocks in the query's dtype, by the
     same kernels (`AttentionMetadata.dense_view`)."""
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap: expected None or a positive number, got {softcap!r}")
     if scales is not None:
         if (
             meta.is_decode_only
@@ -194,30 +202,22 @@ def paged_attention(
         ):
             out = torch.empty_like(query)
             native = meta.cpu_native_plan(sliding_window)
-            return cpu_native.decode_quantized(native, query, k_cache, v_cache, scales, scale, out)
+            return cpu_native.decode_quantized(
+                native, query, k_cache, v_cache, scales, scale, out, softcap
+            )
         used, dense = meta.dense_view(k_cache.shape[1])
         key = kv_quant.dequantize_blocks(k_cache, scales[0], used, query.dtype)
         value = kv_quant.dequantize_blocks(v_cache, scales[1], used, query.dtype)
-        return paged_attention(query, key, value, dense, scale, sliding_window)
+        return paged_attention(query, key, value, dense, scale, sliding_window, softcap=softcap)
     backend = backend_for(query.device)
     if backend == "triton":
-        return _triton_attention(query, k_cache, v_cache, meta, scale, sliding_window)
+        return _triton_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     if backend == "cpu":
-        return _cpu_attention(query, k_cache, v_cache, meta, scale, sliding_window)
-    if meta.is_decode_only:
-        return reference.paged_decode_attention(
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window
-        )
+        return _cpu_attention(query, k_cache, v_cache, meta, scale, sliding_window, softcap)
     return reference.paged_attention(
-        query,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.query_lens,
-        meta.seq_lens,
-        scale,
-        sliding_window,
-    )
+        query, k_cache, v_cache, meta.block_tables, meta.query_lens, meta.seq_lens, scale,
+        sliding_window, softcap,
+    )  # fmt: skip
 
 
 def _cpu_attention(
@@ -227,32 +227,27 @@ def _cpu_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
-    if cpu_native.supports(query, k_cache):
+    if cpu_native.supports(query, k_cache, softcap):
         native = meta.cpu_native_plan(sliding_window)
         if meta.is_decode_only:
             out = torch.empty_like(query)
-            return cpu_native.decode(native, query, k_cache, v_cache, scale, out)
+            return cpu_native.decode(native, query, k_cache, v_cache, scale, out, softcap)
         return cpu_attention.paged_attention(
             query, k_cache, v_cache, meta.block_tables, meta.query_lens, meta.seq_lens, scale,
-            sliding_window, native=native,
+            sliding_window, native=native, softcap=softcap,
         )  # fmt: skip
     plan = meta.cpu_decode_plan(k_cache, sliding_window)
     if meta.is_decode_only:
         return cpu_attention.paged_decode_attention(
-            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, plan
-        )
+            query, k_cache, v_cache, meta.block_tables, meta.seq_lens, scale, sliding_window, plan,
+            softcap=softcap,
+        )  # fmt: skip
     return cpu_attention.paged_attention(
-        query,
-        k_cache,
-        v_cache,
-        meta.block_tables,
-        meta.query_lens,
-        meta.seq_lens,
-        scale,
-        sliding_window,
-        plan,
-    )
+        query, k_cache, v_cache, meta.block_tables, meta.query_lens, meta.seq_lens, scale,
+        sliding_window, plan, softcap=softcap,
+    )  # fmt: skip
 
 
 def _triton_attention(
@@ -262,6 +257,7 @@ def _triton_attention(
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None,
+    softcap: float | None,
 ) -> torch.Tensor:
     from pagedserve.kernels import triton_attention
 
@@ -283,6 +279,7 @@ def _triton_attention(
         scale,
         sliding_window,
         num_splits,
+        softcap,
     )
 
 

@@ -47,20 +47,69 @@ def gather_kv(
     return key, value
 
 
+def softcapped_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    scale: float,
+    softcap: float,
+    mask: torch.Tensor | None,
+) -> torch.Tensor:
+    """Attention with soft-capped logits, in transformers' eager order (Gemma 2):
+
+        scores = tanh(((q . k) * scale) / softcap) * softcap,  masked,  softmax in float32,
+        rounded to the query's dtype,  times V
+
+    query [..., kv_heads, R, q_len, D] or [..., heads, q_len, D] with `key`/`value`
+    [..., kv_heads, 1, ctx_len, D] or [..., heads, ctx_len, D] (broadcast); `mask` (True =
+    attended) broadcasts to the scores [..., q_len, ctx_len]. Every row must attend a key.
+    """
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    return torch.matmul(weights, value)
+
+
+def _causal_mask(
+    q_len: int, ctx_len: int, sliding_window: int | None, device: torch.device
+) -> torch.Tensor:
+    """[q_len, ctx_len] bool, True = attended: query i at position ctx_len - q_len + i sees
+    keys up to itself (with a window W, only the last W of them)."""
+    q_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)[:, None]
+    k_pos = torch.arange(ctx_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if sliding_window is not None:
+        mask &= k_pos > q_pos - sliding_window
+    return mask
+
+
 def sequence_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of the last `q_len` positions of one sequence over its whole context.
 
     query [q_len, num_heads, head_dim]; key/value [ctx_len, num_kv_heads, head_dim] with
     ctx_len >= q_len: query i sits at position ctx_len - q_len + i and sees keys up to itself
     (and, with a sliding window W, only the last W of them). Returns [q_len, num_heads, head_dim].
+    With `softcap`, the logits are soft-capped (`softcapped_attention`) before the mask.
     """
     q_len, ctx_len = query.shape[0], key.shape[0]
+    if softcap is not None:
+        num_kv_heads, head_dim = key.shape[1], key.shape[2]
+        # [kv_heads, R, q_len, D] against [kv_heads, 1, ctx_len, D]: each K/V head read by its
+        # group of query heads (transformers' repeat_kv, without the copy)
+        q = query.transpose(0, 1).reshape(num_kv_heads, -1, q_len, head_dim)
+        k, v = key.transpose(0, 1).unsqueeze(1), value.transpose(0, 1).unsqueeze(1)
+        mask = _causal_mask(q_len, ctx_len, sliding_window, query.device)
+        out = softcapped_attention(q, k, v, scale, softcap, mask)
+        return out.reshape(-1, q_len, head_dim).transpose(0, 1)
     q = query.transpose(0, 1).unsqueeze(0)
     k = key.transpose(0, 1).unsqueeze(0)
     v = value.transpose(0, 1).unsqueeze(0)
@@ -73,11 +122,7 @@ def sequence_attention(
     elif not windowed and q_len == 1:
         out = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
     else:
-        q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)[:, None]
-        k_pos = torch.arange(ctx_len, device=query.device)[None, :]
-        mask = k_pos <= q_pos
-        if sliding_window is not None:
-            mask &= k_pos > q_pos - sliding_window
+        mask = _causal_mask(q_len, ctx_len, sliding_window, query.device)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
     return out.squeeze(0).transpose(0, 1)
 
@@ -91,18 +136,22 @@ def paged_attention(
     seq_lens: Sequence[int],
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen attention of a flattened batch over a paged cache: prefill, chunks and decode alike.
 
     query [num_tokens, num_heads, head_dim] holds each sequence's `query_lens[i]` new tokens in
     order; their K/V must already be in the cache (`write_kv`). Returns the same shape as `query`.
+    `softcap` (Gemma 2's attn_logit_softcapping): see `softcapped_attention`; None: no capping.
     """
     out = torch.empty_like(query)
     start = 0
     for i, (q_len, seq_len) in enumerate(zip(query_lens, seq_lens, strict=True)):
         key, value = gather_kv(k_cache, v_cache, block_tables[i], seq_len)
         end = start + q_len
-        out[start:end] = sequence_attention(query[start:end], key, value, scale, sliding_window)
+        out[start:end] = sequence_attention(
+            query[start:end], key, value, scale, sliding_window, softcap
+        )
         start = end
     return out
 
@@ -115,10 +164,12 @@ def paged_decode_attention(
     seq_lens: Sequence[int],
     scale: float,
     sliding_window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query [num_seqs, num_heads, head_dim]."""
+    ones = [1] * len(seq_lens)
     return paged_attention(
-        query, k_cache, v_cache, block_tables, [1] * len(seq_lens), seq_lens, scale, sliding_window
+        query, k_cache, v_cache, block_tables, ones, seq_lens, scale, sliding_window, softcap
     )
 
 

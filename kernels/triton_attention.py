@@ -12,6 +12,10 @@ Split-K (flash-decoding): the key range of a query tile is cut into NUM_SPLITS p
 separate programs; each writes a normalised partial output and its log-sum-exp, and
 `_reduce_splits_kernel` merges them. It pays off for few, long sequences.
 
+Soft-capping (Gemma 2): with SOFTCAP each logit is scale * q . k capped to
+softcap * tanh(logit / softcap) before the mask, tanh written with exp2 (no tanh in `tl.math`;
+the same code compiled and interpreted). Without it the kernel is the uncapped one (a constexpr).
+
 Every tensor is addressed through its strides, so the per-layer K/V views of the block-major pool
 (`KVCache.layer`) are read in place. The caller guarantees: this step's K/V are already in the
 cache, `seq_lens[i] >= query_lens[i] >= 1`, block tables cover `seq_lens`.
@@ -38,6 +42,7 @@ def _paged_attention_kernel(
     seq_lens_ptr,
     query_start_ptr,
     scale_log2,
+    softcap,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -62,6 +67,7 @@ def _paged_attention_kernel(
     NUM_SPLITS: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    SOFTCAP: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -109,7 +115,15 @@ def _paged_attention_kernel(
         k_off = block * stride_kb + slot * stride_kt + kv_head * stride_kh
         kv_mask = n_ok[None, :] & dim_ok[:, None]
         k = tl.load(k_ptr + k_off[None, :] + dims[:, None], mask=kv_mask, other=0.0)
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2
+        if SOFTCAP:
+            # scale_log2 is scale here: logit = softcap * tanh(x), x = scale * q . k / softcap;
+            # tanh |x| = (1 - e) / (1 + e), e = exp(-2 |x|) in (0, 1]: no overflow, no NaN
+            x = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2 / softcap
+            e = tl.math.exp2(tl.abs(x) * (-2.0 * LOG2E))
+            tanh = (1.0 - e) / (1.0 + e)
+            s = tl.where(x < 0, -tanh, tanh) * (softcap * LOG2E)
+        else:
+            s = tl.dot(q, k.to(DOT_DTYPE), input_precision=DOT_PRECISION) * scale_log2
         visible = n_ok[None, :] & (n[None, :] <= q_pos[:, None])
         if WINDOW > 0:
             visible = visible & (n[None, :] > q_pos[:, None] - WINDOW)
@@ -215,6 +229,7 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int = 1,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Causal attention of a flattened varlen batch of queries over the paged cache.
 
@@ -222,6 +237,7 @@ def paged_attention(
     num_kv_heads, head_dim] (any strides with a contiguous head_dim); block_tables
     [num_seqs, max_blocks] (int32/int64); query_start_loc [num_seqs + 1] and seq_lens
     [num_seqs] int32 on the query's device. Returns a new tensor shaped like `query`.
+    `softcap` (> 0): logits capped to softcap * tanh(logit / softcap); None: none.
     """
     _check_layout(query, k_cache, v_cache)
     num_tokens, num_heads, head_dim = query.shape
@@ -230,9 +246,12 @@ def paged_attention(
     ratio = num_heads // num_kv_heads
     interp = _interpreting()
     is_decode = max_query_len == 1
-    block_m = max(16 if is_decode else (128 if interp else 64), triton.next_power_of_2(ratio))
-    block_q = block_m // ratio
     head_dim_pad = max(16, triton.next_power_of_2(head_dim))
+    # NOTE: prefill tiles of 64 rows at head_dim 256 (Gemma) would hold q and acc at 64 x 256
+    # fp32 each (64 KiB of shared memory for q alone): 32 rows there
+    prefill_m = 128 if interp else (64 if head_dim_pad <= 128 else 32)
+    block_m = max(16 if is_decode else prefill_m, triton.next_power_of_2(ratio))
+    block_q = block_m // ratio
     tile_n = 64 if interp or head_dim_pad <= 64 else 32
     out = torch.empty_like(query)
     if num_tokens == 0:
@@ -256,7 +275,8 @@ def paged_attention(
         block_tables,
         seq_lens,
         query_start_loc,
-        scale * LOG2E,
+        scale if softcap else scale * LOG2E,
+        softcap or 1.0,
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -281,6 +301,7 @@ def paged_attention(
         NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
         DOT_DTYPE=_dot_dtype(query.dtype, interp),
+        SOFTCAP=bool(softcap),
     )
     if num_splits > 1:
         _reduce_splits_kernel[(num_tokens, num_heads)](
@@ -308,6 +329,7 @@ def paged_decode_attention(
     scale: float,
     sliding_window: int | None = None,
     num_splits: int = 1,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """One query token per sequence: query [num_seqs, num_heads, head_dim]."""
     query_start_loc = torch.arange(seq_lens.shape[0] + 1, dtype=torch.int32, device=query.device)
@@ -322,4 +344,5 @@ def paged_decode_attention(
         scale,
         sliding_window,
         num_splits,
+        softcap,
     )

@@ -6,6 +6,7 @@ one call that runs the same kernels. It takes a step when every part of it is wh
 compute — float32 on CPU, a plain (unquantized) float32 KV cache, single-token rows only, at
 most `max_rows` of them, no tensor parallelism, Llama's layer (fused fp32 q/k/v and gate/up, or
 int8 / int4 linears the native kernels read, SiLU, at most one sliding window, no q/k norms,
+no attention soft cap (an `Attention.softcap` that is not None),
 Llama's pre-norms and RMSNorm, no residual multiplier: Qwen3's, OLMo 2's and Granite's layers
 take the Python path; the attention scale is the model's own, Granite's `attention_multiplier`
 included, and the embedding multiplier and logits scaling lie outside the stack) — and
@@ -134,7 +135,8 @@ def _layer(
     attn, mlp = module.self_attn, module.mlp
     if type(attn) is not Attention or type(mlp) is not MLP or mlp.act_fn is not F.silu:
         return None
-    if attn.q_norm is not None or attn.k_norm is not None:  # NOTE: Qwen3's, OLMo 2's q/k norms
+    # NOTE: Qwen3's, OLMo 2's q/k norms; Gemma 2's soft cap (the stack's attention has none)
+    if attn.q_norm is not None or attn.k_norm is not None or getattr(attn, "softcap", None):
         return None
     if module.residual_multiplier != 1.0:  # NOTE: Granite's scaled residual branches
         return None

@@ -17,7 +17,8 @@
  *     x      = (silu(g) * u) @ Wd.T             and the next layer adds r
  *
  * so its outputs are the Python path's, except for silu's exponential (libmvec's expf here,
- * torch's own there: a few ulp).
+ * torch's own there: a few ulp). Its attention has no soft cap: model/native_stack.py declines a
+ * layer with one (Gemma 2's).
  */
 #pragma GCC optimize("fp-contract=off") /* rope: two products and a sum, each rounded, as torch */
 
@@ -44,7 +45,7 @@ int paged_decode_f32(const float *q, int64_t q_tok, const float *k, const float 
                      int64_t pos, const int64_t *tables, int64_t tstride, const int64_t *qrow,
                      const int64_t *trow, const int64_t *first, const int64_t *end, float *out,
                      int64_t o_tok, int n, int hq, int hkv, int d, int bs, float scale,
-                     int threads);
+                     float softcap, int threads);
 
 enum { LIN_F32 = 0, LIN_I8G = 1, LIN_I4G = 2 };
 
@@ -192,7 +193,8 @@ int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *
                              s->tables, s->table_stride, s->row_ids, s->row_ids,
                              l->windowed ? s->firsts_window : s->firsts, s->ends, attn,
                              s->heads * d, (int)rows, (int)s->heads, (int)s->kv_heads, (int)d,
-                             (int)s->block_size, s->scale, attn_threads))
+                             (int)s->block_size, s->scale, 0.0f /* no soft cap */,
+                             attn_threads))
             return 1;
         linear(&l->o, attn, s->heads * d, mlp, hidden, rows, s->threads);
         rms_norm_f32(mlp, hidden, residual, hidden, residual, l->post_norm, h, rows, hidden, s->eps);

@@ -6,6 +6,7 @@
  * the process). Per sequence, for its attended positions [first, end):
  *
  *     scores[r][p] = scale * q[r] . K[p][r / groups]       (r: query head, groups = hq / hkv)
+ *     scores[r][p] = tanh(scores[r][p] / cap) * cap        (only with a soft cap: Gemma 2)
  *     w[r][p]      = exp(scores[r][p] - max_p scores[r])    (glibc's vector expf, <= 4 ulp)
  *     out[r]       = sum_p w[r][p] * V[p][r / groups] / sum_p w[r][p]
  *
@@ -14,6 +15,12 @@
  *
  * bf16 (paged_decode_bf16) computes what torch's CPU flash attention computes, step for step,
  * so that it stays within fp32 summation-order noise of the SDPA transformers runs (see there).
+ * It has no soft cap (transformers runs Gemma 2's capped attention eagerly, not as SDPA: bf16
+ * with a cap takes the torch path).
+ *
+ * A soft cap of 0 means none. The fp32 and 8-bit entry points choose once per call between two
+ * compiled copies of the body (`capped` is a constant in each), so the uncapped one is the
+ * kernel as it was, with no per-score test.
  */
 #include <math.h>
 #include <stdint.h>
@@ -72,15 +79,17 @@ static inline __attribute__((always_inline)) vf loadv(const void *base, int64_t 
     return vf_from_i8((const int8_t *)base + at);
 }
 
-/* The fp32 and 8-bit entry points' body; `kind` is a constant at each call, so each is compiled on its own.
- * Codes are scaled once per position and head (the K scale multiplies the dot product, the V
- * scale the weight), never per element; fp32 accumulation throughout. */
+/* The fp32 and 8-bit entry points' body; `kind` and `capped` are constants at each call, so each
+ * pair is compiled on its own. Codes are scaled once per position and head (the K scale
+ * multiplies the dot product, the V scale the weight), never per element; fp32 accumulation
+ * throughout. With `capped`, each score is capped as transformers' eager attention does it:
+ * tanh(score / cap) * cap, each step rounded to fp32. */
 static inline __attribute__((always_inline)) int decode(
     const float *q, int64_t q_tok, const void *k, const void *v, int64_t blk, int64_t pos,
     const float *ks, const float *vs, int64_t sblk, const int64_t *tables, int64_t tstride,
     const int64_t *qrow, const int64_t *trow, const int64_t *first, const int64_t *end,
     float *out, int64_t o_tok, int n, int hq, int hkv, int d, int bs, float scale, int threads,
-    int kind, const float *lut) {
+    int kind, const float *lut, int capped, float cap) {
     const int groups = hq / hkv, chunks = d / PS_VEC;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -107,8 +116,8 @@ static inline __attribute__((always_inline)) int decode(
                 for (int c = 1; c < chunks; c++)
                     a = vf_fmadd(vf_loadu(qr + PS_VEC * c), loadv(k, kh + PS_VEC * c, kind, lut), a);
                 const float dot = vf_sum(a);
-                scores[r * padded + (p - lo)] =
-                    kind == F32 ? dot * scale : dot * ks[b * sblk + h] * scale;
+                const float score = kind == F32 ? dot * scale : dot * ks[b * sblk + h] * scale;
+                scores[r * padded + (p - lo)] = capped ? tanhf(score / cap) * cap : score;
             }
         }
         float sums[64]; /* hq <= 64: checked by the caller */
@@ -142,9 +151,14 @@ int paged_decode_f32(
     const int64_t *qrow, const int64_t *trow, /* per sequence: its query row, its table row */
     const int64_t *first, const int64_t *end, /* per sequence: attended positions */
     float *out, int64_t o_tok,            /* output [rows, hq, d], row stride o_tok */
-    int n, int hq, int hkv, int d, int bs, float scale, int threads) {
+    int n, int hq, int hkv, int d, int bs, float scale,
+    float softcap,                        /* > 0: scores soft-capped; 0: none */
+    int threads) {
+    if (softcap > 0.0f)
+        return decode(q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow, first,
+                      end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL, 1, softcap);
     return decode(q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow, first,
-                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL);
+                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL, 0, 0.0f);
 }
 
 enum { KV_SPLIT = 512 }; /* torch's CPU flash attention: keys in blocks of 512, online softmax */
@@ -253,7 +267,8 @@ int paged_decode_bf16(
 
 /* The same attention over an 8-bit cache (kernels/kv_quant.py): K and V hold codes, int8
  * (fp8 == 0) or float8 e4m3 (fp8 == 1, decoded through the table lut), and each (block, KV
- * head) has a float32 scale: value = code * scale. ~1e-7 relative from dequantizing first. */
+ * head) has a float32 scale: value = code * scale. ~1e-7 relative from dequantizing first.
+ * `softcap` as paged_decode_f32's. */
 int paged_decode_q8(
     const float *q, int64_t q_tok,
     const uint8_t *k, const uint8_t *v,   /* the layer's K and V code views (1 byte each) */
@@ -263,12 +278,15 @@ int paged_decode_q8(
     const int64_t *qrow, const int64_t *trow,
     const int64_t *first, const int64_t *end,
     float *out, int64_t o_tok,
-    int n, int hq, int hkv, int d, int bs, float scale, int threads, int fp8, const float *lut) {
-    if (fp8)
-        return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
-                      end, out, o_tok, n, hq, hkv, d, bs, scale, threads, E4M3, lut);
-    return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
-                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, I8, lut);
+    int n, int hq, int hkv, int d, int bs, float scale, float softcap, int threads, int fp8,
+    const float *lut) {
+    const int capped = softcap > 0.0f;
+#define PS_Q8(KIND, CAPPED)                                                                       \
+    decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first, end, out, \
+           o_tok, n, hq, hkv, d, bs, scale, threads, KIND, lut, CAPPED, softcap)
+    if (fp8) return capped ? PS_Q8(E4M3, 1) : PS_Q8(E4M3, 0);
+    return capped ? PS_Q8(I8, 1) : PS_Q8(I8, 0);
+#undef PS_Q8
 }
 
 /* A decode step's int8 KV write (kernels/kv_quant.py's rule, bit for bit): token t goes to slot

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_attention, dispatch, reference
+from pagedserve.kernels import cpu_attention, cpu_native, dispatch, reference
 
 LENS = [1, 16, 33, 64, 7, 300]
 
 
-def expected(case, sliding_window=None):
+def expected(case, sliding_window=None, softcap=None, scale=None):
     return reference.paged_attention(
         case.query,
         case.k_cache,
@@ -18,8 +18,9 @@ def expected(case, sliding_window=None):
         case.block_tables,
         case.query_lens,
         case.seq_lens,
-        case.scale,
+        case.scale if scale is None else scale,
         sliding_window,
+        softcap,
     )
 
 
@@ -109,6 +110,54 @@ def test_every_backend_agrees_through_dispatch(
             case.query, case.k_cache, case.v_cache, make_meta(case), case.scale
         )
     torch.testing.assert_close(got, expected(case), **tolerance(torch.float32))
+
+
+# -- Gemma's attention: soft cap, head_dim 256, a scale of its own, windows ---------------------
+
+# (window, softcap): no window, a window of 5 (inside a block of 16, or across one boundary),
+# one of 20 (across one or two boundaries)
+GEMMA_CASES = [(None, 3.0), (5, 3.0), (20, 3.0), (20, None)]
+
+
+@pytest.mark.parametrize(("sliding_window", "softcap"), GEMMA_CASES)
+@pytest.mark.parametrize("backend", ["cpu-native", "cpu-torch", "triton"])
+def test_every_backend_takes_gemmas_softcap_scale_and_head_dim_256(
+    triton_modules, make_case, make_cpu_case, tolerance, monkeypatch, backend, sliding_window,
+    softcap,
+):  # fmt: skip
+    # NOTE: a scale that is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5), so a
+    # backend that recomputed it from head_dim would fail
+    if backend == "cpu-native" and cpu_native.unavailable_reason() is not None:
+        pytest.skip(f"no native kernel: {cpu_native.unavailable_reason()}")
+    scale = 0.15
+    monkeypatch.setattr(cpu_native, "enabled", backend != "cpu-torch")
+    make = make_case if backend == "triton" else make_cpu_case
+    mixed = make(seq_lens=[37, 50, 9, 64], query_lens=[1, 18, 9, 1], head_dim=256, num_heads=8)
+    decode = make(seq_lens=[37, 50, 9, 64], head_dim=256, num_heads=8, seed=1)
+    for case in (mixed, decode):
+        meta = make_meta(case)
+        with dispatch.use_backend("triton" if backend == "triton" else "cpu"):
+            got = dispatch.paged_attention(
+                case.query, case.k_cache, case.v_cache, meta, scale, sliding_window,
+                softcap=softcap,
+            )  # fmt: skip
+        assert bool(meta._native_plans) == (backend == "cpu-native")  # the path under test ran
+        want = expected(case, sliding_window, softcap, scale)
+        torch.testing.assert_close(got, want, **tolerance(torch.float32))
+    # the scale and the cap change the result
+    assert (want - expected(case, sliding_window, softcap, 256**-0.5)).abs().max() > 0.05
+    assert (
+        softcap is None or (want - expected(case, sliding_window, None, scale)).abs().max() > 0.05
+    )
+
+
+def test_a_softcap_that_is_not_positive_is_refused(make_cpu_case):
+    case = make_cpu_case(seq_lens=[3])
+    for softcap in (0.0, -1.0):
+        with pytest.raises(ValueError, match="softcap"):
+            dispatch.paged_attention(
+                case.query, case.k_cache, case.v_cache, make_meta(case), 0.5, softcap=softcap
+            )
 
 
 @pytest.mark.parametrize("backend", ["cpu", "triton"])

@@ -17,17 +17,18 @@ BLOCKER = cpu_native.build_blocker()
 needs_kernel = pytest.mark.skipif(BLOCKER is not None, reason=f"no native kernel: {BLOCKER}")
 
 
-def expected(case, sliding_window=None):
+def expected(case, sliding_window=None, softcap=None, scale=None):
     return reference.paged_attention(
         case.query, case.k_cache, case.v_cache, case.block_tables, case.query_lens,
-        case.seq_lens, case.scale, sliding_window,
+        case.seq_lens, case.scale if scale is None else scale, sliding_window, softcap,
     )  # fmt: skip
 
 
-def native(case, sliding_window=None):
+def native(case, sliding_window=None, softcap=None, scale=None):
     plan = cpu_native.plan(case.block_tables, case.query_lens, case.seq_lens, sliding_window)
     out = torch.full_like(case.query, float("nan"))
-    return cpu_native.decode(plan, case.query, case.k_cache, case.v_cache, case.scale, out)
+    scale = case.scale if scale is None else scale
+    return cpu_native.decode(plan, case.query, case.k_cache, case.v_cache, scale, out, softcap)
 
 
 def test_the_kernel_builds_where_the_machine_can_build_it():
@@ -98,6 +99,60 @@ def test_stale_and_nan_slots_never_reach_an_output(make_cpu_case, tolerance):
     case.k_cache[~used] = float("nan")
     case.v_cache[~used] = float("nan")
     torch.testing.assert_close(native(case), want, **tolerance(torch.float32))
+
+
+@needs_kernel
+@pytest.mark.parametrize(("sliding_window", "block_size"), [(None, 16), (5, 16), (20, 16), (20, 1)])
+def test_softcapped_decode_matches_the_reference(make_cpu_case, tolerance, sliding_window,
+                                                 block_size):  # fmt: skip
+    # windows inside one block and across block boundaries; Gemma's head_dim and a scale that
+    # is not head_dim ** -0.5; the cap (3) well inside the logits' range (~ +-8)
+    case = make_cpu_case(seq_lens=[1, 15, 16, 17, 33, 64, 7], num_heads=8, num_kv_heads=2,
+                         head_dim=256, block_size=block_size, shared_blocks=1)  # fmt: skip
+    assert cpu_native.supports(case.query, case.k_cache, softcap=3.0)
+    got = native(case, sliding_window, softcap=3.0, scale=0.15)
+    want = expected(case, sliding_window, softcap=3.0, scale=0.15)
+    torch.testing.assert_close(got, want, **tolerance(torch.float32))
+    uncapped = expected(case, sliding_window, scale=0.15)
+    assert (want - uncapped).abs().max() > 0.05
+
+
+@needs_kernel
+def test_decode_takes_head_dims_that_are_multiples_of_16_up_to_256(make_cpu_case, tolerance):
+    # NOTE: the kernel walks head_dim in vectors of 8 or 16 floats and sizes its scratch from it:
+    # powers of two and others (80, 144, 208), up to Gemma's 256
+    for head_dim in (48, 80, 144, 208, 256):
+        case = make_cpu_case(seq_lens=[17, 40], num_heads=4, num_kv_heads=2, head_dim=head_dim,
+                             block_size=8, seed=head_dim)  # fmt: skip
+        for softcap in (None, 2.0):
+            assert cpu_native.supports(case.query, case.k_cache, softcap)
+            got = native(case, softcap=softcap, scale=0.3)
+            want = expected(case, softcap=softcap, scale=0.3)
+            torch.testing.assert_close(got, want, **tolerance(torch.float32), msg=str(head_dim))
+        half = make_cpu_case(seq_lens=[17, 40], num_heads=4, num_kv_heads=2,
+                             head_dim=head_dim, block_size=8, dtype=torch.bfloat16)  # fmt: skip
+        assert ulps_apart(native(half, scale=0.3), expected(half, scale=0.3)).max() <= 1
+
+
+@needs_kernel
+def test_bf16_with_a_softcap_takes_the_torch_path(make_cpu_case, tolerance):
+    """The bf16 kernel follows SDPA's roundings; transformers caps in eager attention, rounding
+    each step to bf16, as the reference and the torch path do."""
+    case = make_cpu_case(seq_lens=[5, 40, 17], num_heads=8, head_dim=32, dtype=torch.bfloat16)
+    assert cpu_native.supports(case.query, case.k_cache)
+    assert not cpu_native.supports(case.query, case.k_cache, softcap=2.0)
+    meta = dispatch.AttentionMetadata(
+        slot_mapping=torch.zeros(0, dtype=torch.int64), block_tables=case.block_tables,
+        query_lens=case.query_lens, seq_lens=case.seq_lens,
+    )  # fmt: skip
+    with dispatch.use_backend("cpu"):
+        got = dispatch.paged_attention(
+            case.query, case.k_cache, case.v_cache, meta, case.scale, softcap=2.0
+        )
+    assert not meta._native_plans
+    torch.testing.assert_close(got, expected(case, softcap=2.0), **tolerance(torch.bfloat16))
+    with pytest.raises(ValueError, match="softcap"):
+        native(case, softcap=2.0)
 
 
 def ulps_apart(got: torch.Tensor, want: torch.Tensor) -> torch.Tensor:

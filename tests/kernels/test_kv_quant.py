@@ -123,8 +123,15 @@ def test_fp8_codes_saturate_instead_of_overflowing_to_nan():
     assert torch.isfinite(read(codes, scales, 0)).all()
 
 
-def quantized_case(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int], dim: int = DIM):
-    """A two-sequence batch whose K/V sit as codes in shuffled blocks of a 12-block cache."""
+def quantized_case(
+    dtype: torch.dtype,
+    query_lens: list[int],
+    seq_lens: list[int],
+    dim: int = DIM,
+    softcap: float | None = None,
+):
+    """A two-sequence batch whose K/V sit as codes in shuffled blocks of a 12-block cache;
+    `expected` is the reference's attention over their values (logits capped at `softcap`)."""
     num_blocks, heads_q = 12, 4
     cache = KVCache(KVCacheSpec(2, HEADS, dim, BLOCK, dtype), num_blocks)
     cache.tensor.fill_(0xFF)  # NaN in fp8 codes and scales: what is never written is never read
@@ -153,7 +160,7 @@ def quantized_case(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int
     dense_k = kv_quant.dequantize_blocks(k, ks, everything, torch.float32)
     dense_v = kv_quant.dequantize_blocks(v, vs, everything, torch.float32)
     expected = reference.paged_attention(
-        query, dense_k, dense_v, meta.block_tables, query_lens, seq_lens, dim**-0.5
+        query, dense_k, dense_v, meta.block_tables, query_lens, seq_lens, dim**-0.5, None, softcap
     )
     return query, (k, v), (ks, vs), meta, expected
 
@@ -161,31 +168,38 @@ def quantized_case(dtype: torch.dtype, query_lens: list[int], seq_lens: list[int
 @pytest.mark.parametrize("backend", ["reference", "cpu", "triton"])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    "query_lens, seq_lens", [([1, 1], [7, 13]), ([3, 1], [9, 5])], ids=["decode", "mixed"]
+    "query_lens, seq_lens, softcap",
+    [([1, 1], [7, 13], None), ([3, 1], [9, 5], None), ([1, 1], [7, 13], 0.5)],
+    ids=["decode", "mixed", "decode-softcap"],
 )
 def test_attention_over_codes_equals_reference_over_their_values(
-    backend, dtype, query_lens, seq_lens, triton_modules
+    backend, dtype, query_lens, seq_lens, softcap, triton_modules
 ):
-    query, (k, v), scales, meta, expected = quantized_case(dtype, query_lens, seq_lens)
+    query, (k, v), scales, meta, expected = quantized_case(
+        dtype, query_lens, seq_lens, softcap=softcap
+    )
     if backend == "triton" and torch.cuda.is_available():  # NOTE: compiled Triton reads the GPU
         query, k, v = query.cuda(), k.cuda(), v.cuda()
         scales = tuple(s.cuda() for s in scales)
         meta = replace(meta, slot_mapping=meta.slot_mapping.cuda(),
                        block_tables=meta.block_tables.cuda())  # fmt: skip
     with dispatch.use_backend(backend):
-        got = dispatch.paged_attention(query, k, v, meta, DIM**-0.5, scales=scales)
+        got = dispatch.paged_attention(query, k, v, meta, DIM**-0.5, scales=scales, softcap=softcap)
     torch.testing.assert_close(got.cpu(), expected, atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.skipif(cpu_native.unavailable_reason() is not None, reason="no native kernel here")
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_the_native_kernel_reads_codes_in_place_like_the_reference(dtype, monkeypatch):
-    query, (k, v), scales, meta, expected = quantized_case(dtype, [1, 1], [7, 13], dim=32)
+@pytest.mark.parametrize("softcap", [None, 0.5])
+def test_the_native_kernel_reads_codes_in_place_like_the_reference(dtype, softcap, monkeypatch):
+    query, (k, v), scales, meta, expected = quantized_case(
+        dtype, [1, 1], [7, 13], dim=32, softcap=softcap
+    )
     calls = []
     real = cpu_native.decode_quantized
     monkeypatch.setattr(cpu_native, "decode_quantized", lambda *a: calls.append(1) or real(*a))
     with dispatch.use_backend("cpu"):
-        got = dispatch.paged_attention(query, k, v, meta, 32**-0.5, scales=scales)
+        got = dispatch.paged_attention(query, k, v, meta, 32**-0.5, scales=scales, softcap=softcap)
     assert calls == [1] and meta._dense is None  # no dequantized copy was made
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 

@@ -9,13 +9,16 @@ import torch
 from pagedserve.kernels import reference
 
 
-def dense_causal_attention(q, k, v, scale, window=None):
-    """q [n, Hq, D] are the last n positions of k, v [L, Hkv, D]."""
+def dense_causal_attention(q, k, v, scale, window=None, softcap=None):
+    """q [n, Hq, D] are the last n positions of k, v [L, Hkv, D]; logits soft-capped to
+    softcap * tanh(logit / softcap) before the mask (Gemma 2) when `softcap` is given."""
     n, L = q.shape[0], k.shape[0]
     group = q.shape[1] // k.shape[1]
     k = k.repeat_interleave(group, dim=1)
     v = v.repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.double(), k.double()) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     q_pos = torch.arange(L - n, L)[:, None]
     k_pos = torch.arange(L)[None, :]
     allowed = k_pos <= q_pos
@@ -28,15 +31,16 @@ def dense_causal_attention(q, k, v, scale, window=None):
 @pytest.mark.parametrize("block_size", [1, 4, 16])
 @pytest.mark.parametrize(("heads", "kv_heads"), [(4, 4), (4, 2), (8, 1)])
 @pytest.mark.parametrize("window", [None, 5])
-def test_varlen_paged_attention_equals_dense(block_size, heads, kv_heads, window):
+@pytest.mark.parametrize(("scale", "softcap"), [(8**-0.5, None), (0.9, 1.5)], ids=["", "capped"])
+def test_varlen_paged_attention_equals_dense(block_size, heads, kv_heads, window, scale, softcap):
     g = torch.Generator().manual_seed(block_size * 100 + heads * 10 + kv_heads)
-    D, scale = 8, 8**-0.5
+    D = 8
     lens, q_lens = [1, 9, 16, 23], [1, 3, 16, 1]  # a new prompt, a chunk, a full prefill, decode
     # one flattened batch over one pool, blocks scattered in random order
     pool_k = torch.zeros(256, block_size, kv_heads, D)
     pool_v = torch.zeros_like(pool_k)
     free = torch.randperm(256, generator=g).tolist()
-    rows, flat_q, want_all = [], [], []
+    rows, flat_q, want_all, uncapped = [], [], [], []
     for L, n in zip(lens, q_lens, strict=True):
         k = torch.randn(L, kv_heads, D, generator=g)
         v = torch.randn(L, kv_heads, D, generator=g)
@@ -48,13 +52,50 @@ def test_varlen_paged_attention_equals_dense(block_size, heads, kv_heads, window
         reference.write_kv(pool_k, pool_v, k, v, slots)
         rows.append(blocks)
         flat_q.append(q)
-        want_all.append(dense_causal_attention(q, k, v, scale, window))
+        want_all.append(dense_causal_attention(q, k, v, scale, window, softcap))
+        uncapped.append(dense_causal_attention(q, k, v, scale, window))
     width = max(map(len, rows))
     tables = torch.tensor([r + [0] * (width - len(r)) for r in rows])
     got = reference.paged_attention(
-        torch.cat(flat_q), pool_k, pool_v, tables, q_lens, lens, scale, window
+        torch.cat(flat_q), pool_k, pool_v, tables, q_lens, lens, scale, window, softcap
     )
     torch.testing.assert_close(got, torch.cat(want_all), atol=1e-5, rtol=1e-5)
+    if softcap is not None:  # the cap acts on these logits (up to ~4)
+        assert (got - torch.cat(uncapped)).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softcapped_reference_is_transformers_gemma2_eager_attention(dtype):
+    """The order of operations transformers runs Gemma 2's capped attention in (eager: logits
+    scaled, divided by the cap, tanh, times the cap, masked, float32 softmax rounded to the
+    dtype, times V), GQA and a sliding window included: bf16 rounds at the same steps."""
+    from types import SimpleNamespace
+
+    from transformers.models.gemma2.modeling_gemma2 import eager_attention_forward
+
+    g = torch.Generator().manual_seed(4)
+    L, n, heads, kv_heads, D, window, scale, cap = 24, 5, 8, 2, 32, 9, 0.3, 2.5
+    q = torch.randn(n, heads, D, generator=g).to(dtype)
+    k, v = (torch.randn(L, kv_heads, D, generator=g).to(dtype) for _ in range(2))
+    got = reference.sequence_attention(q, k, v, scale, window, cap)
+    q_pos, k_pos = torch.arange(L - n, L)[:, None], torch.arange(L)[None, :]
+    allowed = (k_pos <= q_pos) & (k_pos > q_pos - window)
+    mask = torch.zeros(n, L, dtype=dtype).masked_fill(~allowed, torch.finfo(dtype).min)
+    module = SimpleNamespace(num_key_value_groups=heads // kv_heads, training=False)
+    want, _ = eager_attention_forward(
+        module, q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+        mask[None, None], scaling=scale, softcap=cap,
+    )  # fmt: skip
+    # NOTE: the same products per head (a batched GEMM of the same shapes): equal bit for bit
+    assert torch.equal(got, want[0])
+
+
+def test_a_softcap_far_above_the_logits_is_plain_sdpa():
+    g = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(6, 4, 16, generator=g), *torch.randn(2, 20, 2, 16, generator=g)
+    for window in (None, 7):
+        capped = reference.sequence_attention(q, k, v, 0.25, window, softcap=1e5)
+        torch.testing.assert_close(capped, reference.sequence_attention(q, k, v, 0.25, window))
 
 
 def test_a_block_shared_by_two_sequences_is_read_by_both():

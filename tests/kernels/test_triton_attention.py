@@ -11,7 +11,7 @@ from pagedserve.kernels import reference
 LENS = [1, 16, 33, 64, 7, 300, 129, 256]
 
 
-def expected(case, sliding_window=None):
+def expected(case, sliding_window=None, softcap=None):
     return reference.paged_attention(
         case.query,
         case.k_cache,
@@ -21,10 +21,11 @@ def expected(case, sliding_window=None):
         case.seq_lens,
         case.scale,
         sliding_window,
+        softcap,
     )
 
 
-def run_triton(triton_modules, case, sliding_window=None, num_splits=1):
+def run_triton(triton_modules, case, sliding_window=None, num_splits=1, softcap=None):
     attention, _ = triton_modules
     return attention.paged_attention(
         case.query,
@@ -37,6 +38,7 @@ def run_triton(triton_modules, case, sliding_window=None, num_splits=1):
         case.scale,
         sliding_window,
         num_splits,
+        softcap,
     )
 
 
@@ -134,3 +136,36 @@ def test_attention_reads_strided_layer_views_in_place(triton_modules, make_case)
     before = case.pool.clone()
     run_triton(triton_modules, case)
     assert torch.equal(case.pool, before)
+
+
+@pytest.mark.parametrize(
+    ("query_lens", "num_splits", "sliding_window"),
+    [(None, 1, None), (None, 3, 20), ([30, 1, 17], 1, 5), ([30, 1, 17], 1, 20)],
+    ids=["decode", "split-k-window-20", "prefill-window-5", "prefill-window-20"],
+)
+def test_softcap_with_windows_matches_reference(
+    triton_modules, make_case, tolerance, query_lens, num_splits, sliding_window
+):
+    # windows inside one block of 16 and across block boundaries; a cap (1.5) the logits pass
+    case = make_case(seq_lens=[30, 50, 17], query_lens=query_lens, head_dim=32, num_heads=8)
+    got = run_triton(triton_modules, case, sliding_window, num_splits, softcap=1.5)
+    want = expected(case, sliding_window, softcap=1.5)
+    torch.testing.assert_close(got, want, **tolerance(torch.float32))
+    assert (want - expected(case, sliding_window)).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_softcap_in_half_precision_matches_reference(triton_modules, make_case, tolerance, dtype):
+    case = make_case(seq_lens=[20, 40], query_lens=[20, 1], dtype=dtype)
+    got = run_triton(triton_modules, case, softcap=1.5)
+    torch.testing.assert_close(got, expected(case, softcap=1.5), **tolerance(dtype))
+
+
+def test_a_head_dim_that_is_not_a_power_of_two_matches_reference(
+    triton_modules, make_case, tolerance
+):
+    # NOTE: 80 pads to 128 (masked dims); Gemma's 256 runs in test_cpu_attention.py's dispatch test
+    case = make_case(seq_lens=[9, 40, 70], query_lens=[9, 1, 1], head_dim=80)
+    for num_splits in (1, 2):
+        got = run_triton(triton_modules, case, 20, num_splits, softcap=2.0)
+        torch.testing.assert_close(got, expected(case, 20, 2.0), **tolerance(torch.float32))

@@ -106,6 +106,17 @@ def test_the_stack_declines_what_its_kernels_do_not_compute(tiny_llama, config):
     assert NativeStack.build(model, cache) is None
 
 
+def test_the_stack_declines_a_layer_with_an_attention_soft_cap(tiny_llama):
+    """Its attention kernel is called without a soft cap: a capped layer (Gemma 2's
+    `Attention.softcap`) must take the layer path, where dispatch applies the cap."""
+    model, cache = _model_and_cache(tiny_llama)
+    assert NativeStack.build(model, cache) is not None
+    model.model.layers[-1].self_attn.softcap = 50.0
+    assert NativeStack.build(model, cache) is None
+    model.model.layers[-1].self_attn.softcap = None
+    assert NativeStack.build(model, cache) is not None
+
+
 def _meta(query_lens: list[int]) -> AttentionMetadata:
     rows = sum(query_lens)
     return AttentionMetadata(
