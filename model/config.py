@@ -247,9 +247,9 @@ def _gemma(
     if getattr(hf, "use_bidirectional_attention", None):
         raise ValueError("model: use_bidirectional_attention true (config.json) is not supported")
     attn_softcap = hf.attn_logit_softcapping
-    if attn_softcap is not None:
+    if attn_softcap is not None and arch == "Gemma3ForCausalLM":
         # NOTE: transformers 5.25's Gemma 3 attention never applies it (its forward does not
-        # pass it on); Gemma 2's needs the attention kernels' soft-capping
+        # pass it on to the attention function): refused rather than guessed either way
         raise ValueError(
             f"model: attn_logit_softcapping {attn_softcap} (config.json) is not supported for "
             f"{arch}; pagedserve runs null only"

@@ -175,6 +175,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = config.sliding_windows[layer_idx]
+        self.softcap = config.attn_logit_softcap  # Gemma 2's; None: no cap on the scores
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
@@ -214,7 +215,7 @@ class Attention(nn.Module):
         scales = kv_cache.layer_scales(self.layer_idx)  # None unless the cache is 8-bit
         dispatch.write_kv(k_cache, v_cache, k, v, meta, scales)
         out = dispatch.paged_attention(
-            q, k_cache, v_cache, meta, self.scale, self.sliding_window, scales
+            q, k_cache, v_cache, meta, self.scale, self.sliding_window, scales, self.softcap
         )
         return _reduce(self.group, self.o_proj(out.reshape(num_tokens, -1)))
 

@@ -6,10 +6,10 @@ one call that runs the same kernels. It takes a step when every part of it is wh
 compute — float32 on CPU, a plain (unquantized) float32 KV cache, single-token rows only, at
 most `max_rows` of them, no tensor parallelism, Llama's layer (fused fp32 q/k/v and gate/up, or
 int8 / int4 linears the native kernels read, SiLU, at most one sliding window, no q/k norms,
-no attention soft cap (an `Attention.softcap` that is not None),
-Llama's pre-norms and RMSNorm, no residual multiplier: Qwen3's, OLMo 2's and Granite's layers
-take the Python path; the attention scale is the model's own, Granite's `attention_multiplier`
-included, and the embedding multiplier and logits scaling lie outside the stack) — and
+no attention soft cap (an `Attention.softcap` that is not None), Llama's pre-norms and
+RMSNorm, no residual multiplier: Qwen3's, OLMo 2's, Granite's and Gemma's layers take the Python
+path; the attention scale is the model's own, Granite's `attention_multiplier` included, and
+the embedding multiplier and logits scaling lie outside the stack) — and
 otherwise `forward` returns None and the model runs its Python path. Its outputs are the Python
 path's except for SiLU's exponential (a few ulp: docs/kernels.md).
 """

@@ -25,6 +25,7 @@ QWEN2 = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}
 QWEN3 = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3"}
 OLMO2 = {"architectures": ["Olmo2ForCausalLM"], "model_type": "olmo2"}
 GRANITE = {"architectures": ["GraniteForCausalLM"], "model_type": "granite"}
+GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
 GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
 SMALL = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
@@ -37,6 +38,7 @@ CONFIGS = {
     "qwen3-all-defaults": QWEN3,
     "olmo2-all-defaults": OLMO2,
     "granite-all-defaults": GRANITE,
+    "gemma2-all-defaults": GEMMA2,
     "gemma3-all-defaults": GEMMA3,
     "llama-top-level-rope-theta": {**LLAMA, **SMALL, "rope_theta": 500000.0},
     "llama-rope-parameters": {
@@ -96,6 +98,16 @@ CONFIGS = {
         "attention_multiplier": 0.0078125, "logits_scaling": 16, "attention_bias": True,
         "mlp_bias": True, "rms_norm_eps": 1e-5, "eos_token_id": 0,
     },
+    "gemma2-caps-null-window-scalar-bias": {
+        **GEMMA2, **SMALL, "head_dim": 32, "attn_logit_softcapping": None,
+        "final_logit_softcapping": None, "sliding_window": 16, "query_pre_attn_scalar": 144,
+        "attention_bias": True, "mlp_bias": True, "hidden_act": "silu", "rope_theta": 1e4,
+        "tie_word_embeddings": False, "eos_token_id": [1, 107],
+    },
+    "gemma2-layer-types-caps": {
+        **GEMMA2, **SMALL, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0,
+        "layer_types": ["full_attention", "full_attention", "sliding_attention"],
+    },
     # NOTE: Gemma 3 1B's spelling: the pattern as an int, both thetas at the top level
     "gemma3-pattern-thetas-window-softcap-bias": {
         **GEMMA3, **SMALL, "head_dim": 32, "sliding_window_pattern": 2, "sliding_window": 16,
@@ -132,7 +144,7 @@ def test_a_plain_config_reads_as_transformers_reads_it(name, tmp_path, monkeypat
 
 
 @pytest.mark.parametrize(
-    "arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma3"]
+    "arch", ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "gemma2", "gemma3"]
 )
 def test_the_tiny_models_read_as_transformers_reads_them(make_tiny, arch, monkeypatch):
     model_dir = make_tiny(arch)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 
 import pytest
 import torch
@@ -24,12 +25,16 @@ from pagedserve.model.config import load_model_config, rope_frequencies
 from pagedserve.model.quant import weight_quant
 from pagedserve.sampling_params import SamplingParams
 
-GEMMA = ["gemma3"]
-# NOTE: the tiny models' embeddings are untied (pagedserve/tiny_model.py); real Gemma ties them
-VARIANTS = {"gemma3": ("gemma3", {}), "gemma3-tied": ("gemma3", {"tie_word_embeddings": True})}
+GEMMA = ["gemma2", "gemma3"]
 # NOTE: one set of prompts for every float32 test, so transformers runs each once a session:
 # shorter than, as long as and longer than the tiny models' window of 12
-PROMPTS = make_prompts((1, 12, 13, 40, 90, 150), seed=11)
+PROMPTS = make_prompts((1, 12, 13, 40, 150), seed=11)
+# NOTE: the tiny models' embeddings are untied (pagedserve/tiny_model.py); real Gemma ties them:
+# the tied variant runs two of the prompts (each past the window), to keep the suite short
+VARIANTS = {
+    "gemma2": ("gemma2", {}, PROMPTS), "gemma3": ("gemma3", {}, PROMPTS),
+    "gemma3-tied": ("gemma3", {"tie_word_embeddings": True}, PROMPTS[2:4]),
+}  # fmt: skip
 
 
 def _check_tokens_and_logits(model_dir, engine, prompts, seqs) -> None:
@@ -47,15 +52,15 @@ def test_fp32_tokens_and_logits_are_transformers_with_requests_joining_mid_decod
 ):
     """Half the prompts start; the others join three decode steps later (continuous batching);
     blocks of 8 tokens, so the window of 12 spans block boundaries."""
-    arch, kwargs = VARIANTS[variant]
+    arch, kwargs, prompts = VARIANTS[variant]
     model_dir = make_tiny(arch, **kwargs)
-    prompts = PROMPTS
     engine = make_engine(model_dir, block_size=8, num_blocks=160)
     engine.record_logits = True
-    seqs = [engine.add_request(p, GREEDY) for p in prompts[:3]]
+    half = len(prompts) // 2
+    seqs = [engine.add_request(p, GREEDY) for p in prompts[:half]]
     for _ in range(3):
         engine.step()
-    seqs += [engine.add_request(p, GREEDY) for p in prompts[3:]]
+    seqs += [engine.add_request(p, GREEDY) for p in prompts[half:]]
     while engine.has_unfinished:
         engine.step()
     engine.check_integrity()
@@ -68,7 +73,7 @@ def test_bf16_greedy_tokens_are_transformers(make_tiny, arch):
     (1 + weight) norm in float32, the embedding multiplier rounded to bf16), so no near-tie
     allowance is needed for these prompts."""
     model_dir = make_tiny(arch)
-    prompts = PROMPTS[1::2]
+    prompts = [PROMPTS[2], PROMPTS[4]]
     engine = make_engine(model_dir, block_size=16, num_blocks=64, dtype="bfloat16")
     seqs = engine.generate(prompts, GREEDY)
     for prompt, seq in zip(prompts, seqs, strict=True):
@@ -83,7 +88,7 @@ def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(make_tiny,
     model_dir = make_tiny(arch)
     prompts = PROMPTS
     engine = make_engine(
-        model_dir, block_size=8, num_blocks=40, num_swap_blocks=64, max_num_batched_tokens=32,
+        model_dir, block_size=8, num_blocks=32, num_swap_blocks=64, max_num_batched_tokens=32,
         preemption_mode=PreemptionMode.SWAP,
     )  # fmt: skip
     seqs = [engine.add_request(p, GREEDY) for p in prompts]
@@ -95,6 +100,42 @@ def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(make_tiny,
     assert swapped >= 1, "the pool must run short"
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.output_token_ids == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
+
+
+def test_gemma2_defaults_are_its_soft_caps_scale_and_alternating_windows(tmp_path):
+    raw = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    config = load_model_config(tmp_path)
+    assert (config.attn_logit_softcap, config.final_logit_softcap) == (50.0, 30.0)
+    assert (config.head_dim, config.attention_scale, config.hidden_act) == (
+        256, 256**-0.5, "gelu_pytorch_tanh"
+    )  # fmt: skip
+    assert config.embedding_multiplier == 2304**0.5 and config.embedding_multiplier_in_dtype
+    assert (config.norm_offset, config.sandwich_norms, config.qk_norm) == (1.0, True, "")
+    assert config.sliding_windows[:4] == (4096, None, 4096, None) and not config.layer_ropes
+    assert config.tie_word_embeddings and config.eos_token_ids == (1,)
+
+
+def test_the_tiny_gemma2s_soft_caps_change_transformers_logits(tiny_gemma2):
+    """Caps of 5 (attention scores) and 3 (logits) act on the tiny model, so a runtime that
+    drops either one fails the logits comparison above."""
+    model = hf_model(tiny_gemma2, torch.float32)
+    ids = torch.tensor([PROMPTS[3]])
+    attn = [layer.self_attn for layer in model.model.layers]
+    with torch.no_grad():
+        capped = model(ids).logits
+        try:
+            model.config.final_logit_softcapping = None
+            no_final_cap = model(ids).logits
+            for layer in attn:
+                layer.attn_logit_softcapping = None
+            no_caps = model(ids).logits
+        finally:
+            model.config.final_logit_softcapping = 3.0
+            for layer in attn:
+                layer.attn_logit_softcapping = 5.0
+    assert (capped - no_final_cap).abs().max() > 0.1
+    assert (no_final_cap - no_caps).abs().max() > 0.01
 
 
 def test_gemma3_defaults_are_its_scale_windows_ropes_and_no_soft_caps(tmp_path):
@@ -195,7 +236,7 @@ def test_a_gemma_gguf_is_refused_before_conversion_naming_it(tmp_path, arch):
 def test_a_cluster_serves_gemma3_concurrently_as_transformers(tiny_gemma3, clusters):
     """16 concurrent requests, prompts of 1 to 150 tokens (most past the window of 12)."""
     started = clusters.get(tiny_gemma3)
-    prompts = PROMPTS + make_prompts((5, 11, 20, 33, 47, 64, 3, 17, 28, 8), seed=23)
+    prompts = PROMPTS + make_prompts((5, 11, 20, 33, 47, 64, 90, 3, 17, 28, 8), seed=23)
     params = SamplingParams(temperature=0.0, max_tokens=12)
     results: dict[int, list[int]] = {}
 
@@ -224,3 +265,19 @@ def test_the_tiny_gemma3s_two_ropes_and_norm_offset_are_not_trivial(tiny_gemma3)
     assert config.layer_ropes == ("sliding_attention", "full_attention")
     assert config.sliding_windows == (12, None)
     assert config.attention_scale != config.head_dim**-0.5
+
+
+def test_the_embedding_multiplier_is_rounded_to_bf16_as_transformers_rounds_it(tiny_gemma3):
+    """Gemma 3 4B's sqrt(2560) = 50.596 is 50.5 in bf16: transformers multiplies by the rounded
+    value (the tiny model's sqrt(64) = 8 rounds to itself, so this checks it on its own)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3TextScaledWordEmbedding
+
+    engine = make_engine(tiny_gemma3, block_size=8, num_blocks=8, dtype="bfloat16")
+    model = engine.runner.model
+    model.config = replace(model.config, embedding_multiplier=2560**0.5)
+    table = model.model.embed_tokens.weight
+    theirs = Gemma3TextScaledWordEmbedding(*table.shape, padding_idx=0, embed_scale=2560**0.5)
+    theirs.weight.data = table.detach().clone()
+    ids = torch.tensor(PROMPTS[4])
+    with torch.no_grad():
+        assert torch.equal(model._embed(ids), theirs(ids))

@@ -22,6 +22,7 @@ from pagedserve.model.loader import load_model
         ("qwen3", {}),
         ("olmo2", {}),
         ("granite", {}),
+        ("gemma2", {}),
         ("gemma3", {}),
         ("mistral", {}),
         ("llama", {"tie_word_embeddings": True}),
