@@ -18,9 +18,8 @@
  * It has no soft cap (transformers runs Gemma 2's capped attention eagerly, not as SDPA: bf16
  * with a cap takes the torch path).
  *
- * A soft cap of 0 means none. The fp32 and 8-bit entry points choose once per call between two
- * compiled copies of the body (`capped` is a constant in each), so the uncapped one is the
- * kernel as it was, with no per-score test.
+ * A soft cap of 0 means none: then the kernel is what it was without one (one test per
+ * sequence, none per score); with one, a pass over each sequence's score rows caps them.
  */
 #include <math.h>
 #include <stdint.h>
@@ -44,6 +43,14 @@ static void softmax_rows(float *scores, int hq, int64_t len, int64_t padded, flo
         }
         sums[r] = vf_sum(total);
     }
+}
+
+/* Each query head's row of scores [hq][padded] (len used) capped as transformers' eager
+ * attention caps them (Gemma 2): tanh(score / cap) * cap, each step rounded to fp32. */
+static void softcap_rows(float *scores, int hq, int64_t len, int64_t padded, float cap) {
+    for (int r = 0; r < hq; r++)
+        for (int64_t j = 0; j < len; j++)
+            scores[r * padded + j] = tanhf(scores[r * padded + j] / cap) * cap;
 }
 
 /* out[r] = acc[r] / sums[r] for each query head. */
@@ -79,17 +86,16 @@ static inline __attribute__((always_inline)) vf loadv(const void *base, int64_t 
     return vf_from_i8((const int8_t *)base + at);
 }
 
-/* The fp32 and 8-bit entry points' body; `kind` and `capped` are constants at each call, so each
- * pair is compiled on its own. Codes are scaled once per position and head (the K scale
- * multiplies the dot product, the V scale the weight), never per element; fp32 accumulation
- * throughout. With `capped`, each score is capped as transformers' eager attention does it:
- * tanh(score / cap) * cap, each step rounded to fp32. */
+/* The fp32 and 8-bit entry points' body; `kind` is a constant at each call, so each is compiled on its own.
+ * Codes are scaled once per position and head (the K scale multiplies the dot product, the V
+ * scale the weight), never per element; fp32 accumulation throughout. `cap` > 0: the scores
+ * are soft-capped (softcap_rows) before the softmax. */
 static inline __attribute__((always_inline)) int decode(
     const float *q, int64_t q_tok, const void *k, const void *v, int64_t blk, int64_t pos,
     const float *ks, const float *vs, int64_t sblk, const int64_t *tables, int64_t tstride,
     const int64_t *qrow, const int64_t *trow, const int64_t *first, const int64_t *end,
     float *out, int64_t o_tok, int n, int hq, int hkv, int d, int bs, float scale, int threads,
-    int kind, const float *lut, int capped, float cap) {
+    int kind, const float *lut, float cap) {
     const int groups = hq / hkv, chunks = d / PS_VEC;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
@@ -116,10 +122,11 @@ static inline __attribute__((always_inline)) int decode(
                 for (int c = 1; c < chunks; c++)
                     a = vf_fmadd(vf_loadu(qr + PS_VEC * c), loadv(k, kh + PS_VEC * c, kind, lut), a);
                 const float dot = vf_sum(a);
-                const float score = kind == F32 ? dot * scale : dot * ks[b * sblk + h] * scale;
-                scores[r * padded + (p - lo)] = capped ? tanhf(score / cap) * cap : score;
+                scores[r * padded + (p - lo)] =
+                    kind == F32 ? dot * scale : dot * ks[b * sblk + h] * scale;
             }
         }
+        if (cap > 0.0f) softcap_rows(scores, hq, len, padded, cap);
         float sums[64]; /* hq <= 64: checked by the caller */
         softmax_rows(scores, hq, len, padded, sums);
         memset(acc, 0, sizeof(float) * hq * d);
@@ -154,11 +161,8 @@ int paged_decode_f32(
     int n, int hq, int hkv, int d, int bs, float scale,
     float softcap,                        /* > 0: scores soft-capped; 0: none */
     int threads) {
-    if (softcap > 0.0f)
-        return decode(q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow, first,
-                      end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL, 1, softcap);
     return decode(q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow, first,
-                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL, 0, 0.0f);
+                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL, softcap);
 }
 
 enum { KV_SPLIT = 512 }; /* torch's CPU flash attention: keys in blocks of 512, online softmax */
@@ -280,13 +284,11 @@ int paged_decode_q8(
     float *out, int64_t o_tok,
     int n, int hq, int hkv, int d, int bs, float scale, float softcap, int threads, int fp8,
     const float *lut) {
-    const int capped = softcap > 0.0f;
-#define PS_Q8(KIND, CAPPED)                                                                       \
-    decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first, end, out, \
-           o_tok, n, hq, hkv, d, bs, scale, threads, KIND, lut, CAPPED, softcap)
-    if (fp8) return capped ? PS_Q8(E4M3, 1) : PS_Q8(E4M3, 0);
-    return capped ? PS_Q8(I8, 1) : PS_Q8(I8, 0);
-#undef PS_Q8
+    if (fp8)
+        return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
+                      end, out, o_tok, n, hq, hkv, d, bs, scale, threads, E4M3, lut, softcap);
+    return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
+                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, I8, lut, softcap);
 }
 
 /* A decode step's int8 KV write (kernels/kv_quant.py's rule, bit for bit): token t goes to slot
