@@ -154,7 +154,7 @@ def test_the_stack_declines_qwen3s_q_k_norms_and_the_layer_path_matches_transfor
     assert not stack_calls
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "granite", "gemma3"])
+@pytest.mark.parametrize("arch", ["olmo2", "granite", "gemma2", "gemma3"])
 def test_the_stack_declines_olmo2s_post_norms_granites_residual_multiplier_and_gemmas_layer(
     make_tiny, arch, stack_calls
 ):
