@@ -201,7 +201,7 @@ def load_model_config(
         post_norms=arch == "Olmo2ForCausalLM",
         late_casts=arch == "Olmo2ForCausalLM",
         **_multipliers(arch, hf),
-        **_gemma(arch, hf, layer_ropes, quantization),
+        **_gemma(arch, hf, layer_ropes),
     )
 
 
@@ -237,11 +237,9 @@ def _multipliers(arch: str, hf: Any) -> dict[str, Any]:
     }
 
 
-def _gemma(
-    arch: str, hf: Any, layer_ropes: tuple[str, ...], quantization: WeightQuant | None
-) -> dict[str, Any]:
-    """Gemma 2's and Gemma 3's fields; ValueError naming a config field or flag it does not
-    serve exactly."""
+def _gemma(arch: str, hf: Any, layer_ropes: tuple[str, ...]) -> dict[str, Any]:
+    """Gemma 2's and Gemma 3's fields; ValueError naming a config field it does not serve
+    exactly."""
     if arch not in GEMMA:
         return {}
     if getattr(hf, "use_bidirectional_attention", None):
@@ -254,8 +252,6 @@ def _gemma(
             f"model: attn_logit_softcapping {attn_softcap} (config.json) is not supported for "
             f"{arch}; pagedserve runs null only"
         )
-    if quantization is not None:
-        raise ValueError(f"--quantization {quantization.name} is not supported for {arch}")
     return {
         "embedding_multiplier": hf.hidden_size**0.5,
         "embedding_multiplier_in_dtype": True,

@@ -16,13 +16,22 @@ from dataclasses import replace
 import pytest
 import torch
 from gguf import GGUFWriter
-from support.oracle import GREEDY, hf_greedy, hf_model, make_engine, make_prompts
+from support.oracle import (
+    GREEDY,
+    hf_dequantized,
+    hf_greedy,
+    hf_greedy_on,
+    hf_model,
+    make_engine,
+    make_prompts,
+    run_engine,
+)
 
 from pagedserve.client import Client
 from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config, rope_frequencies
-from pagedserve.model.quant import weight_quant
+from pagedserve.model.quant import WeightQuant
 from pagedserve.sampling_params import SamplingParams
 
 GEMMA = ["gemma2", "gemma3"]
@@ -209,12 +218,25 @@ def test_gemma3_fields_transformers_does_not_apply_as_written_are_refused(tmp_pa
 
 
 @pytest.mark.parametrize("arch", GEMMA)
-def test_tensor_parallelism_and_quantization_are_refused_naming_the_flag(make_tiny, arch):
-    model_dir = make_tiny(arch)
+def test_tensor_parallelism_is_refused_naming_the_flag(make_tiny, arch):
     with pytest.raises(ValueError, match="tensor_parallel_size: 2 .*Gemma"):
-        make_engine(model_dir, block_size=8, num_blocks=64, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="--quantization int8 .*Gemma"):
-        make_engine(model_dir, block_size=8, num_blocks=64, quantization=weight_quant("int8"))
+        make_engine(make_tiny(arch), block_size=8, num_blocks=64, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize(
+    ("arch", "quant"),
+    [("gemma2", WeightQuant("int8", lm_head=True)), ("gemma3", WeightQuant("int4", 32))],
+    ids=["gemma2-int8-head", "gemma3-int4-g32"],
+)
+def test_quantized_greedy_equals_transformers_on_the_dequantized_weights(make_tiny, arch, quant):
+    """`--quantization`: Gemma's decoder linears (and Gemma 2's soft-capped head) quantized,
+    against transformers on the weights they dequantize to."""
+    model_dir = make_tiny(arch)
+    prompts = [PROMPTS[2], PROMPTS[3]]
+    _, seqs = run_engine(model_dir, prompts, quantization=quant, block_size=16, num_blocks=64)
+    model = hf_dequantized(model_dir, quant)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy_on(model, prompt), f"{len(prompt)} tokens"
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
