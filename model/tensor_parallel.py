@@ -72,9 +72,6 @@ class Shard:
         elif size > 1 and config.qk_norm == "projection":
             # NOTE: the norm's mean runs over every head; a rank holds only its own (OLMo 2)
             why = "needs 1: the q/k norms span every head (OLMo 2)"
-        elif size > 1 and config.sandwich_norms:
-            # NOTE: no test splits Gemma's layers (soft-capped logits, tied embeddings, ropes)
-            why = f"needs 1: not supported for {config.architecture}"
         if why is not None:
             raise ValueError(f"tensor_parallel_size: {size} {why}")
         return cls(rank, size, heads, kv, config.head_dim, config.intermediate_size,

@@ -217,10 +217,21 @@ def test_gemma3_fields_transformers_does_not_apply_as_written_are_refused(tmp_pa
         load_model_config(tmp_path)
 
 
-@pytest.mark.parametrize("arch", GEMMA)
-def test_tensor_parallelism_is_refused_naming_the_flag(make_tiny, arch):
-    with pytest.raises(ValueError, match="tensor_parallel_size: 2 .*Gemma"):
-        make_engine(make_tiny(arch), block_size=8, num_blocks=64, tensor_parallel_size=2)
+@pytest.mark.parametrize("variant", ["gemma2", "gemma3-tied"])
+def test_two_tensor_parallel_ranks_keep_transformers_tokens(make_tiny, variant):
+    """Each rank holds half the heads (Gemma 3's q/k norm weights whole), its vocabulary slice
+    of the scaled embeddings and of the (tied) head, and soft-caps its own logits slice."""
+    arch, kwargs, _ = VARIANTS[variant]
+    model_dir = make_tiny(arch, **kwargs)
+    prompts = [PROMPTS[2], PROMPTS[4]]
+    engine = make_engine(model_dir, block_size=8, num_blocks=64, tensor_parallel_size=2)
+    try:
+        seqs = engine.generate(prompts, GREEDY)
+        assert engine.runner.config.num_heads == 2
+    finally:
+        engine.close()
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
 
 
 @pytest.mark.parametrize(
