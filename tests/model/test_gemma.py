@@ -4,8 +4,8 @@ scale, sliding layers beside full ones; Gemma 2's soft-capped attention scores a
 Gemma 3's per-head q/k norms and a rope per layer type (model/gemma.py). The tiny models
 (tests/conftest.py) window 12 tokens on layer 0: the prompts here are shorter than, as long as
 and longer than that. Here: exactness against transformers (fp32 tokens and logits, bf16 tokens,
-continuous batching, chunked prefill with swap preemption, one cluster), the configs' defaults,
-and what is refused at load."""
+continuous batching, chunked prefill with swap preemption, 2 tensor-parallel ranks, quantized
+weights, one cluster), the configs' defaults, and what is refused at load."""
 
 from __future__ import annotations
 
