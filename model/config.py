@@ -32,9 +32,14 @@ SUPPORTED_ARCHITECTURES = (
     "MixtralForCausalLM",
     "Qwen2MoeForCausalLM",
     "Qwen3MoeForCausalLM",
+    "Gemma2ForCausalLM",
+    "Gemma3ForCausalLM",
 )
 # NOTE: Qwen2 and Qwen3 configs share their sliding-window rules (Qwen2Config.__post_init__)
 _QWEN = ("Qwen2ForCausalLM", "Qwen3ForCausalLM")
+GEMMA = ("Gemma2ForCausalLM", "Gemma3ForCausalLM")
+# NOTE: named in the refusal: a multimodal checkpoint whose text model pagedserve would run
+_TEXT_MODELS = {"Gemma3ForConditionalGeneration": "Gemma3ForCausalLM (model_type gemma3_text)"}
 # NOTE: transformers recomputes the frequencies of `dynamic` and `longrope` in each forward from
 # the longest position in it (beyond max_position_embeddings, resp. the original one), so a token's
 # rotation depends on its batch and the keys already cached; pagedserve's rope tables are fixed,
@@ -49,8 +54,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True, slots=True)
 class ModelConfig:
     """A Llama-family decoder, normalised across Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite,
-    Phi-3, Mixtral, Qwen2-MoE and Qwen3-MoE configs. The fields with defaults after `raw` are the
-    family variants; their defaults are Llama's layer."""
+    Phi-3, Gemma 2, Gemma 3, Mixtral, Qwen2-MoE and Qwen3-MoE configs. The fields with defaults
+    after `raw` are the family variants; their defaults are Llama's layer."""
 
     model_dir: Path
     architecture: str
@@ -105,6 +110,18 @@ class ModelConfig:
     sparse_layers: tuple[bool, ...] = ()  # per layer: its MLP is the MoE block; (): none is
     # Mixtral: the top-k weights scale the experts' outputs in float32 (Qwen: in the model dtype)
     float32_routing_weights: bool = False
+    # Gemma: the embedding multiplier rounded to the model's dtype before it multiplies
+    # (transformers' Gemma multiplies by a tensor of that dtype; Granite by a Python float)
+    embedding_multiplier_in_dtype: bool = False
+    # Gemma: RMSNorms weighted by (norm_offset + weight) in float32, then the cast back
+    norm_offset: float = 0.0
+    # Gemma: four norms per layer, before and after attention and before and after the MLP
+    sandwich_norms: bool = False
+    attn_logit_softcap: float | None = None  # Gemma 2: scores = cap * tanh(scores / cap)
+    final_logit_softcap: float | None = None  # Gemma 2 (Gemma 3 optional): the same on logits
+    # Gemma 3: each layer's rope, by its name in `rope_parameters` ("sliding_attention" or
+    # "full_attention"); () = one rope for every layer
+    layer_ropes: tuple[str, ...] = ()
 
     @property
     def rope_dim(self) -> int:
@@ -165,8 +182,13 @@ def load_model_config(
     raw = json.loads(path.read_text())
     arch = (raw.get("architectures") or ["?"])[0]
     if arch not in SUPPORTED_ARCHITECTURES:
+        text = (
+            f" (only its text model is served: {_TEXT_MODELS[arch]})"
+            if arch in _TEXT_MODELS
+            else ""
+        )
         raise ValueError(
-            f"model: architecture {arch!r} (config.json `architectures`) is not supported; "
+            f"model: architecture {arch!r} (config.json `architectures`) is not supported{text}; "
             f"pagedserve runs {', '.join(SUPPORTED_ARCHITECTURES)} (docs/models.md)"
         )
     if arch == phi3.ARCHITECTURE and quantization is not None:
@@ -177,14 +199,11 @@ def load_model_config(
             "unquantized only (its experts are not quantized layers; docs/models.md)"
         )
     hf = _hf_config(model_dir, raw, arch)
-    rope_type = (hf.rope_parameters or {}).get("rope_type", "default")
+    layer_ropes = tuple(hf.layer_types) if arch == "Gemma3ForCausalLM" else ()
     rope_types = PHI3_ROPE_TYPES if arch == "Phi3ForCausalLM" else SUPPORTED_ROPE_TYPES
-    if rope_type not in rope_types:
-        raise ValueError(
-            f"model: rope_scaling.rope_type {rope_type!r} (config.json) is not supported; "
-            f"pagedserve runs {', '.join(rope_types)} (docs/models.md)"
-        )
-    activation(hf.hidden_act)  # NOTE: refused here, at load, not at the first forward
+    rope_type = _rope_type(hf, layer_ropes, rope_types)
+    hidden_act = hf.hidden_activation if arch in GEMMA else hf.hidden_act
+    activation(hidden_act)  # NOTE: refused here, at load, not at the first forward
     num_heads = hf.num_attention_heads
     num_kv_heads = getattr(hf, "num_key_value_heads", None) or num_heads
     if num_heads % num_kv_heads:
@@ -207,7 +226,7 @@ def load_model_config(
         num_kv_heads=num_kv_heads,
         head_dim=head_dim,
         rms_norm_eps=hf.rms_norm_eps,
-        hidden_act=hf.hidden_act,
+        hidden_act=hidden_act,
         max_position_embeddings=hf.max_position_embeddings,
         tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
         qkv_bias=qkv_bias,
@@ -227,11 +246,28 @@ def load_model_config(
         **_multipliers(arch, hf),
         **phi3.rope_fields(arch, hf, head_dim, rope_type),
         **moe_fields(arch, hf),
+        **_gemma(arch, hf, layer_ropes),
     )
 
 
+def _rope_type(hf: Any, layer_ropes: tuple[str, ...], supported: tuple[str, ...]) -> str:
+    """The rope type (Gemma 3: the full-attention layers'); ValueError for one pagedserve does
+    not run (not in `supported`), in any layer's rope."""
+    params = hf.rope_parameters or {}
+    types = [(params.get(name) or {}).get("rope_type", "default") for name in set(layer_ropes)]
+    rope_type = (params["full_attention"] if layer_ropes else params).get("rope_type", "default")
+    for name in [rope_type, *types]:
+        if name not in supported:
+            raise ValueError(
+                f"model: rope_scaling.rope_type {name!r} (config.json) is not supported; "
+                f"pagedserve runs {', '.join(supported)} (docs/models.md)"
+            )
+    return rope_type
+
+
 _QK_NORMS = {
-    "Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "Olmo2ForCausalLM": "projection"
+    "Qwen3ForCausalLM": "head", "Qwen3MoeForCausalLM": "head", "Olmo2ForCausalLM": "projection",
+    "Gemma3ForCausalLM": "head",
 }  # fmt: skip
 
 
@@ -247,8 +283,36 @@ def _multipliers(arch: str, hf: Any) -> dict[str, Any]:
     }
 
 
+def _gemma(arch: str, hf: Any, layer_ropes: tuple[str, ...]) -> dict[str, Any]:
+    """Gemma 2's and Gemma 3's fields; ValueError naming a config field it does not serve
+    exactly."""
+    if arch not in GEMMA:
+        return {}
+    if getattr(hf, "use_bidirectional_attention", None):
+        raise ValueError("model: use_bidirectional_attention true (config.json) is not supported")
+    attn_softcap = hf.attn_logit_softcapping
+    if attn_softcap is not None and arch == "Gemma3ForCausalLM":
+        # NOTE: transformers 5.25's Gemma 3 attention never applies it (its forward does not
+        # pass it on to the attention function): refused rather than guessed either way
+        raise ValueError(
+            f"model: attn_logit_softcapping {attn_softcap} (config.json) is not supported for "
+            f"{arch}; pagedserve runs null only"
+        )
+    return {
+        "embedding_multiplier": hf.hidden_size**0.5,
+        "embedding_multiplier_in_dtype": True,
+        "attention_multiplier": hf.query_pre_attn_scalar**-0.5,
+        "norm_offset": 1.0,
+        "sandwich_norms": True,
+        "attn_logit_softcap": attn_softcap,
+        "final_logit_softcap": hf.final_logit_softcapping,
+        "layer_ropes": layer_ropes,
+    }
+
+
 # The defaults transformers' config classes (LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config,
-# Olmo2Config, GraniteConfig) give the fields pagedserve reads when config.json leaves them out
+# Olmo2Config, GraniteConfig, Gemma2Config, Gemma3TextConfig, MixtralConfig, Qwen2MoeConfig,
+# Qwen3MoeConfig) give the fields pagedserve reads when config.json leaves them out
 # (tests/model/test_config_reader.py checks every one against AutoConfig). Phi3Config's: phi3.py.
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "LlamaForCausalLM": {
@@ -330,8 +394,30 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
         "decoder_sparse_step": 1, "moe_intermediate_size": 768, "num_experts_per_tok": 8,
         "num_local_experts": 128, "norm_topk_prob": False, "mlp_only_layers": None,
     },
+    "Gemma2ForCausalLM": {
+        "vocab_size": 256000, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 8192, "rms_norm_eps": 1e-6, "bos_token_id": 2,
+        "eos_token_id": 1, "tie_word_embeddings": True, "attention_bias": False,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None,
+        "final_logit_softcapping": 30.0, "attn_logit_softcapping": 50.0,
+        "use_bidirectional_attention": None,
+    },
+    "Gemma3ForCausalLM": {
+        "vocab_size": 262_208, "hidden_size": 2304, "intermediate_size": 9216,
+        "num_hidden_layers": 26, "num_attention_heads": 8, "num_key_value_heads": 4,
+        "head_dim": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "max_position_embeddings": 131_072, "rms_norm_eps": 1e-6, "bos_token_id": 2,
+        "eos_token_id": 1, "tie_word_embeddings": True, "attention_bias": False,
+        "query_pre_attn_scalar": 256, "sliding_window": 4096, "layer_types": None,
+        "final_logit_softcapping": None, "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+    },
 }  # fmt: skip
 _DEFAULT_THETAS = {"MixtralForCausalLM": 1_000_000.0}
+# Gemma3TextConfig's default rope thetas: full attention's, sliding attention's
+_GEMMA3_THETAS = (1_000_000.0, 10_000.0)
 _DEFAULT_ROPE_THETA = 10_000.0
 _PLAIN_ROPE_KEYS = {"rope_type", "type", "rope_theta"}
 
@@ -344,15 +430,33 @@ def _hf_config(model_dir: Path, raw: dict[str, Any], arch: str) -> Any:
     rope parameters across its versions, and whose import costs a worker ~2 s of start-up).
     """
     rope = _plain_rope(raw)
+    if rope is not None and arch == "Gemma3ForCausalLM":
+        rope = _gemma3_ropes(raw)
     if rope is None or arch not in _DEFAULTS:
         from transformers import AutoConfig
 
         return AutoConfig.from_pretrained(model_dir, local_files_only=True)
     theta = _DEFAULT_THETAS.get(arch, _DEFAULT_ROPE_THETA)  # NOTE: the config class's
-    fields = {**_DEFAULTS[arch], **raw, "rope_parameters": {"rope_theta": theta, **rope}}
+    ropes = rope if arch == "Gemma3ForCausalLM" else {"rope_theta": theta, **rope}
+    fields = {**_DEFAULTS[arch], **raw, "rope_parameters": ropes}
     if "num_experts" in raw and "num_local_experts" in fields:  # NOTE: their attribute_map
         fields["num_local_experts"] = raw["num_experts"]
-    if arch in _QWEN:  # NOTE: Qwen2Config.__post_init__ (Qwen3Config's too), step for step
+    _post_init(arch, raw, fields)
+    return SimpleNamespace(**fields)
+
+
+def _post_init(arch: str, raw: dict[str, Any], fields: dict[str, Any]) -> None:
+    """What the config class of `arch` derives in its `__post_init__`, step for step (the
+    windows and layer types), on `fields` in place."""
+    if arch in GEMMA and fields["layer_types"] is None:
+        # NOTE: Gemma2Config.__post_init__ (every other layer windowed) and Gemma3TextConfig's
+        # (every `sliding_window_pattern`-th layer full)
+        pattern = 2 if arch == "Gemma2ForCausalLM" else raw.get("sliding_window_pattern", 6)
+        fields["layer_types"] = [
+            "sliding_attention" if (i + 1) % pattern else "full_attention"
+            for i in range(fields["num_hidden_layers"])
+        ]
+    elif arch in _QWEN:  # NOTE: Qwen2Config.__post_init__ (Qwen3Config's too), step for step
         if not fields["use_sliding_window"]:
             fields["sliding_window"] = None
         if fields["layer_types"] is None:
@@ -362,9 +466,9 @@ def _hf_config(model_dir: Path, raw: dict[str, Any], arch: str) -> Any:
                 else "full_attention"
                 for i in range(fields["num_hidden_layers"])
             ]
-    if arch == "Qwen3MoeForCausalLM" and not fields["use_sliding_window"]:
+    elif arch == "Qwen3MoeForCausalLM" and not fields["use_sliding_window"]:
         fields["sliding_window"] = None  # NOTE: Qwen3MoeConfig.__post_init__
-    if arch == "Qwen2MoeForCausalLM":  # NOTE: Qwen2MoeConfig.__post_init__, step for step
+    elif arch == "Qwen2MoeForCausalLM":  # NOTE: Qwen2MoeConfig.__post_init__, step for step
         if not fields["use_sliding_window"]:
             fields["sliding_window"] = 0
         if fields["layer_types"] is None:
@@ -374,7 +478,6 @@ def _hf_config(model_dir: Path, raw: dict[str, Any], arch: str) -> Any:
                 else "full_attention"
                 for i in range(fields["num_hidden_layers"])
             ]
-    return SimpleNamespace(**fields)
 
 
 def _plain_rope(raw: dict[str, Any]) -> dict[str, Any] | None:
@@ -394,11 +497,26 @@ def _plain_rope(raw: dict[str, Any]) -> dict[str, Any] | None:
     )
 
 
+def _gemma3_ropes(raw: dict[str, Any]) -> dict[str, Any] | None:
+    """Gemma3TextConfig's `rope_parameters` for a config.json without scaled rope: the full
+    attention layers' at `rope_theta`, the sliding ones' at `rope_local_base_freq`; None for
+    any other (read by transformers)."""
+    if raw.get("rope_scaling") or raw.get("rope_parameters"):
+        return None
+    full, local = _GEMMA3_THETAS
+    return {
+        "sliding_attention": {
+            "rope_type": "default", "rope_theta": raw.get("rope_local_base_freq", local),
+        },
+        "full_attention": {"rope_type": "default", "rope_theta": raw.get("rope_theta", full)},
+    }  # fmt: skip
+
+
 def _biases(arch: str, hf: Any) -> tuple[bool, bool, bool]:
     if arch == "Qwen2ForCausalLM":
         return True, False, False
-    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM"):
-        # NOTE: o follows attention_bias
+    # NOTE: o follows attention_bias
+    if arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Olmo2ForCausalLM", *GEMMA):
         attention_bias = bool(getattr(hf, "attention_bias", False))  # ... and no MLP bias
         return attention_bias, attention_bias, False
     if arch in ("MistralForCausalLM", "Phi3ForCausalLM", "MixtralForCausalLM"):
@@ -424,27 +542,35 @@ def _sliding_windows(arch: str, hf: Any) -> tuple[int | None, ...]:
             "model: layer_types names sliding_attention layers but use_sliding_window is false "
             "(config.json; Qwen2-MoE's window is then 0)"
         )
-    if arch in (*_QWEN, "Qwen2MoeForCausalLM"):
+    if arch in (*_QWEN, "Qwen2MoeForCausalLM", *GEMMA):
         layer_types = getattr(hf, "layer_types", None) or ["full_attention"] * hf.num_hidden_layers
         return tuple(window if t == "sliding_attention" else None for t in layer_types)
     return (None,) * hf.num_hidden_layers
 
 
-def rope_frequencies(config: ModelConfig) -> tuple[torch.Tensor, float]:
-    """(inv_freq [rope_dim // 2] float32, attention_scaling) for the checkpoint's rope type.
+def rope_frequencies(
+    config: ModelConfig, layer_type: str | None = None
+) -> tuple[torch.Tensor, float]:
+    """(inv_freq [rope_dim // 2] float32, attention_scaling) for the checkpoint's rope, or for
+    the rope of the layers `layer_type` names (Gemma 3's `rope_parameters` per layer type).
 
     Uses transformers' own rope initialisers, so scaled ropes (linear, llama3, yarn; longrope's
     short factors, as `model_len` allows it) agree with the oracle bit for bit.
     """
     hf = _hf_config(config.model_dir, config.raw, config.architecture)
-    if config.rope_type == "default":
-        base, dim = hf.rope_parameters["rope_theta"], config.rope_dim
+    params = hf.rope_parameters if layer_type is None else hf.rope_parameters[layer_type]
+    rope_type = config.rope_type if layer_type is None else params.get("rope_type", "default")
+    if rope_type == "default":
+        base, dim = params["rope_theta"], config.rope_dim
         exponents = torch.arange(0, dim, 2, dtype=torch.float) / dim
         return 1.0 / (base**exponents), 1.0
     # NOTE: imported here, for scaled ropes only: transformers costs a worker ~2 s of start-up
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[config.rope_type](hf, "cpu")
+    init = ROPE_INIT_FUNCTIONS[rope_type]
+    inv_freq, scaling = (
+        init(hf, "cpu") if layer_type is None else init(hf, "cpu", layer_type=layer_type)
+    )
     return inv_freq.float(), float(scaling)
 
 

@@ -1,5 +1,6 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3; the mixtures of
-experts Mixtral, Qwen2-MoE, Qwen3-MoE, whose sparse MLPs are model/moe.py's) over a paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3, OLMo 2, Granite, Phi-3; Gemma's layer,
+norms and ropes are model/gemma.py's; the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, whose
+sparse MLPs are model/moe.py's) over a paged KV cache.
 
 One forward takes a flattened batch: the prefill chunks and decode tokens of many sequences laid
 end to end, with positions and an `AttentionMetadata` that maps them onto the cache. Module and
@@ -11,10 +12,13 @@ logits agree to ~1e-6 and bf16 greedy tokens agree exactly. A family's own parts
 `ModelConfig` and small optional parts of the layer: q/k norms (Qwen3 per head, OLMo 2 over the
 projection), OLMo 2's post-norm layer (`PostNormDecoderLayer`) and float32 casts (`LateCastRMSNorm`,
 rope), Granite's multipliers (embeddings, residual branches, attention scale, logits), Phi-3's
-partial rotary (`rotate`; its fused checkpoint weights are the loader's, model/phi3.py).
+partial rotary (`rotate`; its fused checkpoint weights are the loader's, model/phi3.py), Gemma's
+embedding multiplier and final-logit soft-capping.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -128,8 +132,10 @@ class RotaryEmbedding:
     are cast to the activation dtype per use, as transformers does.
     """
 
-    def __init__(self, config: ModelConfig, device: torch.device | str = "cpu") -> None:
-        inv_freq, scaling = rope_frequencies(config)
+    def __init__(
+        self, config: ModelConfig, device: torch.device | str = "cpu", layer_type: str | None = None
+    ) -> None:
+        inv_freq, scaling = rope_frequencies(config, layer_type)
         positions = torch.arange(config.max_position_embeddings, dtype=torch.float32)
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
@@ -159,11 +165,15 @@ def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+NormMaker = Callable[[ModelConfig, int], RMSNorm]
+
+
 class Attention(nn.Module):
     fused_weight: torch.Tensor  # buffers of `fuse_rows`, when `fused`
     fused_bias: torch.Tensor | None
 
-    def __init__(self, config: ModelConfig, layer_idx: int) -> None:
+    def __init__(self, config: ModelConfig, layer_idx: int, norm: NormMaker = make_norm) -> None:
+        """`norm` makes the q/k norms (Gemma's are its own)."""
         super().__init__()
         self.layer_idx = layer_idx
         self.num_heads = config.num_heads
@@ -171,6 +181,7 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = config.attention_scale
         self.sliding_window = config.sliding_windows[layer_idx]
+        self.softcap = config.attn_logit_softcap  # Gemma 2's; None: no cap on the scores
         q_size, kv_size = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
         self.q_proj = Linear(config.hidden_size, q_size, bias=config.qkv_bias)
         self.k_proj = Linear(config.hidden_size, kv_size, bias=config.qkv_bias)
@@ -182,10 +193,9 @@ class Attention(nn.Module):
         self.k_norm: RMSNorm | None = None
         self.qk_norm = config.qk_norm
         if config.qk_norm == "head":
-            self.q_norm = make_norm(config, config.head_dim)
-            self.k_norm = make_norm(config, config.head_dim)
+            self.q_norm, self.k_norm = norm(config, config.head_dim), norm(config, config.head_dim)
         elif config.qk_norm == "projection":
-            self.q_norm, self.k_norm = make_norm(config, q_size), make_norm(config, kv_size)
+            self.q_norm, self.k_norm = norm(config, q_size), norm(config, kv_size)
         self.group: Group | None = None  # set by `LlamaForCausalLM.join` on a rank of N > 1
         self.fused = False  # q/k/v in one weight (`fuse_rows`)
 
@@ -211,7 +221,7 @@ class Attention(nn.Module):
         scales = kv_cache.layer_scales(self.layer_idx)  # None unless the cache is 8-bit
         dispatch.write_kv(k_cache, v_cache, k, v, meta, scales)
         out = dispatch.paged_attention(
-            q, k_cache, v_cache, meta, self.scale, self.sliding_window, scales
+            q, k_cache, v_cache, meta, self.scale, self.sliding_window, scales, self.softcap
         )
         return _reduce(self.group, self.o_proj(out.reshape(num_tokens, -1)))
 
@@ -327,23 +337,32 @@ class PostNormDecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    """`model.*` in the checkpoints: embeddings, layers, final norm."""
+    """`model.*` in the checkpoints: embeddings, layers, final norm. `layer` and `norm` make a
+    family's own (Gemma's); the default the family's of this module."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(
+        self,
+        config: ModelConfig,
+        layer: Callable[[ModelConfig, int], nn.Module] | None = None,
+        norm: NormMaker = make_norm,
+    ) -> None:
         super().__init__()
-        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        layer = PostNormDecoderLayer if config.post_norms else DecoderLayer
+        self.embed_tokens: nn.Embedding = Embedding(config.vocab_size, config.hidden_size)
+        if layer is None:
+            layer = PostNormDecoderLayer if config.post_norms else DecoderLayer
         self.layers = nn.ModuleList(layer(config, i) for i in range(config.num_layers))
-        self.norm = make_norm(config, config.hidden_size)
+        self.norm = norm(config, config.hidden_size)
 
 
 class LlamaForCausalLM(nn.Module):
     """Hidden states for a flattened batch; logits only for the rows the caller asks for."""
 
+    stack: Callable[[ModelConfig], DecoderStack] = DecoderStack  # `model.*`: Gemma's own
+
     def __init__(self, config: ModelConfig, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.config = config
-        self.model = DecoderStack(config)
+        self.model = self.stack(config)
         self.lm_head = Linear(config.hidden_size, config.vocab_size, bias=False)
         self.rope = rope
         self.group: Group | None = None
@@ -401,7 +420,8 @@ class LlamaForCausalLM(nn.Module):
         return self._native[1]
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings of `input_ids`, times `embedding_multiplier` (Granite's)."""
+        """The embeddings of `input_ids`, times `embedding_multiplier` (Granite's; Gemma's
+        sqrt(hidden), rounded to the model's dtype first as transformers rounds it)."""
         m = self.config.embedding_multiplier
         if self.group is None:
             x = self.model.embed_tokens(input_ids)
@@ -411,16 +431,24 @@ class LlamaForCausalLM(nn.Module):
             outside = (input_ids < start) | (input_ids >= end)
             x = self.model.embed_tokens((input_ids - start).masked_fill(outside, 0))
             x = self.group.all_reduce(x.masked_fill(outside[:, None], 0.0))
-        return x if m == 1.0 else x * m
+        if m == 1.0:
+            return x
+        if self.config.embedding_multiplier_in_dtype:
+            return x * torch.tensor(m, dtype=torch.float32).to(x.dtype)
+        return x * m
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits [rows, vocab]. On tensor-parallel ranks rank 0 gathers every rank's
         vocabulary slice; the others get their own slice back (and never sample). Granite's
-        are divided by `logits_scaling`, as transformers divides them, in the model's dtype."""
+        are divided by `logits_scaling`, as transformers divides them, in the model's dtype;
+        Gemma's soft-capped (`final_logit_softcap`: cap * tanh(logits / cap)), in that dtype too."""
         logits = self.lm_head(hidden)
         if self.config.logits_scaling != 1.0:
             logits = logits / self.config.logits_scaling
+        cap = self.config.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
         if self.group is None:
             return logits
         gathered = self.group.gather_last_dim(logits)

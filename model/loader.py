@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from pagedserve.kernels import cpu_native
 from pagedserve.kernels.cpu_native import has_bf16_arithmetic
 from pagedserve.model import gguf_weights, moe, phi3
 from pagedserve.model.config import ModelConfig
+from pagedserve.model.gemma import GemmaForCausalLM, LayerRopes
 from pagedserve.model.llama import Linear, LlamaForCausalLM, RotaryEmbedding
 from pagedserve.model.quant import (
     QuantizedEmbedding,
@@ -50,9 +52,9 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     tensor; nothing is left randomly initialised.
     """
     _warn_if_slow(config, torch.device(device))
-    rope = RotaryEmbedding(config, device)  # computed, never loaded
+    build = _builder(config, device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config, rope)
+        model = build()
         if config.quantization is not None:
             quantize_linears(model, config.quantization)
     _materialize(model, torch.device(device), config.dtype)
@@ -81,6 +83,15 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     if quant is not None and quant.lm_head and type(model.lm_head) is Linear:
         model.lm_head = quantize_head(model.lm_head)  # type: ignore[assignment]
     return model.eval()
+
+
+def _builder(config: ModelConfig, device: torch.device | str) -> Callable[[], LlamaForCausalLM]:
+    """The family's model constructor, its rope tables computed (never loaded) on `device`."""
+    if config.sandwich_norms:  # Gemma 2, Gemma 3
+        ropes = LayerRopes(config, device)
+        return lambda: GemmaForCausalLM(config, ropes)
+    rope = RotaryEmbedding(config, device)
+    return lambda: LlamaForCausalLM(config, rope)
 
 
 def quantize_linears(model: LlamaForCausalLM, quant: WeightQuant) -> None:

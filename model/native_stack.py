@@ -8,9 +8,10 @@ most `max_rows` of them, no tensor parallelism, Llama's layer (fused fp32 q/k/v 
 int8 / int4 linears the native kernels read, SiLU, at most one sliding window, no q/k norms,
 no attention soft cap (an `Attention.softcap` that is not None),
 Llama's pre-norms and RMSNorm, no residual multiplier, rope over whole heads: Qwen3's, OLMo
-2's and Granite's layers and Phi-3's partial rotary take the Python path; the attention scale
-is the model's own, Granite's `attention_multiplier` included, the rope tables are the model's,
-longrope's included, and the embedding multiplier and logits scaling lie outside the stack) — and
+2's, Granite's and Gemma's layers and Phi-3's partial rotary take the Python path; the attention
+scale is the model's own, Granite's `attention_multiplier` included, the rope tables are the
+model's, longrope's included, and the embedding multiplier and logits scaling lie outside the
+stack) — and
 otherwise `forward` returns None and the model runs its Python path. Its outputs are the Python
 path's except for SiLU's exponential (a few ulp: docs/kernels.md).
 """

@@ -82,7 +82,7 @@ def weight_bytes(config: ModelConfig) -> int:
                 weights += quantized_bytes(i, o, config.quantization, size)
     biases = (q + 2 * kv) * config.qkv_bias + h * config.o_bias + (2 * inner + h) * config.mlp_bias
     qk_norms = {"": 0, "head": 2 * config.head_dim, "projection": q + kv}[config.qk_norm]
-    norms = 2 * h + qk_norms
+    norms = (4 if config.sandwich_norms else 2) * h + qk_norms  # NOTE: Gemma's four
     weights += config.num_layers * (biases + norms) * size
     weights += moe.sparse_mlp_elements(config) * size  # NOTE: MoE models are never quantized
     table = config.vocab_size * h

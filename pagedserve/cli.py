@@ -40,14 +40,16 @@ def _add_make_tiny_model(sub: argparse._SubParsersAction) -> None:
             "olmo2",
             "granite",
             "phi3",
+            "gemma2",
+            "gemma3",
             "mixtral",
             "qwen2_moe",
             "qwen3_moe",
         ],
         help="the model family (config.json architectures: LlamaForCausalLM, "
         "MistralForCausalLM, Qwen2ForCausalLM, Qwen3ForCausalLM, Olmo2ForCausalLM, "
-        "GraniteForCausalLM, Phi3ForCausalLM, MixtralForCausalLM, Qwen2MoeForCausalLM, "
-        "Qwen3MoeForCausalLM)",
+        "GraniteForCausalLM, Phi3ForCausalLM, Gemma2ForCausalLM, Gemma3ForCausalLM, "
+        "MixtralForCausalLM, Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)",
     )
     p.add_argument("--layers", type=int, default=2)
     p.add_argument("--hidden", type=int, default=64)

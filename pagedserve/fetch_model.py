@@ -158,7 +158,8 @@ def _missing_extra() -> str | None:
 # GGUF reader takes its head_dim from Qwen3Config's default (it maps no `attention.key_length`).
 # A Qwen3 model is served from its safetensors. Not olmo2, granite nor phi3 either: no
 # pagedserve test converts one (their norms, multipliers, fused weights, partial rotary and
-# q/k row order from llama.cpp are unchecked). No mixture of experts either (qwen2moe,
+# q/k row order from llama.cpp are unchecked), nor gemma2 / gemma3 (llama.cpp stores Gemma's
+# norm weights with the 1 added: unchecked too). No mixture of experts either (qwen2moe,
 # qwen3moe, nor a llama one with experts: Mixtral's).
 GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
 
@@ -190,8 +191,9 @@ def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"model: {gguf.name} is a {arch!r} GGUF; pagedserve converts GGUF files of "
-            f"{', '.join(GGUF_ARCHITECTURES)} only (Qwen3, OLMo 2, Granite, Phi-3, the mixtures "
-            "of experts: serve the model's Hugging Face safetensors directory; docs/models.md)"
+            f"{', '.join(GGUF_ARCHITECTURES)} only (Qwen3, OLMo 2, Granite, Phi-3, Gemma 2, "
+            "Gemma 3, the mixtures of experts: serve the model's Hugging Face safetensors "
+            "directory; docs/models.md)"
         )
     experts = gguf_expert_count(gguf, arch)
     if experts:

@@ -39,6 +39,8 @@ import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     GenerationConfig,
     GraniteConfig,
     LlamaConfig,
@@ -56,11 +58,12 @@ from transformers import (
 )
 
 ARCHS = (
-    "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3", "mixtral", "qwen2_moe",
-    "qwen3_moe",
+    "llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3", "gemma2", "gemma3",
+    "mixtral", "qwen2_moe", "qwen3_moe",
 )  # fmt: skip
+GEMMA_ARCHS = ("gemma2", "gemma3")
 # the archs `sliding_window` applies to
-WINDOWED_ARCHS = ("mistral", "qwen3", "phi3", "mixtral", "qwen2_moe")
+WINDOWED_ARCHS = ("mistral", "qwen3", "phi3", *GEMMA_ARCHS, "mixtral", "qwen2_moe")
 # The mixtures of experts: 8 experts, 2 per token; Qwen's experts have a quarter of
 # `intermediate` features (Qwen2-MoE's shared expert all of them), Mixtral's all of them
 NUM_EXPERTS, EXPERTS_PER_TOKEN = 8, 2
@@ -78,6 +81,15 @@ GRANITE_MULTIPLIERS: dict[str, Any] = {
 }  # fmt: skip
 # NOTE: Phi-4-mini's: rope rotates 3/4 of each head (12 of 16 dims here)
 PHI3_PARTIAL_ROTARY_FACTOR = 0.75
+# NOTE: Gemma's own values, each unlike the one a runtime falling back to Llama's would use:
+# a window the test prompts cross, a scale that is not 1 / sqrt(head_dim = 32), soft-caps small
+# enough to change logits of ~1 (real Gemma 2: window 4096, scalar 256 or 144, caps 50 and 30)
+GEMMA_WINDOW = 12
+GEMMA_QUERY_PRE_ATTN_SCALAR = 24
+GEMMA2_SOFTCAPS: dict[str, Any] = {"attn_logit_softcapping": 5.0, "final_logit_softcapping": 3.0}
+# Gemma 3's global (full-attention) rope as its 4B-27B checkpoints have it; its local rope is
+# the default at theta 10000
+GEMMA3_GLOBAL_ROPE: dict[str, Any] = {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6}
 
 
 def corpus_path() -> Path:
@@ -120,6 +132,12 @@ def make_tiny_model(
     (`Qwen2MoeForCausalLM`) in every layer, top-k weights not renormalised, with a gated shared
     expert; qwen3_moe (`Qwen3MoeForCausalLM`, q/k norms, renormalised top-k weights) in every
     layer but the last, a dense MLP there (`mlp_only_layers`).
+    gemma2 (`Gemma2ForCausalLM`) and gemma3 (`Gemma3ForCausalLM`, model_type gemma3_text) get
+    head_dim 2 * hidden / heads, query_pre_attn_scalar `GEMMA_QUERY_PRE_ATTN_SCALAR`, sliding
+    layers (window `sliding_window`, default `GEMMA_WINDOW`) alternating with full ones, and
+    norm weights ~ N(0, 0.1) (Gemma's norms weigh by 1 + weight); gemma2 the soft-caps of
+    `GEMMA2_SOFTCAPS`, gemma3 q/k norms and two ropes (`rope_scaling`, default
+    `GEMMA3_GLOBAL_ROPE`, for its full layers).
 
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
@@ -262,6 +280,10 @@ def build_config(
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
     )
+    if arch in GEMMA_ARCHS:
+        # NOTE: untied (real Gemma ties them), or the tiny model's greedy output is mostly its
+        # last token again: the scaled embedding dominates the residual stream it is read from
+        return _gemma_config(arch, common, sliding_window)
     if arch == "llama":
         return LlamaConfig(head_dim=hidden // heads, **common)
     if arch == "mistral":
@@ -328,6 +350,32 @@ def _moe_config(
     )
 
 
+def _gemma_config(
+    arch: str, common: dict[str, Any], sliding_window: int | None
+) -> PretrainedConfig:
+    common = {
+        **common,
+        "head_dim": 2 * common["hidden_size"] // common["num_attention_heads"],
+        "hidden_activation": "gelu_pytorch_tanh",
+        "query_pre_attn_scalar": GEMMA_QUERY_PRE_ATTN_SCALAR,
+        "sliding_window": sliding_window or GEMMA_WINDOW,
+    }
+    if arch == "gemma2":  # NOTE: Gemma2Config windows every other layer, the first one first
+        return Gemma2Config(**GEMMA2_SOFTCAPS, **common)
+    global_rope = common.pop("rope_parameters")
+    if global_rope == rope_parameters(None):
+        global_rope = copy.deepcopy(GEMMA3_GLOBAL_ROPE)
+    ropes = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": ROPE_THETA},
+        "full_attention": global_rope,
+    }
+    layer_types = [  # NOTE: windowed, full, windowed, ... (real Gemma 3: five to one)
+        "full_attention" if i % 2 else "sliding_attention"
+        for i in range(common["num_hidden_layers"])
+    ]
+    return Gemma3TextConfig(rope_parameters=ropes, layer_types=layer_types, **common)
+
+
 def rope_parameters(rope_scaling: dict[str, Any] | None) -> dict[str, Any]:
     """Merge a legacy-style `rope_scaling` dict (`rope_type` or `type`) with the default theta."""
     params: dict[str, Any] = (
@@ -346,6 +394,8 @@ def build_model(
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     gen = torch.Generator().manual_seed(seed)
+    # NOTE: Gemma's norms weigh by 1 + weight: centred on 0, their scale is ~1 as the others'
+    norm_centre = 0.0 if config.model_type in ("gemma2", "gemma3_text") else 1.0
     norm_params = {
         id(p)
         for module in model.modules()
@@ -356,7 +406,7 @@ def build_model(
         for _, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
             if id(param) in norm_params:
-                param.copy_(1.0 + NORM_STD * noise)
+                param.copy_(norm_centre + NORM_STD * noise)
             else:
                 param.copy_(init_std * noise)
     model = model.to(dtype)

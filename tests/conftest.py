@@ -118,6 +118,20 @@ def tiny_qwen3_moe(make_tiny) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_gemma2(make_tiny) -> Path:
+    """`Gemma2ForCausalLM`: Gemma's layer, window 12 on layer 0, attention and final-logit
+    soft-caps of 5 and 3 (pagedserve/tiny_model.py)."""
+    return make_tiny("gemma2")
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3(make_tiny) -> Path:
+    """`Gemma3ForCausalLM`: Gemma's layer with q/k norms, window 12 on layer 0, a local rope
+    for it and a linearly scaled global rope for layer 1 (pagedserve/tiny_model.py)."""
+    return make_tiny("gemma3")
+
+
+@pytest.fixture(scope="session")
 def tiny_chat_model(tiny_llama, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny llama with the ChatML chat template (one directory for the session, so that the
     clusters of every test that serves it can be one)."""

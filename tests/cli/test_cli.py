@@ -55,7 +55,7 @@ def test_make_tiny_model_then_generate_matches_transformers(tmp_path):
     ("family", "architecture"),
     [("qwen3", "Qwen3ForCausalLM"), ("olmo2", "Olmo2ForCausalLM"),
      ("granite", "GraniteForCausalLM"), ("phi3", "Phi3ForCausalLM"),
-     ("qwen2_moe", "Qwen2MoeForCausalLM")],
+     ("qwen2_moe", "Qwen2MoeForCausalLM"), ("gemma3", "Gemma3ForCausalLM")],
 )  # fmt: skip
 def test_make_tiny_model_family_generates_as_transformers(tmp_path, family, architecture):
     model_dir = tmp_path / f"tiny-{family}"

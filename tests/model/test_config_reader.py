@@ -29,6 +29,8 @@ PHI3 = {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3"}
 MIXTRAL = {"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}
 QWEN2_MOE = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe"}
 QWEN3_MOE = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe"}
+GEMMA2 = {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}
+GEMMA3 = {"architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text"}
 SMALL = {
     "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3,
 }  # fmt: skip
@@ -48,6 +50,8 @@ CONFIGS = {
     "mixtral-all-defaults": MIXTRAL,
     "qwen2_moe-all-defaults": QWEN2_MOE,
     "qwen3_moe-all-defaults": QWEN3_MOE,
+    "gemma2-all-defaults": GEMMA2,
+    "gemma3-all-defaults": GEMMA3,
     "llama-top-level-rope-theta": {**LLAMA, **SMALL, "rope_theta": 500000.0},
     "llama-rope-parameters": {
         **LLAMA, **SMALL, "rope_parameters": {"rope_type": "default", "rope_theta": 1e5}
@@ -127,6 +131,28 @@ CONFIGS = {
         **QWEN3_MOE, **SMALL, "num_local_experts": 12, "sliding_window": 64,
         "decoder_sparse_step": 3,
     },
+    "gemma2-caps-null-window-scalar-bias": {
+        **GEMMA2, **SMALL, "head_dim": 32, "attn_logit_softcapping": None,
+        "final_logit_softcapping": None, "sliding_window": 16, "query_pre_attn_scalar": 144,
+        "attention_bias": True, "mlp_bias": True, "hidden_act": "silu", "rope_theta": 1e4,
+        "tie_word_embeddings": False, "eos_token_id": [1, 107],
+    },
+    "gemma2-layer-types-caps": {
+        **GEMMA2, **SMALL, "attn_logit_softcapping": 20.0, "final_logit_softcapping": 10.0,
+        "layer_types": ["full_attention", "full_attention", "sliding_attention"],
+    },
+    # NOTE: Gemma 3 1B's spelling: the pattern as an int, both thetas at the top level
+    "gemma3-pattern-thetas-window-softcap-bias": {
+        **GEMMA3, **SMALL, "head_dim": 32, "sliding_window_pattern": 2, "sliding_window": 16,
+        "rope_theta": 5e5, "rope_local_base_freq": 2e4, "query_pre_attn_scalar": 48,
+        "final_logit_softcapping": 30.0, "attention_bias": True, "mlp_bias": True,
+        "hidden_act": "silu", "rms_norm_eps": 1e-5, "eos_token_id": [1, 106],
+        "tie_word_embeddings": False,
+    },
+    "gemma3-layer-types-one-kv-head": {
+        **GEMMA3, **SMALL, "num_key_value_heads": 1, "sliding_window": 8,
+        "layer_types": ["full_attention", "sliding_attention", "full_attention"],
+    },
 }  # fmt: skip
 
 
@@ -152,8 +178,8 @@ def test_a_plain_config_reads_as_transformers_reads_it(name, tmp_path, monkeypat
 
 @pytest.mark.parametrize(
     "arch",
-    ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3", "mixtral", "qwen2_moe",
-     "qwen3_moe"],
+    ["llama", "mistral", "qwen2", "qwen3", "olmo2", "granite", "phi3", "gemma2", "gemma3",
+     "mixtral", "qwen2_moe", "qwen3_moe"],
 )  # fmt: skip
 def test_the_tiny_models_read_as_transformers_reads_them(make_tiny, arch, monkeypatch):
     model_dir = make_tiny(arch)

@@ -38,6 +38,8 @@ FAMILIES: dict[str, dict[str, object]] = {
     "olmo2": {},
     "granite": {},
     "phi3": {"sliding_window": 48},  # and partial rotary (tiny_model.py)
+    "gemma2": {},  # a window of 12 on layer 0, soft caps
+    "gemma3": {},  # a window of 12 on layer 0, two ropes
     "mixtral": {"sliding_window": 48},
     "qwen2_moe": {},  # a gated shared expert
     "qwen3_moe": {},  # a dense last layer

@@ -22,6 +22,8 @@ from pagedserve.model.loader import load_model
         ("qwen3", {}),
         ("olmo2", {}),
         ("granite", {}),
+        ("gemma2", {}),
+        ("gemma3", {}),
         ("mistral", {}),
         ("mixtral", {}),
         ("qwen2_moe", {}),

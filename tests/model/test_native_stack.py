@@ -154,13 +154,14 @@ def test_the_stack_declines_qwen3s_q_k_norms_and_the_layer_path_matches_transfor
     assert not stack_calls
 
 
-@pytest.mark.parametrize("arch", ["olmo2", "granite"])
-def test_the_stack_declines_olmo2s_post_norms_and_granites_residual_multiplier(
+@pytest.mark.parametrize("arch", ["olmo2", "granite", "gemma2", "gemma3"])
+def test_the_stack_declines_olmo2s_post_norms_granites_residual_multiplier_and_gemmas_layer(
     make_tiny, arch, stack_calls
 ):
     """OLMo 2's layer (norms after attention and MLP, q/k norms over the whole projections,
-    norms weighted in float32) and Granite's scaled residual branches are not what the kernels
-    compute: their decode steps take the layer path, whose tokens are transformers'."""
+    norms weighted in float32), Granite's scaled residual branches and Gemma's layer (four
+    (1 + weight) norms, GeGLU, a rope per layer type) are not what the kernels compute: their
+    decode steps take the layer path, whose tokens are transformers'."""
     model_dir = make_tiny(arch)
     model, cache = _model_and_cache(model_dir)
     assert NativeStack.build(model, cache) is None
