@@ -17,6 +17,7 @@ import torch
 from gguf import GGUFWriter
 from support.oracle import (
     GREEDY,
+    assert_swap_keeps_transformers_tokens,
     hf_dequantized,
     hf_greedy,
     hf_greedy_on,
@@ -26,7 +27,6 @@ from support.oracle import (
     run_engine,
 )
 
-from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config, rope_frequencies
 from pagedserve.model.quant import WeightQuant
@@ -93,19 +93,7 @@ def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(make_tiny,
     at once: sequences are swapped out and back in, and every token equals transformers'."""
     model_dir = make_tiny(arch)
     prompts = PROMPTS
-    engine = make_engine(
-        model_dir, block_size=8, num_blocks=32, num_swap_blocks=64, max_num_batched_tokens=32,
-        preemption_mode=PreemptionMode.SWAP,
-    )  # fmt: skip
-    seqs = [engine.add_request(p, GREEDY) for p in prompts]
-    swapped = 0
-    while engine.has_unfinished:
-        swapped += len(engine.step().plan.preempted)
-        engine.check_integrity()
-    engine.close()
-    assert swapped >= 1, "the pool must run short"
-    for prompt, seq in zip(prompts, seqs, strict=True):
-        assert seq.output_token_ids == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
+    assert_swap_keeps_transformers_tokens(model_dir, prompts, num_blocks=32)
 
 
 def test_gemma2_defaults_are_its_soft_caps_scale_and_alternating_windows(tmp_path):

@@ -16,9 +16,14 @@ import torch
 from gguf import GGUFWriter
 from safetensors import safe_open
 from safetensors.torch import save_file
-from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts, run_engine
+from support.oracle import (
+    assert_swap_keeps_transformers_tokens,
+    hf_greedy,
+    make_engine,
+    make_prompts,
+    run_engine,
+)
 
-from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config, rope_frequencies
 from pagedserve.model.loader import load_model
@@ -49,19 +54,7 @@ def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(make_tiny,
     """Chunks of 32 tokens and a KV pool too small for every sequence at once: sequences are
     swapped out and back in, and every token still equals transformers'."""
     model_dir = make_tiny(arch)
-    engine = make_engine(
-        model_dir, block_size=8, num_blocks=30, num_swap_blocks=64, max_num_batched_tokens=32,
-        preemption_mode=PreemptionMode.SWAP,
-    )  # fmt: skip
-    seqs = [engine.add_request(p, GREEDY) for p in PROMPTS]
-    swapped = 0
-    while engine.has_unfinished:
-        swapped += len(engine.step().plan.preempted)
-        engine.check_integrity()
-    engine.close()
-    assert swapped >= 1, "the pool must run short"
-    for prompt, seq in zip(PROMPTS, seqs, strict=True):
-        assert seq.output_token_ids == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
+    assert_swap_keeps_transformers_tokens(model_dir, PROMPTS, num_blocks=30)
 
 
 def test_bf16_greedy_tokens_match_transformers(tiny_mixtral):

@@ -15,9 +15,14 @@ import json
 import pytest
 import torch
 from gguf import GGUFWriter
-from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
+from support.oracle import (
+    GREEDY,
+    assert_swap_keeps_transformers_tokens,
+    hf_greedy,
+    make_engine,
+    make_prompts,
+)
 
-from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config
 
@@ -46,19 +51,7 @@ def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(make_tiny,
     swapped out and back in, and every token still equals transformers'."""
     model_dir = make_tiny(arch)
     prompts = make_prompts((3, 90, 20, 150, 1, 64), seed=11)
-    engine = make_engine(
-        model_dir, block_size=8, num_blocks=40, num_swap_blocks=64, max_num_batched_tokens=32,
-        preemption_mode=PreemptionMode.SWAP,
-    )  # fmt: skip
-    seqs = [engine.add_request(p, GREEDY) for p in prompts]
-    swapped = 0
-    while engine.has_unfinished:
-        swapped += len(engine.step().plan.preempted)
-        engine.check_integrity()
-    engine.close()
-    assert swapped >= 1, "the pool must run short"
-    for prompt, seq in zip(prompts, seqs, strict=True):
-        assert seq.output_token_ids == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
+    assert_swap_keeps_transformers_tokens(model_dir, prompts, num_blocks=40)
 
 
 def test_two_tensor_parallel_ranks_keep_granites_tokens(make_tiny):

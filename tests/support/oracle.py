@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
+from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.kernels import kv_quant
 from pagedserve.model.quant import WeightQuant, dequantize_into
 from pagedserve.sampling_params import SamplingParams
@@ -65,6 +66,26 @@ def make_engine(model_dir: Path, **config) -> DecodeEngine:
     """The decode engine, in-process, without a swap space unless `config` asks for one."""
     config.setdefault("num_swap_blocks", 0)
     return DecodeEngine.from_model_dir(str(model_dir), DecodeEngineConfig(**config))
+
+
+def assert_swap_keeps_transformers_tokens(model_dir: Path, prompts, num_blocks: int) -> None:
+    """Prefill chunks of 32 tokens beside decodes, blocks of 8, and a KV pool of `num_blocks`
+    too small for every sequence at once: sequences are swapped out and back in (at least one,
+    asserted), the pool's integrity holds after every step, and every token equals
+    transformers'."""
+    engine = make_engine(
+        model_dir, block_size=8, num_blocks=num_blocks, num_swap_blocks=64,
+        max_num_batched_tokens=32, preemption_mode=PreemptionMode.SWAP,
+    )  # fmt: skip
+    seqs = [engine.add_request(p, GREEDY) for p in prompts]
+    swapped = 0
+    while engine.has_unfinished:
+        swapped += len(engine.step().plan.preempted)
+        engine.check_integrity()
+    engine.close()
+    assert swapped >= 1, "the pool must run short"
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
 
 
 def run_engine(model_dir: Path, prompts, *, record_logits=False, **config):
