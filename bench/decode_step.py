@@ -35,7 +35,6 @@ from pagedserve.kernels import cpu_native
 from pagedserve.model import native_stack
 from pagedserve.model.quant import weight_quant_from_args
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.tiny_model import ARCHS
 
 
 def model_or_tiny(model_dir: str | None, scratch: str, family: str = "llama") -> str:
@@ -115,6 +114,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="pagedserve bench decode-step", description=__doc__)
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", default=None, help="HF model dir (default: a tiny Llama)")
+    # NOTE: imported here: pagedserve.tiny_model imports transformers (and with it triton)
+    from pagedserve.tiny_model import ARCHS
+
     source.add_argument("--families", nargs="+", default=None, choices=ARCHS, metavar="FAMILY",
                         help=f"a tiny model of each ({', '.join(ARCHS)})")  # fmt: skip
     p.add_argument("--batches", type=int, nargs="+", default=[1, 16, 48])

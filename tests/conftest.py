@@ -3,11 +3,19 @@ redis-servers, and the block-pool integrity guard."""
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+# NOTE: Triton picks interpreter or compiler once, when triton.language is first imported; a test
+# module that imports transformers (or the kernels) before tests/kernels/conftest.py sets this
+# would leave `tl.cdiv` & co. compiled-only, and every interpreted kernel would fail. So: first.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from support.chat_templates import CHATML, model_with_template
 from support.clusters import Clusters
 from support.redis_server import RedisServer, running_redis
