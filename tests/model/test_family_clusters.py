@@ -26,9 +26,9 @@ from pagedserve.sampling_params import SamplingParams
 # 150 pass the sliding window of the families that have one (tiny_model.py's windows are <= 64).
 LENS = (1, 3, 7, 12, 16, 20, 21, 25, 33, 40, 47, 64, 70, 90, 120, 150)
 LOCAL_MAX = 20
-KV_BLOCKS = 28  # per worker: about a third of what the 16 streams hold at their longest
+KV_BLOCKS = 20  # per worker: under a third of what the 16 streams hold at their longest
 BLOCK_SIZE = 16
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
 # family -> the tiny checkpoint's `make_tiny_model` arguments
 FAMILIES: dict[str, dict[str, object]] = {
@@ -65,7 +65,9 @@ def test_a_cluster_serves_the_family_as_transformers_under_swap(family, make_tin
     for prompt, tokens in zip(prompts, got, strict=True):
         want = hf_greedy(model_dir, torch.float32, tuple(prompt))[0][: GREEDY.max_tokens]
         assert tokens == want, f"{family}: the prompt of {len(prompt)} tokens"
-    assert grew["pagedserve:decode_num_preemptions_swap_total"] > 0, "no swap preemption"
+    swaps = grew["pagedserve:decode_num_preemptions_swap_total"]
+    print(f"{family}: {swaps:.0f} swap preemptions")
+    assert swaps > 0, "no swap preemption"
     assert grew["pagedserve:kv_transfer_bytes_shm_total"] > 0, "nothing was handed off"
 
 
