@@ -57,14 +57,29 @@ def test_chunked_prefill_and_swap_preemption_keep_transformers_tokens(make_tiny,
     assert_swap_keeps_transformers_tokens(model_dir, PROMPTS, num_blocks=30)
 
 
-def test_bf16_greedy_tokens_match_transformers(tiny_mixtral):
-    """Mixtral's weighted expert outputs are summed in float32 before the cast to bfloat16, as
-    transformers sums them."""
+NEAR_TIE = 0.25  # bf16 logits: the spacing of values of a few units (docs/models.md)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_bf16_tokens_equal_transformers_or_first_differ_at_a_near_tie(make_tiny, arch):
+    """In bf16 each prompt's tokens equal transformers', or first differ where transformers'
+    own top logit and the logit of the token chosen here are within NEAR_TIE (the margins are
+    printed, as the real model's bf16 test reports them). Mixtral's weighted expert outputs
+    are summed in float32 before the cast, Qwen's in bf16, as transformers sums them."""
+    model_dir = make_tiny(arch)
     prompts = PROMPTS[:2]
-    _, seqs = run_engine(tiny_mixtral, prompts, block_size=16, num_blocks=128, dtype="bfloat16")
+    _, seqs = run_engine(model_dir, prompts, block_size=16, num_blocks=128, dtype="bfloat16")
+    margins = []
     for prompt, seq in zip(prompts, seqs, strict=True):
-        want, _ = hf_greedy(tiny_mixtral, torch.bfloat16, tuple(prompt))
-        assert seq.output_token_ids == want, f"prompt of {len(prompt)} tokens"
+        want, logits = hf_greedy(model_dir, torch.bfloat16, tuple(prompt))
+        got = seq.output_token_ids
+        step = next((i for i, (a, b) in enumerate(zip(got, want, strict=True)) if a != b), None)
+        if step is None:
+            continue
+        margin = float(logits[step].max() - logits[step][got[step]])
+        margins.append((len(prompt), step, round(margin, 4)))
+        assert margin <= NEAR_TIE, f"prompt of {len(prompt)} differs at step {step}: {margin}"
+    print(f"{arch} bf16: (prompt length, step, margin) of the prompts that differ: {margins}")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
