@@ -119,16 +119,23 @@ def test_every_backend_agrees_through_dispatch(
 GEMMA_CASES = [(None, 3.0), (5, 3.0), (20, 3.0), (20, None)]
 
 
+NATIVE = pytest.param(
+    "cpu-native",
+    marks=pytest.mark.skipif(
+        cpu_native.unavailable_reason() is not None,
+        reason=f"no native kernel here: {cpu_native.unavailable_reason()}",
+    ),
+)
+
+
 @pytest.mark.parametrize(("sliding_window", "softcap"), GEMMA_CASES)
-@pytest.mark.parametrize("backend", ["cpu-native", "cpu-torch", "triton"])
+@pytest.mark.parametrize("backend", [NATIVE, "cpu-torch", "triton"])
 def test_every_backend_takes_gemmas_softcap_scale_and_head_dim_256(
     triton_modules, make_case, make_cpu_case, tolerance, monkeypatch, backend, sliding_window,
     softcap,
 ):  # fmt: skip
     # NOTE: a scale that is not head_dim ** -0.5 (Gemma's query_pre_attn_scalar ** -0.5), so a
     # backend that recomputed it from head_dim would fail
-    if backend == "cpu-native" and cpu_native.unavailable_reason() is not None:
-        pytest.skip(f"no native kernel: {cpu_native.unavailable_reason()}")
     scale = 0.15
     monkeypatch.setattr(cpu_native, "enabled", backend != "cpu-torch")
     make = make_case if backend == "triton" else make_cpu_case
