@@ -34,6 +34,7 @@ from pagedserve.decode_worker.plan import (
 )
 from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, worst_case_blocks
+from pagedserve.decode_worker.speculation import SpeculationStats, SpeculativeConfig
 from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
@@ -82,6 +83,7 @@ class DecodeEngineConfig:
     prefill_tokens_per_s: float = 8e3
     swap_overhead_s: float = 2e-4
     measure_costs: bool = True
+    speculative: SpeculativeConfig | None = None  # speculative decoding (speculation.py)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "num_blocks", "max_num_batched_tokens", "max_num_seqs",
@@ -92,6 +94,11 @@ class DecodeEngineConfig:
             raise ValueError(f"swap_space_gib: must be >= 0, got {self.swap_space_gib}")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks: must be >= 0, got {self.num_swap_blocks}")
+        if self.speculative is not None and self.tensor_parallel_size > 1:
+            raise ValueError(
+                "speculative-method: speculative decoding is not supported with "
+                "--tensor-parallel-size above 1"
+            )
 
     def cost_model(self) -> PreemptionCostModel:
         return PreemptionCostModel(
@@ -160,6 +167,7 @@ class DecodeEngine:
             self.kv,
             self.swap_space.pool if self.swap_space else None,
             config.cost_model(),
+            config.speculative,
         )
         self.errors: dict[RequestId, str] = {}  # request id -> why it finished with ERROR
         # Tests compare logits with the oracle's: when set, each sampled step's logits row.
@@ -243,6 +251,12 @@ class DecodeEngine:
     @property
     def stats(self) -> SchedulerStats:
         return self.scheduler.stats
+
+    @property
+    def speculation_stats(self) -> SpeculationStats | None:
+        """Speculative decoding's counts; None when it is off."""
+        speculator = self.scheduler.speculator
+        return speculator.stats if speculator is not None else None
 
     @property
     def has_unfinished(self) -> bool:
@@ -391,7 +405,8 @@ class DecodeEngine:
         rows: Iterator[torch.Tensor] = iter(logits if logits is not None else [])
         for item, sampled in zip(plan.scheduled, output.sampled, strict=True):
             if sampled is not None:
-                self.logits.setdefault(item.seq.request_id, []).append(next(rows))
+                recorded = self.logits.setdefault(item.seq.request_id, [])
+                recorded += [next(rows) for _ in range(1 + sampled.num_accepted)]
         return output
 
     @property
@@ -422,7 +437,7 @@ class DecodeEngine:
             table, start = item.seq.block_table, item.seq.num_computed_tokens
             first, end = (
                 start // table.block_size,
-                -(-(start + item.num_new_tokens) // table.block_size),
+                -(-(start + item.num_query_tokens) // table.block_size),
             )
             blocks.update(table.block_ids[first:end])
         return blocks

@@ -55,9 +55,16 @@ class PlanDraft:
         self.copies[entry.seq.request_id] = copies
         self.budget -= num_new_tokens
 
+    def add_draft(self, item: ScheduledSequence, draft: list[int], copies: Pairs) -> None:
+        """Give a scheduled decode chunk proposals to verify (their slots already allocated)."""
+        seq = item.seq
+        self.items[seq.request_id] = ScheduledSequence(seq, item.num_new_tokens, tuple(draft))
+        self.copies[seq.request_id] += copies
+        self.budget -= len(draft)
+
     def tokens_of(self, entry: QueueEntry) -> int:
         item = self.items.get(entry.seq.request_id)
-        return item.num_new_tokens if item else 0
+        return item.num_query_tokens if item else 0
 
     def remove(self, entry: QueueEntry) -> Pairs:
         """Unschedule `entry` (a victim); return the copy-on-write pairs it had asked for."""

@@ -38,10 +38,11 @@ from pagedserve.decode_worker.preemption import (
     SwappedBlocks,
     swap_in_group_cost,
 )
-from pagedserve.decode_worker.queues import PlanDraft, QueueEntry, Rank, SequenceQueues
+from pagedserve.decode_worker.queues import Pairs, PlanDraft, QueueEntry, Rank, SequenceQueues
+from pagedserve.decode_worker.speculation import SpeculativeConfig, Speculator
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.model.requests.batch import RunnerOutput
+from pagedserve.model.requests.batch import RunnerOutput, SampledToken, ScheduledSequence
 from pagedserve.model.requests.progress import admit, advance
 from pagedserve.model.requests.sequence import FinishReason, RequestId, Sequence
 
@@ -60,8 +61,10 @@ class Scheduler:
         kv: KVCacheManager,
         host_pool: BlockPool | None = None,
         cost_model: PreemptionCostModel | None = None,
+        speculative: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
+        self.speculator = Speculator(speculative) if speculative is not None else None
         self.kv = kv
         self.pool = kv.pool
         self.host_pool = host_pool
@@ -192,6 +195,8 @@ class Scheduler:
         elif entry in self.swapped:
             self.preemptor.release_swapped(entry)
         self.queues.forget(entry)
+        if self.speculator is not None:
+            self.speculator.forget(entry.seq.request_id)
 
     def _end_search(self, beam: Sequence) -> list[Sequence]:
         """Take every beam of `beam`'s search out of the queues, then finish them."""
@@ -215,6 +220,7 @@ class Scheduler:
             if entry in self.running:
                 self._schedule_running(entry, draft)
         self._admit_waiting(draft)
+        self._speculate(draft)
         return draft.finish()
 
     def update(self, plan: DecodePlan, output: RunnerOutput) -> list[Sequence]:
@@ -233,6 +239,8 @@ class Scheduler:
             eos, max_len = self.config.eos_token_ids, self.config.max_model_len
             done = advance(self.kv, item, sampled, eos_token_ids=eos, max_model_len=max_len,
                            prompt_logprobs=output.prompt_logprobs_of(i))  # fmt: skip
+            if item.draft:
+                self._end_verification(item, sampled, done)
             if sampled is not None and seq.forks_pending:
                 finished += self.samples.fork(seq, sampled)
             if done:
@@ -242,6 +250,49 @@ class Scheduler:
             forked, done = self.beams.step(rows)
             finished += forked + (self._end_search(rows[0][0].seq) if done else [])
         return finished
+
+    # -- phase 4: speculation -----------------------------------------------------------------
+
+    def _speculate(self, draft: PlanDraft) -> None:
+        """Give running decode chunks proposals to verify, best rank first, in what is left of
+        the token budget and of the pool's allocatable blocks: never a preemption for them."""
+        if self.speculator is None or len(self.running) > self.speculator.config.max_batch:
+            return
+        for entry in sorted(self.running):
+            item = draft.items.get(entry.seq.request_id)
+            if draft.budget <= 0 or item is None or not item.completes or item.num_new_tokens > 1:
+                continue
+            room = min(draft.budget, self._tokens_left(item.seq) - 1)
+            proposal = self.speculator.propose(item.seq, room)
+            copies = self._draft_slots(item.seq, proposal)
+            if copies is not None:
+                draft.add_draft(item, proposal, copies)
+
+    def _draft_slots(self, seq: Sequence, proposal: list[int]) -> Pairs | None:
+        """Allocate slots for as many of `proposal` as fit (popping the rest); None for none."""
+        while proposal:
+            slots = self.needs.slots_for(seq, seq.num_tokens + len(proposal))
+            if self.kv.can_allocate(seq.block_table, slots):
+                copies = self.kv.allocate(seq.block_table, slots)
+                if copies is None:
+                    raise RuntimeError(f"{seq.request_id}: allocation failed after it fit")
+                return copies
+            proposal.pop()
+        return None
+
+    def _tokens_left(self, seq: Sequence) -> int:
+        """Output tokens `seq` may still produce (max_tokens, the model's length)."""
+        return min(seq.params.max_tokens - seq.num_output_tokens,
+                   self.config.max_model_len - seq.num_tokens)  # fmt: skip
+
+    def _end_verification(self, item: ScheduledSequence, sampled: SampledToken | None,
+                          done: bool) -> None:  # fmt: skip
+        """Count a verification and drop the slots of the proposals it rejected."""
+        if self.speculator is None or sampled is None:
+            raise RuntimeError(f"{item.seq.request_id}: a verification without a speculator")
+        self.speculator.observe(item.seq, len(item.draft), sampled.num_accepted)
+        if not done:
+            item.seq.block_table.truncate(item.seq.num_computed_tokens)
 
     # -- phase 1: swap in ----------------------------------------------------------------------
 

@@ -44,7 +44,7 @@ class BlockTable:
         """New blocks needed so that ``num_tokens_total`` tokens have a slot.
 
         Counts the copy-on-write of a shared partial last block as one block. Zero when the
-        table already holds ``num_tokens_total`` tokens (tables never shrink).
+        table already holds ``num_tokens_total`` tokens (tables shrink only by ``truncate``).
         """
         if num_tokens_total <= self.num_tokens:
             return 0
@@ -114,6 +114,24 @@ class BlockTable:
         return [
             self.block_ids[p // block_size] * block_size + p % block_size for p in range(start, end)
         ]
+
+    def truncate(self, num_tokens: int) -> None:
+        """Keep slots for the first ``num_tokens`` tokens only (speculative decoding drops the
+        slots of rejected proposals): blocks wholly past them are released, last first.
+
+        Contract: the released blocks hold no token anyone computed and kept, so none has a
+        hash (only computed full blocks are cached); ValueError if ``num_tokens`` is negative or
+        would drop a cached block.
+        """
+        keep = _cdiv(num_tokens, self.block_size)
+        if not 0 <= num_tokens <= self.num_tokens or keep < self.num_cached_blocks:
+            raise ValueError(
+                f"num_tokens: must be in [0, {self.num_tokens}] and keep the table's "
+                f"{self.num_cached_blocks} cached blocks, got {num_tokens}"
+            )
+        self.pool.free(reversed(self.block_ids[keep:]))
+        del self.block_ids[keep:]
+        self.num_tokens = num_tokens
 
     def fork(self) -> BlockTable:
         """A new table sharing every block of this one (one more reference each)."""

@@ -9,6 +9,7 @@ blocks) and its sampler's generators (one draw per seeded, sampled row).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -235,11 +236,14 @@ class ModelRunner:
     def _execute(self, batch: Seq[ScheduledSequence]) -> tuple[RunnerOutput, torch.Tensor | None]:
         input_ids, positions, meta = self._prepare(batch)
         last_rows = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
-        sample_idx = [i for i, item in enumerate(batch) if item.completes]
+        sample_idx = [i for i, item in enumerate(batch) if item.completes and not item.draft]
+        spec_idx = [i for i, item in enumerate(batch) if item.completes and item.draft]
         prompt_rows = prompt_logit_rows(batch)
-        # NOTE: one logits call for the sampled rows then the prompt-logprob rows (tensor-
-        # parallel ranks join the same gather)
-        logit_rows = last_rows[sample_idx].tolist() + prompt_rows.rows
+        # NOTE: one logits call for the sampled rows, the verified rows (a speculating chunk's
+        # last 1 + k) and the prompt-logprob rows (tensor-parallel ranks join the same gather)
+        ends = last_rows.tolist()
+        spec_rows = [r for i in spec_idx for r in range(ends[i] - len(batch[i].draft), ends[i] + 1)]
+        logit_rows = [ends[i] for i in sample_idx] + spec_rows + prompt_rows.rows
         if self.ranks is not None:
             if not self._threads_set:
                 self.set_threads(torch.get_num_threads())
@@ -251,12 +255,10 @@ class ModelRunner:
             ))  # fmt: skip
         try:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
-            logits = prompt_logits = None
+            every = None
             if logit_rows:
                 rows = torch.tensor(logit_rows, device=self.device)
                 every = self.model.compute_logits(hidden[rows]).float()
-                logits = every[: len(sample_idx)] if sample_idx else None
-                prompt_logits = every[len(sample_idx) :]
         except Exception as exc:
             if self.ranks is None:
                 raise
@@ -264,10 +266,37 @@ class ModelRunner:
             # collective we never reach. A tensor-parallel forward is fail-stop: no retry.
             self.ranks.close()
             raise RankLost(f"tensor parallel step failed: {exc}") from exc
+        n_sampled, n_verified = len(sample_idx), len(spec_rows)
+        logits = every[:n_sampled] if every is not None and sample_idx else None
         output = self._sample(batch, logits, sample_idx)
-        if prompt_logits is not None and prompt_rows.rows:
-            output.prompt_logprobs = prompt_logprobs(prompt_logits, prompt_rows)
-        return output, logits
+        verified = every[n_sampled : n_sampled + n_verified] if every is not None else None
+        emitted = self._verify(batch, verified, spec_idx, output) if spec_idx else None
+        if every is not None and prompt_rows.rows:
+            output.prompt_logprobs = prompt_logprobs(every[n_sampled + n_verified :], prompt_rows)
+        return output, _in_batch_order(batch, logits, emitted, output)
+
+    def _verify(
+        self,
+        batch: Seq[ScheduledSequence],
+        logits: torch.Tensor | None,
+        spec_idx: list[int],
+        output: RunnerOutput,
+    ) -> list[torch.Tensor]:
+        """Greedy verification of every speculating chunk (rows: its 1 + k verified
+        positions, chunk after chunk): fills `output.sampled` and returns, per chunk, the
+        logits rows of the tokens it emitted."""
+        if logits is None:
+            raise RuntimeError("runner: speculating chunks without verified logits")
+        targets = logits.argmax(dim=-1).tolist()
+        emitted_rows: list[torch.Tensor] = []
+        start = 0
+        for i in spec_idx:
+            draft = batch[i].draft
+            tokens = accept_greedy(draft, targets[start : start + len(draft) + 1])
+            output.sampled[i] = SampledToken(tokens[0], None, extra=tokens[1:])
+            emitted_rows.append(logits[start : start + len(tokens)])
+            start += len(draft) + 1
+        return emitted_rows
 
     def _sample(
         self, batch: Seq[ScheduledSequence], logits: torch.Tensor | None, sample_idx: list[int]
@@ -353,10 +382,14 @@ class ModelRunner:
             end = start + item.num_new_tokens
             if item.num_new_tokens < 1 or end > seq.num_tokens:
                 raise RuntimeError(f"{seq.request_id}: bad chunk {start}:{end} of {seq.num_tokens}")
+            if item.draft and end != seq.num_tokens:
+                raise RuntimeError(f"{seq.request_id}: proposals after a partial chunk")
             tokens.extend(seq.token_ids[start:end])
+            tokens.extend(item.draft)
+            end += len(item.draft)
             positions.extend(range(start, end))
             slots.extend(seq.block_table.slot_mapping(start, end))
-            query_lens.append(item.num_new_tokens)
+            query_lens.append(end - start)
             seq_lens.append(end)
         max_blocks = max(len(item.seq.block_table.block_ids) for item in batch)
         tables = [
@@ -373,6 +406,40 @@ class ModelRunner:
         ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
         pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
         return ids, pos, meta
+
+
+def accept_greedy(draft: Seq[int], targets: Seq[int]) -> list[int]:
+    """The tokens greedy decoding emits from one verification: the target's token after each
+    accepted proposal, up to and including the first disagreement (`targets`: the argmax of
+    each of the 1 + len(draft) positions, the last token's first)."""
+    emitted = [targets[0]]
+    for proposed, target in zip(draft, targets[1:], strict=True):
+        if emitted[-1] != proposed:
+            break
+        emitted.append(target)
+    return emitted
+
+
+def _in_batch_order(
+    batch: Seq[ScheduledSequence],
+    sampled_logits: torch.Tensor | None,
+    emitted: list[torch.Tensor] | None,
+    output: RunnerOutput,
+) -> torch.Tensor | None:
+    """The logits of every emitted token, sequence by sequence in batch order (a speculating
+    chunk: one row per token it emitted); the sampled rows alone when none speculated."""
+    if emitted is None:
+        return sampled_logits
+    sampled_rows: Iterator[torch.Tensor] = iter(
+        sampled_logits if sampled_logits is not None else []
+    )
+    spec_rows = iter(emitted)
+    parts = []
+    for item, token in zip(batch, output.sampled, strict=True):
+        if token is None:
+            continue
+        parts.append(next(spec_rows) if item.draft else next(sampled_rows).unsqueeze(0))
+    return torch.cat(parts) if parts else None
 
 
 def _some(token: SampledToken | None) -> SampledToken:

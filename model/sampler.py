@@ -179,16 +179,7 @@ def _min_tokens_banned(row: SamplingRow) -> list[int]:
 
 
 def _has_penalties(row: SamplingRow) -> bool:
-    p = row.params
-    return (
-        p.repetition_penalty != 1.0
-        or p.frequency_penalty != 0.0
-        or p.presence_penalty != 0.0
-        or bool(p.logit_bias)
-        or bool(p.allowed_token_ids)
-        or bool(p.bad_word_ids)
-        or bool(_min_tokens_banned(row))
-    )
+    return row.params.changes_logits or bool(_min_tokens_banned(row))
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:

@@ -220,6 +220,19 @@ class SamplingParams:
         """True when the most likely token (after penalties) is always taken."""
         return self.temperature < GREEDY_TEMPERATURE or self.top_k == 1
 
+    @property
+    def changes_logits(self) -> bool:
+        """True when a penalty, a bias or a token restriction changes the logits before a
+        token is chosen (min_tokens aside: whether it bans a token depends on the output)."""
+        return (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+            or bool(self.logit_bias)
+            or bool(self.allowed_token_ids)
+            or bool(self.bad_word_ids)
+        )
+
     def validate(
         self,
         *,

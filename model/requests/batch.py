@@ -35,10 +35,19 @@ class TokenLogprobs:
 
 @dataclass(slots=True)
 class ScheduledSequence:
-    """`num_new_tokens` of `seq`, starting at `seq.num_computed_tokens`, run this step."""
+    """`num_new_tokens` of `seq`, starting at `seq.num_computed_tokens`, run this step; with
+    `draft` (speculative decoding: the chunk is the last token), those proposed tokens follow
+    it in the same forward, in slots the scheduler allocated beyond `seq.num_tokens`, and the
+    runner verifies them (`SampledToken.extra`)."""
 
     seq: Sequence
     num_new_tokens: int
+    draft: tuple[int, ...] = ()
+
+    @property
+    def num_query_tokens(self) -> int:
+        """Tokens this chunk feeds the model: its own and the proposed ones."""
+        return self.num_new_tokens + len(self.draft)
 
     @property
     def completes(self) -> bool:
@@ -74,6 +83,14 @@ class SampledToken:
     forks: list[SampledToken] = field(default_factory=list)
     # A beam of a beam search is not sampled: its best continuations (token, logprob)
     candidates: list[tuple[int, float]] = field(default_factory=list)
+    # A speculating chunk: the tokens emitted after `token_id`, in order. `token_id` and
+    # every one of them but the last are accepted proposals; the last is the target's own.
+    extra: list[int] = field(default_factory=list)
+
+    @property
+    def num_accepted(self) -> int:
+        """Proposed tokens the target model agreed with (each emitted token but the last)."""
+        return len(self.extra)
 
 
 @dataclass(slots=True)

@@ -57,6 +57,8 @@ def advance(
     """Apply one step's result to `item.seq` (with the chunk's `prompt_logprobs`, the next
     ones of its prompt); True if the sequence finished (blocks not freed)."""
     seq = item.seq
+    if sampled is not None and sampled.extra:
+        return _advance_speculative(kv, item, sampled, eos_token_ids, max_model_len)
     seq.prompt_logprobs += prompt_logprobs or []
     seq.num_computed_tokens += item.num_new_tokens
     kv.cache_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
@@ -64,3 +66,32 @@ def advance(
         return False
     seq.append_token(sampled.token_id, sampled.logprobs)
     return seq.check_stop(eos_token_ids, max_model_len)
+
+
+def _advance_speculative(
+    kv: KVCacheManager,
+    item: ScheduledSequence,
+    sampled: SampledToken,
+    eos_token_ids: tuple[int, ...],
+    max_model_len: int,
+) -> bool:
+    """Append a verification's emitted tokens one by one, each checked against the stop
+    conditions as if decoded alone (a stop drops the rest). The KV of the last token and of
+    every accepted proposal is computed; a rejected proposal's slot is not (the caller trims
+    it, `BlockTable.truncate`)::
+
+        fed:      | x_last | d_1 .. d_m (accepted) | d_(m+1) .. d_k (rejected) |
+        computed: |<------------ 1 + m ----------->|
+    """
+    seq = item.seq
+    num_fed = seq.num_computed_tokens + item.num_new_tokens + sampled.num_accepted
+    done = False
+    for token_id in (sampled.token_id, *sampled.extra):
+        seq.append_token(token_id, None)
+        if seq.check_stop(eos_token_ids, max_model_len):
+            done = True
+            break
+    # NOTE: the newest token's KV is never computed yet, as after a plain decode step
+    seq.num_computed_tokens = min(num_fed, seq.num_tokens - 1)
+    kv.cache_full_blocks(seq.block_table, seq.block_hashes, seq.num_computed_tokens)
+    return done

@@ -1,0 +1,156 @@
+"""Speculative decoding (n-gram prompt lookup): proposals, rollback of rejected slots, and
+greedy output equal to transformers' with speculation on, in mixed batches and under swap."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
+
+from pagedserve.decode_worker.plan import PreemptionMode
+from pagedserve.decode_worker.speculation import (
+    SpeculativeConfig,
+    Speculator,
+    eligible,
+    ngram_proposal,
+)
+from pagedserve.kvstore.block_pool import BlockPool
+from pagedserve.kvstore.block_table import BlockTable
+from pagedserve.kvstore.hashing import BlockHash
+from pagedserve.model.requests.sequence import make_sequence
+from pagedserve.model.runner import accept_greedy
+from pagedserve.sampling_params import SamplingParams
+
+NGRAM = SpeculativeConfig(num_tokens=4)
+
+
+def test_ngram_proposal_continues_the_latest_earlier_occurrence_of_the_longest_suffix():
+    tokens = [1, 2, 3, 9, 8, 7, 5, 2, 3, 6, 1, 2, 3]
+    # "1 2 3" recurs at 0: its continuation, not the shorter "2 3" at 7 (followed by 6)
+    assert ngram_proposal(tokens, 1, 4, 3) == [9, 8, 7]
+    assert ngram_proposal(tokens, 1, 2, 3) == [6, 1, 2]  # "2 3" last seen at 7
+    assert ngram_proposal(tokens, 1, 4, 9) == tokens[3:12]
+    assert ngram_proposal([1, 2, 3, 4], 1, 4, 3) == []  # nothing recurs
+    assert ngram_proposal([4, 4], 1, 4, 3) == [4]  # the suffix itself is never its own match
+    # a periodic run: the latest occurrence with k tokens after it, not the one just before
+    assert ngram_proposal([1, 2, 3] * 4, 1, 4, 6) == [1, 2, 3, 1, 2, 3]
+    assert ngram_proposal([7], 1, 4, 3) == []
+
+
+def test_greedy_acceptance_keeps_the_agreeing_prefix_and_the_targets_next_token():
+    assert accept_greedy([5, 6, 7], [5, 6, 7, 8]) == [5, 6, 7, 8]  # all accepted + bonus
+    assert accept_greedy([5, 6, 7], [5, 9, 7, 8]) == [5, 9]  # d_2 = 6 rejected: 9 instead
+    assert accept_greedy([5, 6, 7], [4, 6, 7, 8]) == [4]  # none accepted
+
+
+def test_truncate_frees_the_blocks_past_the_kept_tokens_and_never_a_cached_one():
+    pool = BlockPool(8, 4)
+    table = BlockTable(pool)
+    table.append_slots(13)  # 4 blocks
+    pool.cache_block(table.block_ids[0], BlockHash(bytes(16)), depth=0)
+    table.num_cached_blocks = 1
+    kept = table.block_ids[:2]
+    table.truncate(6)
+    pool.check_integrity()
+    assert (table.block_ids, table.num_tokens, pool.num_free) == (kept, 6, 6)
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.truncate(0)  # would drop the cached block 0
+    with pytest.raises(ValueError, match="num_tokens"):
+        table.truncate(7)  # more than it holds
+    table.free()
+    pool.check_integrity()
+
+
+def test_only_sequences_whose_sampler_takes_the_raw_argmax_speculate(tiny_llama):
+    engine = make_engine(tiny_llama, speculative=NGRAM)
+
+    def seq(**params):
+        return make_sequence(engine.model_config, 64, engine.pool, b"f", "r", [1, 2],
+                             SamplingParams(**{"temperature": 0.0, **params}))  # fmt: skip
+
+    assert eligible(seq())
+    for params in ({"temperature": 0.7}, {"logprobs": 2}, {"repetition_penalty": 1.1},
+                   {"logit_bias": ((3, 1.0),)}, {"min_tokens": 4}):  # fmt: skip
+        assert not eligible(seq(**params)), params
+    engine.close()
+
+
+def test_adaptive_k_shrinks_for_a_sequence_whose_proposals_are_rejected(tiny_llama):
+    engine = make_engine(tiny_llama)
+    speculator = Speculator(SpeculativeConfig(num_tokens=8))
+    seq = make_sequence(engine.model_config, 64, engine.pool, b"f", "r", [1, 2, 3] * 6, GREEDY)
+    assert len(speculator.propose(seq, 16)) == 8
+    for _ in range(6):
+        speculator.observe(seq, 8, 0)
+    assert len(speculator.propose(seq, 16)) == 1  # never 0: a sequence may start to repeat
+    assert len(speculator.propose(seq, 0)) == 0  # no room left (max_tokens)
+    assert speculator.stats.num_draft_tokens == 48 and speculator.stats.acceptance_rate == 0
+    engine.close()
+
+
+def _run(model_dir, prompts, params, **config):
+    engine = make_engine(model_dir, **config)
+    engine.record_logits = True
+    seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
+    swapped = 0
+    while engine.has_unfinished:
+        swapped += len(engine.step().plan.preempted)
+        engine.check_integrity()
+        for entry in engine.scheduler.running:  # NOTE: no slot of a rejected proposal is kept
+            assert entry.seq.block_table.num_tokens == entry.seq.num_computed_tokens
+    stats = engine.speculation_stats
+    logits = {s.request_id: engine.logits.get(s.request_id, []) for s in seqs}
+    engine.close()
+    return seqs, stats, logits, swapped
+
+
+@pytest.mark.parametrize("num_blocks", [400, 46], ids=["roomy", "swapping"])
+def test_speculation_keeps_transformers_tokens_and_logits(tiny_llama, num_blocks):
+    """Eight prompts of mixed lengths, blocks of 8; with 46 blocks (the longest prompt alone
+    takes 42) the pool runs short, so sequences are swapped out and in while they speculate."""
+    prompts = make_prompts()
+    seqs, stats, logits, swapped = _run(
+        tiny_llama, prompts, [GREEDY] * len(prompts), block_size=8, num_blocks=num_blocks,
+        num_swap_blocks=64, max_num_batched_tokens=64, preemption_mode=PreemptionMode.SWAP,
+        speculative=NGRAM,
+    )  # fmt: skip
+    print(f"speculation: {stats}, swap preemptions: {swapped}")
+    assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
+    assert swapped >= (num_blocks < 100)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        tokens, ref_logits = hf_greedy(tiny_llama, torch.float32, tuple(prompt))
+        assert seq.output_token_ids == tokens
+        got = torch.stack(logits[seq.request_id])
+        assert torch.allclose(got, ref_logits, atol=1e-4, rtol=0)
+
+
+def test_speculation_changes_no_token_of_sampled_stopped_or_short_requests(tiny_llama):
+    """A batch of greedy requests (stop token ids, max_tokens 1 .. 20) beside seeded sampled
+    ones: every request's tokens equal the run without speculation; the greedy ones speculate."""
+    prompts = make_prompts((5, 40, 12, 70, 9, 33))
+    ref = _run(tiny_llama, prompts, [GREEDY] * len(prompts), block_size=8, num_blocks=200)[0]
+    stop_at = ref[1].output_token_ids[9]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=1),
+        SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=(stop_at,)),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24),
+        SamplingParams(temperature=0.0, max_tokens=20),
+        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=24),
+        SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+    ]
+    off = _run(tiny_llama, prompts, params, block_size=8, num_blocks=200)[0]
+    on, stats, _, _ = _run(tiny_llama, prompts, params, block_size=8, num_blocks=200,
+                           speculative=NGRAM)  # fmt: skip
+    assert stats.num_accepted_tokens > 0
+    for a, b, p in zip(off, on, params, strict=True):
+        assert (a.output_token_ids, a.finish_reason) == (b.output_token_ids, b.finish_reason)
+        assert b.num_output_tokens <= p.max_tokens
+    assert on[1].output_token_ids[-1] == stop_at and len(on[1].output_token_ids) <= 10
+
+
+def test_no_proposals_while_the_batch_is_larger_than_max_batch(tiny_llama):
+    prompts = make_prompts((5, 9, 12, 20))
+    _, stats, _, _ = _run(tiny_llama, prompts, [GREEDY] * 4, block_size=8, num_blocks=200,
+                          speculative=SpeculativeConfig(num_tokens=4, max_batch=3))  # fmt: skip
+    # NOTE: all four run together until the first finishes (same max_tokens: never)
+    assert stats.num_draft_tokens == 0
