@@ -37,3 +37,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--import-threads", type=int, default=4, help="threads pulling KV from prefill workers"
     )
+    add_speculative_arguments(parser)
+
+
+SPECULATIVE_FLAGS = (
+    "speculative_method", "num_speculative_tokens", "speculative_ngram_min",
+    "speculative_ngram_max", "speculative_max_batch",
+)  # fmt: skip
+
+
+def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
+    """Speculative decoding's flags (the decode worker's, and `up`'s, which passes them on)."""
+    parser.add_argument(
+        "--speculative-method", default=None, choices=["ngram"],
+        help="speculative decoding: ngram proposes the tokens that followed the latest earlier "
+        "occurrence of the sequence's last tokens (prompt lookup); greedy requests only "
+        "(docs/speculative.md). Default: off",
+    )  # fmt: skip
+    parser.add_argument(
+        "--num-speculative-tokens", type=int, default=4,
+        help="the most tokens proposed per sequence and step (k); each sequence's k adapts "
+        "to how many of its proposals are accepted",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative-ngram-min", type=int, default=1,
+        help="the shortest suffix the n-gram lookup matches",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative-ngram-max", type=int, default=4,
+        help="the longest suffix the n-gram lookup matches (tried first)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative-max-batch", type=int, default=8,
+        help="no proposals while more sequences than this run (verification then costs "
+        "compute a batch's weight reads no longer hide)",
+    )  # fmt: skip
+
+
+def speculative_flags(args: argparse.Namespace) -> list[str]:
+    """The speculative flags of `args` as a decode worker's command line (none when off)."""
+    if getattr(args, "speculative_method", None) is None:
+        return []
+    flags = []
+    for name in SPECULATIVE_FLAGS:
+        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+    return flags

@@ -24,6 +24,7 @@ from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.kv_import import ProducerClients
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode, SchedulingPolicy
 from pagedserve.decode_worker.servicer import DecodeServicer
+from pagedserve.decode_worker.speculation import SpeculativeConfig, SpeculativeMethod
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import EngineLoop, client_tls_from_args
@@ -60,6 +61,20 @@ def engine_config(args: argparse.Namespace, sizing: EngineSizing) -> DecodeEngin
         preemption_mode=PreemptionMode(args.preemption_mode),
         scheduling_policy=SchedulingPolicy(args.scheduling_policy),
         kv_policy=KVPolicy(args.kv_policy),
+        speculative=speculative_config(args),
+    )
+
+
+def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
+    """`--speculative-method` and its companions (ValueError naming the flag if bad)."""
+    if args.speculative_method is None:
+        return None
+    return SpeculativeConfig(
+        method=SpeculativeMethod(args.speculative_method),
+        num_tokens=args.num_speculative_tokens,
+        ngram_min=args.speculative_ngram_min,
+        ngram_max=args.speculative_ngram_max,
+        max_batch=args.speculative_max_batch,
     )
 
 
@@ -171,6 +186,8 @@ def _register_metrics(worker: DecodeWorker) -> None:
             CounterSource("", lambda: PreemptionCounts(
                 worker.engine.scheduler.stats.num_preemptions)),
             CounterSource("decode_", lambda: worker.engine.scheduler.stats),
+            # NOTE: vLLM's spec_decode_num_{drafts,draft_tokens,accepted_tokens}; none when off
+            CounterSource("spec_decode_", lambda: worker.engine.speculation_stats),
             CounterSource("kv_import_", lambda: worker.importer.stats),
             CounterSource("kv_transfer_", lambda: TransferCounts(
                 bytes_shm=worker.importer.stats.blocks_pulled_shm * block_bytes,

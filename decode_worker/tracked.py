@@ -160,6 +160,11 @@ class TrackedRequest:
         span.set_attribute("pagedserve.num_preemptions", self.num_preemptions)
         span.set_attribute("pagedserve.recomputed_prompt", self.recomputed)
         span.set_attribute("pagedserve.prefill_here", self.prefill_here)
+        drafted = sum(m.num_draft_tokens for m in members)
+        if drafted:
+            span.set_attribute("pagedserve.spec.draft_tokens", drafted)
+            span.set_attribute("pagedserve.spec.accepted_tokens",
+                               sum(m.num_accepted_tokens for m in members))  # fmt: skip
         reasons = [m.finish_reason.value if m.finish_reason else "unknown" for m in members]
         span.set_attribute("gen_ai.response.finish_reasons", reasons)
         span.end()

@@ -39,7 +39,11 @@ from pagedserve.cli_options import (
     check_quantization,
     parse_bytes,
 )
-from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB
+from pagedserve.decode_worker.cli_args import (
+    DEFAULT_MAX_SWAP_GIB,
+    add_speculative_arguments,
+    speculative_flags,
+)
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.logs import add_logging_arguments
@@ -270,6 +274,8 @@ def _worker_flags(role: str, args: argparse.Namespace) -> list[str]:
         flags += ["--tensor-parallel-size", str(args.tensor_parallel_size)]
     if getattr(args, "eviction_policy", None):
         flags += ["--eviction-policy", args.eviction_policy]
+    if role == "decode":
+        flags += speculative_flags(args)
     return flags
 
 
@@ -391,6 +397,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="passed to every prefill and decode worker (default: theirs, "
         f"{DEFAULT_EVICTION_POLICY.value})",
     )  # fmt: skip
+    add_speculative_arguments(parser)  # NOTE: passed to every decode worker
     parser.add_argument(
         "--generation-config", default="auto", choices=["auto", "none"],
         help="passed to the router (sampling defaults of generation_config.json)",

@@ -5,7 +5,8 @@ ones by the prefill worker and handed off; the KV budget holds a fraction of the
 decode worker preempts by swap. After the run no block is held anywhere.
 
 One cluster per family, each started privately and stopped at the end of its test (the suite's
-time: ~5 s per family)."""
+time: ~5 s per family). `llama-ngram` runs Llama with speculative decoding (n-gram lookup, up to
+4 tokens, for batches of up to 16): the same tokens, some proposals accepted."""
 
 from __future__ import annotations
 
@@ -43,16 +44,22 @@ FAMILIES: dict[str, dict[str, object]] = {
     "mixtral": {"sliding_window": 48},
     "qwen2_moe": {},  # a gated shared expert
     "qwen3_moe": {},  # a dense last layer
+    "llama-ngram": {},
 }
+# family -> `pagedserve up` flags beyond the test's own
+UP_FLAGS: dict[str, dict[str, object]] = {
+    "llama-ngram": dict(speculative_method="ngram", num_speculative_tokens=4,
+                        speculative_ngram_min=1, speculative_ngram_max=4, speculative_max_batch=16),
+}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_cluster_serves_the_family_as_transformers_under_swap(family, make_tiny, clusters):
-    model_dir = make_tiny(family, **FAMILIES[family])
+    model_dir = make_tiny(family.partition("-")[0], **FAMILIES[family])
     spec = kv_cache_spec(load_model_config(model_dir), BLOCK_SIZE)
     flags = dict(
         metrics=True, max_local_prefill_tokens=LOCAL_MAX, local_prefill_queue_tokens=0,
-        kv_cache_memory=str(KV_BLOCKS * spec.bytes_per_block),
+        kv_cache_memory=str(KV_BLOCKS * spec.bytes_per_block), **UP_FLAGS.get(family, {}),
     )  # fmt: skip
     prompts = make_prompts(LENS, seed=31)
     with clusters.private(model_dir, **flags) as started:
@@ -69,6 +76,11 @@ def test_a_cluster_serves_the_family_as_transformers_under_swap(family, make_tin
     print(f"{family}: {swaps:.0f} swap preemptions")
     assert swaps > 0, "no swap preemption"
     assert grew["pagedserve:kv_transfer_bytes_shm_total"] > 0, "nothing was handed off"
+    if "speculative_method" in flags:
+        accepted = grew["pagedserve:spec_decode_num_accepted_tokens_total"]
+        drafted = grew["pagedserve:spec_decode_num_draft_tokens_total"]
+        print(f"{family}: {accepted:.0f} of {drafted:.0f} proposed tokens accepted")
+        assert 0 < accepted < drafted
 
 
 def _generate_concurrently(address: str, prompts: list[list[int]]) -> list[list[int] | None]:
