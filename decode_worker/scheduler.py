@@ -291,8 +291,9 @@ class Scheduler:
         if self.speculator is None or sampled is None:
             raise RuntimeError(f"{item.seq.request_id}: a verification without a speculator")
         self.speculator.observe(item.seq, len(item.draft), sampled.num_accepted)
-        if not done:
-            item.seq.block_table.truncate(item.seq.num_computed_tokens)
+        if not done:  # NOTE: under reserve-max the reservation stays
+            seq = item.seq
+            seq.block_table.truncate(self.needs.slots_for(seq, seq.num_computed_tokens))
 
     # -- phase 1: swap in ----------------------------------------------------------------------
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
 
-from pagedserve.decode_worker.plan import PreemptionMode
+from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode
 from pagedserve.decode_worker.speculation import (
     SpeculativeConfig,
     Speculator,
@@ -89,6 +89,7 @@ def test_adaptive_k_shrinks_for_a_sequence_whose_proposals_are_rejected(tiny_lla
 
 
 def _run(model_dir, prompts, params, **config):
+    paged = config.get("kv_policy", KVPolicy.PAGED) is KVPolicy.PAGED
     engine = make_engine(model_dir, **config)
     engine.record_logits = True
     seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params, strict=True)]
@@ -97,7 +98,9 @@ def _run(model_dir, prompts, params, **config):
         swapped += len(engine.step().plan.preempted)
         engine.check_integrity()
         for entry in engine.scheduler.running:  # NOTE: no slot of a rejected proposal is kept
-            assert entry.seq.block_table.num_tokens == entry.seq.num_computed_tokens
+            seq = entry.seq
+            worst = seq.num_prompt_tokens + seq.params.max_tokens
+            assert seq.block_table.num_tokens == (seq.num_computed_tokens if paged else worst)
     stats = engine.speculation_stats
     logits = {s.request_id: engine.logits.get(s.request_id, []) for s in seqs}
     engine.close()
@@ -146,6 +149,15 @@ def test_speculation_changes_no_token_of_sampled_stopped_or_short_requests(tiny_
         assert (a.output_token_ids, a.finish_reason) == (b.output_token_ids, b.finish_reason)
         assert b.num_output_tokens <= p.max_tokens
     assert on[1].output_token_ids[-1] == stop_at and len(on[1].output_token_ids) <= 10
+
+
+def test_a_reserve_max_reservation_survives_rejected_proposals(tiny_llama):
+    prompts = make_prompts((5, 40, 12))
+    seqs, stats, _, _ = _run(tiny_llama, prompts, [GREEDY] * 3, block_size=8, num_blocks=200,
+                             kv_policy=KVPolicy.RESERVE_MAX, speculative=NGRAM)  # fmt: skip
+    assert stats.num_accepted_tokens > 0
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
 
 
 def test_no_proposals_while_the_batch_is_larger_than_max_batch(tiny_llama):
