@@ -1,20 +1,23 @@
 """Speculative decoding's proposing side: n-gram prompt lookup and an adaptive k (torch-free).
 
 A speculating step feeds a sequence its last token plus `k` proposed tokens and verifies them
-all in one forward (model/runner.py, `verify_greedy`)::
+all in one forward (model/runner.py)::
 
     fed:      | x_last | d_1 | d_2 | ... | d_k |          positions p .. p + k
-    target:   |  t_0   | t_1 | t_2 | ... | t_k |          argmax of each position's logits
+    target:   |  t_0   | t_1 | t_2 | ... | t_k |          each position's next token
     accepted: d_i while d_i == t_(i-1); emitted t_0 .. t_m (m accepted drafts, 1 + m tokens)
 
-Greedy verification keeps exactly the tokens greedy decoding would have produced one at a
-time. The scheduler (scheduler.py) asks `Speculator.propose` for each running decode sequence
-after everything else of the step is decided, and gives proposals only free slots: speculation
-never preempts, never displaces an admission, and its rejected slots are trimmed after the step.
+Greedy verification (`accept_greedy`) keeps exactly the tokens greedy decoding would produce one
+at a time; sampled rows use rejection sampling (`Sampler.verify_draft`), which keeps each
+token's distribution exactly. The scheduler (scheduler.py) asks `Speculator.propose` for each
+running decode sequence after everything else of the step is decided, and gives proposals only
+free slots: speculation never preempts, never displaces an admission, and its rejected slots
+are trimmed after the step.
 
-Which sequences speculate: greedy ones whose sampler would take the argmax of the raw logits
-(no penalties, logit bias, min_tokens, structured output, logprobs, beams or pending forks).
-Every other sequence runs with k = 0 in the same batch. docs/speculative.md.
+Which sequences speculate: those whose sampler chooses from the raw logits through
+temperature, top-k, top-p and min-p alone (no penalties, logit bias, allowed or banned tokens,
+pending min_tokens, structured output, logprobs, beams or pending forks). Every other sequence
+runs with k = 0 in the same batch. docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -135,12 +138,12 @@ class Speculator:
 
 
 def eligible(seq: Sequence) -> bool:
-    """Whether greedy verification gives `seq` exactly what its sampler would: a greedy
-    sequence whose sampler takes the argmax of the raw logits and wants nothing per token."""
+    """Whether verification gives `seq` exactly what its sampler would: the sampler chooses
+    from the raw logits through temperature, top-k, top-p and min-p alone (greedy: the argmax)
+    and wants nothing per token."""
     p = seq.params
     return (
-        p.greedy
-        and not p.use_beam_search
+        not p.use_beam_search
         and p.logprobs is None
         and p.structured_output is None
         and not seq.forks_pending

@@ -282,17 +282,21 @@ class ModelRunner:
         spec_idx: list[int],
         output: RunnerOutput,
     ) -> list[torch.Tensor]:
-        """Greedy verification of every speculating chunk (rows: its 1 + k verified
-        positions, chunk after chunk): fills `output.sampled` and returns, per chunk, the
-        logits rows of the tokens it emitted."""
+        """Verification of every speculating chunk (rows: its 1 + k verified positions, chunk
+        after chunk; greedy: `accept_greedy`, sampled: `Sampler.verify_draft`): fills
+        `output.sampled` and returns, per chunk, the logits rows of the tokens it emitted."""
         if logits is None:
             raise RuntimeError("runner: speculating chunks without verified logits")
         targets = logits.argmax(dim=-1).tolist()
         emitted_rows: list[torch.Tensor] = []
         start = 0
         for i in spec_idx:
-            draft = batch[i].draft
-            tokens = accept_greedy(draft, targets[start : start + len(draft) + 1])
+            seq, draft = batch[i].seq, batch[i].draft
+            if seq.params.greedy:
+                tokens = accept_greedy(draft, targets[start : start + len(draft) + 1])
+            else:
+                rows = logits[start : start + len(draft) + 1]
+                tokens = self.sampler.verify_draft(rows, self._sampling_row(seq), draft)
             output.sampled[i] = SampledToken(tokens[0], None, extra=tokens[1:])
             emitted_rows.append(logits[start : start + len(tokens)])
             start += len(draft) + 1

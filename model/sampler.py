@@ -142,6 +142,33 @@ class Sampler:
     def num_generators(self) -> int:
         return len(self._generators)
 
+    def verify_draft(
+        self, logits: torch.Tensor, row: SamplingRow, draft: Sequence[int]
+    ) -> list[int]:
+        """Speculative decoding's rejection sampling for one sampled row whose logits no
+        penalty changes: `logits` [1 + k, V] are the raw logits after its last token and after
+        each proposal `draft` (k tokens). Returns the tokens it emits: the accepted proposals,
+        then one drawn token. Each emitted token follows the row's own distribution exactly.
+
+        A proposal is a single token (the draft's distribution q puts all its mass on it), so
+        the rule `accept with min(1, p/q)`, else draw from `norm(max(0, p - q))`, becomes:
+        accept d with probability p(d), else draw from p without d; after k acceptances, draw
+        the next token from the last row. Draws use the request's generator when seeded.
+        """
+        probs = _warp(logits.float(), [row.params] * logits.shape[0]).softmax(dim=-1)
+        generator = self._generator(row, logits.device)
+        emitted: list[int] = []
+        for i, proposed in enumerate(draft):
+            p = probs[i]
+            u = torch.rand((), device=p.device, generator=generator)
+            if u < p[proposed]:
+                emitted.append(proposed)
+                continue
+            residual = p.clone()
+            residual[proposed] = 0.0
+            return [*emitted, _draw(residual, generator)]
+        return [*emitted, _draw(probs[len(draft)], generator)]
+
     def processed_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:
         """The float32 logits each row's token is chosen from, as a new [B, V] tensor.
 
@@ -297,6 +324,11 @@ def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
     probs = logits.softmax(dim=-1)
     drop = probs < m * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(drop, _NEG_INF)
+
+
+def _draw(weights: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from unnormalized non-negative `weights` [V]."""
+    return int(torch.multinomial(weights, 1, generator=generator).item())
 
 
 def _choose(

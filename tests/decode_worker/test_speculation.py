@@ -19,6 +19,7 @@ from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.model.requests.sequence import make_sequence
 from pagedserve.model.runner import accept_greedy
+from pagedserve.model.sampler import Sampler, SamplingRow
 from pagedserve.sampling_params import SamplingParams
 
 NGRAM = SpeculativeConfig(num_tokens=4)
@@ -69,8 +70,9 @@ def test_only_sequences_whose_sampler_takes_the_raw_argmax_speculate(tiny_llama)
                              SamplingParams(**{"temperature": 0.0, **params}))  # fmt: skip
 
     assert eligible(seq())
-    for params in ({"temperature": 0.7}, {"logprobs": 2}, {"repetition_penalty": 1.1},
-                   {"logit_bias": ((3, 1.0),)}, {"min_tokens": 4}):  # fmt: skip
+    assert eligible(seq(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=1))
+    for params in ({"logprobs": 2}, {"repetition_penalty": 1.1}, {"logit_bias": ((3, 1.0),)},
+                   {"min_tokens": 4}, {"use_beam_search": True, "n": 2}):  # fmt: skip
         assert not eligible(seq(**params)), params
     engine.close()
 
@@ -127,18 +129,19 @@ def test_speculation_keeps_transformers_tokens_and_logits(tiny_llama, num_blocks
         assert torch.allclose(got, ref_logits, atol=1e-4, rtol=0)
 
 
-def test_speculation_changes_no_token_of_sampled_stopped_or_short_requests(tiny_llama):
+def test_speculation_changes_no_token_of_stopped_short_or_ineligible_requests(tiny_llama):
     """A batch of greedy requests (stop token ids, max_tokens 1 .. 20) beside seeded sampled
-    ones: every request's tokens equal the run without speculation; the greedy ones speculate."""
+    ones that do not speculate (a penalty, logprobs): every request's tokens equal the run
+    without speculation; the greedy ones speculate."""
     prompts = make_prompts((5, 40, 12, 70, 9, 33))
     ref = _run(tiny_llama, prompts, [GREEDY] * len(prompts), block_size=8, num_blocks=200)[0]
     stop_at = ref[1].output_token_ids[9]
     params = [
         SamplingParams(temperature=0.0, max_tokens=1),
         SamplingParams(temperature=0.0, max_tokens=32, stop_token_ids=(stop_at,)),
-        SamplingParams(temperature=0.8, seed=3, max_tokens=24),
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, repetition_penalty=1.2),
         SamplingParams(temperature=0.0, max_tokens=20),
-        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=24),
+        SamplingParams(temperature=1.0, top_k=20, seed=5, max_tokens=24, logprobs=1),
         SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
     ]
     off = _run(tiny_llama, prompts, params, block_size=8, num_blocks=200)[0]
@@ -166,3 +169,53 @@ def test_no_proposals_while_the_batch_is_larger_than_max_batch(tiny_llama):
                           speculative=SpeculativeConfig(num_tokens=4, max_batch=3))  # fmt: skip
     # NOTE: all four run together until the first finishes (same max_tokens: never)
     assert stats.num_draft_tokens == 0
+
+
+def _target(logits: torch.Tensor, temperature: float, top_k: int) -> torch.Tensor:
+    """The distribution a row samples from, computed here independently of the sampler."""
+    scaled = logits / temperature
+    kth = scaled.topk(top_k).values[-1]
+    return scaled.masked_fill(scaled < kth, float("-inf")).softmax(-1)
+
+
+def _chi_square(observed: list[int], expected: torch.Tensor) -> float:
+    total = sum(observed)
+    kept = expected > 0
+    assert all(n == 0 for n, e in zip(observed, expected.tolist(), strict=True) if e == 0)
+    obs = torch.tensor(observed, dtype=torch.float64)[kept]
+    exp = expected.double()[kept] * total
+    return float(((obs - exp) ** 2 / exp).sum())
+
+
+def test_rejection_sampling_keeps_the_target_distribution_of_every_emitted_token():
+    """A six-token vocabulary, top-k 4 at temperature 0.8, two proposals: over 12,000 seeded
+    verifications the first emitted token follows the first row's distribution and, after the
+    first proposal is accepted, the second follows the second row's (chi-square, 3 degrees of
+    freedom, below the 0.999 quantile 16.27)."""
+    logits = torch.randn(3, 6, generator=torch.Generator().manual_seed(7)) * 1.5
+    params = SamplingParams(temperature=0.8, top_k=4, seed=11)
+    p0, p1 = _target(logits[0], 0.8, 4), _target(logits[1], 0.8, 4)
+    draft = [int(p0.argsort(descending=True)[1]), int(p1.argsort(descending=True)[0])]
+    sampler = Sampler()
+    row = SamplingRow("r", params, [1], [])
+    first, second = [0] * 6, [0] * 6
+    for _ in range(12_000):
+        emitted = sampler.verify_draft(logits, row, draft)
+        assert 1 <= len(emitted) <= 3 and emitted[: len(emitted) - 1] == draft[: len(emitted) - 1]
+        first[emitted[0]] += 1
+        if emitted[0] == draft[0]:
+            second[emitted[1]] += 1
+    assert _chi_square(first, p0) < 16.27, (first, p0)
+    assert _chi_square(second, p1) < 16.27, (second, p1)
+    assert 1_000 < sum(second) < 11_000  # both outcomes of the first proposal were seen
+
+
+def test_seeded_sampled_requests_speculate_and_reproduce(tiny_llama):
+    prompts = make_prompts((9, 40, 70))
+    params = [SamplingParams(temperature=0.3, top_p=0.9, seed=s, max_tokens=24) for s in (1, 2, 3)]
+    runs = [_run(tiny_llama, prompts, params, block_size=8, num_blocks=200, speculative=NGRAM)
+            for _ in range(2)]  # fmt: skip
+    (first, stats, _, _), (again, _, _, _) = runs
+    assert stats.num_accepted_tokens > 0
+    assert [s.output_token_ids for s in first] == [s.output_token_ids for s in again]
+    assert all(s.num_output_tokens == 24 or s.finish_reason.value == "stop" for s in first)
