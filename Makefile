@@ -53,6 +53,25 @@ ruby-grpc:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq ruby-grpc ruby-grpc-tools >/dev/null; }
 	@ruby -e "require 'grpc'; puts \"ruby #{RUBY_VERSION}, grpc #{GRPC::VERSION}\""
 
+# The toolchain of examples/go (tests/examples/test_go_client.py): Debian's Go 1.19, grpc-go 1.33,
+# protobuf-go 1.28 and both protoc plugins, GOPATH-style; nothing from a Go module proxy.
+# NOTE: golang-github-golang-protobuf-1-5-dev by name: grpc-go's package also accepts the 1.3
+# one, which crashes marshalling protoc-gen-go 1.28's messages (examples/go/build.sh).
+GO_DEBS := golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev protobuf-compiler \
+	protoc-gen-go protoc-gen-go-grpc
+
+go-grpc:
+	@{ command -v go && command -v protoc && command -v protoc-gen-go && command -v protoc-gen-go-grpc \
+	  && dpkg -s golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev; } >/dev/null 2>&1 || { \
+	  echo "installing the Go toolchain of examples/go with apt"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(GO_DEBS) >/dev/null; }
+	@go version
+
+# examples/go built into .cache/go/bin/pagedserve-chat (stubs generated from protos/ each time).
+go-example: go-grpc
+	examples/go/build.sh
+
 protos: $(STAMP) client-protoc
 	$(PY) scripts/gen_protos.py
 	$(CLIENT_PROTOC_VENV)/bin/python scripts/gen_client_protos.py
@@ -118,7 +137,7 @@ real-model: $(STAMP)
 	$(VENV)/bin/pagedserve fetch-model smollm2-135m-instruct --out $(REAL_MODEL)
 
 # NOTE: the demo runs last, as a smoke test of the README's first command in a clean clone.
-test: install ruby-grpc lint guidellm client-protoc
+test: install ruby-grpc go-grpc lint guidellm client-protoc
 	@set +e; $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	exit $$rc
