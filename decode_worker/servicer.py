@@ -1,4 +1,5 @@
-"""`pagedserve.internal.v1.DecodeWorker`: a thin asyncio servicer over `DecodeWorker` (docs/decode.md).
+"""`pagedserve.internal.v1.DecodeWorker`: a thin asyncio servicer over `DecodeWorker`
+(docs/decode.md).
 
 No thread per stream: each Decode call is a coroutine awaiting its `AsyncRequestStream`, which
 the engine loop fills once per step (once per `stream_interval` tokens). The worker's calls

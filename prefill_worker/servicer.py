@@ -1,4 +1,5 @@
-"""`pagedserve.internal.v1.PrefillWorker`: a thin asyncio servicer over `PrefillWorker` (docs/prefill.md).
+"""`pagedserve.internal.v1.PrefillWorker`: a thin asyncio servicer over `PrefillWorker`
+(docs/prefill.md).
 
 Every queued prompt is in the worker's scheduler (priority order), none in a gRPC thread queue:
 a Prefill call is a coroutine awaiting the worker's future. The worker's lock is never held
