@@ -18,7 +18,8 @@ PYTEST_ARGS ?=
 	demo tiny-model real-model clean peers guidellm llama-cpp
 
 help:
-	@echo "make demo | test | install | lint | protos | tiny-model | real-model | peers | guidellm | llama-cpp | clean"
+	@echo "make demo | test | install | lint | buf-lint | protos | go-example | tiny-model | real-model | peers |"
+	@echo "     guidellm | llama-cpp | clean"
 
 venv: $(PY)
 

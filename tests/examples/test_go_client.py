@@ -72,3 +72,8 @@ def test_go_chat_prints_when_to_retry(go_chat, overloaded_router):
     assert out.returncode == 1, out.stderr
     delay = overloaded_router.retry_after_s
     assert out.stderr == f"RESOURCE_EXHAUSTED: router queue is full\n  retry after {delay} s\n"
+
+
+def test_go_example_is_gofmt_clean():
+    out = subprocess.run(["gofmt", "-l", str(EXAMPLE)], capture_output=True, text=True, timeout=60)
+    assert (out.returncode, out.stdout) == (0, ""), out.stderr
