@@ -115,10 +115,13 @@ $(BUF_DIR)/.installed-$(BUF_VERSION):
 	@touch $@
 
 # `buf lint` on every .proto, and `buf breaking` of the public API against the image of its last
-# published shape (protos/buf-baseline.json; the internal package is ignored: buf.yaml).
+# published shape (protos/buf-baseline.json; the internal package is ignored: buf.yaml). Another
+# baseline, relative to protos/: e.g. BUF_AGAINST='../.git#branch=main,subdir=protos'.
+BUF_AGAINST ?= buf-baseline.json
+
 buf-lint: buf
 	cd protos && ../$(BUF) lint
-	cd protos && ../$(BUF) breaking --against buf-baseline.json
+	cd protos && ../$(BUF) breaking --against '$(BUF_AGAINST)'
 
 # Rewrites protos/buf-baseline.json from the current public protos: only for a deliberate,
 # documented break (a new major version does not need it: pagedserve.v2 would be new files).
