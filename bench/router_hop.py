@@ -20,11 +20,17 @@ from pathlib import Path
 import grpc
 
 from pagedserve.client import Client
+from pagedserve.internal.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    worker_pb2,
+)
 from pagedserve.launcher import start_cluster
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
 from pagedserve.tiny_model import make_tiny_model
-from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 
 def via_router(client: Client, prompt: list[int], params: SamplingParams) -> tuple[float, int]:
@@ -38,7 +44,7 @@ def via_router(client: Client, prompt: list[int], params: SamplingParams) -> tup
 
 
 def direct(prefill, decode, prompt: list[int], params: SamplingParams, n: int) -> tuple[float, int]:
-    request = common_pb2.WorkerRequest(
+    request = worker_pb2.WorkerRequest(
         request_id=f"direct-{n}", prompt_token_ids=prompt, sampling=sampling_to_proto(params)
     )
     start = time.perf_counter()

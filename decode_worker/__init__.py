@@ -1,1 +1,1 @@
-"""Decode worker: `pagedserve.v1.DecodeWorker` (built in the decode-worker issue)."""
+"""Decode worker: `pagedserve.internal.v1.DecodeWorker` (built in the decode-worker issue)."""

@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields, replace
 from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.decode_worker.streams import Delta
 from pagedserve.errors import InvalidArgument, ResourceExhausted
+from pagedserve.internal.v1 import decode_pb2, prefill_pb2, worker_pb2
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
 from pagedserve.model.requests.batch import TokenLogprobs
@@ -23,7 +24,7 @@ from pagedserve.model.requests.convert import (
 from pagedserve.model.requests.sequence import Sequence
 from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, decode_pb2, prefill_pb2
+from pagedserve.v1 import common_pb2
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,11 +167,11 @@ def check_first_tokens(call: DecodeCall, vocab_size: int) -> None:
         raise InvalidArgument("samples", "samples[0] must repeat first_token")
 
 
-def shm_offer(msg: common_pb2.ShmTransport) -> ShmOffer:
+def shm_offer(msg: worker_pb2.ShmTransport) -> ShmOffer:
     return ShmOffer(**{f.name: getattr(msg, f.name) for f in fields(ShmOffer)})
 
 
-def kv_handle_info(msg: common_pb2.KvHandle) -> KvHandleInfo:
+def kv_handle_info(msg: worker_pb2.KvHandle) -> KvHandleInfo:
     """InvalidArgument naming the field for shards out of rank order."""
     shm = shm_offer(msg.shm) if msg.HasField("shm") else None
     if [shard.rank for shard in msg.shards] != list(range(len(msg.shards))):

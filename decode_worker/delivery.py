@@ -25,8 +25,8 @@ from collections.abc import AsyncIterator, Callable
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.streams import AsyncRequestStream, Delta
 from pagedserve.errors import AlreadyExists, InvalidArgument, Unavailable
+from pagedserve.internal.v1 import decode_pb2
 from pagedserve.model.requests.sequence import FinishReason
-from pagedserve.v1 import decode_pb2
 
 MAX_ID_CHARS = 128
 MAX_BATCH_BYTES = 1 << 20  # NOTE: far below a router's --max-message-bytes (64 MiB)

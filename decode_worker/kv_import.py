@@ -39,6 +39,7 @@ from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.convert import KvHandleInfo
 from pagedserve.decode_worker.engine import DecodeEngine
 from pagedserve.grpcutil import RECONNECT_OPTIONS, ClientTLS, make_channel
+from pagedserve.internal.v1 import prefill_pb2_grpc
 from pagedserve.kvstore.block_pool import BlockId
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.kv_cache import KVCache
@@ -52,7 +53,6 @@ from pagedserve.kvstore.transfer import (
 )
 from pagedserve.model.requests.sequence import Sequence
 from pagedserve.model.tensor_parallel import Shard
-from pagedserve.v1 import prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 

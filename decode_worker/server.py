@@ -28,6 +28,7 @@ from pagedserve.decode_worker.speculation import SpeculativeConfig, SpeculativeM
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import EngineLoop, client_tls_from_args
+from pagedserve.internal.v1 import decode_pb2_grpc
 from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag
 from pagedserve.logs import setup_logging
@@ -41,11 +42,10 @@ from pagedserve.metrics import (
 )
 from pagedserve.model.tp_pipes import RankLost
 from pagedserve.telemetry import setup_tracing, start_metrics_server
-from pagedserve.v1 import decode_pb2_grpc
 from pagedserve.worker_hooks import WorkerHooks
 
 log = logging.getLogger("pagedserve.decode")
-SERVICE_NAME = "pagedserve.v1.DecodeWorker"
+SERVICE_NAME = "pagedserve.internal.v1.DecodeWorker"
 
 
 def engine_config(args: argparse.Namespace, sizing: EngineSizing) -> DecodeEngineConfig:

@@ -1,4 +1,5 @@
-"""`pagedserve.v1.DecodeWorker`: a thin asyncio servicer over `DecodeWorker` (docs/decode.md).
+"""`pagedserve.internal.v1.DecodeWorker`: a thin asyncio servicer over `DecodeWorker`
+(docs/decode.md).
 
 No thread per stream: each Decode call is a coroutine awaiting its `AsyncRequestStream`, which
 the engine loop fills once per step (once per `stream_interval` tokens). The worker's calls
@@ -25,10 +26,11 @@ from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.delivery import Deliveries
 from pagedserve.decode_worker.streams import AsyncRequestStream
 from pagedserve.decode_worker.worker import DecodeWorker
+from pagedserve.internal.v1 import decode_pb2, decode_pb2_grpc
 from pagedserve.model.requests.sequence import FinishReason
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import context_from
-from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pagedserve.v1 import common_pb2
 from pagedserve.worker_load import Role, test_load_delay_s
 
 RPC_THREADS = 4  # the executor for calls that wait on the engine's lock

@@ -405,7 +405,9 @@ def _run_bench_scenario(args: argparse.Namespace) -> int:
 def _add_prefill(sub: argparse._SubParsersAction) -> None:
     from pagedserve.prefill_worker.cli_args import add_arguments
 
-    p = sub.add_parser("prefill", help="run a prefill worker (gRPC pagedserve.v1.PrefillWorker)")
+    p = sub.add_parser(
+        "prefill", help="run a prefill worker (gRPC pagedserve.internal.v1.PrefillWorker)"
+    )
     add_arguments(p)
     add_config_argument(p)
     p.set_defaults(func=_run_prefill)
@@ -424,7 +426,9 @@ def _run_prefill(args: argparse.Namespace) -> int:
 def _add_decode(sub: argparse._SubParsersAction) -> None:
     from pagedserve.decode_worker.cli_args import add_arguments
 
-    p = sub.add_parser("decode", help="run a decode worker (gRPC pagedserve.v1.DecodeWorker)")
+    p = sub.add_parser(
+        "decode", help="run a decode worker (gRPC pagedserve.internal.v1.DecodeWorker)"
+    )
     add_arguments(p)
     add_config_argument(p)
     p.set_defaults(func=_run_decode)

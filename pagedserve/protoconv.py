@@ -11,6 +11,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from pagedserve.errors import InvalidArgument
+from pagedserve.internal.v1 import worker_pb2
 from pagedserve.sampling_params import SamplingParams, StructuredOutput
 from pagedserve.v1 import common_pb2
 from pagedserve.worker_load import Role, WorkerLoad
@@ -114,7 +115,7 @@ def sampling_to_proto(params: SamplingParams) -> common_pb2.SamplingParams:
     return msg
 
 
-def worker_request_fields(msg: common_pb2.WorkerRequest) -> dict[str, Any]:
+def worker_request_fields(msg: worker_pb2.WorkerRequest) -> dict[str, Any]:
     """The fields both workers take from a `WorkerRequest`, as keyword arguments.
 
     Only the shape is checked here (`request.request_id` present); values are validated by the

@@ -1,1 +1,1 @@
-"""Prefill worker: `pagedserve.v1.PrefillWorker` (built in the prefill-worker issue)."""
+"""Prefill worker: `pagedserve.internal.v1.PrefillWorker` (built in the prefill-worker issue)."""

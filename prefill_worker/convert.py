@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
+from pagedserve.internal.v1 import prefill_pb2, worker_pb2
 from pagedserve.kvstore.kv_cache import SCALE_LAYOUT
 from pagedserve.kvstore.transfer import BlockChunk, ShmOffer
 from pagedserve.model.requests.convert import (
@@ -16,7 +17,6 @@ from pagedserve.prefill_worker.engine import PrefillEngine
 from pagedserve.prefill_worker.worker import PrefillResult
 from pagedserve.protoconv import worker_request_fields
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, prefill_pb2
 from pagedserve.worker_load import WorkerLoad
 
 HANDLE_VERSION = 1
@@ -81,11 +81,11 @@ def prefill_response(
 
 def kv_handle(
     result: PrefillResult, engine: PrefillEngine, me: Identity, trace_context: dict[str, str]
-) -> common_pb2.KvHandle:
+) -> worker_pb2.KvHandle:
     assert result.lease is not None
     seq, spec = result.seq, engine.runner.spec
     num_full = seq.num_prompt_tokens // spec.block_size
-    handle = common_pb2.KvHandle(
+    handle = worker_pb2.KvHandle(
         version=HANDLE_VERSION,
         handle_id=result.lease.handle_id,
         producer_id=me.worker_id,
@@ -96,7 +96,7 @@ def kv_handle(
         block_size=spec.block_size,
         block_ids=result.lease.resource.block_ids,
         block_hashes=seq.block_hashes[:num_full],
-        layout=common_pb2.KvLayout(
+        layout=worker_pb2.KvLayout(
             num_layers=spec.num_layers,
             num_kv_heads=spec.num_kv_heads,
             head_dim=spec.head_dim,
@@ -107,7 +107,7 @@ def kv_handle(
             tensor_parallel_size=engine.config.tensor_parallel_size,
         ),
         lease_expires_unix_ms=result.lease_expires_unix_ms,
-        grpc=common_pb2.GrpcTransport(address=me.address),
+        grpc=worker_pb2.GrpcTransport(address=me.address),
         trace_context=trace_context,
     )
     offers = engine.shm_offers()
@@ -115,14 +115,14 @@ def kv_handle(
         handle.shm.CopyFrom(shm_transport(offers[0]))
     if engine.config.tensor_parallel_size > 1:
         handle.shards.extend(
-            common_pb2.KvShard(rank=rank, shm=shm_transport(offer) if offer else None)
+            worker_pb2.KvShard(rank=rank, shm=shm_transport(offer) if offer else None)
             for rank, offer in enumerate(offers or [None] * engine.config.tensor_parallel_size)
         )
     return handle
 
 
-def shm_transport(offer: ShmOffer) -> common_pb2.ShmTransport:
-    return common_pb2.ShmTransport(**asdict(offer))  # NOTE: the message's fields, by name
+def shm_transport(offer: ShmOffer) -> worker_pb2.ShmTransport:
+    return worker_pb2.ShmTransport(**asdict(offer))  # NOTE: the message's fields, by name
 
 
 def kv_chunk(chunk: BlockChunk) -> prefill_pb2.KvChunk:

@@ -32,6 +32,7 @@ from pagedserve.grpcutil import (
     ServerTLS,
     build_server,
 )
+from pagedserve.internal.v1 import prefill_pb2_grpc
 from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerLoad, compat_tag, new_incarnation
@@ -53,11 +54,10 @@ from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.warmup import load_warmup_prompts
 from pagedserve.prefill_worker.worker import PrefillWorker
 from pagedserve.telemetry import setup_tracing, start_metrics_server
-from pagedserve.v1 import prefill_pb2_grpc
 from pagedserve.worker_hooks import WorkerHooks
 
 log = logging.getLogger("pagedserve.prefill")
-SERVICE_NAME = "pagedserve.v1.PrefillWorker"
+SERVICE_NAME = "pagedserve.internal.v1.PrefillWorker"
 WARMUP_TIMEOUT_S = 600.0
 
 

@@ -1,4 +1,5 @@
-"""`pagedserve.v1.PrefillWorker`: a thin asyncio servicer over `PrefillWorker` (docs/prefill.md).
+"""`pagedserve.internal.v1.PrefillWorker`: a thin asyncio servicer over `PrefillWorker`
+(docs/prefill.md).
 
 Every queued prompt is in the worker's scheduler (priority order), none in a gRPC thread queue:
 a Prefill call is a coroutine awaiting the worker's future. The worker's lock is never held
@@ -21,6 +22,7 @@ import grpc
 
 from pagedserve.errors import Unavailable
 from pagedserve.grpcutil import time_remaining
+from pagedserve.internal.v1 import prefill_pb2, prefill_pb2_grpc
 from pagedserve.kvstore.transfer import iter_block_chunks
 from pagedserve.metrics import PhaseMetrics
 from pagedserve.prefill_worker import convert
@@ -28,7 +30,7 @@ from pagedserve.prefill_worker.lease_table import LeaseState
 from pagedserve.prefill_worker.worker import PrefillFailed, PrefillWorker
 from pagedserve.protoconv import load_to_proto
 from pagedserve.telemetry import Tracing, context_from, setup_tracing
-from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pagedserve.v1 import common_pb2
 from pagedserve.worker_load import Role, test_load_delay_s
 
 log = logging.getLogger(__name__)

@@ -31,9 +31,16 @@ import grpc
 from google.rpc import error_details_pb2, status_pb2
 
 from pagedserve.errors import Unavailable
+from pagedserve.internal.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    worker_pb2,
+)
 from pagedserve.router.delivery import Delivered, DeliverStream
 from pagedserve.router.routing import Decision, Worker, WorkerSet
-from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pagedserve.v1 import common_pb2
 
 log = logging.getLogger(__name__)
 RETRYABLE = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
@@ -108,7 +115,7 @@ class ActiveRequest:
 
 
 def _decode_request(
-    request: common_pb2.WorkerRequest, prefilled: prefill_pb2.PrefillResponse | None
+    request: worker_pb2.WorkerRequest, prefilled: prefill_pb2.PrefillResponse | None
 ) -> decode_pb2.DecodeRequest:
     """What the decode worker is sent: `prefilled`'s first token(s) and lease, or (None)
     the request alone, to prefill there."""
@@ -163,7 +170,7 @@ class WorkerClients:
 
     async def prefill(
         self,
-        request: common_pb2.WorkerRequest,
+        request: worker_pb2.WorkerRequest,
         route: Callable[[list[str]], Awaitable[Decision]],
         active: ActiveRequest,
         time_left: TimeLeft,
@@ -227,7 +234,7 @@ class WorkerClients:
 
     async def decode(
         self,
-        request: common_pb2.WorkerRequest,
+        request: worker_pb2.WorkerRequest,
         prefilled: prefill_pb2.PrefillResponse | None,
         decision: Decision,
         active: ActiveRequest,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve.errors import InvalidArgument
+from pagedserve.internal.v1 import worker_pb2
 from pagedserve.protoconv import sampling_from_proto, sampling_to_proto
 from pagedserve.router.chat import ChatMessage, ToolCall
 from pagedserve.router.tokenizer import ModelCard, RouterTokenizer
@@ -25,7 +26,7 @@ from pagedserve.sampling_params import (
     MAX_STOP_STRING_LEN,
     SamplingParams,
 )
-from pagedserve.v1 import common_pb2, generation_pb2
+from pagedserve.v1 import generation_pb2
 
 MAX_REQUEST_ID_LEN = 128
 MAX_CACHE_SALT_LEN = 256
@@ -248,7 +249,7 @@ def continuation(request: RouterRequest, generated: list[int]) -> RouterRequest:
     )
 
 
-def worker_request(request: RouterRequest, request_id: str) -> common_pb2.WorkerRequest:
+def worker_request(request: RouterRequest, request_id: str) -> worker_pb2.WorkerRequest:
     """What the workers get; `request_id` is the worker-side id (`auth.worker_request_id`).
 
     The decode worker's messages come `stream_interval` tokens at a time; a request that is not
@@ -261,7 +262,7 @@ def worker_request(request: RouterRequest, request_id: str) -> common_pb2.Worker
     if params.num_samples > params.n and params.logprobs is None and not params.use_beam_search:
         # NOTE: best_of ranks samples by their tokens' logprobs: the workers send them
         params = dataclasses.replace(params, logprobs=0)
-    return common_pb2.WorkerRequest(
+    return worker_pb2.WorkerRequest(
         request_id=request_id,
         prompt_token_ids=request.prompt_token_ids,
         sampling=sampling_to_proto(params),

@@ -23,7 +23,7 @@ import uuid
 
 import grpc
 
-from pagedserve.v1 import decode_pb2, decode_pb2_grpc
+from pagedserve.internal.v1 import decode_pb2, decode_pb2_grpc
 
 log = logging.getLogger(__name__)
 

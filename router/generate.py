@@ -33,6 +33,7 @@ from opentelemetry.trace import Span
 
 from pagedserve import telemetry
 from pagedserve.errors import AlreadyExists, ResourceExhausted, Unavailable
+from pagedserve.internal.v1 import prefill_pb2, worker_pb2
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.metrics import RequestMetrics
 from pagedserve.router import convert
@@ -50,7 +51,7 @@ from pagedserve.router.outcome import Outcome, reason_name, record
 from pagedserve.router.routing import Decision, RoutingPolicy, WorkerSet
 from pagedserve.router.stream import ClientStream, SampleStreams, merge, merge_samples
 from pagedserve.router.tokenizer import RouterTokenizer
-from pagedserve.v1 import common_pb2, generation_pb2, prefill_pb2
+from pagedserve.v1 import common_pb2, generation_pb2
 
 log = logging.getLogger(__name__)
 ROUTE_POLL_S = 0.05  # how often a request waiting for a ready pair looks again
@@ -251,7 +252,7 @@ class Orchestrator:
     async def _place(
         self,
         req: convert.RouterRequest,
-        request: common_pb2.WorkerRequest,
+        request: worker_pb2.WorkerRequest,
         call: _Call,
         *,
         moved: bool,
@@ -423,7 +424,7 @@ class Orchestrator:
 
     async def _decode(
         self,
-        request: common_pb2.WorkerRequest,
+        request: worker_pb2.WorkerRequest,
         prefilled: prefill_pb2.PrefillResponse | None,
         decision: Decision,
         stream: ClientStream,

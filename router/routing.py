@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pagedserve.grpcutil import RECONNECT_OPTIONS, ClientTLS, make_channel
+from pagedserve.internal.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
 from pagedserve.kvstore.worker_registry import (
@@ -57,7 +58,6 @@ from pagedserve.kvstore.worker_registry import (
     WorkerRegistry,
 )
 from pagedserve.protoconv import load_from_proto
-from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
 
 log = logging.getLogger(__name__)
 MAX_POLL_TIMEOUT_S = 4.0  # the longest a load poll waits for a busy worker
@@ -265,7 +265,7 @@ class WorkerSet:
             else decode_pb2_grpc.DecodeWorkerStub(worker.channel).GetLoad
         )
         try:
-            answer = await stub(common_pb2.GetLoadRequest(), timeout=timeout_s)
+            answer = await stub(worker_pb2.GetLoadRequest(), timeout=timeout_s)
             worker.load = load_from_proto(answer)
             worker.failures = 0
             worker.stale = False

@@ -17,10 +17,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pagedserve.internal.v1 import decode_pb2, prefill_pb2
 from pagedserve.router.convert import RouterRequest
 from pagedserve.router.detokenizer import Detokenizer
 from pagedserve.router.tokenizer import RouterTokenizer
-from pagedserve.v1 import common_pb2, decode_pb2, generation_pb2, prefill_pb2
+from pagedserve.v1 import common_pb2, generation_pb2
 
 
 @dataclass(slots=True)

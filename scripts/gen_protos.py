@@ -1,9 +1,11 @@
 """Generate the Python code of the pagedserve protos (the command behind `make protos`).
 
-Compiles every `protos/pagedserve/v1/*.proto` with grpc_tools' bundled protoc, proto root
-`protos/`, into `*_pb2.py`, `*_pb2_grpc.py` and `*_pb2.pyi`. The output goes next to the protos
-by default, or under `--out DIR` with the same relative layout (`DIR/pagedserve/v1/...`), which is
-what the staleness test compares against the committed files.
+Compiles every `.proto` of the public API (`protos/pagedserve/v1/`, Python `pagedserve.v1`) and
+of the internal worker APIs (`protos/pagedserve/internal/v1/`, Python `pagedserve.internal.v1`)
+with grpc_tools' bundled protoc, proto root `protos/`, into `*_pb2.py`, `*_pb2_grpc.py` and
+`*_pb2.pyi`. The output goes next to the protos by default, or under `--out DIR` with the same
+relative layout (`DIR/pagedserve/v1/...`, `DIR/pagedserve/internal/v1/...`), which is what the
+staleness test compares against the committed files.
 
 Usage: python scripts/gen_protos.py [--out DIR]
 """
@@ -18,13 +20,16 @@ from pathlib import Path
 from grpc_tools import protoc
 
 PROTO_ROOT = Path(__file__).resolve().parent.parent / "protos"
-PACKAGE_DIR = Path("pagedserve") / "v1"
+# The public API, then the internal worker APIs (which import the public common.proto).
+PACKAGE_DIRS = (Path("pagedserve") / "v1", Path("pagedserve") / "internal" / "v1")
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
 
 
 def proto_files() -> list[Path]:
-    """The .proto files to compile, sorted, as absolute paths under PROTO_ROOT."""
-    return sorted((PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
+    """The .proto files to compile, sorted per package, as absolute paths under PROTO_ROOT."""
+    return [
+        path for package in PACKAGE_DIRS for path in sorted((PROTO_ROOT / package).glob("*.proto"))
+    ]
 
 
 def generated_files(directory: Path) -> list[Path]:
@@ -33,18 +38,19 @@ def generated_files(directory: Path) -> list[Path]:
 
 
 def generate(out: Path) -> list[Path]:
-    """Write the generated code under `out/pagedserve/v1/`, replacing older generated files.
-
-    Returns the files written. Raises RuntimeError if protoc reports an error.
+    """Write the generated code under `out/<package dir>/` for each of PACKAGE_DIRS, replacing
+    older generated files. Returns the files written. Raises RuntimeError if protoc reports an
+    error.
     """
     protos = proto_files()
-    if not protos:
-        raise RuntimeError(f"no .proto files under {PROTO_ROOT / PACKAGE_DIR}")
-    target = out / PACKAGE_DIR
-    target.mkdir(parents=True, exist_ok=True)
-    # NOTE: outputs of a removed .proto would otherwise linger and still import.
-    for stale in generated_files(target):
-        stale.unlink()
+    for package in PACKAGE_DIRS:
+        if not list((PROTO_ROOT / package).glob("*.proto")):
+            raise RuntimeError(f"no .proto files under {PROTO_ROOT / package}")
+        target = out / package
+        target.mkdir(parents=True, exist_ok=True)
+        # NOTE: outputs of a removed .proto would otherwise linger and still import.
+        for stale in generated_files(target):
+            stale.unlink()
     well_known = resources.files("grpc_tools") / "_proto"
     args = [
         "grpc_tools.protoc",
@@ -57,7 +63,7 @@ def generate(out: Path) -> list[Path]:
     ]
     if protoc.main(args) != 0:
         raise RuntimeError(f"protoc failed: {' '.join(args)}")
-    return generated_files(target)
+    return [path for package in PACKAGE_DIRS for path in generated_files(out / package)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,7 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         "--out",
         type=Path,
         default=PROTO_ROOT,
-        help="output root; files land in OUT/pagedserve/v1/ (default: protos/)",
+        help="output root; files land in OUT/pagedserve/{v1,internal/v1}/ (default: protos/)",
     )
     args = parser.parse_args(argv)
     try:

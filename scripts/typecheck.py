@@ -32,7 +32,9 @@ def build_tree() -> Path:
     for package, folder in mapping.items():
         if package != "pagedserve":
             link = TREE / package.replace(".", os.sep)
-            link.symlink_to(ROOT / folder, target_is_directory=True)
+            # NOTE: pagedserve.internal.v1 is already there through pagedserve.internal's link
+            if not link.exists():
+                link.symlink_to(ROOT / folder, target_is_directory=True)
     return top
 
 

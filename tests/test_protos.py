@@ -10,18 +10,25 @@ from pathlib import Path
 import pytest
 from google.protobuf import descriptor_pb2
 
-from pagedserve.v1 import common_pb2, decode_pb2, generation_pb2, prefill_pb2
+from pagedserve.internal.v1 import decode_pb2, prefill_pb2, worker_pb2
+from pagedserve.v1 import common_pb2, generation_pb2
 
 REPO = Path(__file__).resolve().parent.parent
-PROTO_DIR = REPO / "protos" / "pagedserve" / "v1"
+PROTO_ROOT = REPO / "protos"
 GEN_SCRIPT = REPO / "scripts" / "gen_protos.py"
 GENERATED_SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")
-PROTO_MODULES = {
-    "common.proto": common_pb2,
-    "generation.proto": generation_pb2,
-    "prefill.proto": prefill_pb2,
-    "decode.proto": decode_pb2,
+# The public API (pagedserve.v1), then the internal worker APIs (pagedserve.internal.v1).
+PUBLIC_MODULES = {
+    "pagedserve/v1/common.proto": common_pb2,
+    "pagedserve/v1/generation.proto": generation_pb2,
 }
+INTERNAL_MODULES = {
+    "pagedserve/internal/v1/worker.proto": worker_pb2,
+    "pagedserve/internal/v1/prefill.proto": prefill_pb2,
+    "pagedserve/internal/v1/decode.proto": decode_pb2,
+}
+PROTO_MODULES = PUBLIC_MODULES | INTERNAL_MODULES
+PACKAGE_DIRS = ("pagedserve/v1", "pagedserve/internal/v1")
 
 # One declaration per line: a block opener, an rpc, a field (plain, optional, repeated, map) or an
 # enum value. `syntax`, `package`, `import`, `option` and `reserved` lines are not declarations.
@@ -102,17 +109,43 @@ def test_generated_code_matches_a_fresh_generation(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, f"gen_protos.py failed:\n{result.stderr}"
-    fresh = generated_files(tmp_path / "pagedserve" / "v1")
-    committed = generated_files(PROTO_DIR)
-    assert len(fresh) == 3 * len(PROTO_MODULES)
-    stale = sorted(
-        name for name in fresh.keys() | committed.keys() if fresh.get(name) != committed.get(name)
-    )
-    assert not stale, f"stale generated files in {PROTO_DIR}: {stale}; run make protos"
+    for package in PACKAGE_DIRS:
+        fresh = generated_files(tmp_path / package)
+        committed = generated_files(PROTO_ROOT / package)
+        assert len(fresh) == 3 * sum(name.startswith(f"{package}/") for name in PROTO_MODULES)
+        stale = sorted(
+            name
+            for name in fresh.keys() | committed.keys()
+            if fresh.get(name) != committed.get(name)
+        )
+        assert not stale, f"stale generated files in protos/{package}: {stale}; run make protos"
 
 
 def test_every_proto_file_is_compiled_into_the_package() -> None:
-    assert sorted(path.name for path in PROTO_DIR.glob("*.proto")) == sorted(PROTO_MODULES)
+    found = sorted(str(path.relative_to(PROTO_ROOT)) for path in PROTO_ROOT.rglob("*.proto"))
+    assert found == sorted(PROTO_MODULES)
+
+
+def test_the_public_api_depends_on_no_internal_file() -> None:
+    for name, module in PUBLIC_MODULES.items():
+        dependencies = [dep.name for dep in module.DESCRIPTOR.dependencies]
+        assert all(dep.startswith("pagedserve/v1/") for dep in dependencies), (name, dependencies)
+        assert module.DESCRIPTOR.package == "pagedserve.v1"
+    for module in INTERNAL_MODULES.values():
+        assert module.DESCRIPTOR.package == "pagedserve.internal.v1"
+
+
+@pytest.mark.parametrize("proto_name", sorted(PROTO_MODULES))
+def test_every_file_names_its_package_for_each_language(proto_name: str) -> None:
+    """One package per language per proto package (buf lint's PACKAGE_SAME_* rules, kept here
+    too so that a missing option fails without buf)."""
+    options = PROTO_MODULES[proto_name].DESCRIPTOR.GetOptions()
+    internal = "/internal/" in proto_name
+    go = "internal/v1;internalv1" if internal else "v1;pagedservev1"
+    assert options.go_package == f"github.com/pagedserve/pagedserve/gen/go/pagedserve/{go}"
+    assert options.java_package == ("io.pagedserve.internal.v1" if internal else "io.pagedserve.v1")
+    assert options.java_multiple_files
+    assert options.csharp_namespace == ("Pagedserve.Internal.V1" if internal else "Pagedserve.V1")
 
 
 def test_every_singular_sampling_param_has_presence() -> None:
@@ -137,7 +170,7 @@ def test_explicit_zero_sampling_param_survives_serialization() -> None:
 
 @pytest.mark.parametrize("proto_name", sorted(PROTO_MODULES))
 def test_every_declaration_is_commented(proto_name: str) -> None:
-    text = (PROTO_DIR / proto_name).read_text()
+    text = (PROTO_ROOT / proto_name).read_text()
     assert uncommented(text) == [], f"{proto_name}: add a // comment above these"
 
 
@@ -147,7 +180,7 @@ def test_comment_check_sees_every_declaration(proto_name: str) -> None:
     # lines) would otherwise escape the comment rule silently.
     file_proto = descriptor_pb2.FileDescriptorProto()
     PROTO_MODULES[proto_name].DESCRIPTOR.CopyToProto(file_proto)
-    text = (PROTO_DIR / proto_name).read_text()
+    text = (PROTO_ROOT / proto_name).read_text()
     assert len(declarations(text)) == count_declarations(file_proto)
 
 
@@ -187,8 +220,8 @@ def test_comment_check_reports_uncommented_declarations() -> None:
     ]
 
 
-def make_kv_handle() -> common_pb2.KvHandle:
-    return common_pb2.KvHandle(
+def make_kv_handle() -> worker_pb2.KvHandle:
+    return worker_pb2.KvHandle(
         version=1,
         handle_id="h-1",
         producer_id="prefill-0",
@@ -199,7 +232,7 @@ def make_kv_handle() -> common_pb2.KvHandle:
         block_size=16,
         block_ids=[7, 3, 11],
         block_hashes=[bytes(range(16)), bytes(range(16, 32))],
-        layout=common_pb2.KvLayout(
+        layout=worker_pb2.KvLayout(
             num_layers=2,
             num_kv_heads=4,
             head_dim=64,
@@ -208,7 +241,7 @@ def make_kv_handle() -> common_pb2.KvHandle:
             compat_hash=b"\xab" * 16,
         ),
         lease_expires_unix_ms=1_700_000_030_000,
-        shm=common_pb2.ShmTransport(
+        shm=worker_pb2.ShmTransport(
             segment_name="ps-kv-prefill-0",
             host_id="host-a",
             pool_offset_bytes=4096,
@@ -217,14 +250,14 @@ def make_kv_handle() -> common_pb2.KvHandle:
             layer_stride_bytes=32768,
             kv_stride_bytes=16384,
         ),
-        grpc=common_pb2.GrpcTransport(address="10.0.0.5:50061"),
+        grpc=worker_pb2.GrpcTransport(address="10.0.0.5:50061"),
         trace_context={"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"},
     )
 
 
 def test_kv_handle_round_trips_through_bytes() -> None:
     handle = make_kv_handle()
-    decoded = common_pb2.KvHandle.FromString(handle.SerializeToString())
+    decoded = worker_pb2.KvHandle.FromString(handle.SerializeToString())
     assert decoded == handle
     assert list(decoded.block_ids) == [7, 3, 11]
     assert list(decoded.block_hashes) == [bytes(range(16)), bytes(range(16, 32))]
@@ -270,17 +303,17 @@ EXPECTED_SERVICES = {
         "Prefill": ("PrefillRequest", "PrefillResponse", False),
         "PullKv": ("PullKvRequest", "KvChunk", True),
         "ReleaseKv": ("ReleaseKvRequest", "ReleaseKvResponse", False),
-        "Abort": ("AbortRequest", "AbortResponse", False),
+        "Abort": ("pagedserve.v1.AbortRequest", "pagedserve.v1.AbortResponse", False),
         "RenewLease": ("RenewLeaseRequest", "RenewLeaseResponse", False),
         "Warmup": ("WarmupRequest", "WarmupResponse", False),
-        "GetLoad": ("GetLoadRequest", "LoadReport", False),
+        "GetLoad": ("GetLoadRequest", "pagedserve.v1.LoadReport", False),
     },
     (decode_pb2, "DecodeWorker"): {
         "Decode": ("DecodeRequest", "DecodeResponse", True),
         # NOTE: an addition to the internal API (docs/architecture.md, "One Deliver stream")
         "Deliver": ("DeliverRequest", "DecodeBatch", True),
-        "Abort": ("AbortRequest", "AbortResponse", False),
-        "GetLoad": ("GetLoadRequest", "LoadReport", False),
+        "Abort": ("pagedserve.v1.AbortRequest", "pagedserve.v1.AbortResponse", False),
+        "GetLoad": ("GetLoadRequest", "pagedserve.v1.LoadReport", False),
     },
 }
 
@@ -290,10 +323,11 @@ EXPECTED_SERVICES = {
 )
 def test_service_has_the_contracted_rpcs(module: object, service_name: str) -> None:
     service = module.DESCRIPTOR.services_by_name[service_name]  # type: ignore[attr-defined]
+    own = module.DESCRIPTOR.package + "."  # type: ignore[attr-defined]
     actual = {
         method.name: (
-            method.input_type.full_name.removeprefix("pagedserve.v1."),
-            method.output_type.full_name.removeprefix("pagedserve.v1."),
+            method.input_type.full_name.removeprefix(own),
+            method.output_type.full_name.removeprefix(own),
             method.server_streaming,
         )
         for method in service.methods

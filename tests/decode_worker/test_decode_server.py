@@ -23,10 +23,17 @@ from support.workers import start, wait_ready
 from pagedserve.decode_worker import convert
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.worker import DecodeWorker
+from pagedserve.internal.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    worker_pb2,
+)
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
+from pagedserve.v1 import common_pb2
 
 BLOCK_SIZE = 16
 MAX_TOKENS = 32  # = oracle.NEW_TOKENS
@@ -74,7 +81,7 @@ def decode_stub(cluster):
 
 def worker_request(request_id, prompt, **sampling):
     params = SamplingParams(**({"temperature": 0.0, "max_tokens": MAX_TOKENS} | sampling))
-    return common_pb2.WorkerRequest(
+    return worker_pb2.WorkerRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params)
     )
 
@@ -96,7 +103,7 @@ def play_router(cluster, producer, request_id, prompt, *, lease_seconds=0, befor
 
 
 def used_blocks(cluster) -> int:
-    load = decode_stub(cluster).GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    load = decode_stub(cluster).GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     return load.kv_blocks_total - load.kv_blocks_free - load.kv_blocks_cached
 
 

@@ -14,9 +14,9 @@ from support.oracle import NEW_TOKENS, hf_greedy, make_prompts
 from support.waits import wait_until
 from support.workers import start, wait_ready
 
+from pagedserve.internal.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
 
 TIMEOUT_S = 60
 
@@ -65,14 +65,14 @@ class Delivery:
 
 def decode_request(request_id: str, prompt: list[int], delivery_id: str, max_tokens: int):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-    request = common_pb2.WorkerRequest(
+    request = worker_pb2.WorkerRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params)
     )
     return decode_pb2.DecodeRequest(request=request, prefill_here=True, delivery_id=delivery_id)
 
 
 def used_blocks(stub) -> int:
-    load = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     return load.kv_blocks_total - load.kv_blocks_free - load.kv_blocks_cached
 
 

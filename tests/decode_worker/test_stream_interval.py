@@ -14,9 +14,9 @@ from support.waits import wait_until
 from pagedserve.decode_worker import convert, streams
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.worker import DecodeWorker
+from pagedserve.internal.v1 import decode_pb2, worker_pb2
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, decode_pb2
 
 TIMEOUT_S = 60
 
@@ -35,7 +35,7 @@ def call(request_id: str, prompt: list[int], interval: int, **sampling) -> conve
     params = SamplingParams(
         **({"temperature": 0.0, "max_tokens": 24, "ignore_eos": True} | sampling)
     )
-    request = common_pb2.WorkerRequest(
+    request = worker_pb2.WorkerRequest(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling=sampling_to_proto(params),

@@ -16,9 +16,15 @@ from support.oracle import hf_greedy, make_prompts
 from support.waits import wait_until
 from support.workers import start, wait_ready
 
+from pagedserve.internal.v1 import (
+    decode_pb2,
+    decode_pb2_grpc,
+    prefill_pb2,
+    prefill_pb2_grpc,
+    worker_pb2,
+)
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc, prefill_pb2, prefill_pb2_grpc
 
 TIMEOUT_S = 60
 MAX_TOKENS = 32  # = oracle.NEW_TOKENS
@@ -55,7 +61,7 @@ def workers(tiny_llama, tmp_path_factory):
 
 def play_router(workers, producer: str, request_id: str, prompt: list[int]):
     params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
-    request = common_pb2.WorkerRequest(
+    request = worker_pb2.WorkerRequest(
         request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(params)
     )
     stub = prefill_pb2_grpc.PrefillWorkerStub(workers[1][producer])
@@ -73,7 +79,7 @@ def play_router(workers, producer: str, request_id: str, prompt: list[int]):
 
 def used_blocks(workers) -> int:
     stub = decode_pb2_grpc.DecodeWorkerStub(workers[1]["decode"])
-    load = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     return load.kv_blocks_total - load.kv_blocks_free - load.kv_blocks_cached
 
 
@@ -119,7 +125,7 @@ def test_a_one_rank_producer_is_refused_and_recomputed(workers, tiny_llama):
 def test_pulling_a_rank_the_producer_does_not_have_names_the_field(workers):
     stub = prefill_pb2_grpc.PrefillWorkerStub(workers[1]["prefill-tp2"])
     [prompt] = make_prompts((20,), seed=43)
-    request = common_pb2.WorkerRequest(
+    request = worker_pb2.WorkerRequest(
         request_id="rank-oob", prompt_token_ids=prompt,
         sampling=sampling_to_proto(SamplingParams(temperature=0.0, max_tokens=2)),
     )  # fmt: skip

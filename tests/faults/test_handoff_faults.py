@@ -25,16 +25,16 @@ from support.ports import free_port
 from support.waits import wait_until
 from support.workers import start, wait_ready
 
-from pagedserve.protoconv import sampling_to_proto
-from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import (
-    common_pb2,
+from pagedserve.internal.v1 import (
     decode_pb2,
     decode_pb2_grpc,
-    generation_pb2,
     prefill_pb2,
     prefill_pb2_grpc,
+    worker_pb2,
 )
+from pagedserve.protoconv import sampling_to_proto
+from pagedserve.sampling_params import SamplingParams
+from pagedserve.v1 import common_pb2, generation_pb2
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=32)  # = oracle.NEW_TOKENS
 LONG = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
@@ -94,7 +94,7 @@ def generate_request(prompt, params, request_id="") -> generation_pb2.GenerateRe
 def decode_load(decode) -> common_pb2.LoadReport:
     with grpc.insecure_channel(decode.address) as channel:
         stub = decode_pb2_grpc.DecodeWorkerStub(channel)
-        return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+        return stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
 
 def lease_counts(prefill) -> tuple[float, float, float]:
@@ -176,7 +176,7 @@ def test_lease_expired_while_queued_for_import_is_recomputed_to_the_same_tokens(
     try:
         streams, firsts = [], []
         for i, (prompt, lease_s) in enumerate(zip(prompts, (30, 1), strict=True)):
-            request = common_pb2.WorkerRequest(
+            request = worker_pb2.WorkerRequest(
                 request_id=f"queued-{i}", prompt_token_ids=prompt,
                 sampling=sampling_to_proto(GREEDY),
             )  # fmt: skip

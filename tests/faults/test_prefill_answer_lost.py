@@ -26,6 +26,7 @@ from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.grpcutil import build_server
+from pagedserve.internal.v1 import decode_pb2_grpc
 from pagedserve.prefill_worker.convert import Identity
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.prefill_worker.lease_table import LeaseStats
@@ -34,7 +35,7 @@ from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.worker import PrefillWorker
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import decode_pb2_grpc, generation_pb2
+from pagedserve.v1 import generation_pb2
 
 LONG = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 BOUND_S = 30.0  # waits that end long before this (a bound, not a speed check)
@@ -60,7 +61,7 @@ def cluster(tiny_llama):
         prefill_servicer.me = Identity("prefill-l", "inc-1", f"127.0.0.1:{prefill_server.port}")
         decode_server = stack.enter_context(serving(build_server(
             [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(decode_servicer, s)],
-            ["pagedserve.v1.DecodeWorker"],
+            ["pagedserve.internal.v1.DecodeWorker"],
         )))  # fmt: skip
         args = argparse.Namespace(
             model=str(tiny_llama), served_model_name=None, revision="", dtype=None,

@@ -25,6 +25,7 @@ from support.oracle import hf_greedy, make_prompts
 from support.waits import wait_until
 
 from pagedserve.errors import Unavailable
+from pagedserve.internal.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import hash_blocks
@@ -40,7 +41,7 @@ from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.worker import PrefillFailed, PrefillResult, PrefillWorker
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pagedserve.v1 import common_pb2
 from pagedserve.worker_hooks import NO_HOOKS, WorkerHooks
 from pagedserve.worker_server import LoopDeath
 
@@ -206,7 +207,7 @@ class Server:
         self.health = health_pb2_grpc.HealthStub(self.channel)
 
     def prefill(self, request_id: str, prompt: list[int]) -> Future:
-        request = common_pb2.WorkerRequest(
+        request = worker_pb2.WorkerRequest(
             request_id=request_id, prompt_token_ids=prompt, sampling=sampling_to_proto(GREEDY)
         )
         return self.stub.Prefill.future(prefill_pb2.PrefillRequest(request=request), timeout=120)
@@ -217,7 +218,7 @@ class Server:
         return status == health_pb2.HealthCheckResponse.SERVING
 
     def load(self) -> common_pb2.LoadReport:
-        return self.stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+        return self.stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
     def wait_queued(self, n: int) -> None:
         assert wait_until(lambda: self.worker.engine.scheduler.num_waiting == n, 10.0), (
@@ -240,7 +241,7 @@ def server(tiny_llama) -> Iterator[Server]:
     server.worker.engine.pool.check_integrity()
 
 
-def pull(stub, handle: common_pb2.KvHandle, cache: KVCache, dst: list[int]) -> None:
+def pull(stub, handle: worker_pb2.KvHandle, cache: KVCache, dst: list[int]) -> None:
     request = prefill_pb2.PullKvRequest(
         handle_id=handle.handle_id,
         producer_incarnation=handle.producer_incarnation,

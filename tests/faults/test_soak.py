@@ -33,10 +33,11 @@ from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
 from pagedserve.decode_worker.servicer import DecodeServicer
 from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.grpcutil import build_server
+from pagedserve.internal.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from pagedserve.kvstore.worker_registry import WorkerRegistry, connect
 from pagedserve.launcher import wait_healthy
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pagedserve.v1 import common_pb2
 
 NUM_REQUESTS = 2000
 NUM_CLIENTS = 16
@@ -76,7 +77,7 @@ def soak_cluster(request, tiny_llama, module_redis, tmp_path_factory):
     worker.start()
     decode = build_server(
         [lambda s: decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, s)],
-        ["pagedserve.v1.DecodeWorker"],
+        ["pagedserve.internal.v1.DecodeWorker"],
     )
     router = None
     with serving(decode) as handle:
@@ -224,6 +225,6 @@ def test_soak_2000_requests_with_cancels_deadlines_and_priorities_ends_at_baseli
 def cached_blocks(prefill) -> int:
     with grpc.insecure_channel(prefill.address) as channel:
         load = prefill_pb2_grpc.PrefillWorkerStub(channel).GetLoad(
-            common_pb2.GetLoadRequest(), timeout=5
+            worker_pb2.GetLoadRequest(), timeout=5
         )
     return load.kv_blocks_cached

@@ -32,8 +32,8 @@ RELEASE = "ps"
 PENDING_FLAGS = ("--otlp-traces-endpoint", "--metrics-port")
 ROLES = {
     "router": ("pagedserve.v1.Generation", 50051),
-    "prefill": ("pagedserve.v1.PrefillWorker", 50061),
-    "decode": ("pagedserve.v1.DecodeWorker", 50071),
+    "prefill": ("pagedserve.internal.v1.PrefillWorker", 50061),
+    "decode": ("pagedserve.internal.v1.DecodeWorker", 50071),
 }
 # The gateway: an HTTP client of the router's public API (no model, no Redis, no torch).
 GATEWAY = f"{RELEASE}-pagedserve-gateway"

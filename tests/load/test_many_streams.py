@@ -21,10 +21,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from support.workers import start, wait_ready
 
+from pagedserve.internal.v1 import prefill_pb2_grpc, worker_pb2
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.router.servicer import STATUS_POLL_S
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, prefill_pb2_grpc
+from pagedserve.v1 import generation_pb2, generation_pb2_grpc
 
 NUM_STREAMS = 200
 PROMPT_LEN = 48
@@ -37,8 +38,8 @@ OVER_ATTEMPTS = 10
 OVER_BOUND_S = 2.0
 SERVICES = {
     "router": "pagedserve.v1.Generation",
-    "prefill": "pagedserve.v1.PrefillWorker",
-    "decode": "pagedserve.v1.DecodeWorker",
+    "prefill": "pagedserve.internal.v1.PrefillWorker",
+    "decode": "pagedserve.internal.v1.DecodeWorker",
 }
 
 
@@ -132,7 +133,7 @@ async def scenario(cluster) -> dict:
     prefill = prefill_pb2_grpc.PrefillWorkerStub(channels["prefill"])
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        load = await prefill.GetLoad(common_pb2.GetLoadRequest(), timeout=2)
+        load = await prefill.GetLoad(worker_pb2.GetLoadRequest(), timeout=2)
         seen = load.num_requests_waiting + load.num_requests_running + len(first_token)
         if seen >= NUM_STREAMS - 10:
             break

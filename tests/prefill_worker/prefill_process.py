@@ -10,11 +10,12 @@ from pathlib import Path
 import grpc
 import pytest
 
+from pagedserve.internal.v1 import prefill_pb2, prefill_pb2_grpc, worker_pb2
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.kvstore.transfer import BlockAssembler, BlockChunk, ShmBlockReader, ShmOffer
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, prefill_pb2, prefill_pb2_grpc
+from pagedserve.v1 import common_pb2
 
 BLOCK_SIZE = 16
 MODEL_NAME = "tiny"
@@ -76,7 +77,7 @@ def prefill(
 ) -> prefill_pb2.PrefillResponse:
     """One greedy Prefill over gRPC (max_tokens 8 unless given)."""
     params = SamplingParams(**({"temperature": 0.0, "max_tokens": 8} | sampling))  # type: ignore[arg-type]
-    request = common_pb2.WorkerRequest(
+    request = worker_pb2.WorkerRequest(
         request_id=request_id,
         prompt_token_ids=prompt,
         sampling=sampling_to_proto(params),
@@ -87,7 +88,7 @@ def prefill(
 
 
 def load(stub: prefill_pb2_grpc.PrefillWorkerStub) -> common_pb2.LoadReport:
-    return stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    return stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
 
 
 def used_blocks(stub: prefill_pb2_grpc.PrefillWorkerStub) -> int:
@@ -96,7 +97,7 @@ def used_blocks(stub: prefill_pb2_grpc.PrefillWorkerStub) -> int:
 
 
 def pull_request(
-    handle: common_pb2.KvHandle, indices: list[int] | None = None, max_chunk_bytes: int = 5000
+    handle: worker_pb2.KvHandle, indices: list[int] | None = None, max_chunk_bytes: int = 5000
 ) -> prefill_pb2.PullKvRequest:
     return prefill_pb2.PullKvRequest(
         handle_id=handle.handle_id,
@@ -108,7 +109,7 @@ def pull_request(
 
 def pull_over_grpc(
     stub: prefill_pb2_grpc.PrefillWorkerStub,
-    handle: common_pb2.KvHandle,
+    handle: worker_pb2.KvHandle,
     cache: KVCache,
     dst_ids: dict[int, int],
 ) -> None:
@@ -119,7 +120,7 @@ def pull_over_grpc(
     assert assembler.complete
 
 
-def read_over_shm(handle: common_pb2.KvHandle, cache: KVCache, dst_ids: dict[int, int]) -> None:
+def read_over_shm(handle: worker_pb2.KvHandle, cache: KVCache, dst_ids: dict[int, int]) -> None:
     """Copy the handle's blocks `dst_ids.keys()` out of the producer's segment into `cache`."""
     shm = handle.shm
     offer = ShmOffer(

@@ -10,9 +10,9 @@ from prefill_process import MODEL_NAME, prefill, start_worker, used_blocks
 from support.oracle import hf_greedy, make_prompts
 from support.waits import wait_until
 
+from pagedserve.internal.v1 import prefill_pb2
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
-from pagedserve.v1 import prefill_pb2
 
 NUM_BLOCKS = 8
 

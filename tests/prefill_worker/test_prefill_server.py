@@ -30,6 +30,7 @@ from support.oracle import hf_greedy, make_prompts
 from support.waits import wait_until
 from transformers import AutoTokenizer
 
+from pagedserve.internal.v1 import prefill_pb2, worker_pb2
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import hash_blocks, model_fingerprint_from_dir
@@ -42,7 +43,7 @@ from pagedserve.model.loader import load_model
 from pagedserve.model.requests.sequence import RequestId, Sequence
 from pagedserve.model.runner import ModelRunner, ScheduledSequence
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, prefill_pb2
+from pagedserve.v1 import common_pb2
 
 SYSTEM_PROMPT = "You are a careful assistant. Answer in one short sentence and name your source."
 DECODE_STEPS = 16
@@ -112,7 +113,7 @@ def consumer(tiny_llama) -> Consumer:
     return Consumer(runner, KVCacheManager(pool))
 
 
-def release(stub, handle: common_pb2.KvHandle) -> bool:
+def release(stub, handle: worker_pb2.KvHandle) -> bool:
     request = prefill_pb2.ReleaseKvRequest(handle_id=handle.handle_id)
     return stub.ReleaseKv(request, timeout=5).found
 
@@ -126,7 +127,7 @@ def rpc_code(fn) -> grpc.StatusCode:
 def test_prefill_hands_out_a_lease_readable_by_shm_and_grpc(worker, tiny_llama, module_redis):
     stub = worker.stub
     (prompt,) = make_prompts((40,), seed=21)
-    before = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    before = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     response = prefill(stub, "r1", prompt)
     want, _ = hf_greedy(tiny_llama, torch.float32, tuple(prompt))
     assert response.first_token == want[0]
@@ -159,7 +160,7 @@ def test_prefill_hands_out_a_lease_readable_by_shm_and_grpc(worker, tiny_llama, 
     assert rpc_code(lambda: list(stub.PullKv(pull_request(handle), timeout=5))) == (
         grpc.StatusCode.NOT_FOUND
     )
-    after = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+    after = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
     assert after.kv_blocks_cached == before.kv_blocks_cached + 2
     assert after.kv_blocks_free == before.kv_blocks_free - 2
 
@@ -255,11 +256,11 @@ def test_lease_release_expiry_renewal_and_a_retry_that_hits(worker):
     assert len(list(stub.PullKv(pull_request(hc), timeout=5))) > 0, "renewal kept c alive"
     assert release(stub, hc)
 
-    unknown = common_pb2.KvHandle(handle_id="0" * 32, producer_incarnation=hc.producer_incarnation)
+    unknown = worker_pb2.KvHandle(handle_id="0" * 32, producer_incarnation=hc.producer_incarnation)
     assert rpc_code(lambda: list(stub.PullKv(pull_request(unknown), timeout=5))) == (
         grpc.StatusCode.NOT_FOUND
     )
-    wrong_incarnation = common_pb2.KvHandle(handle_id=hc.handle_id, producer_incarnation="x")
+    wrong_incarnation = worker_pb2.KvHandle(handle_id=hc.handle_id, producer_incarnation="x")
     assert rpc_code(lambda: list(stub.PullKv(pull_request(wrong_incarnation), timeout=5))) == (
         grpc.StatusCode.FAILED_PRECONDITION
     )

@@ -205,8 +205,11 @@ def cancel_and_deadline_free_every_block(router: str) -> None:
 
 def test_health_and_reflection_on_every_server(cluster):
     started, _ = cluster
-    services = {"router": "pagedserve.v1.Generation", "prefill-0": "pagedserve.v1.PrefillWorker"}
-    services["decode-0"] = "pagedserve.v1.DecodeWorker"
+    services = {
+        "router": "pagedserve.v1.Generation",
+        "prefill-0": "pagedserve.internal.v1.PrefillWorker",
+    }
+    services["decode-0"] = "pagedserve.internal.v1.DecodeWorker"
     for child in started.children:
         if child.name not in services:
             continue

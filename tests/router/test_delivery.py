@@ -34,7 +34,7 @@ def test_a_worker_without_deliver_is_asked_once_then_again_after_a_while(monkeyp
         stream = DeliverStream(channel, "old-worker")
         try:
             ids = [await stream.delivery_id(), await stream.delivery_id()]
-            assert calls.methods == ["/pagedserve.v1.DecodeWorker/Deliver"]
+            assert calls.methods == ["/pagedserve.internal.v1.DecodeWorker/Deliver"]
             monkeypatch.setattr(delivery, "RETRY_UNSUPPORTED_S", 0.0)
             ids += [await stream.delivery_id(), await stream.delivery_id()]
             assert len(calls.methods) == 3  # NOTE: asked again each time the wait is over

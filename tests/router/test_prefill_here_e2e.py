@@ -15,8 +15,9 @@ from support.probes import blocks_in_use, child, scrape, tokens_of
 from support.waits import wait_until
 
 from pagedserve.client import Client
+from pagedserve.internal.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
 from pagedserve.sampling_params import SamplingParams
-from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pagedserve.v1 import common_pb2
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 SEEDED = SamplingParams(temperature=1.0, top_p=0.9, seed=1234, max_tokens=24)
@@ -155,19 +156,19 @@ def test_decode_refuses_prefill_here_with_a_prefill_workers_fields(here_and_remo
     here, _, _ = here_and_remote
     decode = child(here, "decode")
     prompt = make_prompts((8,), seed=74)[0]
-    request = common_pb2.WorkerRequest(
+    request = worker_pb2.WorkerRequest(
         request_id="bad-here", prompt_token_ids=prompt,
         sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=4),
     )  # fmt: skip
     with grpc.insecure_channel(decode.address) as channel:
         stub = decode_pb2_grpc.DecodeWorkerStub(channel)
-        assert stub.GetLoad(common_pb2.GetLoadRequest(), timeout=10).accepts_prefill_here
+        assert stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=10).accepts_prefill_here
         bad = {
             "first_token": decode_pb2.DecodeRequest(
                 request=request, prefill_here=True, first_token=5
             ),
             "kv_handle": decode_pb2.DecodeRequest(
-                request=request, prefill_here=True, kv_handle=common_pb2.KvHandle(handle_id="x")
+                request=request, prefill_here=True, kv_handle=worker_pb2.KvHandle(handle_id="x")
             ),
         }
         for field, message in bad.items():
@@ -175,7 +176,7 @@ def test_decode_refuses_prefill_here_with_a_prefill_workers_fields(here_and_remo
                 list(stub.Decode(message, timeout=10))
             assert err.value.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert field in err.value.details()
-        two = common_pb2.WorkerRequest()
+        two = worker_pb2.WorkerRequest()
         two.CopyFrom(request)
         two.sampling.n = 2
         with pytest.raises(grpc.RpcError) as err:

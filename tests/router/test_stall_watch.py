@@ -20,9 +20,10 @@ import pytest
 from support.aio_servers import serving
 
 from pagedserve.grpcutil import build_server
+from pagedserve.internal.v1 import decode_pb2, decode_pb2_grpc, worker_pb2
 from pagedserve.router.clients import ActiveRequest, WorkerClients, WorkerLost
 from pagedserve.router.routing import Decision, Worker, WorkerSet
-from pagedserve.v1 import common_pb2, decode_pb2, decode_pb2_grpc
+from pagedserve.v1 import common_pb2
 from pagedserve.worker_load import Role, WorkerLoad
 
 STALL_S = 0.3
@@ -57,7 +58,7 @@ def run(script: list[float], *, healthy: bool, reader_pause_s: float = 0.0, leav
     def register(server: grpc.aio.Server) -> None:
         decode_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
 
-    with serving(build_server([register], ["pagedserve.v1.DecodeWorker"])) as handle:
+    with serving(build_server([register], ["pagedserve.internal.v1.DecodeWorker"])) as handle:
 
         async def read() -> dict:
             workers = WorkerSet([], [], None, max_message_bytes=1 << 20)
@@ -66,7 +67,7 @@ def run(script: list[float], *, healthy: bool, reader_pause_s: float = 0.0, leav
             decode = Worker("decode-0", "", Role.DECODE, channel=channel)
             decode.load = WorkerLoad() if healthy else None
             decision = Decision(prefill=decode, decode=decode, cached_blocks=0)
-            request = common_pb2.WorkerRequest(request_id="r")
+            request = worker_pb2.WorkerRequest(request_id="r")
             got: dict = {"tokens": [], "outcome": "finished"}
 
             async def consume() -> None:

@@ -47,7 +47,10 @@ def rank_pids(parent: int) -> list[int]:
     return found
 
 
-SERVICES = {"decode": "pagedserve.v1.DecodeWorker", "prefill": "pagedserve.v1.PrefillWorker"}
+SERVICES = {
+    "decode": "pagedserve.internal.v1.DecodeWorker",
+    "prefill": "pagedserve.internal.v1.PrefillWorker",
+}
 
 
 GONE = -1  # the server no longer answers

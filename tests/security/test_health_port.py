@@ -39,21 +39,21 @@ def test_health_port_follows_readiness_of_a_tls_server(tmp_path: Path) -> None:
     certs = make_certs(tmp_path)
     loop = LoopThread("health-port")
     handle = loop.run(
-        build_server([], ["pagedserve.v1.PrefillWorker"], tls=certs.server_tls(mtls=True))
+        build_server([], ["pagedserve.internal.v1.PrefillWorker"], tls=certs.server_tls(mtls=True))
     )
     loop.run(handle.add_health_port(health_address("127.0.0.1", 0)))
     assert handle.health_port
     loop.run(handle.start())
     try:
         assert check(handle.health_port) == SERVING  # alive while the model loads
-        assert check(handle.health_port, "pagedserve.v1.PrefillWorker") == NOT_SERVING
+        assert check(handle.health_port, "pagedserve.internal.v1.PrefillWorker") == NOT_SERVING
         loop.run(handle.set_ready(True))
-        assert check(handle.health_port, "pagedserve.v1.PrefillWorker") == SERVING
+        assert check(handle.health_port, "pagedserve.internal.v1.PrefillWorker") == SERVING
         with pytest.raises(grpc.RpcError) as plaintext_on_tls:
             check(handle.port)  # the service port speaks only TLS
         assert plaintext_on_tls.value.code() is grpc.StatusCode.UNAVAILABLE
         loop.run(handle.set_ready(False))  # draining
-        assert check(handle.health_port, "pagedserve.v1.PrefillWorker") == NOT_SERVING
+        assert check(handle.health_port, "pagedserve.internal.v1.PrefillWorker") == NOT_SERVING
     finally:
         loop.run(handle.stop(0))
         loop.close()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import grpc
 
-from pagedserve.v1 import common_pb2, decode_pb2_grpc, prefill_pb2_grpc
+from pagedserve.internal.v1 import decode_pb2_grpc, prefill_pb2_grpc, worker_pb2
 from support.probes import samples
 
 START_TIMEOUT_S = 90.0
@@ -55,7 +55,7 @@ class Process:
                 if self.role == "prefill"
                 else decode_pb2_grpc.DecodeWorkerStub(channel)
             )
-            load = stub.GetLoad(common_pb2.GetLoadRequest(), timeout=5)
+            load = stub.GetLoad(worker_pb2.GetLoadRequest(), timeout=5)
         return load.kv_blocks_total - load.kv_blocks_free - load.kv_blocks_cached
 
     def metric(self, name: str) -> float:

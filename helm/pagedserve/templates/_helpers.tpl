@@ -185,7 +185,7 @@ tag to <appVersion>-slim); prefill and decode the full one (`image`).
 
 {{/*
 A role's Deployment. Call with (dict "root" $ "component" "prefill" "values" .Values.prefill
-"args" <list: subcommand and its role-only flags> "service" "pagedserve.v1.PrefillWorker"
+"args" <list: subcommand and its role-only flags> "service" "pagedserve.internal.v1.PrefillWorker"
 "worker" true).
 */}}
 {{- define "pagedserve.deployment" -}}

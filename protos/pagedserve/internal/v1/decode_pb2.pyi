@@ -1,3 +1,4 @@
+from pagedserve.internal.v1 import worker_pb2 as _worker_pb2
 from pagedserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -16,14 +17,14 @@ class DecodeRequest(_message.Message):
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     PREFILL_HERE_FIELD_NUMBER: _ClassVar[int]
     DELIVERY_ID_FIELD_NUMBER: _ClassVar[int]
-    request: _common_pb2.WorkerRequest
+    request: _worker_pb2.WorkerRequest
     first_token: int
     first_logprobs: _common_pb2.Logprobs
-    kv_handle: _common_pb2.KvHandle
-    samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleStart]
+    kv_handle: _worker_pb2.KvHandle
+    samples: _containers.RepeatedCompositeFieldContainer[_worker_pb2.SampleStart]
     prefill_here: bool
     delivery_id: str
-    def __init__(self, request: _Optional[_Union[_common_pb2.WorkerRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ..., prefill_here: _Optional[bool] = ..., delivery_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[_worker_pb2.WorkerRequest, _Mapping]] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_worker_pb2.KvHandle, _Mapping]] = ..., samples: _Optional[_Iterable[_Union[_worker_pb2.SampleStart, _Mapping]]] = ..., prefill_here: _Optional[bool] = ..., delivery_id: _Optional[str] = ...) -> None: ...
 
 class DeliverRequest(_message.Message):
     __slots__ = ("delivery_id",)

@@ -3,8 +3,9 @@
 import grpc
 import warnings
 
+from pagedserve.internal.v1 import decode_pb2 as pagedserve_dot_internal_dot_v1_dot_decode__pb2
+from pagedserve.internal.v1 import worker_pb2 as pagedserve_dot_internal_dot_v1_dot_worker__pb2
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
-from pagedserve.v1 import decode_pb2 as pagedserve_dot_v1_dot_decode__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +20,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedserve/v1/decode_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/internal/v1/decode_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,23 +38,23 @@ class DecodeWorkerStub:
             channel: A grpc.Channel.
         """
         self.Decode = channel.unary_stream(
-                '/pagedserve.v1.DecodeWorker/Decode',
-                request_serializer=pagedserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+                '/pagedserve.internal.v1.DecodeWorker/Decode',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
                 _registered_method=True)
         self.Deliver = channel.unary_stream(
-                '/pagedserve.v1.DecodeWorker/Deliver',
-                request_serializer=pagedserve_dot_v1_dot_decode__pb2.DeliverRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_decode__pb2.DecodeBatch.FromString,
+                '/pagedserve.internal.v1.DecodeWorker/Deliver',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_decode__pb2.DeliverRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeBatch.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/pagedserve.v1.DecodeWorker/Abort',
+                '/pagedserve.internal.v1.DecodeWorker/Abort',
                 request_serializer=pagedserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
-                '/pagedserve.v1.DecodeWorker/GetLoad',
-                request_serializer=pagedserve_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
+                '/pagedserve.internal.v1.DecodeWorker/GetLoad',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_common__pb2.LoadReport.FromString,
                 _registered_method=True)
 
@@ -102,13 +103,13 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=pagedserve_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeRequest.FromString,
+                    response_serializer=pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeResponse.SerializeToString,
             ),
             'Deliver': grpc.unary_stream_rpc_method_handler(
                     servicer.Deliver,
-                    request_deserializer=pagedserve_dot_v1_dot_decode__pb2.DeliverRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_decode__pb2.DecodeBatch.SerializeToString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_decode__pb2.DeliverRequest.FromString,
+                    response_serializer=pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeBatch.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -117,14 +118,14 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.GetLoadRequest.FromString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_common__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pagedserve.v1.DecodeWorker', rpc_method_handlers)
+            'pagedserve.internal.v1.DecodeWorker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pagedserve.v1.DecodeWorker', rpc_method_handlers)
+    server.add_registered_method_handlers('pagedserve.internal.v1.DecodeWorker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -146,9 +147,9 @@ class DecodeWorker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pagedserve.v1.DecodeWorker/Decode',
-            pagedserve_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
-            pagedserve_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
+            '/pagedserve.internal.v1.DecodeWorker/Decode',
+            pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeRequest.SerializeToString,
+            pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -173,9 +174,9 @@ class DecodeWorker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pagedserve.v1.DecodeWorker/Deliver',
-            pagedserve_dot_v1_dot_decode__pb2.DeliverRequest.SerializeToString,
-            pagedserve_dot_v1_dot_decode__pb2.DecodeBatch.FromString,
+            '/pagedserve.internal.v1.DecodeWorker/Deliver',
+            pagedserve_dot_internal_dot_v1_dot_decode__pb2.DeliverRequest.SerializeToString,
+            pagedserve_dot_internal_dot_v1_dot_decode__pb2.DecodeBatch.FromString,
             options,
             channel_credentials,
             insecure,
@@ -200,7 +201,7 @@ class DecodeWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.DecodeWorker/Abort',
+            '/pagedserve.internal.v1.DecodeWorker/Abort',
             pagedserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             pagedserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
@@ -227,8 +228,8 @@ class DecodeWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.DecodeWorker/GetLoad',
-            pagedserve_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
+            '/pagedserve.internal.v1.DecodeWorker/GetLoad',
+            pagedserve_dot_internal_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             pagedserve_dot_v1_dot_common__pb2.LoadReport.FromString,
             options,
             channel_credentials,

@@ -1,3 +1,4 @@
+from pagedserve.internal.v1 import worker_pb2 as _worker_pb2
 from pagedserve.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -12,10 +13,10 @@ class PrefillRequest(_message.Message):
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     DECODE_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
-    request: _common_pb2.WorkerRequest
+    request: _worker_pb2.WorkerRequest
     lease_seconds: int
     decode_worker_id: str
-    def __init__(self, request: _Optional[_Union[_common_pb2.WorkerRequest, _Mapping]] = ..., lease_seconds: _Optional[int] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
+    def __init__(self, request: _Optional[_Union[_worker_pb2.WorkerRequest, _Mapping]] = ..., lease_seconds: _Optional[int] = ..., decode_worker_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("request_id", "first_token", "logprobs", "kv_handle", "cached_tokens", "computed_tokens", "finish_reason", "samples", "prompt_logprobs")
@@ -31,13 +32,13 @@ class PrefillResponse(_message.Message):
     request_id: str
     first_token: int
     logprobs: _common_pb2.Logprobs
-    kv_handle: _common_pb2.KvHandle
+    kv_handle: _worker_pb2.KvHandle
     cached_tokens: int
     computed_tokens: int
     finish_reason: _common_pb2.FinishReason
-    samples: _containers.RepeatedCompositeFieldContainer[_common_pb2.SampleStart]
+    samples: _containers.RepeatedCompositeFieldContainer[_worker_pb2.SampleStart]
     prompt_logprobs: _containers.RepeatedCompositeFieldContainer[_common_pb2.Logprobs]
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_common_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., samples: _Optional[_Iterable[_Union[_common_pb2.SampleStart, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[int] = ..., logprobs: _Optional[_Union[_common_pb2.Logprobs, _Mapping]] = ..., kv_handle: _Optional[_Union[_worker_pb2.KvHandle, _Mapping]] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., samples: _Optional[_Iterable[_Union[_worker_pb2.SampleStart, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[_common_pb2.Logprobs, _Mapping]]] = ...) -> None: ...
 
 class PullKvRequest(_message.Message):
     __slots__ = ("handle_id", "producer_incarnation", "block_indices", "max_chunk_bytes", "rank")

@@ -3,8 +3,9 @@
 import grpc
 import warnings
 
+from pagedserve.internal.v1 import prefill_pb2 as pagedserve_dot_internal_dot_v1_dot_prefill__pb2
+from pagedserve.internal.v1 import worker_pb2 as pagedserve_dot_internal_dot_v1_dot_worker__pb2
 from pagedserve.v1 import common_pb2 as pagedserve_dot_v1_dot_common__pb2
-from pagedserve.v1 import prefill_pb2 as pagedserve_dot_v1_dot_prefill__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -19,7 +20,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in pagedserve/v1/prefill_pb2_grpc.py depends on'
+        + ' but the generated code in pagedserve/internal/v1/prefill_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -37,38 +38,38 @@ class PrefillWorkerStub:
             channel: A grpc.Channel.
         """
         self.Prefill = channel.unary_unary(
-                '/pagedserve.v1.PrefillWorker/Prefill',
-                request_serializer=pagedserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+                '/pagedserve.internal.v1.PrefillWorker/Prefill',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
                 _registered_method=True)
         self.PullKv = channel.unary_stream(
-                '/pagedserve.v1.PrefillWorker/PullKv',
-                request_serializer=pagedserve_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_prefill__pb2.KvChunk.FromString,
+                '/pagedserve.internal.v1.PrefillWorker/PullKv',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.KvChunk.FromString,
                 _registered_method=True)
         self.ReleaseKv = channel.unary_unary(
-                '/pagedserve.v1.PrefillWorker/ReleaseKv',
-                request_serializer=pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.FromString,
+                '/pagedserve.internal.v1.PrefillWorker/ReleaseKv',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.ReleaseKvResponse.FromString,
                 _registered_method=True)
         self.Abort = channel.unary_unary(
-                '/pagedserve.v1.PrefillWorker/Abort',
+                '/pagedserve.internal.v1.PrefillWorker/Abort',
                 request_serializer=pagedserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
                 _registered_method=True)
         self.RenewLease = channel.unary_unary(
-                '/pagedserve.v1.PrefillWorker/RenewLease',
-                request_serializer=pagedserve_dot_v1_dot_prefill__pb2.RenewLeaseRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_prefill__pb2.RenewLeaseResponse.FromString,
+                '/pagedserve.internal.v1.PrefillWorker/RenewLease',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.RenewLeaseResponse.FromString,
                 _registered_method=True)
         self.Warmup = channel.unary_unary(
-                '/pagedserve.v1.PrefillWorker/Warmup',
-                request_serializer=pagedserve_dot_v1_dot_prefill__pb2.WarmupRequest.SerializeToString,
-                response_deserializer=pagedserve_dot_v1_dot_prefill__pb2.WarmupResponse.FromString,
+                '/pagedserve.internal.v1.PrefillWorker/Warmup',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.WarmupRequest.SerializeToString,
+                response_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.WarmupResponse.FromString,
                 _registered_method=True)
         self.GetLoad = channel.unary_unary(
-                '/pagedserve.v1.PrefillWorker/GetLoad',
-                request_serializer=pagedserve_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
+                '/pagedserve.internal.v1.PrefillWorker/GetLoad',
+                request_serializer=pagedserve_dot_internal_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
                 response_deserializer=pagedserve_dot_v1_dot_common__pb2.LoadReport.FromString,
                 _registered_method=True)
 
@@ -139,18 +140,18 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Prefill': grpc.unary_unary_rpc_method_handler(
                     servicer.Prefill,
-                    request_deserializer=pagedserve_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PrefillRequest.FromString,
+                    response_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PrefillResponse.SerializeToString,
             ),
             'PullKv': grpc.unary_stream_rpc_method_handler(
                     servicer.PullKv,
-                    request_deserializer=pagedserve_dot_v1_dot_prefill__pb2.PullKvRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_prefill__pb2.KvChunk.SerializeToString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PullKvRequest.FromString,
+                    response_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.KvChunk.SerializeToString,
             ),
             'ReleaseKv': grpc.unary_unary_rpc_method_handler(
                     servicer.ReleaseKv,
-                    request_deserializer=pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.ReleaseKvRequest.FromString,
+                    response_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.ReleaseKvResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
                     servicer.Abort,
@@ -159,24 +160,24 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
             ),
             'RenewLease': grpc.unary_unary_rpc_method_handler(
                     servicer.RenewLease,
-                    request_deserializer=pagedserve_dot_v1_dot_prefill__pb2.RenewLeaseRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_prefill__pb2.RenewLeaseResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.RenewLeaseResponse.SerializeToString,
             ),
             'Warmup': grpc.unary_unary_rpc_method_handler(
                     servicer.Warmup,
-                    request_deserializer=pagedserve_dot_v1_dot_prefill__pb2.WarmupRequest.FromString,
-                    response_serializer=pagedserve_dot_v1_dot_prefill__pb2.WarmupResponse.SerializeToString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.WarmupRequest.FromString,
+                    response_serializer=pagedserve_dot_internal_dot_v1_dot_prefill__pb2.WarmupResponse.SerializeToString,
             ),
             'GetLoad': grpc.unary_unary_rpc_method_handler(
                     servicer.GetLoad,
-                    request_deserializer=pagedserve_dot_v1_dot_common__pb2.GetLoadRequest.FromString,
+                    request_deserializer=pagedserve_dot_internal_dot_v1_dot_worker__pb2.GetLoadRequest.FromString,
                     response_serializer=pagedserve_dot_v1_dot_common__pb2.LoadReport.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
-            'pagedserve.v1.PrefillWorker', rpc_method_handlers)
+            'pagedserve.internal.v1.PrefillWorker', rpc_method_handlers)
     server.add_generic_rpc_handlers((generic_handler,))
-    server.add_registered_method_handlers('pagedserve.v1.PrefillWorker', rpc_method_handlers)
+    server.add_registered_method_handlers('pagedserve.internal.v1.PrefillWorker', rpc_method_handlers)
 
 
  # This class is part of an EXPERIMENTAL API.
@@ -198,9 +199,9 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.PrefillWorker/Prefill',
-            pagedserve_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
-            pagedserve_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
+            '/pagedserve.internal.v1.PrefillWorker/Prefill',
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PrefillRequest.SerializeToString,
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PrefillResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -225,9 +226,9 @@ class PrefillWorker:
         return grpc.experimental.unary_stream(
             request,
             target,
-            '/pagedserve.v1.PrefillWorker/PullKv',
-            pagedserve_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
-            pagedserve_dot_v1_dot_prefill__pb2.KvChunk.FromString,
+            '/pagedserve.internal.v1.PrefillWorker/PullKv',
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.PullKvRequest.SerializeToString,
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.KvChunk.FromString,
             options,
             channel_credentials,
             insecure,
@@ -252,9 +253,9 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.PrefillWorker/ReleaseKv',
-            pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
-            pagedserve_dot_v1_dot_prefill__pb2.ReleaseKvResponse.FromString,
+            '/pagedserve.internal.v1.PrefillWorker/ReleaseKv',
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.ReleaseKvRequest.SerializeToString,
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.ReleaseKvResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -279,7 +280,7 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.PrefillWorker/Abort',
+            '/pagedserve.internal.v1.PrefillWorker/Abort',
             pagedserve_dot_v1_dot_common__pb2.AbortRequest.SerializeToString,
             pagedserve_dot_v1_dot_common__pb2.AbortResponse.FromString,
             options,
@@ -306,9 +307,9 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.PrefillWorker/RenewLease',
-            pagedserve_dot_v1_dot_prefill__pb2.RenewLeaseRequest.SerializeToString,
-            pagedserve_dot_v1_dot_prefill__pb2.RenewLeaseResponse.FromString,
+            '/pagedserve.internal.v1.PrefillWorker/RenewLease',
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.RenewLeaseRequest.SerializeToString,
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -333,9 +334,9 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.PrefillWorker/Warmup',
-            pagedserve_dot_v1_dot_prefill__pb2.WarmupRequest.SerializeToString,
-            pagedserve_dot_v1_dot_prefill__pb2.WarmupResponse.FromString,
+            '/pagedserve.internal.v1.PrefillWorker/Warmup',
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.WarmupRequest.SerializeToString,
+            pagedserve_dot_internal_dot_v1_dot_prefill__pb2.WarmupResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -360,8 +361,8 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/pagedserve.v1.PrefillWorker/GetLoad',
-            pagedserve_dot_v1_dot_common__pb2.GetLoadRequest.SerializeToString,
+            '/pagedserve.internal.v1.PrefillWorker/GetLoad',
+            pagedserve_dot_internal_dot_v1_dot_worker__pb2.GetLoadRequest.SerializeToString,
             pagedserve_dot_v1_dot_common__pb2.LoadReport.FromString,
             options,
             channel_credentials,
