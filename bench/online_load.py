@@ -126,11 +126,11 @@ def scenario(load: LoadSpec, base_url: str, model: str, streams: int, rep: int =
     """guidellm 0.8.1's scenario file for repetition `rep` of one level."""
     low, high = load.prompt_range
     seed = streams + 1_000 * rep  # NOTE: new prompts at each level and repetition
-    data = {"kind": "synthetic_text", "prompt_tokens": load.prompt_tokens,
+    data: dict[str, object] = {"kind": "synthetic_text", "prompt_tokens": load.prompt_tokens,
             "prompt_tokens_stdev": load.prompt_stdev, "prompt_tokens_min": low,
             "prompt_tokens_max": high, "output_tokens": load.output_tokens}  # fmt: skip
-    backend = {"kind": "openai_http", "target": base_url, "model": model,
-               "request_format": ENDPOINTS[load.endpoint]}  # fmt: skip
+    backend: dict[str, object] = {"kind": "openai_http", "target": base_url, "model": model,
+                                  "request_format": ENDPOINTS[load.endpoint]}  # fmt: skip
     if load.workload == "grounded":
         data = guidellm_data(GROUNDED_PROMPTS, seed, load.output_tokens)
         backend["extras"] = {"body": {"temperature": 0.0}}
