@@ -143,7 +143,8 @@ def eligible(seq: Sequence) -> bool:
     and wants nothing per token."""
     p = seq.params
     return (
-        not p.use_beam_search
+        p.speculative
+        and not p.use_beam_search
         and p.logprobs is None
         and p.structured_output is None
         and not seq.forks_pending

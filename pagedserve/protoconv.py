@@ -37,6 +37,7 @@ _SCALARS = (
     "beam_width",
     "length_penalty",
     "prompt_logprobs",
+    "speculative",
 )
 _FLOATS = {"temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty"}
 _FLOATS |= {"frequency_penalty", "length_penalty"}

@@ -162,6 +162,8 @@ class SamplingParams:
       it, with this many top alternatives (0: the token's own only); `None` returns none. A
       request with them takes no prefix-cache hit (every position is computed). Not with beam
       search.
+    - `speculative`: False keeps the request out of speculative decoding on a decode worker
+      that runs it (docs/speculative.md); the tokens do not depend on it.
     """
 
     temperature: float = 1.0
@@ -190,6 +192,7 @@ class SamplingParams:
     bad_words: tuple[str, ...] = ()
     bad_word_ids: tuple[tuple[int, ...], ...] = ()
     prompt_logprobs: int | None = None
+    speculative: bool = True  # False: never decoded speculatively (docs/speculative.md)
 
     @property
     def num_samples(self) -> int:

@@ -157,7 +157,7 @@ def test_every_singular_sampling_param_has_presence() -> None:
         "allowed_token_ids", "bad_word_ids", "bad_words", "logit_bias", "stop", "stop_token_ids"
     ]  # fmt: skip
     assert without_presence == []
-    assert len(fields) == 26
+    assert len(fields) == 27
 
 
 def test_explicit_zero_sampling_param_survives_serialization() -> None:

@@ -72,7 +72,8 @@ def test_only_sequences_whose_sampler_takes_the_raw_argmax_speculate(tiny_llama)
     assert eligible(seq())
     assert eligible(seq(temperature=0.7, top_k=20, top_p=0.9, min_p=0.05, seed=1))
     for params in ({"logprobs": 2}, {"repetition_penalty": 1.1}, {"logit_bias": ((3, 1.0),)},
-                   {"min_tokens": 4}, {"use_beam_search": True, "n": 2}):  # fmt: skip
+                   {"min_tokens": 4}, {"use_beam_search": True, "n": 2},
+                   {"speculative": False}):  # fmt: skip
         assert not eligible(seq(**params)), params
     engine.close()
 

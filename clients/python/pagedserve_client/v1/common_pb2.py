@@ -14,7 +14,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xd4\x08\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\rH\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x11 \x01(\rH\x0e\x88\x01\x01\x12\x1c\n\x0fuse_beam_search\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12\x17\n\nbeam_width\x18\x13 \x01(\rH\x10\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x14 \x01(\x02H\x11\x88\x01\x01\x12:\n\x11structured_output\x18\x15 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x12@\n\nlogit_bias\x18\x16 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x17 \x03(\r\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\x12\x88\x01\x01\x12\x11\n\tbad_words\x18\x19 \x03(\t\x12\x32\n\x0c\x62\x61\x64_word_ids\x18\x1a \x03(\x0b\x32\x1c.pagedserve.v1.TokenSequence\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\x12\n\x10_use_beam_searchB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x12\n\x10_prompt_logprobs\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa7\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0e\n\x04json\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\rB\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05token\x18\x04 \x01(\tB\x07\n\x05_rank\"b\n\x08Logprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xae\x03\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.pagedserve.v1.WorkerRole\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x1c\n\x14num_requests_swapped\x18\x05 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0b \x01(\x02\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x1b\n\x13reported_at_unix_ms\x18\r \x01(\x03\x12\x1c\n\x14\x61\x63\x63\x65pts_prefill_here\x18\x0e \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*r\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12WORKER_ROLE_ROUTER\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x42h\n\x10io.pagedserve.v1P\x01ZBgithub.com/pagedserve/pagedserve/gen/go/pagedserve/v1;pagedservev1\xaa\x02\rPagedserve.V1b\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1apagedserve/v1/common.proto\x12\rpagedserve.v1\"\xfe\x08\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\rH\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x06 \x01(\rH\x05\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x07 \x01(\rH\x06\x88\x01\x01\x12\x0c\n\x04stop\x18\x08 \x03(\t\x12\x16\n\x0estop_token_ids\x18\t \x03(\r\x12\x17\n\nignore_eos\x18\n \x01(\x08H\x07\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x0b \x01(\x02H\x08\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x0c \x01(\x02H\t\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\r \x01(\x02H\n\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\rH\x0b\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x0f \x01(\x08H\x0c\x88\x01\x01\x12\x0e\n\x01n\x18\x10 \x01(\rH\r\x88\x01\x01\x12\x14\n\x07\x62\x65st_of\x18\x11 \x01(\rH\x0e\x88\x01\x01\x12\x1c\n\x0fuse_beam_search\x18\x12 \x01(\x08H\x0f\x88\x01\x01\x12\x17\n\nbeam_width\x18\x13 \x01(\rH\x10\x88\x01\x01\x12\x1b\n\x0elength_penalty\x18\x14 \x01(\x02H\x11\x88\x01\x01\x12:\n\x11structured_output\x18\x15 \x01(\x0b\x32\x1f.pagedserve.v1.StructuredOutput\x12@\n\nlogit_bias\x18\x16 \x03(\x0b\x32,.pagedserve.v1.SamplingParams.LogitBiasEntry\x12\x19\n\x11\x61llowed_token_ids\x18\x17 \x03(\r\x12\x1c\n\x0fprompt_logprobs\x18\x18 \x01(\rH\x12\x88\x01\x01\x12\x11\n\tbad_words\x18\x19 \x03(\t\x12\x32\n\x0c\x62\x61\x64_word_ids\x18\x1a \x03(\x0b\x32\x1c.pagedserve.v1.TokenSequence\x12\x18\n\x0bspeculative\x18\x1b \x01(\x08H\x13\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\r\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\r\n\x0b_ignore_eosB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x0b\n\t_logprobsB\x16\n\x14_skip_special_tokensB\x04\n\x02_nB\n\n\x08_best_ofB\x12\n\x10_use_beam_searchB\r\n\x0b_beam_widthB\x11\n\x0f_length_penaltyB\x12\n\x10_prompt_logprobsB\x0e\n\x0c_speculative\"\x1c\n\rTokenSequence\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xa7\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0e\n\x04json\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12(\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x16.pagedserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x12\x16\n\x0eresumed_tokens\x18\x06 \x01(\rB\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\\\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\r\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x11\n\x04rank\x18\x03 \x01(\rH\x00\x88\x01\x01\x12\r\n\x05token\x18\x04 \x01(\tB\x07\n\x05_rank\"b\n\x08Logprobs\x12,\n\x07sampled\x18\x01 \x01(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\x12(\n\x03top\x18\x02 \x03(\x0b\x32\x1b.pagedserve.v1.TokenLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\r\"\xae\x03\n\nLoadReport\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04role\x18\x02 \x01(\x0e\x32\x19.pagedserve.v1.WorkerRole\x12\x1c\n\x14num_requests_running\x18\x03 \x01(\r\x12\x1c\n\x14num_requests_waiting\x18\x04 \x01(\r\x12\x1c\n\x14num_requests_swapped\x18\x05 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x06 \x01(\x04\x12\x17\n\x0fkv_blocks_total\x18\x07 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x08 \x01(\r\x12\x18\n\x10kv_blocks_cached\x18\t \x01(\r\x12\x16\n\x0ekv_cache_usage\x18\n \x01(\x02\x12\x1d\n\x15prefix_cache_hit_rate\x18\x0b \x01(\x02\x12\x10\n\x08\x64raining\x18\x0c \x01(\x08\x12\x1b\n\x13reported_at_unix_ms\x18\r \x01(\x03\x12\x1c\n\x14\x61\x63\x63\x65pts_prefill_here\x18\x0e \x01(\x08\x12\x1c\n\x14tensor_parallel_size\x18\x0f \x01(\r\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08*\x91\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x12\x17\n\x13\x46INISH_REASON_ERROR\x10\x04*r\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x16\n\x12WORKER_ROLE_ROUTER\x10\x01\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x02\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x03\x42h\n\x10io.pagedserve.v1P\x01ZBgithub.com/pagedserve/pagedserve/gen/go/pagedserve/v1;pagedservev1\xaa\x02\rPagedserve.V1b\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -24,32 +24,32 @@ if _descriptor._USE_C_DESCRIPTORS == False:
   _globals['DESCRIPTOR']._serialized_options = b'\n\020io.pagedserve.v1P\001ZBgithub.com/pagedserve/pagedserve/gen/go/pagedserve/v1;pagedservev1\252\002\rPagedserve.V1'
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2194
-  _globals['_FINISHREASON']._serialized_end=2339
-  _globals['_WORKERROLE']._serialized_start=2341
-  _globals['_WORKERROLE']._serialized_end=2455
+  _globals['_FINISHREASON']._serialized_start=2236
+  _globals['_FINISHREASON']._serialized_end=2381
+  _globals['_WORKERROLE']._serialized_start=2383
+  _globals['_WORKERROLE']._serialized_end=2497
   _globals['_SAMPLINGPARAMS']._serialized_start=46
-  _globals['_SAMPLINGPARAMS']._serialized_end=1154
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=811
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=859
-  _globals['_TOKENSEQUENCE']._serialized_start=1156
-  _globals['_TOKENSEQUENCE']._serialized_end=1184
-  _globals['_STRUCTUREDOUTPUT']._serialized_start=1187
-  _globals['_STRUCTUREDOUTPUT']._serialized_end=1354
-  _globals['_CHOICES']._serialized_start=1356
-  _globals['_CHOICES']._serialized_end=1382
-  _globals['_TOKENLOGPROB']._serialized_start=1384
-  _globals['_TOKENLOGPROB']._serialized_end=1476
-  _globals['_LOGPROBS']._serialized_start=1478
-  _globals['_LOGPROBS']._serialized_end=1576
-  _globals['_USAGE']._serialized_start=1578
-  _globals['_USAGE']._serialized_end=1665
-  _globals['_TOKENIDS']._serialized_start=1667
-  _globals['_TOKENIDS']._serialized_end=1690
-  _globals['_LOADREPORT']._serialized_start=1693
-  _globals['_LOADREPORT']._serialized_end=2123
-  _globals['_ABORTREQUEST']._serialized_start=2125
-  _globals['_ABORTREQUEST']._serialized_end=2159
-  _globals['_ABORTRESPONSE']._serialized_start=2161
-  _globals['_ABORTRESPONSE']._serialized_end=2191
+  _globals['_SAMPLINGPARAMS']._serialized_end=1196
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=837
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=885
+  _globals['_TOKENSEQUENCE']._serialized_start=1198
+  _globals['_TOKENSEQUENCE']._serialized_end=1226
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=1229
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=1396
+  _globals['_CHOICES']._serialized_start=1398
+  _globals['_CHOICES']._serialized_end=1424
+  _globals['_TOKENLOGPROB']._serialized_start=1426
+  _globals['_TOKENLOGPROB']._serialized_end=1518
+  _globals['_LOGPROBS']._serialized_start=1520
+  _globals['_LOGPROBS']._serialized_end=1618
+  _globals['_USAGE']._serialized_start=1620
+  _globals['_USAGE']._serialized_end=1707
+  _globals['_TOKENIDS']._serialized_start=1709
+  _globals['_TOKENIDS']._serialized_end=1732
+  _globals['_LOADREPORT']._serialized_start=1735
+  _globals['_LOADREPORT']._serialized_end=2165
+  _globals['_ABORTREQUEST']._serialized_start=2167
+  _globals['_ABORTREQUEST']._serialized_end=2201
+  _globals['_ABORTRESPONSE']._serialized_start=2203
+  _globals['_ABORTRESPONSE']._serialized_end=2233
 # @@protoc_insertion_point(module_scope)
