@@ -16,8 +16,9 @@ are trimmed after the step.
 
 Which sequences speculate: those whose sampler chooses from the raw logits through
 temperature, top-k, top-p and min-p alone (no penalties, logit bias, allowed or banned tokens,
-pending min_tokens, structured output, logprobs, beams or pending forks). Every other sequence
-runs with k = 0 in the same batch. docs/speculative.md.
+pending min_tokens, logprobs, beams or pending forks; a grammar masks every verified position,
+model/grammar.py). Every other sequence runs with k = 0 in the same batch. See
+docs/speculative.md.
 """
 
 from __future__ import annotations
@@ -146,7 +147,6 @@ def eligible(seq: Sequence) -> bool:
         p.speculative
         and not p.use_beam_search
         and p.logprobs is None
-        and p.structured_output is None
         and not seq.forks_pending
         and not seq.wants_prompt_logprobs
         and not p.changes_logits

@@ -125,6 +125,35 @@ class Grammars:
         if not cpu_native.mask_logits(logits, bitmask, indices):
             xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=indices)
 
+    def mask_draft(self, logits: torch.Tensor, row: SamplingRow, draft: Sequence[int]) -> None:
+        """Speculative decoding: set, in place, the [1 + k, V] float32 `logits` of one row's
+        verified positions to -inf where its grammar refuses the token. Row i gets the mask
+        after the row's tokens and the first i proposals; from the first proposal the grammar
+        refuses on, later rows repeat that mask (they are never used: that proposal is
+        rejected there). The matcher ends where it started (rolled back)."""
+        import xgrammar  # noqa: PLC0415
+
+        grammar = row.params.structured_output
+        if grammar is None:
+            raise ValueError(f"row: {row.request_id} has no structured_output")
+        matcher = self._synced(row, grammar)
+        rows = logits.shape[0]
+        bitmask = xgrammar.allocate_token_bitmask(rows, logits.shape[1])
+        taken = 0
+        for i in range(rows):
+            matcher.fill_next_token_bitmask(bitmask, i)
+            if i == len(draft) or not _allowed(bitmask, i, draft[i]):
+                bitmask[i + 1 :] = bitmask[i]
+                break
+            if not matcher.accept_token(draft[i]):
+                raise RuntimeError(f"{row.request_id}: token {draft[i]} allowed yet refused")
+            taken += 1
+        if taken:
+            matcher.rollback(taken)
+        indices = list(range(rows))
+        if not cpu_native.mask_logits(logits, bitmask, indices):
+            xgrammar.apply_token_bitmask_inplace(logits, bitmask.to(logits.device), indices=indices)
+
     def _synced(self, row: SamplingRow, grammar: StructuredOutput) -> Any:
         """The row's matcher, having accepted exactly the row's tokens."""
         replay = grammar.resumed_tokens
@@ -150,6 +179,11 @@ class Grammars:
 
     def remove(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+
+
+def _allowed(bitmask: torch.Tensor, row: int, token: int) -> bool:
+    """Whether bit `token` of `bitmask` row `row` (xgrammar's packed int32 words) is set."""
+    return bool((int(bitmask[row, token // 32]) >> (token % 32)) & 1)
 
 
 def _compile(compiler: Any, grammar: StructuredOutput) -> Any:

@@ -287,16 +287,19 @@ class ModelRunner:
         `output.sampled` and returns, per chunk, the logits rows of the tokens it emitted."""
         if logits is None:
             raise RuntimeError("runner: speculating chunks without verified logits")
-        targets = logits.argmax(dim=-1).tolist()
         emitted_rows: list[torch.Tensor] = []
         start = 0
         for i in spec_idx:
             seq, draft = batch[i].seq, batch[i].draft
+            rows = logits[start : start + len(draft) + 1]
+            row = self._sampling_row(seq)
+            if seq.params.structured_output is not None:
+                rows = rows.clone()  # NOTE: the raw rows stay for the recorded logits
+                self.sampler.mask_draft(rows, row, draft)
             if seq.params.greedy:
-                tokens = accept_greedy(draft, targets[start : start + len(draft) + 1])
+                tokens = accept_greedy(draft, rows.argmax(dim=-1).tolist())
             else:
-                rows = logits[start : start + len(draft) + 1]
-                tokens = self.sampler.verify_draft(rows, self._sampling_row(seq), draft)
+                tokens = self.sampler.verify_draft(rows, row, draft)
             output.sampled[i] = SampledToken(tokens[0], None, extra=tokens[1:])
             emitted_rows.append(logits[start : start + len(tokens)])
             start += len(draft) + 1

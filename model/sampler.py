@@ -118,6 +118,10 @@ class Sampler:
         if params.structured_output is not None:
             self._grammars().compile(params.structured_output)
 
+    def mask_draft(self, logits: torch.Tensor, row: SamplingRow, draft: Sequence[int]) -> None:
+        """A structured row's verified positions masked by its grammar (`Grammars.mask_draft`)."""
+        self._grammars().mask_draft(logits, row, draft)
+
     def _grammars(self) -> Grammars:
         if self.grammars is None:
             raise InvalidArgument("structured_output", "not available on this worker's model")
