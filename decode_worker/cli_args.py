@@ -42,17 +42,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 SPECULATIVE_FLAGS = (
     "speculative_method", "num_speculative_tokens", "speculative_ngram_min",
-    "speculative_ngram_max", "speculative_max_batch",
+    "speculative_ngram_max", "speculative_max_batch", "speculative_model",
 )  # fmt: skip
 
 
 def add_speculative_arguments(parser: argparse.ArgumentParser) -> None:
     """Speculative decoding's flags (the decode worker's, and `up`'s, which passes them on)."""
     parser.add_argument(
-        "--speculative-method", default=None, choices=["ngram"],
+        "--speculative-method", default=None, choices=["ngram", "draft"],
         help="speculative decoding: ngram proposes the tokens that followed the latest earlier "
-        "occurrence of the sequence's last tokens (prompt lookup); greedy requests only "
-        "(docs/speculative.md). Default: off",
+        "occurrence of the sequence's last tokens (prompt lookup); draft, those a smaller "
+        "model of the same vocabulary (--speculative-model) predicts (docs/speculative.md). "
+        "Default: off",
+    )  # fmt: skip
+    parser.add_argument(
+        "--speculative-model", default=None,
+        help="the draft model's directory, for --speculative-method draft (its KV takes a "
+        "share of --kv-cache-memory: every block holds the target's and the draft's)",
     )  # fmt: skip
     parser.add_argument(
         "--num-speculative-tokens", type=int, default=4,
@@ -80,5 +86,7 @@ def speculative_flags(args: argparse.Namespace) -> list[str]:
         return []
     flags = []
     for name in SPECULATIVE_FLAGS:
-        flags += ["--" + name.replace("_", "-"), str(getattr(args, name))]
+        value = getattr(args, name, None)
+        if value is not None:
+            flags += ["--" + name.replace("_", "-"), str(value)]
     return flags

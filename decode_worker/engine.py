@@ -36,12 +36,14 @@ from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, worst_case_blocks
 from pagedserve.decode_worker.speculation import SpeculationStats, SpeculativeConfig
 from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
+from pagedserve.kernels import dispatch
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model import tp_ranks
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
+from pagedserve.model.draft import DraftModel, fill_drafts, settle_drafts
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
 from pagedserve.model.requests.batch import RunnerOutput
@@ -131,8 +133,12 @@ class DecodeEngine:
         *,
         copy_fn: CopyFn | None = None,
         revision: str = "",
+        draft: DraftModel | None = None,
     ) -> None:
+        """`draft`: the draft model of `config.speculative`'s draft method (its KV cache has
+        this engine's block count and size, see model/draft.py)."""
         self.model_config = model_config
+        self.draft = draft
         self.config = config
         self.runner = runner
         self.max_model_len = model_len(model_config, config.max_model_len)
@@ -210,7 +216,8 @@ class DecodeEngine:
             runner = ModelRunner(
                 model_config, model, config.num_blocks, config.block_size, config.device
             )
-        return cls(model_config, runner, config, copy_fn=copy_fn, revision=revision)
+        draft = _load_draft(model_config, config)
+        return cls(model_config, runner, config, copy_fn=copy_fn, revision=revision, draft=draft)
 
     @staticmethod
     def _tensor_parallel_runner(
@@ -384,10 +391,14 @@ class DecodeEngine:
             self.errors[failed.seq.request_id] = failed.message
         waited = self._prepare_blocks(plan)
         output = RunnerOutput(sampled=[])
+        if self.draft is not None:
+            drafted = fill_drafts(self.draft, plan.scheduled, [p.seq for p in plan.preempted])
         if plan.scheduled:
             start = time.perf_counter()
             output = self._execute(plan)
             self._observe_prefill(plan, time.perf_counter() - start)
+            if self.draft is not None:
+                settle_drafts(plan.scheduled, drafted, output)
         finished = self.scheduler.update(plan, output) + [f.seq for f in plan.failed]
         for seq in finished:
             self.runner.sampler.remove(seq.request_id)
@@ -427,6 +438,8 @@ class DecodeEngine:
         elif plan.swaps:
             raise RuntimeError("decode engine: swap planned without a swap space")
         self.runner.copy_blocks(plan.copies)
+        if self.draft is not None:
+            dispatch.copy_blocks(self.draft.kv_cache.tensor, list(plan.copies))
         return waited
 
     @staticmethod
@@ -470,3 +483,19 @@ class DecodeEngine:
         if self.swapper is not None:
             self.swapper.close()
         self.runner.close()
+
+
+def _load_draft(target: ModelConfig, config: DecodeEngineConfig) -> DraftModel | None:
+    """The draft model of `config.speculative`'s draft method (None for any other), in the
+    target's dtype; ValueError naming `speculative-model` when its vocabulary differs."""
+    spec = config.speculative
+    if spec is None or spec.draft_model is None:
+        return None
+    draft_config = load_model_config(spec.draft_model, config.dtype)
+    if draft_config.vocab_size != target.vocab_size:
+        raise ValueError(
+            f"speculative-model: the draft's vocabulary ({draft_config.vocab_size} tokens) is "
+            f"not the target's ({target.vocab_size}); a draft must share the target's tokenizer"
+        )
+    model = load_model(draft_config, config.device)
+    return DraftModel(draft_config, model, config.num_blocks, config.block_size, config.device)

@@ -40,6 +40,8 @@ from pagedserve.metrics import (
     TransferCounts,
     register_state,
 )
+from pagedserve.model.config import load_model_config
+from pagedserve.model.runner import kv_cache_spec
 from pagedserve.model.tp_pipes import RankLost
 from pagedserve.telemetry import setup_tracing, start_metrics_server
 from pagedserve.worker_hooks import WorkerHooks
@@ -65,9 +67,19 @@ def engine_config(args: argparse.Namespace, sizing: EngineSizing) -> DecodeEngin
     )
 
 
+def draft_bytes_per_block(args: argparse.Namespace) -> int:
+    """The KV bytes a draft model (`--speculative-model`) adds to every block; 0 without."""
+    if args.speculative_model is None:
+        return 0
+    draft = load_model_config(args.speculative_model, args.dtype)
+    return kv_cache_spec(draft, args.block_size).bytes_per_block
+
+
 def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
     """`--speculative-method` and its companions (ValueError naming the flag if bad)."""
     if args.speculative_method is None:
+        if args.speculative_model is not None:
+            raise ValueError("speculative-model: goes with --speculative-method draft")
         return None
     return SpeculativeConfig(
         method=SpeculativeMethod(args.speculative_method),
@@ -75,6 +87,7 @@ def speculative_config(args: argparse.Namespace) -> SpeculativeConfig | None:
         ngram_min=args.speculative_ngram_min,
         ngram_max=args.speculative_ngram_max,
         max_batch=args.speculative_max_batch,
+        draft_model=args.speculative_model,
     )
 
 
@@ -87,7 +100,7 @@ def swap_space_gib(flag: float | None, kv_pool_bytes: int) -> float:
 
 def build_engine(args: argparse.Namespace) -> DecodeEngine:
     """Load the model and build the engine the flags size (engine_sizing.py)."""
-    sizing = size_engine(args)
+    sizing = size_engine(args, draft_bytes_per_block(args))
     config = engine_config(args, sizing)
     return DecodeEngine.from_model_config(sizing.model_config, config, revision=args.revision)
 

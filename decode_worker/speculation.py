@@ -28,11 +28,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pagedserve.model.requests.batch import DRAFT_PENDING
 from pagedserve.model.requests.sequence import Sequence
 
 
 class SpeculativeMethod(enum.Enum):
     NGRAM = "ngram"
+    DRAFT = "draft"  # a smaller model of the same vocabulary (model/draft.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +49,7 @@ class SpeculativeConfig:
     # batch costs compute the weights' one read no longer hides (the step is no longer bound
     # by reading the weights).
     max_batch: int = 8
+    draft_model: str | None = None  # the draft's model directory (method DRAFT)
 
     def __post_init__(self) -> None:
         if not 1 <= self.num_tokens <= 16:
@@ -58,6 +61,11 @@ class SpeculativeConfig:
             )
         if self.max_batch < 1:
             raise ValueError(f"speculative-max-batch: must be >= 1, got {self.max_batch}")
+        if (self.method is SpeculativeMethod.DRAFT) != (self.draft_model is not None):
+            raise ValueError(
+                "speculative-model: a draft model directory goes with --speculative-method "
+                f"draft and only with it (method {self.method.value}, model {self.draft_model})"
+            )
 
 
 def ngram_proposal(tokens: list[int], ngram_min: int, ngram_max: int, k: int) -> list[int]:
@@ -115,11 +123,14 @@ class Speculator:
         self._rate: dict[str, float] = {}
 
     def propose(self, seq: Sequence, max_tokens: int) -> list[int]:
-        """Up to `max_tokens` (and k) tokens to verify after `seq`'s last token; [] for none."""
+        """Up to `max_tokens` (and k) tokens to verify after `seq`'s last token; [] for none.
+        With a draft model, k `DRAFT_PENDING` slots the engine fills before the forward."""
         if max_tokens < 1 or not eligible(seq):
             return []
         rate = self._rate.get(seq.request_id, self.PRIOR)
         k = min(max_tokens, max(1, round(self.config.num_tokens * rate)))
+        if self.config.method is SpeculativeMethod.DRAFT:
+            return [DRAFT_PENDING] * k
         return ngram_proposal(seq.token_ids, self.config.ngram_min, self.config.ngram_max, k)
 
     def observe(self, seq: Sequence, num_proposed: int, num_accepted: int) -> None:

@@ -53,16 +53,19 @@ class EngineSizing:
         return self.fields["num_blocks"] * self.bytes_per_block
 
 
-def size_engine(args: argparse.Namespace) -> EngineSizing:
+def size_engine(args: argparse.Namespace, extra_bytes_per_block: int = 0) -> EngineSizing:
     """Load the model's config and size the KV pool from a worker's flags
-    (cli_options.add_model_arguments); ValueError naming the flag if they do not fit."""
+    (cli_options.add_model_arguments); ValueError naming the flag if they do not fit.
+    `extra_bytes_per_block`: more KV each block holds beside the model's (a draft model's,
+    model/draft.py), taken from the same budget."""
     quantization = weight_quant_from_args(args)
     model_config = load_model_config(args.model, args.dtype, quantization, args.kv_cache_dtype)
     ranks = args.tensor_parallel_size
     rank_config = shard_model(model_config, 0, ranks) if ranks > 1 else model_config
     spec = kv_cache_spec(rank_config, args.block_size)
     memory = rank_kv_cache_bytes(rank_config, args, ranks)
-    num_blocks = args.num_gpu_blocks_override or spec.num_blocks_for(memory)
+    per_block = spec.bytes_per_block + extra_bytes_per_block
+    num_blocks = args.num_gpu_blocks_override or max(0, memory // per_block)
     if num_blocks < 1:
         raise ValueError("kv-cache-memory: too small for one block")
     fields = EngineFields(

@@ -33,6 +33,10 @@ class TokenLogprobs:
     top: list[tuple[int, float]]
 
 
+# A proposal slot a draft model fills before the forward (`ScheduledSequence.draft`)
+DRAFT_PENDING = -1
+
+
 @dataclass(slots=True)
 class ScheduledSequence:
     """`num_new_tokens` of `seq`, starting at `seq.num_computed_tokens`, run this step; with

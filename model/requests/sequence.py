@@ -98,9 +98,11 @@ class Sequence:
     beam_candidates: list[tuple[int, float]] = field(default_factory=list)
     # With params.prompt_logprobs: those of prompt tokens 1 .. len, collected chunk by chunk
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)
-    # Speculative decoding: tokens proposed for it and verified, and of those accepted
+    # Speculative decoding: tokens proposed for it and verified, and of those accepted; with a
+    # draft model, the positions whose draft KV is valid (model/draft.py)
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    num_draft_computed: int = 0
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -27,6 +27,16 @@ def test_up_passes_the_flags_to_decode_workers_only_and_they_read_them_back() ->
     assert not any("speculative" in f for f in router)
 
 
+def test_up_passes_a_draft_model_and_a_lone_model_flag_is_refused() -> None:
+    given = parse("up", "--model", "m", "--speculative-method", "draft",
+                  "--speculative-model", "small")  # fmt: skip
+    flags = launcher._worker_flags("decode", given)
+    config = speculative_config(parse("decode", "--model", "m", *flags))
+    assert config == SpeculativeConfig(SpeculativeMethod.DRAFT, draft_model="small")
+    with pytest.raises(ValueError, match="speculative-model: goes with --speculative-method"):
+        speculative_config(parse("decode", "--model", "m", "--speculative-model", "small"))
+
+
 def test_off_by_default_and_nothing_passed() -> None:
     assert speculative_config(parse("decode", "--model", "m")) is None
     flags = launcher._worker_flags("decode", parse("up", "--model", "m"))
@@ -53,7 +63,7 @@ def test_an_unknown_method_and_tensor_parallelism_are_refused(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit):
-        parse("decode", "--model", "m", "--speculative-method", "draft")
-    assert "--speculative-method: invalid choice: 'draft'" in capsys.readouterr().err
+        parse("decode", "--model", "m", "--speculative-method", "eagle")
+    assert "--speculative-method: invalid choice: 'eagle'" in capsys.readouterr().err
     with pytest.raises(ValueError, match="speculative-method: .* --tensor-parallel-size"):
         DecodeEngineConfig(tensor_parallel_size=2, speculative=SpeculativeConfig())

@@ -10,6 +10,7 @@ from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
 from pagedserve.decode_worker.plan import KVPolicy, PreemptionMode
 from pagedserve.decode_worker.speculation import (
     SpeculativeConfig,
+    SpeculativeMethod,
     Speculator,
     eligible,
     ngram_proposal,
@@ -220,3 +221,50 @@ def test_seeded_sampled_requests_speculate_and_reproduce(tiny_llama):
     assert stats.num_accepted_tokens > 0
     assert [s.output_token_ids for s in first] == [s.output_token_ids for s in again]
     assert all(s.num_output_tokens == 24 or s.finish_reason.value == "stop" for s in first)
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(make_tiny):
+    """A one-layer draft of other random weights, the tiny model's vocabulary."""
+    return make_tiny("llama", layers=1, seed=5)
+
+
+def _draft(model_dir) -> SpeculativeConfig:
+    return SpeculativeConfig(SpeculativeMethod.DRAFT, num_tokens=4, draft_model=str(model_dir))
+
+
+@pytest.mark.parametrize("num_blocks", [400, 46], ids=["roomy", "swapping"])
+def test_the_target_as_its_own_draft_is_accepted_every_time(tiny_llama, num_blocks):
+    """The draft's KV shares the target's blocks; it is valid exactly where the bookkeeping says
+    (reset when a sequence is swapped out): with the target's own weights as the draft, nearly
+    every proposal is accepted, under swap preemption too, and every token is transformers'."""
+    prompts = make_prompts()
+    seqs, stats, _, swapped = _run(
+        tiny_llama, prompts, [GREEDY] * len(prompts), block_size=8, num_blocks=num_blocks,
+        num_swap_blocks=64, max_num_batched_tokens=64, preemption_mode=PreemptionMode.SWAP,
+        speculative=_draft(tiny_llama),
+    )  # fmt: skip
+    print(f"self-draft: {stats}, swap preemptions: {swapped}")
+    assert swapped >= (num_blocks < 100)
+    assert stats.num_draft_tokens > 100 and stats.acceptance_rate > 0.95
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
+
+
+def test_another_draft_changes_no_token(tiny_llama, tiny_draft):
+    prompts = make_prompts((3, 30, 70))
+    params = [GREEDY, GREEDY, SamplingParams(temperature=0.0, max_tokens=5)]
+    seqs, stats, _, _ = _run(tiny_llama, prompts, params, block_size=8, num_blocks=200,
+                             speculative=_draft(tiny_draft))  # fmt: skip
+    assert stats.num_draft_tokens > 0
+    for prompt, seq, p in zip(prompts, seqs, params, strict=True):
+        want = hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0][: p.max_tokens]
+        assert seq.output_token_ids == want
+
+
+def test_a_draft_of_another_vocabulary_is_refused_naming_the_flag(tiny_llama, make_tiny):
+    other = make_tiny("llama", vocab=640)
+    with pytest.raises(ValueError, match="speculative-model: the draft's vocabulary"):
+        make_engine(tiny_llama, speculative=_draft(other))
+    with pytest.raises(ValueError, match="speculative-model: a draft model directory"):
+        SpeculativeConfig(SpeculativeMethod.DRAFT)
