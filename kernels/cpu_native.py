@@ -289,6 +289,29 @@ def plan(
     )
 
 
+def plan_every_row(
+    block_tables: torch.Tensor,
+    query_lens: list[int],
+    seq_lens: list[int],
+    sliding_window: int | None,
+) -> NativePlan:
+    """Every query row as a sequence of its own, attending causally: row j of a chunk of q
+    tokens ending at context length L attends up to position L - q + j (the decode stack's
+    view of a step whose chunks are short, e.g. speculative verification)::
+
+        sequence:  | context | t_0 t_1 ... t_(q-1) |      row of t_j: end = L - q + j + 1
+
+    Each row gets its sequence's block table row (`tables` has one row per query row)."""
+    owner = [i for i, q_len in enumerate(query_lens) for _ in range(q_len)]
+    ends = [seq_lens[i] - q_len + j + 1 for i, q_len in enumerate(query_lens) for j in range(q_len)]
+    firsts = [max(0, end - sliding_window) if sliding_window else 0 for end in ends]
+    index = torch.tensor(owner, dtype=torch.int64, device=block_tables.device)
+    tables = block_tables.to(torch.int64).index_select(0, index).contiguous()
+    rows = torch.arange(len(owner), dtype=torch.int64)
+    as_tensor = lambda values: torch.tensor(values, dtype=torch.int64)  # noqa: E731
+    return NativePlan(rows, rows, as_tensor(firsts), as_tensor(ends), tables, len(owner))
+
+
 def _rows(plan: NativePlan, query: torch.Tensor) -> tuple[ctypes.CDLL, int]:
     """The loaded kernel and the plan's number of sequences, once the plan fits `query`."""
     assert _lib is not None

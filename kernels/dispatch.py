@@ -49,7 +49,9 @@ class AttentionMetadata:
     _cpu_plans: dict[tuple[object, ...], cpu_attention.DecodeBuckets] = field(
         default_factory=dict, repr=False
     )
-    _native_plans: dict[int | None, cpu_native.NativePlan] = field(default_factory=dict, repr=False)
+    _native_plans: dict[tuple[int | None, bool], cpu_native.NativePlan] = field(
+        default_factory=dict, repr=False
+    )
     # NOTE: an 8-bit cache's dense view of this step's blocks (kernels/kv_quant.py)
     _dense: tuple[int, torch.Tensor, AttentionMetadata] | None = field(default=None, repr=False)
 
@@ -85,14 +87,17 @@ class AttentionMetadata:
             self._cpu_plans[key] = plan
         return plan
 
-    def cpu_native_plan(self, sliding_window: int | None) -> cpu_native.NativePlan:
-        """The native kernel's view of this step's single-token sequences (built on first use)."""
-        plan = self._native_plans.get(sliding_window)
+    def cpu_native_plan(
+        self, sliding_window: int | None, every_row: bool = False
+    ) -> cpu_native.NativePlan:
+        """The native kernel's view of this step's single-token sequences, or with
+        `every_row` of every query row as its own causal sequence (`cpu_native.plan_every_row`,
+        the decode stack's view of short chunks); built on first use."""
+        plan = self._native_plans.get((sliding_window, every_row))
         if plan is None:
-            plan = cpu_native.plan(
-                self.block_tables, self.query_lens, self.seq_lens, sliding_window
-            )
-            self._native_plans[sliding_window] = plan
+            build = cpu_native.plan_every_row if every_row else cpu_native.plan
+            plan = build(self.block_tables, self.query_lens, self.seq_lens, sliding_window)
+            self._native_plans[(sliding_window, every_row)] = plan
         return plan
 
     def dense_view(self, block_size: int) -> tuple[torch.Tensor, AttentionMetadata]:

@@ -3,17 +3,17 @@
 At one token per step on CPU the weights are read in ~20 ms (SmolLM2, fp32), and the Python
 path's ~14 calls per layer added ~10 ms more; `NativeStack` replaces the loop over layers with
 one call that runs the same kernels. It takes a step when every part of it is what the kernels
-compute — float32 on CPU, a plain (unquantized) float32 KV cache, single-token rows only, at
-most `max_rows` of them, no tensor parallelism, Llama's layer (fused fp32 q/k/v and gate/up, or
-int8 / int4 linears the native kernels read, SiLU, at most one sliding window, no q/k norms,
-no attention soft cap (an `Attention.softcap` that is not None),
+compute — float32 on CPU, a plain (unquantized) float32 KV cache, chunks of at most
+`MAX_CHUNK` tokens per sequence (decode steps, speculative verification: each row attends
+causally on its own), at most `max_rows` rows, no tensor parallelism, Llama's layer (fused
+fp32 q/k/v and gate/up, or int8 / int4 linears the native kernels read, SiLU, at most one
+sliding window, no q/k norms, no attention soft cap (an `Attention.softcap` that is not None),
 Llama's pre-norms and RMSNorm, no residual multiplier, rope over whole heads: Qwen3's, OLMo
 2's, Granite's and Gemma's layers and Phi-3's partial rotary take the Python path; the attention
 scale is the model's own, Granite's `attention_multiplier` included, the rope tables are the
 model's, longrope's included, and the embedding multiplier and logits scaling lie outside the
-stack) — and
-otherwise `forward` returns None and the model runs its Python path. Its outputs are the Python
-path's except for SiLU's exponential (a few ulp: docs/kernels.md).
+stack) — and otherwise `forward` returns None and the model runs its Python path. Its outputs
+are the Python path's except for SiLU's exponential (a few ulp: docs/kernels.md).
 """
 
 from __future__ import annotations
@@ -33,6 +33,9 @@ if TYPE_CHECKING:
     from pagedserve.model.llama import LlamaForCausalLM
 
 enabled = True  # tests and benchmarks switch it off to compare with the layer-by-layer path
+# The longest chunk of one sequence a step may hold: 1 + the most speculative tokens (16). Each
+# row attends on its own, so a long prefill chunk is left to the Python path's batched kernels.
+MAX_CHUNK = 17
 
 
 class NativeStack:
@@ -95,7 +98,7 @@ class NativeStack:
         if (
             not enabled
             or not 0 < rows <= self.max_rows
-            or not meta.is_decode_only
+            or max(meta.query_lens) > MAX_CHUNK
             or input_ids.device.type != "cpu"
             or dispatch.backend_for(input_ids.device) != "cpu"
             or cpu_stack.library() is None
@@ -104,8 +107,10 @@ class NativeStack:
         x = self.model._embed(input_ids).contiguous()
         rope = self.model.rope
         cos, sin = rope.cos[positions].contiguous(), rope.sin[positions].contiguous()
-        plan = meta.cpu_native_plan(None)
-        window = meta.cpu_native_plan(self.window).firsts if self.window else plan.firsts
+        # NOTE: a step with chunks (speculative verification) attends row by row, causally
+        every_row = not meta.is_decode_only
+        plan = meta.cpu_native_plan(None, every_row)
+        window = meta.cpu_native_plan(self.window, every_row).firsts if self.window else plan.firsts
         slots = meta.slot_mapping.to(torch.int64).contiguous()
         config = self.model.config
         block_size, blk, pos = self.cache_strides

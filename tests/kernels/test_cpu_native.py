@@ -78,7 +78,7 @@ def test_mixed_batch_and_window_match_the_reference(
     got = dispatch.paged_attention(
         case.query, case.k_cache, case.v_cache, meta, case.scale, sliding_window
     )
-    assert sliding_window in meta._native_plans  # the native kernel ran, not the torch path
+    assert (sliding_window, False) in meta._native_plans  # the native kernel ran, not torch
     torch.testing.assert_close(got, expected(case, sliding_window), **tolerance(dtype))
     # the decode rows alone: the prefill rows of `out` are left as they were
     only_decode = native(case, sliding_window)

@@ -12,6 +12,7 @@ import pytest
 import torch
 from support.oracle import hf_greedy, make_engine, make_prompts, run_engine
 
+from pagedserve.decode_worker.speculation import SpeculativeConfig
 from pagedserve.kernels import cpu_linear, cpu_native, cpu_stack
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.model import config as config_module
@@ -67,6 +68,30 @@ def test_one_call_stack_gives_the_layer_by_layer_tokens_and_logits(
     if quantization is None:
         for prompt, (tokens, _) in zip(prompts, stacked, strict=True):
             assert tokens == hf_greedy(model_dir, torch.float32, tuple(prompt))[0]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_speculative_chunks_through_the_stack_give_the_layer_by_layer_tokens_and_logits(
+    make_tiny, monkeypatch, stack_calls, model, quantization
+):
+    """Verification feeds a sequence 1 + k tokens: the stack attends row by row, causally (a
+    sliding window per row), and matches the Python path's batched chunk attention."""
+    arch, kwargs = MODELS[model]
+    model_dir = make_tiny(arch, **kwargs)
+    prompts = make_prompts((5, 30, 70))
+    config = dict(record_logits=True, block_size=8, num_blocks=96,
+                  quantization=weight_quant(quantization),
+                  speculative=SpeculativeConfig(num_tokens=4))  # fmt: skip
+    engine, seqs = run_engine(model_dir, prompts, **config)
+    stacked = [(s.output_token_ids, torch.stack(engine.logits[s.request_id])) for s in seqs]
+    assert engine.speculation_stats.num_drafts > 5 and len(stack_calls) >= 15
+    monkeypatch.setattr(native_stack, "enabled", False)
+    engine, seqs = run_engine(model_dir, prompts, **config)
+    layered = [(s.output_token_ids, torch.stack(engine.logits[s.request_id])) for s in seqs]
+    for (tokens, logits), (want_tokens, want_logits) in zip(stacked, layered, strict=True):
+        assert tokens == want_tokens
+        assert (logits - want_logits).abs().max().item() < 1e-4
 
 
 def test_fp32_batches_past_16_rows_take_the_gemm_in_the_stack_too(tiny_llama, monkeypatch,
@@ -131,7 +156,7 @@ def test_prefill_rows_and_batches_past_its_bound_take_the_layer_path(tiny_llama)
     stack = NativeStack.build(model, cache)
     assert stack is not None
     before = cache.tensor.clone()
-    for query_lens in ([3, 1], [1] * (stack.max_rows + 1)):
+    for query_lens in ([native_stack.MAX_CHUNK + 1, 1], [1] * (stack.max_rows + 1)):
         rows = sum(query_lens)
         ids, positions = torch.ones(rows, dtype=torch.int64), torch.zeros(rows, dtype=torch.int64)
         assert stack.forward(ids, positions, _meta(query_lens)) is None
