@@ -1,0 +1,133 @@
+"""`--model FILE.gguf` for every family transformers' GGUF reader knows, on files written by
+llama.cpp's own converter (`convert_hf_to_gguf.py`, from `make gguf-converter`), as downloaded
+GGUF files are: each family's tiny checkpoint is converted to an F32 GGUF, `fetch_model` reads
+it back (pagedserve/gguf_families.py corrects what transformers' reader gets wrong), and the
+engine's greedy tokens and fp32 logits on it equal transformers' on the ORIGINAL safetensors.
+A Q8_0 file from the same converter loads from its blocks under `--quantization int8` for the
+families that take it. OLMo 2 and Granite GGUF files stay refused (test_olmo2_granite.py):
+transformers' reader has no mapping for them."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from support.oracle import hf_greedy, hf_greedy_on, hf_model, make_prompts, run_engine
+
+from pagedserve.fetch_model import fetch_model, gguf_architecture
+from pagedserve.model.config import load_model_config
+from pagedserve.model.loader import load_model
+from pagedserve.model.quant import QuantizedLinear, WeightQuant
+
+ROOT = Path(__file__).resolve().parents[2]
+CONVERTER = Path(
+    os.environ.get("PAGEDSERVE_GGUF_CONVERTER") or ROOT / ".cache" / "llama-cpp-converter"
+)
+DRIVER = ROOT / "tests" / "support" / "llama_cpp_convert.py"
+_GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+# family: (make_tiny arch, its arguments, the GGUF's general.architecture). NOTE: where the
+# tiny checkpoint has what no llama.cpp GGUF can say, it is built as real checkpoints are:
+# Gemma's attention scale 1 / sqrt(head_dim) (llama.cpp does not store query_pre_attn_scalar);
+# Gemma 2 tied (llama.cpp drops its lm_head); Gemma 3 six layers, five sliding then a full one
+# (llama.cpp's default pattern, so the full layer and its scaled rope are there); Qwen3-MoE
+# experts in every layer (llama.cpp maps no `mlp_only_layers`).
+FAMILIES = {
+    "qwen3": ("qwen3", {}, "qwen3"),
+    "gemma2": ("gemma2", {"tie_word_embeddings": True,
+                          "config_overrides": {"query_pre_attn_scalar": 32}}, "gemma2"),
+    "gemma3": ("gemma3", {"layers": 6, "config_overrides": {
+        "query_pre_attn_scalar": 32, "layer_types": _GEMMA3_LAYERS}}, "gemma3"),
+    "phi3": ("phi3", {}, "phi3"),
+    "qwen2_moe": ("qwen2_moe", {}, "qwen2moe"),
+    "qwen3_moe": ("qwen3_moe", {"config_overrides": {"mlp_only_layers": []}}, "qwen3moe"),
+    "mixtral": ("mixtral", {}, "llama"),
+    "llama": ("llama", {}, "llama"),
+}  # fmt: skip
+Q8_0_FAMILIES = ("qwen3", "gemma2", "gemma3", "llama")  # the ones --quantization takes
+
+
+def llama_cpp_convert(jobs: list[tuple[Path, Path, str]]) -> None:
+    """Each (checkpoint, out.gguf, outtype) as llama.cpp's converter writes it, all in one
+    process (tests/support/llama_cpp_convert.py)."""
+    if not (CONVERTER / "convert_hf_to_gguf.py").is_file():
+        pytest.fail(f"no llama.cpp converter in {CONVERTER}: run `make gguf-converter`")
+    argv = [sys.executable, str(DRIVER), str(CONVERTER)]
+    argv += [str(part) for job in jobs for part in job]
+    done = subprocess.run(argv, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+@pytest.fixture(scope="session")
+def ggufs(make_tiny, tiny_phi3_longrope, tmp_path_factory) -> dict[tuple[str, str], Path]:
+    """{(family, outtype): llama.cpp's GGUF of its tiny checkpoint}: every family in F32, the
+    Q8_0_FAMILIES in Q8_0 too, and ("phi3_longrope", "f32")."""
+    out = tmp_path_factory.mktemp("llama-cpp-gguf")
+    sources = {family: make_tiny(arch, **kw) for family, (arch, kw, _) in FAMILIES.items()}
+    sources["phi3_longrope"] = tiny_phi3_longrope
+    wanted = [(f, "f32") for f in sources] + [(f, "q8_0") for f in Q8_0_FAMILIES]
+    files = {(f, kind): out / f"{f}.{kind}.gguf" for f, kind in wanted}
+    llama_cpp_convert([(sources[f], files[f, kind], kind) for f, kind in wanted])
+    return files
+
+
+@pytest.fixture(scope="session")
+def converted(make_tiny, ggufs):
+    """`converted(family, outtype="f32") -> (tiny checkpoint, its GGUF, fetch_model's dir)`."""
+
+    def get(family: str, outtype: str = "f32") -> tuple[Path, Path, Path]:
+        arch, kwargs, _ = FAMILIES[family]
+        gguf = ggufs[family, outtype]
+        return make_tiny(arch, **kwargs), gguf, fetch_model(str(gguf), gguf.with_name(gguf.stem))
+
+    return get
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_a_llama_cpp_gguf_serves_the_original_checkpoints_tokens_and_logits(converted, family):
+    source, gguf, model_dir = converted(family)
+    assert gguf_architecture(gguf) == FAMILIES[family][2]
+    prompts = make_prompts((5, 23), seed=7)
+    engine, seqs = run_engine(model_dir, prompts, record_logits=True, num_blocks=64)
+    for prompt, seq in zip(prompts, seqs, strict=True):
+        want_tokens, want_logits = hf_greedy(source, torch.float32, tuple(prompt))
+        assert seq.output_token_ids == want_tokens, f"prompt of {len(prompt)} tokens"
+        err = (torch.stack(engine.logits[seq.request_id]) - want_logits).abs().max().item()
+        assert err < 1e-4, f"prompt of {len(prompt)}: max |logit diff| {err:.2e}"
+
+
+@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "llama"])
+def test_a_llama_cpp_q8_0_gguf_loads_from_its_blocks_under_int8(converted, monkeypatch, family):
+    """Every linear from the file's Q8_0 codes and scales (rows in transformers' order), equal to
+    transformers' dequantization of the same file; the engine's greedy tokens equal transformers'
+    on that dequantization."""
+    _, _, model_dir = converted(family, "q8_0")
+    quantized = []
+    real = QuantizedLinear.load_weight
+    monkeypatch.setattr(
+        QuantizedLinear, "load_weight", lambda s, w: quantized.append(s) or real(s, w)
+    )
+    model = load_model(load_model_config(model_dir, None, WeightQuant("int8")))
+    assert quantized == [], "a linear was quantized from the fp32 weights, not read from blocks"
+    weights = load_file(str(model_dir / "model.safetensors"))
+    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, QuantizedLinear)]
+    assert len(linears) >= 7 * model.config.num_layers and all(m.int8_groups for _, m in linears)
+    for name, layer in linears:
+        if f"{name}.weight" in weights:
+            assert torch.equal(layer.dequantize(), weights[f"{name}.weight"]), name
+    prompts = make_prompts((19,), seed=3)
+    _, seqs = run_engine(model_dir, prompts, num_blocks=64, quantization=WeightQuant("int8"))
+    hf = hf_model(model_dir, torch.float32)
+    assert [s.output_token_ids for s in seqs] == [hf_greedy_on(hf, p) for p in prompts]
+
+
+def test_a_phi3_gguf_with_longrope_factors_is_refused_naming_them(ggufs, tmp_path):
+    gguf = ggufs["phi3_longrope", "f32"]
+    with pytest.raises(ValueError, match="phi3 GGUF with long-context rope factors") as info:
+        fetch_model(str(gguf), tmp_path / "out")
+    assert "safetensors" in str(info.value)
+    assert not (tmp_path / "out").exists()
