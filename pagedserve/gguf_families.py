@@ -13,8 +13,9 @@ reading plus these corrections, then loads the tensors transformers dequantizes,
   as llama.cpp) and its full layers' rope scaling (`rope.scaling.type` / `factor`). Norm weights
   are stored with the 1 added; transformers subtracts it (exact in the `1 + w` Gemma computes).
 - phi3: `rope.dimension_count` gives `partial_rotary_factor`, `attention.sliding_window` the
-  window (0: none), `rope.scaling.original_context_length` the original context. A file with
-  long-context rope factors (`rope_factors_long`, Phi-3.5 / Phi-4-mini's longrope) is refused.
+  window (0: none), `rope.scaling.original_context_length` the original context, and the
+  `rope_factors_short` / `rope_factors_long` tensors (Phi-3.5 / Phi-4-mini) a longrope rope
+  (its attention factor is the formula both llama.cpp and transformers compute).
 - qwen2moe, qwen3moe: the experts' width (`expert_feed_forward_length`); qwen2moe's shared
   expert's (`expert_shared_feed_forward_length`) and its gate's shape.
 - a llama file with `expert_count` (Mixtral): a Mixtral config, and its router and expert
@@ -66,9 +67,10 @@ def load_model(gguf: Path, arch: str, dtype: str):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     fields = gguf_fields(gguf)
-    _refuse_inexact(gguf, arch)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     config = _fix_config(config, arch, fields)
+    if arch == "phi3":
+        _phi3_longrope(config, gguf, fields)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = _tensors(gguf, arch, model, fields)
     missing, unexpected = model.load_state_dict(tensors, strict=False)
@@ -81,18 +83,6 @@ def load_model(gguf: Path, arch: str, dtype: str):
         model.tie_weights()
     model.config.dtype = getattr(torch, dtype)
     return model.to(getattr(torch, dtype)).eval()
-
-
-def _refuse_inexact(gguf: Path, arch: str) -> None:
-    from gguf import GGUFReader
-
-    names = {t.name for t in GGUFReader(str(gguf)).tensors}
-    if arch == "phi3" and "rope_factors_long.weight" in names:
-        raise ValueError(
-            f"model: {gguf.name} is a phi3 GGUF with long-context rope factors "
-            "(rope_factors_long: Phi-3.5 / Phi-4-mini's longrope), which pagedserve does not "
-            "convert: serve the model's Hugging Face safetensors directory"
-        )
 
 
 def _fix_config(config, arch: str, fields: dict[str, Any]):
@@ -155,6 +145,38 @@ def _fix_phi3(config, key: dict[str, Any]) -> None:
     original = key.get("rope.scaling.original_context_length")
     if original is not None:
         config.original_max_position_embeddings = int(original)
+
+
+def _phi3_longrope(config, gguf: Path, fields: dict[str, Any]) -> None:
+    """A longrope rope from the file's factor tensors, if it has them; ValueError for a file
+    whose attention factor is not longrope's formula (a yarn one: not read)."""
+    import math
+
+    from gguf import GGUFReader
+
+    factors = {
+        t.name: [float(x) for x in t.data]
+        for t in GGUFReader(str(gguf)).tensors
+        if t.name in ("rope_factors_long.weight", "rope_factors_short.weight")
+    }
+    if not factors:
+        return
+    original = config.original_max_position_embeddings
+    scale = config.max_position_embeddings / original
+    want = math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0
+    stored = fields.get("phi3.rope.scaling.attn_factor", want)
+    if abs(stored - want) > 1e-6 * want:
+        raise ValueError(
+            f"model: {gguf.name}: phi3.rope.scaling.attn_factor {stored} is not longrope's "
+            f"{want} (a yarn-scaled file?): pagedserve reads longrope phi3 files only"
+        )
+    config.rope_parameters = {
+        **config.rope_parameters,
+        "rope_type": "longrope",
+        "original_max_position_embeddings": original,
+        "short_factor": factors["rope_factors_short.weight"],
+        "long_factor": factors["rope_factors_long.weight"],
+    }
 
 
 def _mixtral_config(config, key: dict[str, Any]):

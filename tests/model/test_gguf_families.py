@@ -4,8 +4,9 @@ GGUF files are: each family's tiny checkpoint is converted to an F32 GGUF, `fetc
 it back (pagedserve/gguf_families.py corrects what transformers' reader gets wrong), and the
 engine's greedy tokens and fp32 logits on it equal transformers' on the ORIGINAL safetensors.
 A Q8_0 file from the same converter loads from its blocks under `--quantization int8` for the
-families that take it. OLMo 2 and Granite GGUF files stay refused (test_olmo2_granite.py):
-transformers' reader has no mapping for them."""
+families that take it. Phi-3's file with longrope factors (Phi-3.5, Phi-4-mini) is read too.
+OLMo 2 and Granite GGUF files stay refused (test_olmo2_granite.py): transformers' reader has no
+mapping for them."""
 
 from __future__ import annotations
 
@@ -43,11 +44,14 @@ FAMILIES = {
     "gemma3": ("gemma3", {"layers": 6, "config_overrides": {
         "query_pre_attn_scalar": 32, "layer_types": _GEMMA3_LAYERS}}, "gemma3"),
     "phi3": ("phi3", {}, "phi3"),
+    "phi3_longrope": ("phi3", {}, "phi3"),  # NOTE: the conftest fixture tiny_phi3_longrope
     "qwen2_moe": ("qwen2_moe", {}, "qwen2moe"),
     "qwen3_moe": ("qwen3_moe", {"config_overrides": {"mlp_only_layers": []}}, "qwen3moe"),
     "mixtral": ("mixtral", {}, "llama"),
     "llama": ("llama", {}, "llama"),
 }  # fmt: skip
+# NOTE: longrope is served within its original context only (test_phi3.py)
+ENGINE_ARGS = {"phi3_longrope": {"max_model_len": 64}}
 Q8_0_FAMILIES = ("qwen3", "gemma2", "gemma3", "llama")  # the ones --quantization takes
 
 
@@ -63,12 +67,17 @@ def llama_cpp_convert(jobs: list[tuple[Path, Path, str]]) -> None:
 
 
 @pytest.fixture(scope="session")
-def ggufs(make_tiny, tiny_phi3_longrope, tmp_path_factory) -> dict[tuple[str, str], Path]:
+def sources(make_tiny, tiny_phi3_longrope) -> dict[str, Path]:
+    """{family: its tiny checkpoint}."""
+    found = {family: make_tiny(arch, **kw) for family, (arch, kw, _) in FAMILIES.items()}
+    return {**found, "phi3_longrope": tiny_phi3_longrope}
+
+
+@pytest.fixture(scope="session")
+def ggufs(sources, tmp_path_factory) -> dict[tuple[str, str], Path]:
     """{(family, outtype): llama.cpp's GGUF of its tiny checkpoint}: every family in F32, the
-    Q8_0_FAMILIES in Q8_0 too, and ("phi3_longrope", "f32")."""
+    Q8_0_FAMILIES in Q8_0 too."""
     out = tmp_path_factory.mktemp("llama-cpp-gguf")
-    sources = {family: make_tiny(arch, **kw) for family, (arch, kw, _) in FAMILIES.items()}
-    sources["phi3_longrope"] = tiny_phi3_longrope
     wanted = [(f, "f32") for f in sources] + [(f, "q8_0") for f in Q8_0_FAMILIES]
     files = {(f, kind): out / f"{f}.{kind}.gguf" for f, kind in wanted}
     llama_cpp_convert([(sources[f], files[f, kind], kind) for f, kind in wanted])
@@ -76,13 +85,12 @@ def ggufs(make_tiny, tiny_phi3_longrope, tmp_path_factory) -> dict[tuple[str, st
 
 
 @pytest.fixture(scope="session")
-def converted(make_tiny, ggufs):
+def converted(sources, ggufs):
     """`converted(family, outtype="f32") -> (tiny checkpoint, its GGUF, fetch_model's dir)`."""
 
     def get(family: str, outtype: str = "f32") -> tuple[Path, Path, Path]:
-        arch, kwargs, _ = FAMILIES[family]
         gguf = ggufs[family, outtype]
-        return make_tiny(arch, **kwargs), gguf, fetch_model(str(gguf), gguf.with_name(gguf.stem))
+        return sources[family], gguf, fetch_model(str(gguf), gguf.with_name(gguf.stem))
 
     return get
 
@@ -92,7 +100,8 @@ def test_a_llama_cpp_gguf_serves_the_original_checkpoints_tokens_and_logits(conv
     source, gguf, model_dir = converted(family)
     assert gguf_architecture(gguf) == FAMILIES[family][2]
     prompts = make_prompts((5, 23), seed=7)
-    engine, seqs = run_engine(model_dir, prompts, record_logits=True, num_blocks=64)
+    engine_args = ENGINE_ARGS.get(family, {})
+    engine, seqs = run_engine(model_dir, prompts, record_logits=True, num_blocks=64, **engine_args)
     for prompt, seq in zip(prompts, seqs, strict=True):
         want_tokens, want_logits = hf_greedy(source, torch.float32, tuple(prompt))
         assert seq.output_token_ids == want_tokens, f"prompt of {len(prompt)} tokens"
@@ -123,11 +132,3 @@ def test_a_llama_cpp_q8_0_gguf_loads_from_its_blocks_under_int8(converted, monke
     _, seqs = run_engine(model_dir, prompts, num_blocks=64, quantization=WeightQuant("int8"))
     hf = hf_model(model_dir, torch.float32)
     assert [s.output_token_ids for s in seqs] == [hf_greedy_on(hf, p) for p in prompts]
-
-
-def test_a_phi3_gguf_with_longrope_factors_is_refused_naming_them(ggufs, tmp_path):
-    gguf = ggufs["phi3_longrope", "f32"]
-    with pytest.raises(ValueError, match="phi3 GGUF with long-context rope factors") as info:
-        fetch_model(str(gguf), tmp_path / "out")
-    assert "safetensors" in str(info.value)
-    assert not (tmp_path / "out").exists()
