@@ -36,7 +36,9 @@ _GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
 # Gemma's attention scale 1 / sqrt(head_dim) (llama.cpp does not store query_pre_attn_scalar);
 # Gemma 2 tied (llama.cpp drops its lm_head); Gemma 3 six layers, five sliding then a full one
 # (llama.cpp's default pattern, so the full layer and its scaled rope are there); Qwen3-MoE
-# experts in every layer (llama.cpp maps no `mlp_only_layers`).
+# experts in every layer (llama.cpp maps no `mlp_only_layers`). Qwen2's embedding has 520 rows:
+# transformers 5 loads its tokenizer as Qwen2Tokenizer, which adds <|endoftext|> as id 512, and
+# llama.cpp's converter wants every token id below vocab_size (released Qwen2 pads it too).
 FAMILIES = {
     "qwen3": ("qwen3", {}, "qwen3"),
     "gemma2": ("gemma2", {"tie_word_embeddings": True,
@@ -49,6 +51,8 @@ FAMILIES = {
     "qwen3_moe": ("qwen3_moe", {"config_overrides": {"mlp_only_layers": []}}, "qwen3moe"),
     "mixtral": ("mixtral", {}, "llama"),
     "llama": ("llama", {}, "llama"),
+    "mistral": ("mistral", {}, "llama"),
+    "qwen2": ("qwen2", {"config_overrides": {"vocab_size": 520}}, "qwen2"),
 }  # fmt: skip
 # NOTE: longrope is served within its original context only (test_phi3.py)
 ENGINE_ARGS = {"phi3_longrope": {"max_model_len": 64}}
