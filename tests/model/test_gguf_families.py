@@ -56,7 +56,7 @@ FAMILIES = {
 }  # fmt: skip
 # NOTE: longrope is served within its original context only (test_phi3.py)
 ENGINE_ARGS = {"phi3_longrope": {"max_model_len": 64}}
-Q8_0_FAMILIES = ("qwen3", "gemma2", "gemma3", "llama")  # the ones --quantization takes
+Q8_0_FAMILIES = ("qwen3", "gemma2", "gemma3", "llama", "qwen2")  # --quantization takes these
 
 
 def llama_cpp_convert(jobs: list[tuple[Path, Path, str]]) -> None:
@@ -113,7 +113,7 @@ def test_a_llama_cpp_gguf_serves_the_original_checkpoints_tokens_and_logits(conv
         assert err < 1e-4, f"prompt of {len(prompt)}: max |logit diff| {err:.2e}"
 
 
-@pytest.mark.parametrize("family", ["qwen3", "gemma2", "gemma3", "llama"])
+@pytest.mark.parametrize("family", Q8_0_FAMILIES)
 def test_a_llama_cpp_q8_0_gguf_loads_from_its_blocks_under_int8(converted, monkeypatch, family):
     """Every linear from the file's Q8_0 codes and scales (rows in transformers' order), equal to
     transformers' dequantization of the same file; the engine's greedy tokens equal transformers'
