@@ -10,7 +10,8 @@ reading plus these corrections, then loads the tensors transformers dequantizes,
   or 1 / sqrt(hidden / heads) for the 27B models (46 layers for Gemma 2, 62 for Gemma 3), and so
   do we (`query_pre_attn_scalar`); gemma2's soft-caps are read (transformers keeps 50 and 30);
   gemma3's layer pattern (`attention.sliding_window_pattern`, default: every 6th layer full,
-  as llama.cpp) and its full layers' rope scaling (`rope.scaling.type` / `factor`). Norm weights
+  as llama.cpp), its full layers' rope scaling (`rope.scaling.type` / `factor`) and its
+  sliding layers' rope base (`rope.freq_base_swa`). Norm weights
   are stored with the 1 added; transformers subtracts it (exact in the `1 + w` Gemma computes).
 - phi3: `rope.dimension_count` gives `partial_rotary_factor`, `attention.sliding_window` the
   window (0: none), `rope.scaling.original_context_length` the original context, and the
@@ -133,7 +134,10 @@ def _fix_gemma3_layers(config, key: dict[str, Any]) -> None:
         if kind != "linear":
             raise ValueError(f"model: a gemma3 GGUF with rope.scaling.type {kind!r}: not read")
         full.update(rope_type="linear", factor=float(key["rope.scaling.factor"]))
-    config.rope_parameters = {**config.rope_parameters, "full_attention": full}
+    local = dict(config.rope_parameters["sliding_attention"])
+    if "rope.freq_base_swa" in key:  # NOTE: absent, llama.cpp's default is transformers': 10000
+        local["rope_theta"] = float(key["rope.freq_base_swa"])
+    config.rope_parameters = {"sliding_attention": local, "full_attention": full}
 
 
 def _fix_phi3(config, key: dict[str, Any]) -> None:

@@ -31,6 +31,10 @@ CONVERTER = Path(
 )
 DRIVER = ROOT / "tests" / "support" / "llama_cpp_convert.py"
 _GEMMA3_LAYERS = ["sliding_attention"] * 5 + ["full_attention"]
+_GEMMA3_ROPES = {  # NOTE: a local base other than the default 10000, so that it must be read
+    "sliding_attention": {"rope_type": "default", "rope_theta": 20_000.0},
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+}
 # family: (make_tiny arch, its arguments, the GGUF's general.architecture). NOTE: where the
 # tiny checkpoint has what no llama.cpp GGUF can say, it is built as real checkpoints are:
 # Gemma's attention scale 1 / sqrt(head_dim) (llama.cpp does not store query_pre_attn_scalar);
@@ -44,7 +48,8 @@ FAMILIES = {
     "gemma2": ("gemma2", {"tie_word_embeddings": True,
                           "config_overrides": {"query_pre_attn_scalar": 32}}, "gemma2"),
     "gemma3": ("gemma3", {"layers": 6, "config_overrides": {
-        "query_pre_attn_scalar": 32, "layer_types": _GEMMA3_LAYERS}}, "gemma3"),
+        "query_pre_attn_scalar": 32, "layer_types": _GEMMA3_LAYERS,
+        "rope_parameters": _GEMMA3_ROPES}}, "gemma3"),
     "phi3": ("phi3", {}, "phi3"),
     "phi3_longrope": ("phi3", {}, "phi3"),  # NOTE: the conftest fixture tiny_phi3_longrope
     "qwen2_moe": ("qwen2_moe", {}, "qwen2moe"),
