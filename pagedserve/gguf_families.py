@@ -113,9 +113,11 @@ def _fix_gemma(config, arch: str, key: dict[str, Any]) -> None:
         config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
     else:
         config.query_pre_attn_scalar = head_dim
+    # NOTE: absent, llama.cpp's caps are transformers' defaults (Gemma 2: 50 and 30; Gemma 3:
+    # none); 0 means none
     for cap in ("attn_logit_softcapping", "final_logit_softcapping"):
-        if arch == "gemma2" or cap in key:
-            setattr(config, cap, key.get(cap))
+        if cap in key:
+            setattr(config, cap, float(key[cap]) or None)
     if arch == "gemma3":
         _fix_gemma3_layers(config, key)
 
