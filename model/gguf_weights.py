@@ -19,8 +19,10 @@ blocks instead: the file's own codes and scales, never dequantized to fp32 and q
 In ATen's packed int4 format (`w = (q - 8) * scale + zero`) that is scale = d and zero = 0
 (Q4_0) or m + 8 d (Q4_1). llama.cpp stores q and k rows permuted for its rotary layout in
 files of its "llama" architecture (Llama, Mistral); transformers' GGUF loader undoes it for
-those, and so do we (the same row permutation of the codes); a qwen2 file keeps HF's order.
-Other tensor types (F32, F16, K-quants) load from the safetensors as before.
+those, and so do we (the same row permutation of the codes); qwen2, qwen3, gemma2 and gemma3
+files keep HF's order. Files of other architectures (phi3's fused qkv and gate/up, the
+mixtures of experts, which `--quantization` refuses anyway) give no blocks here. Other tensor
+types (F32, F16, K-quants) load from the safetensors as before.
 """
 
 from __future__ import annotations
@@ -44,6 +46,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 GROUP = 32  # weights per Q4 / Q8_0 block
+# the files whose decoder linears are the separate q/k/v/o and gate/up/down tensors read here
+BLOCK_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3")
 EMBEDDING, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _WHOLE = {"token_embd.weight": EMBEDDING, "output.weight": HEAD}
 _LAYER = re.compile(
@@ -147,7 +151,9 @@ def block_kinds(gguf: Path, method: str) -> dict[str, str]:
     # only by a model whose GGUF source is at hand
     from gguf import GGUFReader
 
-    found = {}
+    found: dict[str, str] = {}
+    if gguf_architecture(gguf) not in BLOCK_ARCHITECTURES:
+        return found
     for tensor in GGUFReader(str(gguf)).tensors:
         named = _checkpoint_name(tensor.name)
         if named is not None and _usable(named[1], tensor.tensor_type.name, method):
@@ -166,7 +172,10 @@ def quantized_tensors(
     # NOTE: llama.cpp permutes q/k rows for its "llama" architecture only (Mistral is converted
     # as one); transformers undoes it for that architecture only, and so do we: a qwen2 file's
     # rows are stored in Hugging Face order
-    permuted = gguf_architecture(gguf) == "llama"
+    arch = gguf_architecture(gguf)
+    permuted = arch == "llama"
+    if arch not in BLOCK_ARCHITECTURES:
+        return
     for tensor in GGUFReader(str(gguf)).tensors:
         named = _checkpoint_name(tensor.name)
         kind = tensor.tensor_type.name

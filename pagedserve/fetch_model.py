@@ -25,6 +25,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from pagedserve import gguf_families
+
 SOURCE_FILE = "pagedserve-source.json"
 """Written last into a converted directory: what it was made from. Its presence marks it whole."""
 
@@ -154,14 +156,12 @@ def _missing_extra() -> str | None:
     return f"needs {', '.join(missing)}: pip install 'pagedserve[models]'"
 
 
-# `general.architecture` of the GGUF files pagedserve converts. NOTE: not qwen3: transformers'
-# GGUF reader takes its head_dim from Qwen3Config's default (it maps no `attention.key_length`).
-# A Qwen3 model is served from its safetensors. Not olmo2, granite nor phi3 either: no
-# pagedserve test converts one (their norms, multipliers, fused weights, partial rotary and
-# q/k row order from llama.cpp are unchecked), nor gemma2 / gemma3 (llama.cpp stores Gemma's
-# norm weights with the 1 added: unchecked too). No mixture of experts either (qwen2moe,
-# qwen3moe, nor a llama one with experts: Mixtral's).
-GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2")
+# `general.architecture` of the GGUF files pagedserve converts: transformers' GGUF reader reads
+# the first three exactly (a llama one with experts, Mixtral's, too: see gguf_families), the
+# others with the corrections of `pagedserve.gguf_families`. NOTE: not olmo2 nor granite:
+# transformers' GGUF reader has no mapping for them (their norms, multipliers would go unread);
+# such a model is served from its safetensors.
+GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", *gguf_families.ARCHITECTURES)
 
 
 def gguf_architecture(gguf: Path) -> str:
@@ -191,18 +191,11 @@ def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(
             f"model: {gguf.name} is a {arch!r} GGUF; pagedserve converts GGUF files of "
-            f"{', '.join(GGUF_ARCHITECTURES)} only (Qwen3, OLMo 2, Granite, Phi-3, Gemma 2, "
-            "Gemma 3, the mixtures of experts: serve the model's Hugging Face safetensors "
-            "directory; docs/models.md)"
-        )
-    experts = gguf_expert_count(gguf, arch)
-    if experts:
-        raise ValueError(
-            f"model: {gguf.name} is a mixture-of-experts {arch!r} GGUF ({arch}.expert_count "
-            f"{experts}, e.g. Mixtral); pagedserve converts dense GGUF files only (Mixtral, "
-            "Qwen2-MoE, Qwen3-MoE: serve the model's Hugging Face safetensors directory; "
+            f"{', '.join(GGUF_ARCHITECTURES)} only (OLMo 2, Granite: transformers' GGUF reader "
+            "does not read them; serve the model's Hugging Face safetensors directory; "
             "docs/models.md)"
         )
+    experts = gguf_expert_count(gguf, arch) if arch == gguf_families.MIXTRAL else 0
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -213,9 +206,12 @@ def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
     out.mkdir(parents=True)
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     print("dequantizing the weights", flush=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
-    )
+    if arch in gguf_families.ARCHITECTURES or experts:
+        model = gguf_families.load_model(gguf, arch, dtype)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(
+            gguf.parent, gguf_file=gguf.name, dtype=getattr(torch, dtype)
+        )
     config = _config_dict(model, dtype)
     tensors = {
         name: t.contiguous()

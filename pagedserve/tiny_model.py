@@ -115,6 +115,7 @@ def make_tiny_model(
     tie_word_embeddings: bool = False,
     sliding_window: int | None = None,
     partial_rotary_factor: float = PHI3_PARTIAL_ROTARY_FACTOR,
+    config_overrides: dict[str, Any] | None = None,
 ) -> Path:
     """Write a tiny checkpoint + tokenizer into `out_dir` (created if missing) and return its path.
 
@@ -138,6 +139,8 @@ def make_tiny_model(
     norm weights ~ N(0, 0.1) (Gemma's norms weigh by 1 + weight); gemma2 the soft-caps of
     `GEMMA2_SOFTCAPS`, gemma3 q/k norms and two ropes (`rope_scaling`, default
     `GEMMA3_GLOBAL_ROPE`, for its full layers).
+    `config_overrides` are set on the config before the weights are drawn (e.g. a layout that
+    llama.cpp's GGUF can express: `{"query_pre_attn_scalar": 32}`, `{"mlp_only_layers": []}`).
 
     Raises ValueError naming the argument for an unknown `arch` or `dtype`, shapes that do not
     divide (`hidden` by `heads`, `heads` by `kv_heads`), a `vocab` too small for the special tokens
@@ -161,6 +164,8 @@ def make_tiny_model(
         sliding_window=sliding_window,
         partial_rotary_factor=partial_rotary_factor,
     )
+    for key, value in (config_overrides or {}).items():
+        setattr(config, key, value)
     model = build_model(config, seed=seed, init_std=init_std, dtype=DTYPES[dtype])
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID

@@ -14,7 +14,6 @@ from dataclasses import replace
 
 import pytest
 import torch
-from gguf import GGUFWriter
 from support.oracle import (
     GREEDY,
     assert_swap_keeps_transformers_tokens,
@@ -27,7 +26,6 @@ from support.oracle import (
     run_engine,
 )
 
-from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config, rope_frequencies
 from pagedserve.model.quant import WeightQuant
 
@@ -233,22 +231,6 @@ def test_quantized_greedy_equals_transformers_on_the_dequantized_weights(make_ti
     model = hf_dequantized(model_dir, quant)
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.output_token_ids == hf_greedy_on(model, prompt), f"{len(prompt)} tokens"
-
-
-@pytest.mark.parametrize("arch", ["gemma2", "gemma3"])
-def test_a_gemma_gguf_is_refused_before_conversion_naming_it(tmp_path, arch):
-    gguf = tmp_path / f"tiny-{arch}.gguf"
-    writer = GGUFWriter(str(gguf), arch)
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match=f"'{arch}' GGUF.*llama") as info:
-        fetch_model(str(gguf), tmp_path / "out")
-    assert "safetensors" in str(info.value)
-    assert not (tmp_path / "out").exists()
 
 
 def test_the_tiny_gemma3s_two_ropes_and_norm_offset_are_not_trivial(tiny_gemma3):

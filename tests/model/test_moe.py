@@ -13,7 +13,6 @@ import shutil
 
 import pytest
 import torch
-from gguf import GGUFWriter
 from safetensors import safe_open
 from safetensors.torch import save_file
 from support.oracle import (
@@ -24,7 +23,6 @@ from support.oracle import (
     run_engine,
 )
 
-from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config, rope_frequencies
 from pagedserve.model.loader import load_model
 from pagedserve.model.moe import SparseMoeBlock
@@ -215,31 +213,3 @@ def test_tensor_parallelism_is_refused_naming_the_flag(tiny_mixtral):
 def test_the_native_stack_declines_a_mixture_of_experts(tiny_qwen2_moe):
     engine = make_engine(tiny_qwen2_moe, block_size=8, num_blocks=32)
     assert NativeStack.build(engine.runner.model, engine.runner.kv_cache) is None
-
-
-def _gguf(path, arch, experts=0):
-    writer = GGUFWriter(str(path), arch)
-    writer.add_block_count(1)
-    if experts:
-        writer.add_expert_count(experts)
-    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
-
-
-@pytest.mark.parametrize("arch", ["qwen2moe", "qwen3moe"])
-def test_a_qwen_moe_gguf_is_refused_before_conversion_naming_it(tmp_path, arch):
-    with pytest.raises(ValueError, match=f"'{arch}' GGUF.*safetensors"):
-        fetch_model(str(_gguf(tmp_path / f"tiny-{arch}.gguf", arch)), tmp_path / "out")
-    assert not (tmp_path / "out").exists()
-
-
-def test_a_mixtral_gguf_is_refused_by_its_expert_count(tmp_path):
-    """llama.cpp writes Mixtral as a "llama" GGUF with `llama.expert_count`."""
-    gguf = _gguf(tmp_path / "mixtral.gguf", "llama", experts=8)
-    with pytest.raises(ValueError, match=r"mixture-of-experts 'llama' GGUF \(llama.expert_count 8"):
-        fetch_model(str(gguf), tmp_path / "out")
-    assert not (tmp_path / "out").exists()

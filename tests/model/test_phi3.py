@@ -13,7 +13,6 @@ import json
 
 import pytest
 import torch
-from gguf import GGUFWriter
 from safetensors import safe_open
 from support.oracle import (
     assert_swap_keeps_transformers_tokens,
@@ -23,7 +22,6 @@ from support.oracle import (
     run_engine,
 )
 
-from pagedserve.fetch_model import fetch_model
 from pagedserve.model import config as config_module
 from pagedserve.model import phi3
 from pagedserve.model.config import load_model_config
@@ -164,18 +162,3 @@ def test_tensor_parallelism_and_quantization_are_refused_naming_the_flags(tiny_p
         make_engine(tiny_phi3, block_size=8, num_blocks=8, tensor_parallel_size=2)
     with pytest.raises(ValueError, match="--quantization int8.*Phi3ForCausalLM"):
         make_engine(tiny_phi3, block_size=8, num_blocks=8, quantization=weight_quant("int8"))
-
-
-def test_a_phi3_gguf_is_refused_before_conversion_naming_it(tmp_path):
-    gguf = tmp_path / "tiny-phi3.gguf"
-    writer = GGUFWriter(str(gguf), "phi3")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="'phi3' GGUF.*llama") as info:
-        fetch_model(str(gguf), tmp_path / "out")
-    assert "Phi-3" in str(info.value) and "safetensors" in str(info.value)
-    assert not (tmp_path / "out").exists()

@@ -2,18 +2,16 @@
 rope, its own head_dim, o_proj's bias following `attention_bias`, Qwen2's sliding-window rules.
 The oracle tests (test_oracle.py, test_model_variants.py, test_native_stack.py) run the tiny
 Qwen3 beside the other families; here: what is Qwen3's own (the config's defaults, scheduling
-under pressure, a GGUF refused); its cluster test is in test_family_clusters.py."""
+under pressure); its cluster test is in test_family_clusters.py, its GGUF files (llama.cpp's) in
+test_gguf_families.py."""
 
 from __future__ import annotations
 
 import json
 
-import pytest
 import torch
-from gguf import GGUFWriter
 from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
 
-from pagedserve.fetch_model import fetch_model
 from pagedserve.model.config import load_model_config
 
 
@@ -36,18 +34,3 @@ def test_two_tensor_parallel_ranks_keep_transformers_tokens(tiny_qwen3):
         engine.close()
     for prompt, seq in zip(prompts, seqs, strict=True):
         assert seq.output_token_ids == hf_greedy(tiny_qwen3, torch.float32, tuple(prompt))[0]
-
-
-def test_a_qwen3_gguf_is_refused_before_conversion_naming_it(tmp_path):
-    gguf = tmp_path / "tiny-qwen3.gguf"
-    writer = GGUFWriter(str(gguf), "qwen3")
-    writer.add_block_count(1)
-    writer.add_tensor("token_embd.weight", torch.zeros(8, 4).numpy())
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    with pytest.raises(ValueError, match="'qwen3' GGUF.*llama") as info:
-        fetch_model(str(gguf), tmp_path / "out")
-    assert "safetensors" in str(info.value)
-    assert not (tmp_path / "out").exists()
