@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_native, reference
+from pagedserve.kernels import cpu_native, native_plan, reference
 
 _local = threading.local()
 
@@ -123,7 +123,7 @@ def plan_decode(
     Sequence i reads context positions [first_i, seq_len_i), first_i = seq_len_i - window when
     a window cuts it. Its gathered row starts at its block `first_i // block_size`.
     """
-    rows, seqs, num_rows = cpu_native.single_token_rows(query_lens)
+    rows, seqs, num_rows = native_plan.single_token_rows(query_lens)
     firsts = [max(0, seq_lens[i] - sliding_window) if sliding_window else 0 for i in seqs]
     spans = [seq_lens[i] - first for i, first in zip(seqs, firsts, strict=True)]
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
@@ -321,7 +321,7 @@ def paged_attention(
     sliding_window: int | None = None,
     plan: DecodeBuckets | None = None,
     *,
-    native: cpu_native.NativePlan | None = None,
+    native: native_plan.NativePlan | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
     """Varlen causal attention (prefill, chunks, decode mixed): same contract as the reference.

@@ -22,7 +22,7 @@ from typing import Literal
 
 import torch
 
-from pagedserve.kernels import cpu_attention, cpu_native, kv_quant, reference, swap
+from pagedserve.kernels import cpu_attention, cpu_native, kv_quant, native_plan, reference, swap
 
 Backend = Literal["triton", "cpu", "reference"]
 _BACKENDS = ("triton", "cpu", "reference")
@@ -49,7 +49,7 @@ class AttentionMetadata:
     _cpu_plans: dict[tuple[object, ...], cpu_attention.DecodeBuckets] = field(
         default_factory=dict, repr=False
     )
-    _native_plans: dict[tuple[int | None, bool], cpu_native.NativePlan] = field(
+    _native_plans: dict[tuple[int | None, bool], native_plan.NativePlan] = field(
         default_factory=dict, repr=False
     )
     # NOTE: an 8-bit cache's dense view of this step's blocks (kernels/kv_quant.py)
@@ -89,13 +89,13 @@ class AttentionMetadata:
 
     def cpu_native_plan(
         self, sliding_window: int | None, every_row: bool = False
-    ) -> cpu_native.NativePlan:
+    ) -> native_plan.NativePlan:
         """The native kernel's view of this step's single-token sequences, or with
-        `every_row` of every query row as its own causal sequence (`cpu_native.plan_every_row`,
+        `every_row` of every query row as its own causal sequence (`native_plan.plan_every_row`,
         the decode stack's view of short chunks); built on first use."""
         plan = self._native_plans.get((sliding_window, every_row))
         if plan is None:
-            build = cpu_native.plan_every_row if every_row else cpu_native.plan
+            build = native_plan.plan_every_row if every_row else native_plan.plan
             plan = build(self.block_tables, self.query_lens, self.seq_lens, sliding_window)
             self._native_plans[(sliding_window, every_row)] = plan
         return plan

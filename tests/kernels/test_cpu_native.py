@@ -7,7 +7,7 @@ import pytest
 import torch
 from support.oracle import hf_greedy, make_prompts, run_engine
 
-from pagedserve.kernels import cpu_native, dispatch, reference
+from pagedserve.kernels import cpu_native, dispatch, native_plan, reference
 
 BLOCKER = cpu_native.build_blocker()
 # NOTE: the kernel is x86-64 C for AVX-512 or AVX2 + FMA; a host with neither, or without a C
@@ -25,7 +25,7 @@ def expected(case, sliding_window=None, softcap=None, scale=None):
 
 
 def native(case, sliding_window=None, softcap=None, scale=None):
-    plan = cpu_native.plan(case.block_tables, case.query_lens, case.seq_lens, sliding_window)
+    plan = native_plan.plan(case.block_tables, case.query_lens, case.seq_lens, sliding_window)
     out = torch.full_like(case.query, float("nan"))
     scale = case.scale if scale is None else scale
     return cpu_native.decode(plan, case.query, case.k_cache, case.v_cache, scale, out, softcap)
