@@ -26,12 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.requests.batch import DRAFT_PENDING, RunnerOutput, ScheduledSequence
 from pagedserve.model.requests.sequence import Sequence
+from pagedserve.model.runner import Chunk, kv_cache_spec, model_inputs
 
 
 @dataclass(slots=True)
@@ -53,8 +53,6 @@ class DraftModel:
         block_size: int,
         device: torch.device | str = "cpu",
     ) -> None:
-        from pagedserve.model.runner import kv_cache_spec  # noqa: PLC0415  NOTE: a cycle
-
         self.config = config
         self.model = model
         self.device = torch.device(device)
@@ -86,35 +84,13 @@ class DraftModel:
         d_1 .. d_(k-1), so at most k - 1 of them)."""
         seq.num_draft_computed += min(num_accepted, k - 1)
 
-    def _step(self, chunks: list[tuple[Sequence, int, list[int]]]) -> list[int]:
+    def _step(self, chunks: list[Chunk]) -> list[int]:
         """One forward of the draft over each (sequence, first position, tokens) chunk,
         writing their KV; returns the argmax after each chunk's last token."""
-        ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
-        for seq, start, tokens in chunks:
-            end = start + len(tokens)
-            ids += tokens
-            positions += range(start, end)
-            slots += seq.block_table.slot_mapping(start, end)
-            query_lens.append(len(tokens))
-            seq_lens.append(end)
-        width = max(len(seq.block_table.block_ids) for seq, _, _ in chunks)
-        tables = [seq.block_table.block_ids + [0] * (width - len(seq.block_table.block_ids))
-                  for seq, _, _ in chunks]  # fmt: skip
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=self.device),
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-        )
-        input_ids = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
+        input_ids, positions, meta = model_inputs(chunks, self.device)
         with torch.inference_mode():
-            hidden = self.model(input_ids, pos, self.kv_cache, meta)
-            last = torch.tensor(query_lens, device=self.device).cumsum(0) - 1
+            hidden = self.model(input_ids, positions, self.kv_cache, meta)
+            last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
             logits = self.model.compute_logits(hidden[last])
         return logits.argmax(dim=-1).tolist()
 

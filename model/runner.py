@@ -379,11 +379,7 @@ class ModelRunner:
     def _prepare(
         self, batch: Seq[ScheduledSequence]
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        tokens: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
-        query_lens: list[int] = []
-        seq_lens: list[int] = []
+        chunks: list[Chunk] = []
         for item in batch:
             seq, start = item.seq, item.seq.num_computed_tokens
             end = start + item.num_new_tokens
@@ -391,28 +387,38 @@ class ModelRunner:
                 raise RuntimeError(f"{seq.request_id}: bad chunk {start}:{end} of {seq.num_tokens}")
             if item.draft and end != seq.num_tokens:
                 raise RuntimeError(f"{seq.request_id}: proposals after a partial chunk")
-            tokens.extend(seq.token_ids[start:end])
-            tokens.extend(item.draft)
-            end += len(item.draft)
-            positions.extend(range(start, end))
-            slots.extend(seq.block_table.slot_mapping(start, end))
-            query_lens.append(end - start)
-            seq_lens.append(end)
-        max_blocks = max(len(item.seq.block_table.block_ids) for item in batch)
-        tables = [
-            item.seq.block_table.block_ids
-            + [0] * (max_blocks - len(item.seq.block_table.block_ids))
-            for item in batch
-        ]
-        meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=self.device),
-            block_tables=torch.tensor(tables, dtype=torch.int64, device=self.device),
-            query_lens=query_lens,
-            seq_lens=seq_lens,
-        )
-        ids = torch.tensor(tokens, dtype=torch.int64, device=self.device)
-        pos = torch.tensor(positions, dtype=torch.int64, device=self.device)
-        return ids, pos, meta
+            chunks.append((seq, start, [*seq.token_ids[start:end], *item.draft]))
+        return model_inputs(chunks, self.device)
+
+
+# A sequence, the position of its first token this step, and the tokens fed
+Chunk = tuple[Sequence, int, list[int]]
+
+
+def model_inputs(
+    chunks: Seq[Chunk], device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """(token ids, positions, metadata) of one forward over `chunks`, whose slots are in their
+    sequences' block tables already."""
+    tokens: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    for seq, start, fed in chunks:
+        tokens += fed
+        positions += range(start, start + len(fed))
+        slots += seq.block_table.slot_mapping(start, start + len(fed))
+    width = max(len(seq.block_table.block_ids) for seq, _, _ in chunks)
+    tables = [seq.block_table.block_ids + [0] * (width - len(seq.block_table.block_ids))
+              for seq, _, _ in chunks]  # fmt: skip
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int64, device=device),
+        query_lens=[len(fed) for _, _, fed in chunks],
+        seq_lens=[start + len(fed) for _, start, fed in chunks],
+    )
+    ids = torch.tensor(tokens, dtype=torch.int64, device=device)
+    pos = torch.tensor(positions, dtype=torch.int64, device=device)
+    return ids, pos, meta
 
 
 def accept_greedy(draft: Seq[int], targets: Seq[int]) -> list[int]:
