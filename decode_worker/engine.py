@@ -39,6 +39,7 @@ from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.kvstore.kv_offload import make_offload
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model import tp_ranks
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
@@ -66,6 +67,7 @@ class DecodeEngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
+    kv_offload_blocks: int = 0  # host-memory prefix tier (--kv-offload-memory), 0: off
     dtype: str | None = None  # default: the checkpoint's
     quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
     kv_cache_dtype: str | None = None  # "int8" / "fp8_e4m3" for an 8-bit KV cache; None: dtype's
@@ -145,7 +147,16 @@ class DecodeEngine:
             record_events=False,
             eviction_policy=config.eviction_policy,
         )
-        self.kv = KVCacheManager(self.pool, enable_prefix_caching=config.enable_prefix_caching)
+        offload = make_offload(
+            runner.spec,
+            runner.kv_cache.tensor,
+            config.kv_offload_blocks if config.enable_prefix_caching else 0,
+            tensor_parallel_size=config.tensor_parallel_size,
+            eviction_policy=config.eviction_policy,
+        )
+        self.kv = KVCacheManager(
+            self.pool, enable_prefix_caching=config.enable_prefix_caching, offload=offload
+        )
         num_swap = config.num_swap_blocks
         if num_swap is None:
             num_swap = swap_blocks_for(runner.spec, config.swap_space_gib)
@@ -461,8 +472,11 @@ class DecodeEngine:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError unless the device pool, the swap space and the queues agree."""
+        """Raise RuntimeError unless the device pool, the host tier, the swap space and the
+        queues agree."""
         self.scheduler.check_integrity()
+        if self.kv.offload is not None:
+            self.kv.offload.check_integrity(self.pool)
         if self.swap_space is not None:
             self.swap_space.check_integrity()
 

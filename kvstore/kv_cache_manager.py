@@ -13,10 +13,15 @@ A request's life, in calls::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pagedserve.kvstore.block_pool import BlockId, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from pagedserve.kvstore.host_tier import OffloadCounts
+    from pagedserve.kvstore.kv_offload import KVOffload
 
 
 class KVCacheManager:
@@ -24,21 +29,35 @@ class KVCacheManager:
 
     With ``enable_prefix_caching=False`` nothing is ever matched or registered, so every block
     returns to the free list when its table is freed.
+
+    With ``offload`` (the host tier, ``--kv-offload-memory``), the pool's evicted cached blocks
+    are copied to host memory and ``match_prefix`` promotes them back.
     """
 
-    __slots__ = ("enable_prefix_caching", "pool")
+    __slots__ = ("enable_prefix_caching", "offload", "pool")
 
-    def __init__(self, pool: BlockPool, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        enable_prefix_caching: bool = True,
+        offload: KVOffload | None = None,
+    ) -> None:
         self.pool = pool
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload = offload if enable_prefix_caching else None
+        pool.set_tier(self.offload)
 
     def match_prefix(
         self, block_hashes: Sequence[BlockHash], max_blocks: int | None = None
     ) -> list[BlockId]:
         """Blocks holding the longest leading run of ``block_hashes``, at most ``max_blocks``.
 
-        No side effects: no reference is taken, so pass the result to ``allocate`` before the
-        pool changes. The caller must leave at least one prompt token to compute (its logits
+        No reference is taken, so pass the result to ``allocate`` before the pool changes.
+        Without a host tier there are no side effects. With one, the run continues into hashes
+        the tier holds: those blocks are first copied back into device blocks (promoted, now
+        CACHED on the device; the copies are complete on return), which may evict other cached
+        blocks into the tier. The caller must leave at least one prompt token to compute (its logits
         give the first output token), i.e. pass ``max_blocks = (num_prompt_tokens - 1) //
         block_size``.
         """
@@ -47,8 +66,20 @@ class KVCacheManager:
         if not self.enable_prefix_caching:
             return []
         limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
-        matched: list[BlockId] = []
-        for block_hash in block_hashes[:limit]:
+        matched = self._device_run(block_hashes[:limit], [])
+        promoted = 0
+        if self.offload is not None and len(matched) < limit:
+            promoted = self.offload.promote(self.pool, block_hashes[:limit], matched)
+        if promoted:
+            matched = self._device_run(block_hashes[:limit], matched)
+        return matched
+
+    def _device_run(
+        self, block_hashes: Sequence[BlockHash], matched: list[BlockId]
+    ) -> list[BlockId]:
+        """``matched`` extended by the device blocks of the hashes that follow it."""
+        matched = list(matched)
+        for block_hash in block_hashes[len(matched) :]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -122,7 +153,10 @@ class KVCacheManager:
         table.free()
 
     def check_integrity(self) -> None:
+        """The pool's invariants and, with a host tier, the tier's and their disjointness."""
         self.pool.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity(self.pool)
 
     def _blocks_needed(
         self, table: BlockTable, num_tokens_total: int, prefix_blocks: Sequence[BlockId]
@@ -140,3 +174,8 @@ class KVCacheManager:
             if self.pool.block_hash(block_id) is None:
                 raise ValueError(f"prefix_blocks: block {block_id} has no hash")
         return -(-num_tokens_total // self.pool.block_size) - len(prefix_blocks)
+
+
+def offload_counts(kv: KVCacheManager) -> OffloadCounts | None:
+    """The host tier's metrics, or None when the tier is off (no ``kv_offload_*`` series)."""
+    return kv.offload.counts() if kv.offload is not None else None

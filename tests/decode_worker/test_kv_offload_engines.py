@@ -1,0 +1,80 @@
+"""The host tier in both engines (--kv-offload-memory): a prefix evicted from a small device
+pool by other traffic is promoted back from host memory, its prompt tokens counted as cached
+(not computed), and the tokens still equal transformers'."""
+
+from __future__ import annotations
+
+import torch
+from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
+
+from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
+
+BLOCK = 8
+PREFIX, TAIL_A, TAIL_B, OTHER_1, OTHER_2 = make_prompts((40, 3, 5, 60, 60), seed=5)
+PROMPT_A, PROMPT_B = PREFIX + TAIL_A, PREFIX + TAIL_B
+
+
+def run_decode(model_dir, offload_blocks: int):
+    """A, two other prompts (evicting A's blocks from the 12-block pool), then B = A's prefix
+    + another tail; the engine's integrity is checked after every step."""
+    engine = make_engine(
+        model_dir, block_size=BLOCK, num_blocks=12, max_num_batched_tokens=64,
+        kv_offload_blocks=offload_blocks,
+    )  # fmt: skip
+    for prompt in (PROMPT_A, OTHER_1, OTHER_2):
+        engine.add_request(prompt, GREEDY)
+        while engine.has_unfinished:
+            engine.step()
+            engine.check_integrity()
+    seq = engine.add_request(PROMPT_B, GREEDY)
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+    engine.close()
+    return engine, seq
+
+
+def test_decode_engine_serves_an_evicted_prefix_from_the_host_tier(tiny_llama):
+    engine, seq = run_decode(tiny_llama, offload_blocks=32)
+    counts = engine.kv.offload.counts()
+    assert counts.writes >= len(PREFIX) // BLOCK, "the prefix must leave the device pool"
+    assert counts.promotions == len(PREFIX) // BLOCK
+    assert counts.promotion_bytes == counts.promotions * engine.runner.spec.bytes_per_block
+    assert seq.num_cached_prompt_tokens == len(PREFIX), "promoted, not recomputed"
+    assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(PROMPT_B))[0]
+
+
+def test_decode_engine_without_the_tier_recomputes_the_evicted_prefix(tiny_llama):
+    engine, seq = run_decode(tiny_llama, offload_blocks=0)
+    assert engine.kv.offload is None
+    assert seq.num_cached_prompt_tokens == 0
+    assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(PROMPT_B))[0]
+
+
+def prefill(engine: PrefillEngine, request_id: str, prompt: list[int]):
+    seq = engine.new_sequence(prompt, GREEDY, request_id=request_id)
+    engine.add_sequence(seq)
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+    engine.free(seq.block_table)  # the lease ends at once: full blocks stay cached
+    engine.check_integrity()
+    return seq
+
+
+def test_prefill_engine_promotes_an_evicted_prefix_and_counts_it_cached(tiny_llama):
+    config = PrefillEngineConfig(
+        block_size=BLOCK, num_blocks=8, max_num_batched_tokens=64, use_shm=False,
+        kv_offload_blocks=16,
+    )  # fmt: skip
+    engine = PrefillEngine.from_model_dir(str(tiny_llama), config)
+    prefill(engine, "a", PROMPT_A)
+    prefill(engine, "o1", OTHER_1)
+    assert engine.count_cached([PREFIX], "") == 0, "the prefix must leave the device pool"
+    computed = engine.num_prompt_tokens_computed
+    seq = prefill(engine, "b", PROMPT_B)
+    assert seq.num_cached_prompt_tokens == len(PREFIX)
+    assert engine.num_prompt_tokens_computed - computed == len(TAIL_B)
+    assert engine.kv.offload.counts().promotions == len(PREFIX) // BLOCK
+    assert seq.output_token_ids[:1] == hf_greedy(tiny_llama, torch.float32, tuple(PROMPT_B))[0][:1]
+    engine.close()
