@@ -17,6 +17,7 @@ thread and feeds it imported prompts (kv_import.py, docs/leases.md) through `add
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -173,6 +174,13 @@ class DecodeEngine:
             copy_fn = every_rank([c.tensor for c in caches], hosts, copy_fn)
         if self.swap_space is not None:
             self.swapper = Swapper(runner.kv_cache.tensor, self.swap_space.tensor, copy_fn=copy_fn)
+        if self.kv.offload is not None:
+            # NOTE: a promotion overwrites device blocks at once. Between steps every planned
+            # swap-out is issued, so waiting for the swapper's pending reads is enough; inside
+            # `schedule` a swap-out planned but not yet issued could still read them.
+            self.kv.promote_on_match = False
+            if self.swapper is not None:
+                self.kv.offload.before_write = self.swapper.wait_for_writes
         self.scheduler = Scheduler(
             self._scheduler_config(),
             self.kv,
@@ -389,7 +397,9 @@ class DecodeEngine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> DecodeStepOutput:
-        """Schedule, move blocks, run one forward, apply its results."""
+        """Promote waiting prompts' host-tier blocks, schedule, move blocks, run one forward,
+        apply its results."""
+        self._promote_waiting()
         plan = self.scheduler.schedule()
         for failed in plan.failed:
             self.errors[failed.seq.request_id] = failed.message
@@ -408,6 +418,17 @@ class DecodeEngine:
         if plan.is_empty and self.has_unfinished and not self.num_block_refs_outside:
             raise RuntimeError("decode engine: nothing schedulable (scheduler invariant broken)")
         return DecodeStepOutput(plan, finished, waited)
+
+    def _promote_waiting(self) -> None:
+        """Copy back from the host tier the prefixes of the waiting sequences this step could
+        admit (best ranked first), so `schedule`'s prefix matches find them on the device."""
+        if self.kv.offload is None:
+            return
+        seats = self.config.max_num_seqs - len(self.scheduler.running)
+        for entry in heapq.nsmallest(max(seats, 0), self.scheduler.waiting):
+            seq = entry.seq
+            if not seq.wants_prompt_logprobs:
+                self.kv.promote(seq.block_hashes, (seq.num_tokens - 1) // self.pool.block_size)
 
     def _execute(self, plan: DecodePlan) -> RunnerOutput:
         if not self.record_logits:

@@ -31,10 +31,12 @@ class KVCacheManager:
     returns to the free list when its table is freed.
 
     With ``offload`` (the host tier, ``--kv-offload-memory``), the pool's evicted cached blocks
-    are copied to host memory and ``match_prefix`` promotes them back.
+    are copied to host memory and ``match_prefix`` promotes them back; with
+    ``promote_on_match=False`` only an explicit ``promote`` does (the decode engine promotes
+    before it schedules a step, when no planned swap-out can still read a block it overwrites).
     """
 
-    __slots__ = ("enable_prefix_caching", "offload", "pool")
+    __slots__ = ("enable_prefix_caching", "offload", "pool", "promote_on_match")
 
     def __init__(
         self,
@@ -46,6 +48,7 @@ class KVCacheManager:
         self.pool = pool
         self.enable_prefix_caching = enable_prefix_caching
         self.offload = offload if enable_prefix_caching else None
+        self.promote_on_match = True
         pool.set_tier(self.offload)
 
     def match_prefix(
@@ -54,25 +57,33 @@ class KVCacheManager:
         """Blocks holding the longest leading run of ``block_hashes``, at most ``max_blocks``.
 
         No reference is taken, so pass the result to ``allocate`` before the pool changes.
-        Without a host tier there are no side effects. With one, the run continues into hashes
-        the tier holds: those blocks are first copied back into device blocks (promoted, now
-        CACHED on the device; the copies are complete on return), which may evict other cached
-        blocks into the tier. The caller must leave at least one prompt token to compute (its logits
-        give the first output token), i.e. pass ``max_blocks = (num_prompt_tokens - 1) //
-        block_size``.
+        Without a host tier (or with ``promote_on_match=False``) there are no side effects. With
+        one, the run continues into hashes the tier holds: ``promote`` first copies those
+        blocks back into device blocks. The caller must leave at least one prompt token to
+        compute (its logits give the first output token), i.e. pass ``max_blocks =
+        (num_prompt_tokens - 1) // block_size``.
         """
         if max_blocks is not None and max_blocks < 0:
             raise ValueError(f"max_blocks: must be >= 0, got {max_blocks}")
         if not self.enable_prefix_caching:
             return []
         limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
+        if self.promote_on_match:
+            self.promote(block_hashes, limit)
+        return self._device_run(block_hashes[:limit], [])
+
+    def promote(self, block_hashes: Sequence[BlockHash], max_blocks: int | None = None) -> int:
+        """Promote the host tier's blocks that continue the device's leading run of
+        ``block_hashes`` (at most ``max_blocks`` in all) into device blocks, now CACHED on the
+        device with their hashes (the copies are complete on return); returns how many. May
+        evict other cached blocks into the tier. 0 without a tier."""
+        if self.offload is None:
+            return 0
+        limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
         matched = self._device_run(block_hashes[:limit], [])
-        promoted = 0
-        if self.offload is not None and len(matched) < limit:
-            promoted = self.offload.promote(self.pool, block_hashes[:limit], matched)
-        if promoted:
-            matched = self._device_run(block_hashes[:limit], matched)
-        return matched
+        if len(matched) == limit:
+            return 0
+        return self.offload.promote(self.pool, block_hashes[:limit], matched)
 
     def _device_run(
         self, block_hashes: Sequence[BlockHash], matched: list[BlockId]

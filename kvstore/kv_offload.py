@@ -19,7 +19,7 @@ Overlapping it with compute (the swapper's copy thread and ``wait_for_writes``) 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -45,9 +45,13 @@ class KVOffload:
     - Attach with ``pool.set_tier(offload)``; the pool then reports evictions and new hashes.
     - ``device_tensor`` is the pool's KV tensor and is never reallocated while attached.
     - A hash is in at most one of the two tiers (``check_integrity`` checks it).
+    - A promotion overwrites the device blocks it allocates at once: a caller with other
+      pending readers of device blocks (swap-outs) sets ``before_write`` to wait for them, and
+      must not promote while it holds planned but unissued reads (the decode engine promotes
+      between steps only, ``KVCacheManager.promote_on_match``).
     """
 
-    __slots__ = ("bytes_per_block", "device_tensor", "host_tensor", "tier")
+    __slots__ = ("before_write", "bytes_per_block", "device_tensor", "host_tensor", "tier")
 
     def __init__(
         self,
@@ -67,6 +71,9 @@ class KVOffload:
         self.device_tensor = device_tensor
         self.tier = HostTier(num_slots, eviction_policy=eviction_policy)
         self.bytes_per_block = spec.bytes_per_block
+        # NOTE: the decode engine sets it to `Swapper.wait_for_writes`: a pending swap-out may
+        # still read a device block that a promotion is about to overwrite.
+        self.before_write: Callable[[list[BlockId]], object] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -111,6 +118,8 @@ class KVOffload:
         done = 0
         try:
             new = pool.allocate(min(wanted, pool.num_allocatable)) or []
+            if new and self.before_write is not None:
+                self.before_write(new)
             self._copy(self.host_tensor, self.device_tensor, list(zip(slots, new, strict=False)))
             for block_hash, block_id in zip(hashes, new, strict=False):
                 self.tier.take(block_hash)

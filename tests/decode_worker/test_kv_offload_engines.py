@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
 
+from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 
 BLOCK = 8
@@ -78,3 +79,26 @@ def test_prefill_engine_promotes_an_evicted_prefix_and_counts_it_cached(tiny_lla
     assert engine.kv.offload.counts().promotions == len(PREFIX) // BLOCK
     assert seq.output_token_ids[:1] == hf_greedy(tiny_llama, torch.float32, tuple(PROMPT_B))[0][:1]
     engine.close()
+
+
+def test_tier_with_swap_preemption_keeps_transformers_tokens(tiny_llama):
+    """A pool too small for the batch: sequences are swapped out while prefixes move between
+    the device and the host tier; integrity holds after every step and tokens stay exact."""
+    engine = make_engine(
+        tiny_llama, block_size=BLOCK, num_blocks=14, max_num_batched_tokens=32,
+        num_swap_blocks=64, preemption_mode=PreemptionMode.SWAP, kv_offload_blocks=32,
+    )  # fmt: skip
+    assert not engine.kv.promote_on_match, "the decode engine promotes between steps only"
+    assert engine.kv.offload.before_write == engine.swapper.wait_for_writes
+    waves = [[PROMPT_A, OTHER_1], [OTHER_2, PROMPT_B, PREFIX + TAIL_A[:1], PREFIX + TAIL_B[:2]]]
+    seqs, swapped = [], 0
+    for wave in waves:
+        seqs += [engine.add_request(p, GREEDY) for p in wave]
+        while engine.has_unfinished:
+            swapped += len(engine.step().plan.preempted)
+            engine.check_integrity()
+    engine.close()
+    counts = engine.kv.offload.counts()
+    assert swapped >= 1 and counts.promotions >= 1, (swapped, counts)
+    for prompt, seq in zip([p for wave in waves for p in wave], seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]

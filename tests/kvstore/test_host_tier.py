@@ -168,3 +168,15 @@ def test_tier_off_or_prefix_caching_off_builds_nothing():
     pool = BlockPool(2, 2)
     offload = KVOffload(SPEC, torch.zeros(SPEC.storage_shape(2)), 2)
     assert KVCacheManager(pool, enable_prefix_caching=False, offload=offload).offload is None
+
+
+def test_promotion_waits_for_other_readers_before_overwriting_device_blocks():
+    manager, offload = make_manager(num_blocks=2, num_slots=4)
+    fill(manager, offload, [h(0), h(1)], 10.0)
+    fill(manager, offload, [h(5), h(6)], 50.0)
+    seen = []
+    offload.before_write = lambda blocks: seen.append(
+        [float(offload.device_tensor[b].flatten()[0]) for b in blocks]
+    )
+    assert len(manager.match_prefix([h(0), h(1)])) == 2
+    assert seen == [[50.0, 51.0]] or seen == [[51.0, 50.0]], "called before the copy lands"
