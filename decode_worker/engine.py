@@ -40,7 +40,7 @@ from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.kvstore.kv_offload import make_offload
+from pagedserve.kvstore.kv_offload import check_offload_config, make_offload
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model import tp_ranks
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
@@ -97,6 +97,7 @@ class DecodeEngineConfig:
             raise ValueError(f"swap_space_gib: must be >= 0, got {self.swap_space_gib}")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks: must be >= 0, got {self.num_swap_blocks}")
+        check_offload_config(self.kv_offload_blocks, self.tensor_parallel_size)
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 "speculative-method: speculative decoding is not supported with "

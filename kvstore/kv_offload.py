@@ -160,6 +160,19 @@ class KVOffload:
         check_tiers_disjoint(pool.registered_hashes(), self.tier)
 
 
+def check_offload_config(num_slots: int, tensor_parallel_size: int) -> None:
+    """ValueError naming the flag for a negative size, or a tier with more than one
+    tensor-parallel rank (each rank's shard would need its own tier; not built). Engine
+    configs call it at construction, before any rank process starts."""
+    if num_slots < 0:
+        raise ValueError(f"kv-offload-memory: must be >= 0 blocks, got {num_slots}")
+    if num_slots > 0 and tensor_parallel_size > 1:
+        raise ValueError(
+            "kv-offload-memory: the host KV tier is not supported with --tensor-parallel-size "
+            "above 1 (supported: 1, or --kv-offload-memory 0)"
+        )
+
+
 def make_offload(
     spec: KVCacheSpec,
     device_tensor: torch.Tensor,
@@ -168,15 +181,9 @@ def make_offload(
     tensor_parallel_size: int = 1,
     eviction_policy: EvictionPolicy | str = EvictionPolicy.HITS,
 ) -> KVOffload | None:
-    """An engine's host tier of ``num_slots`` blocks, or None for 0. ValueError naming the
-    flag with more than one tensor-parallel rank (each rank's shard would need its own tier)."""
-    if num_slots < 0:
-        raise ValueError(f"kv-offload-memory: must be >= 0 blocks, got {num_slots}")
+    """An engine's host tier of ``num_slots`` blocks, or None for 0 (``check_offload_config``
+    errors otherwise)."""
+    check_offload_config(num_slots, tensor_parallel_size)
     if num_slots == 0:
         return None
-    if tensor_parallel_size > 1:
-        raise ValueError(
-            "kv-offload-memory: the host KV tier is not supported with --tensor-parallel-size "
-            "above 1 (supported: 1, or --kv-offload-memory 0)"
-        )
     return KVOffload(spec, device_tensor, num_slots, eviction_policy=eviction_policy)

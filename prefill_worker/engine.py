@@ -27,7 +27,7 @@ from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.kvstore.kv_offload import make_offload
+from pagedserve.kvstore.kv_offload import check_offload_config, make_offload
 from pagedserve.kvstore.transfer import ShmKVPool, ShmOffer, layout_compat_hash
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
 from pagedserve.model.loader import load_model
@@ -67,6 +67,7 @@ class PrefillEngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        check_offload_config(self.kv_offload_blocks, self.tensor_parallel_size)
 
 
 @dataclass(slots=True)

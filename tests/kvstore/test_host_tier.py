@@ -6,13 +6,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pagedserve.decode_worker.engine import DecodeEngineConfig
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.eviction import EvictionPolicy
-from pagedserve.kvstore.host_tier import HostTier
+from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES, HostTier
 from pagedserve.kvstore.kv_cache import KVCacheSpec
-from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.kvstore.kv_cache_manager import KVCacheManager, offload_counts
 from pagedserve.kvstore.kv_offload import KVOffload, make_offload
+from pagedserve.metrics import CounterSource, StateCollector
+from pagedserve.prefill_worker.engine import PrefillEngineConfig
 
 SPEC = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2, dtype=torch.float32)
 
@@ -165,6 +168,9 @@ def test_tier_off_or_prefix_caching_off_builds_nothing():
     assert make_offload(SPEC, torch.zeros(SPEC.storage_shape(2)), 0) is None
     with pytest.raises(ValueError, match="kv-offload-memory"):
         make_offload(SPEC, torch.zeros(SPEC.storage_shape(2)), 4, tensor_parallel_size=2)
+    for config in (DecodeEngineConfig, PrefillEngineConfig):
+        with pytest.raises(ValueError, match="kv-offload-memory"):
+            config(kv_offload_blocks=4, tensor_parallel_size=2)
     pool = BlockPool(2, 2)
     offload = KVOffload(SPEC, torch.zeros(SPEC.storage_shape(2)), 2)
     assert KVCacheManager(pool, enable_prefix_caching=False, offload=offload).offload is None
@@ -180,3 +186,19 @@ def test_promotion_waits_for_other_readers_before_overwriting_device_blocks():
     )
     assert len(manager.match_prefix([h(0), h(1)])) == 2
     assert seen == [[50.0, 51.0]] or seen == [[51.0, 50.0]], "called before the copy lands"
+
+
+def test_metrics_name_the_tiers_counters_and_gauges_only_when_on():
+    manager, offload = make_manager(num_blocks=1, num_slots=2)
+    fill(manager, offload, [h(0)], 1.0)
+    fill(manager, offload, [h(1)], 2.0)
+    source = CounterSource("kv_offload_", lambda: offload_counts(manager), OFFLOAD_GAUGES)
+    families = {f.name: f for f in StateCollector([], [source]).collect()}
+    assert families["pagedserve:kv_offload_writes"].type == "counter"
+    assert families["pagedserve:kv_offload_writes"].samples[0].value == 1
+    assert families["pagedserve:kv_offload_write_bytes"].samples[0].value == SPEC.bytes_per_block
+    assert families["pagedserve:kv_offload_blocks_cached"].type == "gauge"
+    off = KVCacheManager(BlockPool(1, SPEC.block_size))
+    assert offload_counts(off) is None
+    off_source = CounterSource("kv_offload_", lambda: offload_counts(off), OFFLOAD_GAUGES)
+    assert not list(StateCollector([], [off_source]).collect())
