@@ -5,14 +5,16 @@ pool by other traffic is promoted back from host memory, its prompt tokens count
 from __future__ import annotations
 
 import torch
-from support.oracle import GREEDY, hf_greedy, make_engine, make_prompts
+from support.oracle import GREEDY, hf_greedy, hf_greedy_on, hf_model, make_engine, make_prompts
 
 from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
+from pagedserve.sampling_params import SamplingParams
 
 BLOCK = 8
 PREFIX, TAIL_A, TAIL_B, OTHER_1, OTHER_2 = make_prompts((40, 3, 5, 60, 60), seed=5)
 PROMPT_A, PROMPT_B = PREFIX + TAIL_A, PREFIX + TAIL_B
+SHORT = SamplingParams(temperature=0.0, max_tokens=12)
 
 
 def run_decode(model_dir, offload_blocks: int):
@@ -93,12 +95,13 @@ def test_tier_with_swap_preemption_keeps_transformers_tokens(tiny_llama):
     waves = [[PROMPT_A, OTHER_1], [OTHER_2, PROMPT_B, PREFIX + TAIL_A[:1], PREFIX + TAIL_B[:2]]]
     seqs, swapped = [], 0
     for wave in waves:
-        seqs += [engine.add_request(p, GREEDY) for p in wave]
+        seqs += [engine.add_request(p, SHORT) for p in wave]
         while engine.has_unfinished:
             swapped += len(engine.step().plan.preempted)
             engine.check_integrity()
     engine.close()
     counts = engine.kv.offload.counts()
     assert swapped >= 1 and counts.promotions >= 1, (swapped, counts)
+    model = hf_model(tiny_llama, torch.float32)
     for prompt, seq in zip([p for wave in waves for p in wave], seqs, strict=True):
-        assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(prompt))[0]
+        assert seq.output_token_ids == hf_greedy_on(model, prompt, SHORT.max_tokens)
