@@ -5,7 +5,7 @@ pool by other traffic is promoted back from host memory, its prompt tokens count
 from __future__ import annotations
 
 import torch
-from support.oracle import GREEDY, hf_greedy, hf_greedy_on, hf_model, make_engine, make_prompts
+from support.oracle import GREEDY, hf_greedy_on, hf_model, make_engine, make_prompts
 
 from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
@@ -17,6 +17,10 @@ PROMPT_A, PROMPT_B = PREFIX + TAIL_A, PREFIX + TAIL_B
 SHORT = SamplingParams(temperature=0.0, max_tokens=12)
 
 
+def hf_b(model_dir) -> list[int]:
+    return hf_greedy_on(hf_model(model_dir, torch.float32), PROMPT_B, SHORT.max_tokens)
+
+
 def run_decode(model_dir, offload_blocks: int):
     """A, two other prompts (evicting A's blocks from the 12-block pool), then B = A's prefix
     + another tail; the engine's integrity is checked after every step."""
@@ -25,11 +29,11 @@ def run_decode(model_dir, offload_blocks: int):
         kv_offload_blocks=offload_blocks,
     )  # fmt: skip
     for prompt in (PROMPT_A, OTHER_1, OTHER_2):
-        engine.add_request(prompt, GREEDY)
+        engine.add_request(prompt, SHORT)
         while engine.has_unfinished:
             engine.step()
             engine.check_integrity()
-    seq = engine.add_request(PROMPT_B, GREEDY)
+    seq = engine.add_request(PROMPT_B, SHORT)
     while engine.has_unfinished:
         engine.step()
         engine.check_integrity()
@@ -44,14 +48,14 @@ def test_decode_engine_serves_an_evicted_prefix_from_the_host_tier(tiny_llama):
     assert counts.promotions == len(PREFIX) // BLOCK
     assert counts.promotion_bytes == counts.promotions * engine.runner.spec.bytes_per_block
     assert seq.num_cached_prompt_tokens == len(PREFIX), "promoted, not recomputed"
-    assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(PROMPT_B))[0]
+    assert seq.output_token_ids == hf_b(tiny_llama)
 
 
 def test_decode_engine_without_the_tier_recomputes_the_evicted_prefix(tiny_llama):
     engine, seq = run_decode(tiny_llama, offload_blocks=0)
     assert engine.kv.offload is None
     assert seq.num_cached_prompt_tokens == 0
-    assert seq.output_token_ids == hf_greedy(tiny_llama, torch.float32, tuple(PROMPT_B))[0]
+    assert seq.output_token_ids == hf_b(tiny_llama)
 
 
 def prefill(engine: PrefillEngine, request_id: str, prompt: list[int]):
@@ -79,7 +83,7 @@ def test_prefill_engine_promotes_an_evicted_prefix_and_counts_it_cached(tiny_lla
     assert seq.num_cached_prompt_tokens == len(PREFIX)
     assert engine.num_prompt_tokens_computed - computed == len(TAIL_B)
     assert engine.kv.offload.counts().promotions == len(PREFIX) // BLOCK
-    assert seq.output_token_ids[:1] == hf_greedy(tiny_llama, torch.float32, tuple(PROMPT_B))[0][:1]
+    assert seq.output_token_ids[:1] == hf_b(tiny_llama)[:1]
     engine.close()
 
 
