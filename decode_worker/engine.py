@@ -17,6 +17,7 @@ thread and feeds it imported prompts (kv_import.py, docs/leases.md) through `add
 
 from __future__ import annotations
 
+import heapq
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -40,6 +41,7 @@ from pagedserve.kernels import dispatch
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.kvstore.kv_offload import check_offload_config, make_offload
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model import tp_ranks
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
@@ -68,6 +70,7 @@ class DecodeEngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
+    kv_offload_blocks: int = 0  # host-memory prefix tier (--kv-offload-memory), 0: off
     dtype: str | None = None  # default: the checkpoint's
     quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
     kv_cache_dtype: str | None = None  # "int8" / "fp8_e4m3" for an 8-bit KV cache; None: dtype's
@@ -96,6 +99,7 @@ class DecodeEngineConfig:
             raise ValueError(f"swap_space_gib: must be >= 0, got {self.swap_space_gib}")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks: must be >= 0, got {self.num_swap_blocks}")
+        check_offload_config(self.kv_offload_blocks, self.tensor_parallel_size)
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 "speculative-method: speculative decoding is not supported with "
@@ -151,7 +155,16 @@ class DecodeEngine:
             record_events=False,
             eviction_policy=config.eviction_policy,
         )
-        self.kv = KVCacheManager(self.pool, enable_prefix_caching=config.enable_prefix_caching)
+        offload = make_offload(
+            runner.spec,
+            runner.kv_cache.tensor,
+            config.kv_offload_blocks if config.enable_prefix_caching else 0,
+            tensor_parallel_size=config.tensor_parallel_size,
+            eviction_policy=config.eviction_policy,
+        )
+        self.kv = KVCacheManager(
+            self.pool, enable_prefix_caching=config.enable_prefix_caching, offload=offload
+        )
         num_swap = config.num_swap_blocks
         if num_swap is None:
             num_swap = swap_blocks_for(runner.spec, config.swap_space_gib)
@@ -168,6 +181,13 @@ class DecodeEngine:
             copy_fn = every_rank([c.tensor for c in caches], hosts, copy_fn)
         if self.swap_space is not None:
             self.swapper = Swapper(runner.kv_cache.tensor, self.swap_space.tensor, copy_fn=copy_fn)
+        if self.kv.offload is not None:
+            # NOTE: a promotion overwrites device blocks at once. Between steps every planned
+            # swap-out is issued, so waiting for the swapper's pending reads is enough; inside
+            # `schedule` a swap-out planned but not yet issued could still read them.
+            self.kv.promote_on_match = False
+            if self.swapper is not None:
+                self.kv.offload.before_write = self.swapper.wait_for_writes
         self.scheduler = Scheduler(
             self._scheduler_config(),
             self.kv,
@@ -385,7 +405,9 @@ class DecodeEngine:
     # -- one step ------------------------------------------------------------------------------
 
     def step(self) -> DecodeStepOutput:
-        """Schedule, move blocks, run one forward, apply its results."""
+        """Promote waiting prompts' host-tier blocks, schedule, move blocks, run one forward,
+        apply its results."""
+        self._promote_waiting()
         plan = self.scheduler.schedule()
         for failed in plan.failed:
             self.errors[failed.seq.request_id] = failed.message
@@ -408,6 +430,17 @@ class DecodeEngine:
         if plan.is_empty and self.has_unfinished and not self.num_block_refs_outside:
             raise RuntimeError("decode engine: nothing schedulable (scheduler invariant broken)")
         return DecodeStepOutput(plan, finished, waited)
+
+    def _promote_waiting(self) -> None:
+        """Copy back from the host tier the prefixes of the waiting sequences this step could
+        admit (best ranked first), so `schedule`'s prefix matches find them on the device."""
+        if self.kv.offload is None:
+            return
+        seats = self.config.max_num_seqs - len(self.scheduler.running)
+        for entry in heapq.nsmallest(max(seats, 0), self.scheduler.waiting):
+            seq = entry.seq
+            if not seq.wants_prompt_logprobs:
+                self.kv.promote(seq.block_hashes, (seq.num_tokens - 1) // self.pool.block_size)
 
     def _execute(self, plan: DecodePlan) -> RunnerOutput:
         if not self.record_logits:
@@ -474,8 +507,11 @@ class DecodeEngine:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError unless the device pool, the swap space and the queues agree."""
+        """Raise RuntimeError unless the device pool, the host tier, the swap space and the
+        queues agree."""
         self.scheduler.check_integrity()
+        if self.kv.offload is not None:
+            self.kv.offload.check_integrity(self.pool)
         if self.swap_space is not None:
             self.swap_space.check_integrity()
 

@@ -29,6 +29,8 @@ from pagedserve.decode_worker.worker import DecodeWorker
 from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import EngineLoop, client_tls_from_args
 from pagedserve.internal.v1 import decode_pb2_grpc
+from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES
+from pagedserve.kvstore.kv_cache_manager import offload_counts
 from pagedserve.kvstore.swap_space import GIB
 from pagedserve.kvstore.worker_registry import Role, compat_tag
 from pagedserve.logs import setup_logging
@@ -202,6 +204,8 @@ def _register_metrics(worker: DecodeWorker) -> None:
             # NOTE: vLLM's spec_decode_num_{drafts,draft_tokens,accepted_tokens}; none when off
             CounterSource("spec_decode_", lambda: worker.engine.speculation_stats),
             CounterSource("kv_import_", lambda: worker.importer.stats),
+            CounterSource("kv_offload_", lambda: offload_counts(worker.engine.kv),
+                          gauge_fields=OFFLOAD_GAUGES),
             CounterSource("kv_transfer_", lambda: TransferCounts(
                 bytes_shm=worker.importer.stats.blocks_pulled_shm * block_bytes,
                 bytes_grpc=worker.importer.stats.blocks_pulled_grpc * block_bytes,

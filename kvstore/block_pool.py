@@ -21,7 +21,7 @@ import enum
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import NewType
+from typing import NewType, Protocol
 
 from pagedserve.kvstore.eviction import (
     EvictionPolicy,
@@ -49,6 +49,15 @@ class BlockEvent:
     block_hash: BlockHash
 
 
+class TierListener(Protocol):
+    """A lower tier of the prefix cache (``kv_offload.KVOffload``): told of every CACHED block
+    ``allocate`` evicts, while its KV is still intact, and of every hash newly stored here."""
+
+    def evicted(self, block_id: BlockId, block_hash: BlockHash, depth: int) -> None: ...
+    def stored(self, block_hash: BlockHash) -> None: ...
+    def reset(self) -> None: ...
+
+
 class BlockPool:
     """Reference-counted KV blocks ``0 .. num_blocks-1`` with a hash → block map for prefix reuse.
 
@@ -66,11 +75,13 @@ class BlockPool:
     __slots__ = (
         "_block_size",
         "_cached",
+        "_depths",
         "_eviction_policy",
         "_events",
         "_free",
         "_hash_to_block",
         "_hashes",
+        "_listener",
         "_num_blocks",
         "_num_used",
         "_record_events",
@@ -94,6 +105,8 @@ class BlockPool:
         self._block_size = block_size
         self._refs = [0] * num_blocks
         self._hashes: list[BlockHash | None] = [None] * num_blocks
+        self._depths = [0] * num_blocks
+        self._listener: TierListener | None = None
         self._free: deque[BlockId] = deque(BlockId(i) for i in range(num_blocks))
         self._eviction_policy = parse_eviction_policy(eviction_policy)
         self._cached: Evictor = make_evictor(self._eviction_policy, num_blocks)
@@ -143,6 +156,10 @@ class BlockPool:
         """Fraction of blocks held by tables (cached blocks count as not used)."""
         return self._num_used / self._num_blocks
 
+    def set_tier(self, listener: TierListener | None) -> None:
+        """Attach (or detach, None) the lower tier that receives evicted cached blocks."""
+        self._listener = listener
+
     # -- allocation ----------------------------------------------------------------------------
 
     def can_allocate(self, num_blocks: int) -> bool:
@@ -155,8 +172,8 @@ class BlockPool:
 
         Free blocks go first, oldest-freed first; then cached blocks are evicted in the
         evictor's order (``lru``: least recently used first), losing their hash (a REMOVED event
-        each). The caller owns one reference to
-        each returned block and must ``free`` it.
+        each; with a tier attached, ``set_tier``, the tier copies each one's KV out first). The
+        caller owns one reference to each returned block and must ``free`` it.
         """
         if not self.can_allocate(num_blocks):
             return None
@@ -165,6 +182,9 @@ class BlockPool:
             taken.append(self._free.popleft())
         while len(taken) < num_blocks:
             block_id = self._cached.pop()
+            block_hash = self._hashes[block_id]
+            if self._listener is not None and block_hash is not None:
+                self._listener.evicted(block_id, block_hash, self._depths[block_id])
             self._drop_hash(block_id)
             taken.append(block_id)
         for block_id in taken:
@@ -173,12 +193,13 @@ class BlockPool:
         self._cached.advance(len(taken))
         return taken
 
-    def acquire(self, block_ids: Iterable[BlockId]) -> None:
+    def acquire(self, block_ids: Iterable[BlockId], *, hit: bool = True) -> None:
         """Take one more reference to each block (a prefix hit or a fork).
 
         A CACHED block leaves the evictor and becomes USED. Each id that carries a hash counts
         as one prefix hit for the ``hits`` eviction policy (the reference ``allocate`` hands out
-        is not a hit). Acquiring a FREE block raises RuntimeError, checked for every id before
+        is not a hit; nor is one taken with ``hit=False``, a pin while promoting from the host
+        tier). Acquiring a FREE block raises RuntimeError, checked for every id before
         anything changes.
         """
         ids = list(block_ids)
@@ -187,7 +208,7 @@ class BlockPool:
             if self._refs[block_id] == 0 and self._hashes[block_id] is None:
                 raise RuntimeError(f"acquire: block {block_id} is FREE; only used or cached blocks")
         for block_id in ids:
-            if self._hashes[block_id] is not None:
+            if hit and self._hashes[block_id] is not None:
                 self._cached.hit(block_id)
             if self._refs[block_id] == 0:
                 self._cached.remove(block_id)
@@ -258,16 +279,21 @@ class BlockPool:
             return owner
         self._hashes[block_id] = block_hash
         self._hash_to_block[block_hash] = block_id
+        self._depths[block_id] = depth
         self._cached.hashed(block_id, depth)
         self._record(BlockEventKind.STORED, block_hash)
+        if self._listener is not None:
+            self._listener.stored(block_hash)
         return block_id
 
     def reset_prefix_cache(self) -> int:
         """Move every CACHED block to FREE (REMOVED events); return how many moved.
 
         USED blocks keep their hashes and become CACHED when freed, as usual. Blocks move in
-        eviction order.
+        eviction order. An attached tier is emptied too (nothing is offloaded).
         """
+        if self._listener is not None:
+            self._listener.reset()
         moved = 0
         while len(self._cached):
             block_id = self._cached.pop()
@@ -345,6 +371,7 @@ class BlockPool:
         if block_hash is None:
             raise RuntimeError(f"block {block_id} is cached without a hash")
         self._hashes[block_id] = None
+        self._depths[block_id] = 0
         del self._hash_to_block[block_hash]
         self._cached.unhashed(block_id)
         self._record(BlockEventKind.REMOVED, block_hash)

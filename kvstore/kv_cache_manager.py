@@ -13,10 +13,15 @@ A request's life, in calls::
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from pagedserve.kvstore.block_pool import BlockId, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash
+
+if TYPE_CHECKING:
+    from pagedserve.kvstore.host_tier import OffloadCounts
+    from pagedserve.kvstore.kv_offload import KVOffload
 
 
 class KVCacheManager:
@@ -24,31 +29,68 @@ class KVCacheManager:
 
     With ``enable_prefix_caching=False`` nothing is ever matched or registered, so every block
     returns to the free list when its table is freed.
+
+    With ``offload`` (the host tier, ``--kv-offload-memory``), the pool's evicted cached blocks
+    are copied to host memory and ``match_prefix`` promotes them back; with
+    ``promote_on_match=False`` only an explicit ``promote`` does (the decode engine promotes
+    before it schedules a step, when no planned swap-out can still read a block it overwrites).
     """
 
-    __slots__ = ("enable_prefix_caching", "pool")
+    __slots__ = ("enable_prefix_caching", "offload", "pool", "promote_on_match")
 
-    def __init__(self, pool: BlockPool, *, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        pool: BlockPool,
+        *,
+        enable_prefix_caching: bool = True,
+        offload: KVOffload | None = None,
+    ) -> None:
         self.pool = pool
         self.enable_prefix_caching = enable_prefix_caching
+        self.offload = offload if enable_prefix_caching else None
+        self.promote_on_match = True
+        pool.set_tier(self.offload)
 
     def match_prefix(
         self, block_hashes: Sequence[BlockHash], max_blocks: int | None = None
     ) -> list[BlockId]:
         """Blocks holding the longest leading run of ``block_hashes``, at most ``max_blocks``.
 
-        No side effects: no reference is taken, so pass the result to ``allocate`` before the
-        pool changes. The caller must leave at least one prompt token to compute (its logits
-        give the first output token), i.e. pass ``max_blocks = (num_prompt_tokens - 1) //
-        block_size``.
+        No reference is taken, so pass the result to ``allocate`` before the pool changes.
+        Without a host tier (or with ``promote_on_match=False``) there are no side effects. With
+        one, the run continues into hashes the tier holds: ``promote`` first copies those
+        blocks back into device blocks. The caller must leave at least one prompt token to
+        compute (its logits give the first output token), i.e. pass ``max_blocks =
+        (num_prompt_tokens - 1) // block_size``.
         """
         if max_blocks is not None and max_blocks < 0:
             raise ValueError(f"max_blocks: must be >= 0, got {max_blocks}")
         if not self.enable_prefix_caching:
             return []
         limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
-        matched: list[BlockId] = []
-        for block_hash in block_hashes[:limit]:
+        if self.promote_on_match:
+            self.promote(block_hashes, limit)
+        return self._device_run(block_hashes[:limit], [])
+
+    def promote(self, block_hashes: Sequence[BlockHash], max_blocks: int | None = None) -> int:
+        """Promote the host tier's blocks that continue the device's leading run of
+        ``block_hashes`` (at most ``max_blocks`` in all) into device blocks, now CACHED on the
+        device with their hashes (the copies are complete on return); returns how many. May
+        evict other cached blocks into the tier. 0 without a tier."""
+        if self.offload is None:
+            return 0
+        limit = len(block_hashes) if max_blocks is None else min(max_blocks, len(block_hashes))
+        matched = self._device_run(block_hashes[:limit], [])
+        if len(matched) == limit:
+            return 0
+        return self.offload.promote(self.pool, block_hashes[:limit], matched)
+
+    def _device_run(
+        self, block_hashes: Sequence[BlockHash], matched: list[BlockId]
+    ) -> list[BlockId]:
+        """``matched`` extended by the device blocks of the hashes that follow it."""
+        matched = list(matched)
+        for block_hash in block_hashes[len(matched) :]:
             block_id = self.pool.lookup(block_hash)
             if block_id is None:
                 break
@@ -122,7 +164,10 @@ class KVCacheManager:
         table.free()
 
     def check_integrity(self) -> None:
+        """The pool's invariants and, with a host tier, the tier's and their disjointness."""
         self.pool.check_integrity()
+        if self.offload is not None:
+            self.offload.check_integrity(self.pool)
 
     def _blocks_needed(
         self, table: BlockTable, num_tokens_total: int, prefix_blocks: Sequence[BlockId]
@@ -140,3 +185,8 @@ class KVCacheManager:
             if self.pool.block_hash(block_id) is None:
                 raise ValueError(f"prefix_blocks: block {block_id} has no hash")
         return -(-num_tokens_total // self.pool.block_size) - len(prefix_blocks)
+
+
+def offload_counts(kv: KVCacheManager) -> OffloadCounts | None:
+    """The host tier's metrics, or None when the tier is off (no ``kv_offload_*`` series)."""
+    return kv.offload.counts() if kv.offload is not None else None

@@ -147,6 +147,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     parser.add_argument("--num-gpu-blocks-override", type=positive_int, default=None)
     parser.add_argument(
+        "--kv-offload-memory", type=bytes_arg, default=0,
+        help="bytes of host memory for the prefix cache's host tier (e.g. 1GiB): evicted "
+        "cached blocks are copied there and promoted back on a later prefix hit, no recompute "
+        "(docs/kv_tiers.md). Default 0: off",
+    )  # fmt: skip
+    parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument(

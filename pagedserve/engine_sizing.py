@@ -4,6 +4,7 @@
     --tensor-parallel-size                            ──► rank 0's shard of it
     --kv-cache-memory[-fraction] --device             ──► rank 0's KV budget (rank_kv_cache_bytes)
     --num-gpu-blocks-override, else budget / block    ──► num_blocks (per rank, one allocator)
+    --kv-offload-memory / block                       ──► kv_offload_blocks (host prefix tier)
 
 Each worker's server builds its engine's config from `EngineSizing.fields` (the fields both
 engine configs share) plus its own flags, so the two workers size a pool alike.
@@ -32,6 +33,7 @@ class EngineFields(TypedDict):
     max_model_len: int | None
     enable_prefix_caching: bool
     eviction_policy: EvictionPolicy
+    kv_offload_blocks: int
     dtype: str | None
     quantization: WeightQuant | None
     kv_cache_dtype: str | None
@@ -76,6 +78,7 @@ def size_engine(args: argparse.Namespace, extra_bytes_per_block: int = 0) -> Eng
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         eviction_policy=EvictionPolicy(args.eviction_policy),
+        kv_offload_blocks=spec.num_blocks_for(getattr(args, "kv_offload_memory", 0)),
         dtype=args.dtype,
         quantization=quantization,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -281,6 +281,8 @@ def _worker_flags(role: str, args: argparse.Namespace) -> list[str]:
 
 def _memory_flags(role: str, args: argparse.Namespace) -> list[str]:
     flags = ["--kv-cache-memory", args.kv_cache_memory]
+    if parse_bytes(str(getattr(args, "kv_offload_memory", None) or 0)) > 0:
+        flags += ["--kv-offload-memory", str(args.kv_offload_memory)]
     if role == "decode" and getattr(args, "swap_space", None) is not None:
         flags += ["--swap-space", str(args.swap_space)]
     return flags
@@ -290,6 +292,9 @@ def memory_plan(role: str, args: argparse.Namespace) -> str:
     """What a worker will allocate beyond its model weights, as the flags say (one line)."""
     kv = parse_bytes(args.kv_cache_memory)
     plan = f"KV cache {_mib(kv)}"
+    offload = parse_bytes(str(getattr(args, "kv_offload_memory", None) or 0))
+    if offload > 0:
+        plan += f" + host prefix tier {_mib(offload)} (--kv-offload-memory; RAM on CPU too)"
     if role != "decode":
         return plan
     swap_gib = getattr(args, "swap_space", None)
@@ -384,6 +389,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_kv_cache_dtype_argument(parser)  # NOTE: passed to every worker
     add_tensor_parallel_argument(parser)  # NOTE: passed to every worker, not the router
     parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    parser.add_argument(
+        "--kv-offload-memory", default="0",
+        help="per prefill and decode worker: host memory for the prefix cache's host tier "
+        "(e.g. 512MiB; evicted prefix blocks are kept there; docs/kv_tiers.md). Default 0: off",
+    )  # fmt: skip
     parser.add_argument(
         "--swap-space", type=float, default=None,
         help="GiB of host swap per decode worker (default: the decode worker's: as large as "

@@ -27,6 +27,7 @@ from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.kvstore.kv_offload import check_offload_config, make_offload
 from pagedserve.kvstore.transfer import ShmKVPool, ShmOffer, layout_compat_hash
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
 from pagedserve.model.loader import load_model
@@ -51,6 +52,7 @@ class PrefillEngineConfig:
     max_model_len: int | None = None  # default: the model's max_position_embeddings
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
+    kv_offload_blocks: int = 0  # host-memory prefix tier (--kv-offload-memory), 0: off
     dtype: str | None = None  # default: the checkpoint's
     quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
     kv_cache_dtype: str | None = None  # "int8" / "fp8_e4m3" for an 8-bit KV cache; None: dtype's
@@ -65,6 +67,7 @@ class PrefillEngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
+        check_offload_config(self.kv_offload_blocks, self.tensor_parallel_size)
 
 
 @dataclass(slots=True)
@@ -105,7 +108,16 @@ class PrefillEngine:
         self.pool = BlockPool(
             config.num_blocks, config.block_size, eviction_policy=config.eviction_policy
         )
-        self.kv = KVCacheManager(self.pool, enable_prefix_caching=config.enable_prefix_caching)
+        offload = make_offload(
+            runner.spec,
+            runner.kv_cache.tensor,
+            config.kv_offload_blocks if config.enable_prefix_caching else 0,
+            tensor_parallel_size=config.tensor_parallel_size,
+            eviction_policy=config.eviction_policy,
+        )
+        self.kv = KVCacheManager(
+            self.pool, enable_prefix_caching=config.enable_prefix_caching, offload=offload
+        )
         self.scheduler = PrefillScheduler(
             self.kv,
             PrefillSchedulerConfig(
@@ -252,8 +264,8 @@ class PrefillEngine:
         return [self.shm_pool.offer(), *(pool.offer() for pool in others)]
 
     def check_integrity(self) -> None:
-        """Raise RuntimeError unless the pool's counts agree."""
-        self.pool.check_integrity()
+        """Raise RuntimeError unless the pool's counts (and the host tier's) agree."""
+        self.kv.check_integrity()
 
     def count_cached(self, prompts: list[list[int]], cache_salt: str) -> int:
         """How many distinct full blocks of `prompts` the prefix cache holds now."""

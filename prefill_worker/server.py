@@ -34,6 +34,8 @@ from pagedserve.grpcutil import (
 )
 from pagedserve.internal.v1 import prefill_pb2_grpc
 from pagedserve.kvstore.block_pool import BlockEvent
+from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES
+from pagedserve.kvstore.kv_cache_manager import offload_counts
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerLoad, compat_tag, new_incarnation
 from pagedserve.logs import setup_logging
@@ -277,6 +279,8 @@ def _register_metrics(worker: PrefillWorker) -> None:
                 cached=engine.num_prompt_tokens_cached,
             )),
             CounterSource("kv_leases_", worker.leases.stats, gauge_fields=("active",)),
+            CounterSource("kv_offload_", lambda: offload_counts(engine.kv),
+                          gauge_fields=OFFLOAD_GAUGES),
             CounterSource("prefix_cache_", lambda: PrefixCacheCounts(
                 queries=engine.num_prompt_tokens_computed + engine.num_prompt_tokens_cached,
                 hits=engine.num_prompt_tokens_cached,
