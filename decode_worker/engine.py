@@ -37,7 +37,6 @@ from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, worst_case_blocks
 from pagedserve.decode_worker.speculation import SpeculationStats, SpeculativeConfig
 from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
-from pagedserve.kernels import dispatch
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
@@ -45,7 +44,7 @@ from pagedserve.kvstore.kv_offload import check_offload_config, make_offload
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model import tp_ranks
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
-from pagedserve.model.draft import DraftModel, fill_drafts, settle_drafts
+from pagedserve.model.draft import DraftModel, ModelProposer, fill_drafts, settle_drafts
 from pagedserve.model.loader import load_model
 from pagedserve.model.quant import WeightQuant
 from pagedserve.model.requests.batch import RunnerOutput
@@ -137,7 +136,7 @@ class DecodeEngine:
         *,
         copy_fn: CopyFn | None = None,
         revision: str = "",
-        draft: DraftModel | None = None,
+        draft: ModelProposer | None = None,
     ) -> None:
         """`draft`: the draft model of `config.speculative`'s draft method (its KV cache has
         this engine's block count and size, see model/draft.py)."""
@@ -472,7 +471,7 @@ class DecodeEngine:
             raise RuntimeError("decode engine: swap planned without a swap space")
         self.runner.copy_blocks(plan.copies)
         if self.draft is not None:
-            dispatch.copy_blocks(self.draft.kv_cache.tensor, list(plan.copies))
+            self.draft.copy_blocks(list(plan.copies))
         return waited
 
     @staticmethod

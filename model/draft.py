@@ -23,15 +23,28 @@ token, so verification is the same as for n-gram proposals.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
+from pagedserve.kernels import dispatch
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model.config import ModelConfig
 from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.requests.batch import DRAFT_PENDING, RunnerOutput, ScheduledSequence
 from pagedserve.model.requests.sequence import Sequence
 from pagedserve.model.runner import Chunk, kv_cache_spec, model_inputs
+
+
+class ModelProposer(Protocol):
+    """What the decode engine asks of a proposer that computes (a draft model here; an
+    EAGLE-style head reading the target's hidden states would be another): the `k` proposals
+    of each request, whose slots the scheduler has allocated in the target's blocks, and the
+    step's copy-on-write copies applied to whatever KV it keeps in those blocks."""
+
+    def propose(self, requests: list[DraftRequest]) -> list[list[int]]: ...
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None: ...
 
 
 @dataclass(slots=True)
@@ -78,6 +91,10 @@ class DraftModel:
             seq.num_draft_computed = seq.num_tokens
         return proposals
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """The step's copy-on-write pairs, in the draft's cache too."""
+        dispatch.copy_blocks(self.kv_cache.tensor, pairs)
+
     @staticmethod
     def settle(seq: Sequence, k: int, num_accepted: int) -> None:
         """After verification: the draft's KV of the accepted proposals is valid too (it fed
@@ -96,7 +113,7 @@ class DraftModel:
 
 
 def fill_drafts(
-    draft: DraftModel, scheduled: list[ScheduledSequence], preempted: list[Sequence]
+    draft: ModelProposer, scheduled: list[ScheduledSequence], preempted: list[Sequence]
 ) -> list[int]:
     """Forget the draft KV of `preempted` sequences (swap moves only the target's), then
     replace, in place, every chunk of `scheduled` whose proposals are `DRAFT_PENDING` by one
