@@ -111,17 +111,22 @@ def _run(model_dir, prompts, params, **config):
     return seqs, stats, logits, swapped
 
 
-@pytest.mark.parametrize("num_blocks", [400, 46], ids=["roomy", "swapping"])
-def test_speculation_keeps_transformers_tokens_and_logits(tiny_llama, num_blocks):
+@pytest.mark.parametrize(
+    ("num_blocks", "mode"),
+    [(400, PreemptionMode.SWAP), (46, PreemptionMode.SWAP), (46, PreemptionMode.RECOMPUTE)],
+    ids=["roomy", "swapping", "recomputing"],
+)
+def test_speculation_keeps_transformers_tokens_and_logits(tiny_llama, num_blocks, mode):
     """Eight prompts of mixed lengths, blocks of 8; with 46 blocks (the longest prompt alone
-    takes 42) the pool runs short, so sequences are swapped out and in while they speculate."""
+    takes 42) the pool runs short, so sequences are swapped out and in (or recomputed) while
+    they speculate."""
     prompts = make_prompts()
     seqs, stats, logits, swapped = _run(
         tiny_llama, prompts, [GREEDY] * len(prompts), block_size=8, num_blocks=num_blocks,
-        num_swap_blocks=64, max_num_batched_tokens=64, preemption_mode=PreemptionMode.SWAP,
+        num_swap_blocks=64, max_num_batched_tokens=64, preemption_mode=mode,
         speculative=NGRAM,
     )  # fmt: skip
-    print(f"speculation: {stats}, swap preemptions: {swapped}")
+    print(f"speculation: {stats}, {mode.value} preemptions: {swapped}")
     assert stats.num_accepted_tokens > 0 and stats.num_draft_tokens > stats.num_accepted_tokens
     assert swapped >= (num_blocks < 100)
     for prompt, seq in zip(prompts, seqs, strict=True):
@@ -268,3 +273,22 @@ def test_a_draft_of_another_vocabulary_is_refused_naming_the_flag(tiny_llama, ma
         make_engine(tiny_llama, speculative=_draft(other))
     with pytest.raises(ValueError, match="speculative-model: a draft model directory"):
         SpeculativeConfig(SpeculativeMethod.DRAFT)
+
+
+def test_the_samples_of_a_request_speculate_each_and_reproduce(tiny_llama):
+    """n = 3 seeded samples fork after the first token; each then speculates on its own (its
+    proposals from its own tokens) and the request's outputs reproduce run after run."""
+    params = SamplingParams(temperature=0.3, seed=7, n=3, max_tokens=24)
+    outputs = []
+    for _ in range(2):
+        engine = make_engine(tiny_llama, block_size=8, num_blocks=200, speculative=NGRAM)
+        seq = engine.add_request(make_prompts((40,))[0], params)
+        while engine.has_unfinished:
+            engine.step()
+            engine.check_integrity()
+        assert seq.group is not None
+        members = seq.group.members
+        assert all(m.num_draft_tokens > 0 for m in members), "every sample speculates"
+        outputs.append([m.output_token_ids for m in members])
+        engine.close()
+    assert outputs[0] == outputs[1] and len({tuple(o) for o in outputs[0]}) > 1
