@@ -9,14 +9,18 @@ from pathlib import Path
 METRICS_MD = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 
 
-def documented_metrics(section: str | None = None) -> set[str]:
+def documented_metrics(section: str | None = None, *, optional: bool = True) -> set[str]:
     """Every metric name in docs/metrics.md's tables ({a,b} alternatives expanded, labels
-    dropped, `pagedserve:` prefixed); `section`: only under that `## ` heading."""
+    dropped, `pagedserve:` prefixed); `section`: only under that `## ` heading. `optional`
+    False leaves out the rows whose meaning starts "only with" (a flag turns them on)."""
     text = METRICS_MD.read_text()
     if section is not None:
         text = text.split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
     names: set[str] = set()
-    for cell in re.findall(r"^\| (.+?) \| \w+ \|", text, flags=re.MULTILINE):
+    rows = re.findall(r"^\| (.+?) \| \w+ \| (.*)\|$", text, flags=re.MULTILINE)
+    for cell, meaning in rows:
+        if not optional and meaning.startswith("only with"):
+            continue
         for token in re.findall(r"`([^`]+)`", cell):
             pending = [re.sub(r"\{[a-z_, ]+\}$", "", token)]  # `name{label}`
             while pending:
