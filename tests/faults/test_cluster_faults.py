@@ -33,10 +33,19 @@ STALL_S = 2.0  # the cluster router's --stall-timeout
 
 @pytest.fixture(scope="module")
 def cluster(make_tiny, clusters):
-    """A private cluster: the tests here kill and stop its decode workers."""
+    """A private cluster: the tests here kill and stop its decode workers. Its decode workers
+    speculate (n-gram lookup, batches up to 16), so a stream moved off a dead or stopped worker
+    is re-prefilled and decoded speculatively on the other, token-equal to an undisturbed run
+    (docs/speculative.md; test_supervision.py moves streams without speculation)."""
     model = str(make_tiny("llama"))
+    speculation: dict[str, object] = dict(
+        speculative_method="ngram", num_speculative_tokens=4, speculative_ngram_min=1,
+        speculative_ngram_max=4, speculative_max_batch=16,
+    )  # fmt: skip
     # NOTE: a short stop: the prefill worker would wait for the dead decoder's leases
-    with clusters.private(model, stop_timeout_s=5, decode=2, stall_timeout=STALL_S) as started:
+    with clusters.private(
+        model, stop_timeout_s=5, decode=2, stall_timeout=STALL_S, **speculation
+    ) as started:
         assert started.redis_url is not None, "redis-server is needed (`make redis`)"
         yield started, model
 
