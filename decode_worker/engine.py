@@ -39,8 +39,7 @@ from pagedserve.decode_worker.speculation import SpeculationStats, SpeculativeCo
 from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
-from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.kvstore.kv_offload import check_offload_config, make_offload
+from pagedserve.kvstore.kv_offload import check_offload_config, kv_cache_manager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
 from pagedserve.model import tp_ranks
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
@@ -154,16 +153,7 @@ class DecodeEngine:
             record_events=False,
             eviction_policy=config.eviction_policy,
         )
-        offload = make_offload(
-            runner.spec,
-            runner.kv_cache.tensor,
-            config.kv_offload_blocks if config.enable_prefix_caching else 0,
-            tensor_parallel_size=config.tensor_parallel_size,
-            eviction_policy=config.eviction_policy,
-        )
-        self.kv = KVCacheManager(
-            self.pool, enable_prefix_caching=config.enable_prefix_caching, offload=offload
-        )
+        self.kv = kv_cache_manager(self.pool, runner.spec, runner.kv_cache.tensor, config)
         num_swap = config.num_swap_blocks
         if num_swap is None:
             num_swap = swap_blocks_for(runner.spec, config.swap_space_gib)

@@ -20,6 +20,7 @@ Overlapping it with compute (the swapper's copy thread and ``wait_for_writes``) 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
@@ -29,6 +30,7 @@ from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.host_tier import HostTier, OffloadCounts, check_tiers_disjoint
 from pagedserve.kvstore.kv_cache import KVCacheSpec
+from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 
 
 def offload_slots_for(spec: KVCacheSpec, offload_bytes: int) -> int:
@@ -187,3 +189,32 @@ def make_offload(
     if num_slots == 0:
         return None
     return KVOffload(spec, device_tensor, num_slots, eviction_policy=eviction_policy)
+
+
+class TierFields(Protocol):
+    """The engine-config fields the prefix cache and its host tier are built from (both
+    workers' engine configs have them)."""
+
+    @property
+    def enable_prefix_caching(self) -> bool: ...
+    @property
+    def kv_offload_blocks(self) -> int: ...
+    @property
+    def tensor_parallel_size(self) -> int: ...
+    @property
+    def eviction_policy(self) -> EvictionPolicy: ...
+
+
+def kv_cache_manager(
+    pool: BlockPool, spec: KVCacheSpec, device_tensor: torch.Tensor, config: TierFields
+) -> KVCacheManager:
+    """An engine's manager of `pool`, with the host tier `config` asks for (none without
+    prefix caching)."""
+    offload = make_offload(
+        spec,
+        device_tensor,
+        config.kv_offload_blocks if config.enable_prefix_caching else 0,
+        tensor_parallel_size=config.tensor_parallel_size,
+        eviction_policy=config.eviction_policy,
+    )
+    return KVCacheManager(pool, enable_prefix_caching=config.enable_prefix_caching, offload=offload)

@@ -26,8 +26,7 @@ from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
-from pagedserve.kvstore.kv_cache_manager import KVCacheManager
-from pagedserve.kvstore.kv_offload import check_offload_config, make_offload
+from pagedserve.kvstore.kv_offload import check_offload_config, kv_cache_manager
 from pagedserve.kvstore.transfer import ShmKVPool, ShmOffer, layout_compat_hash
 from pagedserve.model.config import ModelConfig, load_model_config, model_len
 from pagedserve.model.loader import load_model
@@ -108,16 +107,7 @@ class PrefillEngine:
         self.pool = BlockPool(
             config.num_blocks, config.block_size, eviction_policy=config.eviction_policy
         )
-        offload = make_offload(
-            runner.spec,
-            runner.kv_cache.tensor,
-            config.kv_offload_blocks if config.enable_prefix_caching else 0,
-            tensor_parallel_size=config.tensor_parallel_size,
-            eviction_policy=config.eviction_policy,
-        )
-        self.kv = KVCacheManager(
-            self.pool, enable_prefix_caching=config.enable_prefix_caching, offload=offload
-        )
+        self.kv = kv_cache_manager(self.pool, runner.spec, runner.kv_cache.tensor, config)
         self.scheduler = PrefillScheduler(
             self.kv,
             PrefillSchedulerConfig(
