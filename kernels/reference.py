@@ -191,3 +191,23 @@ def swap_blocks(
     src = torch.tensor([s for s, _ in pairs], device=src_cache.device)
     dst = torch.tensor([d for _, d in pairs], device=dst_cache.device)
     dst_cache[dst] = src_cache[src].to(dst_cache.device)
+
+
+def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-row (per-token) symmetric int8: (codes [M, K] int8, scales [M] float32),
+    `x ~= codes * scales[:, None]`, codes rounded half to even (csrc/quant_act.c)."""
+    amax = x.abs().amax(dim=1).clamp_min(1e-30)
+    codes = torch.round(x * (127.0 / amax)[:, None]).to(torch.int8)
+    return codes, amax / 127.0
+
+
+def w8a8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None = None
+) -> torch.Tensor:
+    """`--quantization w8a8` in plain torch: x [M, K] float32 quantized per row, times int8
+    codes [N, K] with one scale per output channel, the products summed exactly (int64 here,
+    int32 in the kernel: |sum| < 127 * 127 * K), then `(sum * row scale) * channel scale`."""
+    q, row_scales = quantize_rows_int8(x.float())
+    acc = (q.to(torch.int64) @ codes.to(torch.int64).t()).to(torch.float32)
+    out = acc * row_scales[:, None] * scales.float()[None, :]
+    return out if bias is None else out + bias

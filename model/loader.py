@@ -81,7 +81,8 @@ def load_model(config: ModelConfig, device: torch.device | str = "cpu") -> Llama
     quant = config.quantization
     # NOTE: a GGUF's Q8_0 head is int8 already
     if quant is not None and quant.lm_head and type(model.lm_head) is Linear:
-        model.lm_head = quantize_head(model.lm_head)  # type: ignore[assignment]
+        head_method = quant.method if quant.int8_codes else "int8"
+        model.lm_head = quantize_head(model.lm_head, head_method)  # type: ignore[assignment]
     return model.eval()
 
 
@@ -277,6 +278,12 @@ def _warn_if_slow(config: ModelConfig, device: torch.device) -> None:
             "bfloat16 on a CPU without AVX512-BF16 or AMX: torch emulates its matmuls, and "
             "float32 (--dtype float32) is faster here, about 3x for SmolLM2 on an AVX2 EPYC "
             "(docs/kernels.md)"
+        )
+    w8a8 = config.quantization is not None and config.quantization.method == "w8a8"
+    if w8a8 and (device.type != "cpu" or config.dtype != torch.float32):
+        raise ValueError(
+            "quantization: w8a8 runs on CPU with float32 activations (--dtype float32); "
+            f"here {device.type} and {str(config.dtype).removeprefix('torch.')}"
         )
     # NOTE: on CUDA every dtype takes the Triton kernels (kernels/triton_quant.py)
     quantized_fp = config.quantization is not None and config.dtype != torch.bfloat16

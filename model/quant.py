@@ -44,7 +44,7 @@ from torch import nn
 from pagedserve.cli_options import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
 from pagedserve.cli_options import QUANTIZATION_METHODS as METHODS
 from pagedserve.cli_options import check_quantization, quantization_name
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, cpu_w8a8
 
 INT4_MAX = 15
 INT8_MAX = 127
@@ -79,6 +79,12 @@ class WeightQuant:
         `lm_head`: the head makes no KV, so it is no part of a block's identity."""
         return quantization_name(self.method, self.group_size)
 
+    @property
+    def int8_codes(self) -> bool:
+        """Whether the weights are int8 codes with a scale per output channel (or per group,
+        from a GGUF): `int8` and `w8a8` store the same."""
+        return self.method in ("int8", "w8a8")
+
 
 def weight_quant(
     method: str | None, group_size: int = 32, lm_head: bool = False
@@ -101,13 +107,13 @@ def weight_quant_from_args(args: Any) -> WeightQuant | None:
     )
 
 
-def quantize_head(head: nn.Linear) -> QuantizedLinear:
+def quantize_head(head: nn.Linear, method: str = "int8") -> QuantizedLinear:
     """An int8 (per output channel) copy of a loaded LM head, on its device, scales in its
     dtype: what `--quantize-lm-head` puts in its place (a tied head's table stays the
     embedding's)."""
     weight = head.weight.detach()
     with torch.device(weight.device):
-        q = QuantizedLinear(head.in_features, head.out_features, False, WeightQuant("int8"))
+        q = QuantizedLinear(head.in_features, head.out_features, False, WeightQuant(method))
     q.scales = q.scales.to(weight.dtype)
     q.load_weight(weight)
     return q
@@ -149,9 +155,15 @@ class QuantizedLinear(nn.Module):
         self._cpu_scales: tuple[torch.Tensor, ...] | None = None
 
     @property
+    def w8a8(self) -> bool:
+        """Whether this layer quantizes its activations per row (`--quantization w8a8`; a
+        GGUF's grouped Q8_0 layer keeps float activations)."""
+        return self.quant.method == "w8a8" and self.scales.dim() == 1
+
+    @property
     def int8_groups(self) -> bool:
         """Whether this int8 layer has a scale per group of input features (GGUF Q8_0)."""
-        return self.quant.method == "int8" and self.scales.dim() == 2
+        return self.quant.int8_codes and self.scales.dim() == 2
 
     def extra_repr(self) -> str:
         return (
@@ -167,7 +179,7 @@ class QuantizedLinear(nn.Module):
                 f"{(self.out_features, self.in_features)}"
             )
         w = weight.to(torch.float32)
-        if self.quant.method == "int8":
+        if self.quant.int8_codes:
             q, scales = quantize_int8(w)
             self.qweight.copy_(q)
             self._cuda_operands = None
@@ -192,7 +204,7 @@ class QuantizedLinear(nn.Module):
         """Store int8 codes q [out, in] with one float32 scale per group of input features,
         scale [out, in / group] (the weight is `q * scale`), e.g. straight from GGUF Q8_0
         blocks. Only an int8 layer takes them."""
-        if self.quant.method != "int8":
+        if not self.quant.int8_codes:
             raise ValueError(f"quantization: int8 codes for an {self.quant.name} layer")
         if tuple(q.shape) != (self.out_features, self.in_features) or (
             scale.shape[0] != self.out_features or self.in_features % scale.shape[1]
@@ -231,7 +243,7 @@ class QuantizedLinear(nn.Module):
         path and for tests)."""
         if self.int8_groups:
             return dequantize_int8_groups(self.qweight, self.scales)
-        if self.quant.method == "int8":
+        if self.quant.int8_codes:
             return self.qweight.to(self.scales.dtype) * self.scales[:, None]
         q = self.int4_codes().to(self.qweight.device)
         scale, zero = self.scales[..., 0].t(), self.scales[..., 1].t()  # [out, groups]
@@ -244,7 +256,7 @@ class QuantizedLinear(nn.Module):
         int8 (codes, scale); int4 (nibble-packed codes [out, in / 2], scale, zero [out, groups]).
         NOTE: int4's copy sits beside ATen's packed codes (a second copy of the small codes)."""
         if self._cuda_operands is None:
-            if self.quant.method == "int8":
+            if self.quant.int8_codes:
                 self._cuda_operands = (self.qweight, self.scales.float())
             else:
                 from pagedserve.kernels.triton_quant import pack_nibbles
@@ -276,6 +288,9 @@ class QuantizedLinear(nn.Module):
         weight."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
+        if self.w8a8:
+            out = cpu_w8a8.linear(x2.float(), self.qweight, self.scales, self.bias)
+            return out.to(x.dtype).view(*shape[:-1], self.out_features)
         if self.quant.method == "int4":
             self._use_int4_layout("native")
         out = None
@@ -295,8 +310,8 @@ class QuantizedLinear(nn.Module):
         """(codes, scales, zeros (int4) or None, group): what the native CPU kernels read for
         float32 activations (int4's codes in their layout, int8 per channel as one group of
         the whole row), or None where no kernel takes this layer."""
-        if self.qweight.device.type != "cpu" or self.scales.dtype != torch.float32:
-            return None
+        if self.qweight.device.type != "cpu" or self.scales.dtype != torch.float32 or self.w8a8:
+            return None  # NOTE: w8a8's int8 activations are not what these kernels compute
         if self.quant.method == "int4":
             self._use_int4_layout("native")
             scale, zero = self._int4_cpu_scales()
@@ -327,10 +342,10 @@ class QuantizedLinear(nn.Module):
             from pagedserve.kernels import triton_quant
 
             ops = self.cuda_operands()
-            if self.quant.method == "int8":
+            if self.quant.int8_codes:
                 return triton_quant.int8_linear(x2, ops[0], ops[1])
             return triton_quant.int4_linear(x2, ops[0], ops[1], ops[2], self.quant.group_size)
-        if self.quant.method == "int8":
+        if self.quant.int8_codes:
             return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
         self._use_int4_layout("aten")
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
@@ -468,7 +483,7 @@ def dequantize_into(hf_model: Any, quant: WeightQuant) -> Any:
 
 def quantized_bytes(in_features: int, out_features: int, quant: WeightQuant, itemsize: int) -> int:
     """Bytes of one quantized weight (codes and scales; its bias is the caller's)."""
-    if quant.method == "int8":
+    if quant.int8_codes:
         return out_features * in_features + out_features * itemsize
     groups = in_features // quant.group_size
     return out_features * in_features // 2 + groups * out_features * 2 * itemsize

@@ -54,31 +54,34 @@ def default_worker_id(role: str, port: int) -> str:
     return f"{role}-{socket.gethostname()}-{port}"
 
 
-QUANTIZATION_METHODS = ("int8", "int4")
+QUANTIZATION_METHODS = ("int8", "int4", "w8a8")
 QUANTIZATION_GROUP_SIZES = (32, 64, 128, 256)
 
 
 def quantization_name(method: str | None, group_size: int = 32) -> str:
     """How quantized weights are named in block-hash fingerprints, logs and reports: "" (the
-    model's dtype), "int8", "int4-g128". The router and every worker compute it from the
+    model's dtype), "int8", "w8a8", "int4-g128". The router and every worker compute it from the
     same flags, so their block hashes and compat tags agree."""
     if method in (None, "", "none"):
         return ""
-    return "int8" if method == "int8" else f"int4-g{group_size}"
+    return f"int4-g{group_size}" if method == "int4" else method
 
 
 def check_quantization(method: str | None, lm_head: bool) -> None:
     """ValueError naming `quantize_lm_head` when it comes without a quantization method: a
     flag that would change nothing is refused, not ignored (every command that takes it)."""
     if lm_head and method in (None, "", "none"):
-        raise ValueError("quantize_lm_head: needs --quantization int8 or int4")
+        raise ValueError("quantize_lm_head: needs --quantization int8, int4 or w8a8")
 
 
 def add_quantization_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quantization", default=None, choices=["none", *QUANTIZATION_METHODS],
-        help="weight-only quantization of the linear layers, at load (docs/quantization.md): "
-        "int8 per output channel, int4 per group of --quantization-group-size inputs; part of "
+        help="quantization of the linear layers, at load (docs/quantization.md): int8 per "
+        "output channel, int4 per group of --quantization-group-size inputs (weight-only); w8a8: "
+        "int8 weights per channel and activations quantized to int8 per token at run time, "
+        "int8 products on AMX / VNNI (CPU, float32 only; not equal to the unquantized model's "
+        "arithmetic, see its accuracy in the docs); part of "
         "the block hashes, so the router and every worker must agree",
     )  # fmt: skip
     parser.add_argument(
