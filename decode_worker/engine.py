@@ -37,7 +37,7 @@ from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, worst_case_blocks
 from pagedserve.decode_worker.speculation import SpeculationStats, SpeculativeConfig
 from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
-from pagedserve.kvstore.block_pool import BlockPool
+from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_offload import check_offload_config, kv_cache_manager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
@@ -118,6 +118,8 @@ class DecodeStepOutput:
     plan: DecodePlan
     finished: list[Sequence] = field(default_factory=list)  # incl. plan.failed's sequences
     waited_for_swap_out: bool = False
+    # the pool's block events since the last step (this step's, and KV imports' since)
+    events: list[BlockEvent] = field(default_factory=list)
 
 
 class DecodeEngine:
@@ -147,10 +149,10 @@ class DecodeEngine:
         # NOTE: computed exactly as the prefill worker does, so block hashes and the layout
         # compat hash agree across the two (docs/hashing.md).
         self.fingerprint = model_config.fingerprint(revision)
+        # NOTE: the pool records block events for the prefix index; every `step` drains them
         self.pool = BlockPool(
             config.num_blocks,
             config.block_size,
-            record_events=False,
             eviction_policy=config.eviction_policy,
         )
         self.kv = kv_cache_manager(self.pool, runner.spec, runner.kv_cache.tensor, config)
@@ -418,7 +420,7 @@ class DecodeEngine:
         # over (add_prefilled) or frees it; until then an empty plan is a wait, not a bug.
         if plan.is_empty and self.has_unfinished and not self.num_block_refs_outside:
             raise RuntimeError("decode engine: nothing schedulable (scheduler invariant broken)")
-        return DecodeStepOutput(plan, finished, waited)
+        return DecodeStepOutput(plan, finished, waited, self.pool.drain_events())
 
     def _promote_waiting(self) -> None:
         """Copy back from the host tier the prefixes of the waiting sequences this step could

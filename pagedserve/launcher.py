@@ -48,6 +48,7 @@ from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.logs import add_logging_arguments
 from pagedserve.router.chat import read_template_file
+from pagedserve.router.routing import DEFAULT_LOCAL_PREFILL
 from pagedserve.signals import stop_on_signals
 from pagedserve.supervisor import (
     DEFAULT_POLICY,
@@ -251,7 +252,7 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
         flags += ["--chat-template", str(Path(args.chat_template).resolve())]
     passed = ("max_queued_requests", "stream_interval", "stall_timeout", "max_n",
               "max_local_prefill_tokens", "local_prefill_queue_tokens",
-              "tool_call_parser")  # fmt: skip
+              "max_local_suffix_tokens", "tool_call_parser")  # fmt: skip
     for name in passed:
         if getattr(args, name, None) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -364,6 +365,12 @@ def add_local_prefill_arguments(parser: argparse.ArgumentParser) -> None:
         "--local-prefill-queue-tokens", type=int, default=0,
         help="passed to the router: only while the prefill worker has this many prompt tokens "
         "queued (0: always)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--max-local-suffix-tokens", type=int, default=DEFAULT_LOCAL_PREFILL.max_suffix_tokens,
+        help="passed to the router: a decode worker holding more of a prompt than the prefill "
+        "worker (a conversation's next turn) computes it when at most this many of its tokens "
+        "are not cached there (docs/router.md); 0: never",
     )  # fmt: skip
 
 
