@@ -5,6 +5,8 @@
     loop thread ── step() under the lock ──► the step's deltas ──► `publish`: one hand-over
                    to the server's event loop (`AsyncRequestStream`s) per step; a request's
                    delta waits until its `stream_interval` is full (one wake-up per interval)
+                   └─► the step's block events (KV imports' since the last step too) ──►
+                       `on_events`: the prefix index's publisher, which only queues them
     caller ── abort / cancel ──► engine.abort under the lock: blocks freed at once
 
 `submit` validates and queues the request in the inbox, and starts it at once unless a step

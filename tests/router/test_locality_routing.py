@@ -114,3 +114,20 @@ def test_the_short_prompt_rule_comes_first_and_is_not_counted_as_locality() -> N
     decision, policy = route({BUSY: 8}, local=LocalPrefill(max_tokens=1024, queue_tokens=0))
     assert decision.prefill_here and not decision.terms["prefill_here_locality"]
     assert (policy.stats.prefill_here, policy.stats.prefill_here_locality) == (1, 0)
+
+
+def test_the_suffix_bound_is_on_by_default_and_reaches_the_router_from_up() -> None:
+    from pagedserve import launcher
+    from pagedserve.cli import build_parser
+
+    def router_bound(*argv: str) -> int:
+        args = build_parser().parse_args(["up", "--model", "m", *argv])
+        routed = build_parser().parse_args(
+            ["router", "--model", "m", *launcher._router_flags(args, [])]
+        )
+        return routed.max_local_suffix_tokens
+
+    assert router_bound() == LocalPrefill().max_suffix_tokens == 1024
+    assert router_bound("--max-local-suffix-tokens", "0") == 0
+    alone = build_parser().parse_args(["router", "--model", "m", "--prefill", "a:1"])
+    assert alone.max_local_suffix_tokens == 1024
