@@ -1,0 +1,179 @@
+"""The disk tier in both engines (--kv-offload-dir, --kv-offload-disk): a prefix evicted from a
+small device pool through a 2-slot host tier onto disk is promoted back from disk, its prompt
+tokens counted as cached and the tokens equal to transformers'; a fresh engine on the same
+directory finds it again (a restart); one of another configuration ignores the files; a
+corrupt file is ignored, counted and recomputed; the directory stays within its size."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from support.oracle import GREEDY, hf_greedy_on, hf_model, make_engine, make_prompts
+
+from pagedserve.kvstore.disk_tier import FILE_HEADER_BYTES, RECORD_HEADER_BYTES
+from pagedserve.kvstore.hashing import hash_blocks
+from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
+from pagedserve.sampling_params import SamplingParams
+
+BLOCK = 8
+PREFIX, TAIL_A, TAIL_B, OTHER_1, OTHER_2 = make_prompts((40, 3, 5, 60, 60), seed=5)
+PROMPT_A, PROMPT_B = PREFIX + TAIL_A, PREFIX + TAIL_B
+PREFIX_BLOCKS = len(PREFIX) // BLOCK
+SHORT = SamplingParams(temperature=0.0, max_tokens=12)
+DISK = 1 << 20
+
+
+def hf_b(model_dir) -> list[int]:
+    return hf_greedy_on(hf_model(model_dir, torch.float32), PROMPT_B, SHORT.max_tokens)
+
+
+def disk_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("seg-*.kvd"))
+
+
+def decode_engine(model_dir, directory: Path, capacity: int = DISK, **config):
+    config = {"block_size": BLOCK, "num_blocks": 12, "max_num_batched_tokens": 64} | config
+    return make_engine(
+        model_dir, kv_offload_blocks=2, kv_offload_dir=str(directory),
+        kv_offload_disk_bytes=capacity, **config,
+    )  # fmt: skip
+
+
+def run(engine, prompt, capacity: int = DISK):
+    """Serve `prompt` to the end; integrity and the directory's size checked every step."""
+    seq = engine.add_request(prompt, SHORT)
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+        assert disk_bytes(engine.kv.offload.disk.directory) <= capacity
+    return seq
+
+
+def warm(engine) -> None:
+    """A, then two other prompts: A's prefix leaves the device and the host tier for disk."""
+    for prompt in (PROMPT_A, OTHER_1, OTHER_2):
+        run(engine, prompt)
+    disk = engine.kv.offload.disk
+    disk.flush()
+    assert disk.stats.writes >= PREFIX_BLOCKS and disk.num_blocks >= PREFIX_BLOCKS
+
+
+def test_decode_engine_serves_an_evicted_prefix_from_disk(tiny_llama, tmp_path):
+    engine = decode_engine(tiny_llama, tmp_path)
+    warm(engine)
+    seq = run(engine, PROMPT_B)
+    engine.close()
+    counts = engine.kv.offload.counts()
+    assert counts.disk_promotions == PREFIX_BLOCKS, counts
+    assert counts.disk_promotion_bytes == PREFIX_BLOCKS * engine.runner.spec.bytes_per_block
+    assert seq.num_cached_prompt_tokens == len(PREFIX), "read from disk, not recomputed"
+    assert seq.output_token_ids == hf_b(tiny_llama)
+
+
+def prefill(engine: PrefillEngine, request_id: str, prompt: list[int]):
+    seq = engine.new_sequence(prompt, GREEDY, request_id=request_id)
+    engine.add_sequence(seq)
+    while engine.has_unfinished:
+        engine.step()
+        engine.check_integrity()
+    engine.free(seq.block_table)  # the lease ends at once: full blocks stay cached
+    engine.check_integrity()
+    return seq
+
+
+def test_prefill_engine_promotes_a_prefix_from_disk_and_counts_it_cached(tiny_llama, tmp_path):
+    config = PrefillEngineConfig(
+        block_size=BLOCK, num_blocks=8, max_num_batched_tokens=64, use_shm=False,
+        kv_offload_blocks=2, kv_offload_dir=str(tmp_path), kv_offload_disk_bytes=DISK,
+    )  # fmt: skip
+    engine = PrefillEngine.from_model_dir(str(tiny_llama), config)
+    for request_id, prompt in (("a", PROMPT_A), ("o1", OTHER_1), ("o2", OTHER_2)):
+        prefill(engine, request_id, prompt)
+    assert all(h in engine.kv.offload.disk for h in engine_hashes(engine, PREFIX))
+    computed = engine.num_prompt_tokens_computed
+    seq = prefill(engine, "b", PROMPT_B)
+    assert seq.num_cached_prompt_tokens == len(PREFIX)
+    assert engine.num_prompt_tokens_computed - computed == len(TAIL_B)
+    assert engine.kv.offload.counts().disk_promotions == PREFIX_BLOCKS
+    assert seq.output_token_ids[:1] == hf_b(tiny_llama)[:1]
+    engine.close()
+
+
+def test_a_restarted_engine_serves_the_prefix_it_left_on_disk(tiny_llama, tmp_path):
+    first = decode_engine(tiny_llama, tmp_path)
+    warm(first)
+    first.close()
+    second = decode_engine(tiny_llama, tmp_path)
+    assert second.kv.offload.disk.num_blocks >= PREFIX_BLOCKS, "found by the start-up scan"
+    seq = run(second, PROMPT_B)
+    second.close()
+    assert seq.num_cached_prompt_tokens == len(PREFIX)
+    assert second.kv.offload.counts().disk_promotions == PREFIX_BLOCKS
+    assert seq.output_token_ids == hf_b(tiny_llama)
+
+
+@pytest.mark.parametrize("change", [{"block_size": 16}, {"dtype": "bfloat16"}])
+def test_an_engine_of_another_configuration_ignores_the_files(tiny_llama, tmp_path, change):
+    first = decode_engine(tiny_llama, tmp_path)
+    warm(first)
+    first.close()
+    files = len(list(tmp_path.glob("seg-*.kvd")))
+    other = decode_engine(tiny_llama, tmp_path, **change)
+    disk = other.kv.offload.disk
+    assert disk.num_blocks == 0 and disk.stats.stale_files == files > 0
+    assert not list(tmp_path.glob("seg-*.kvd")), "another configuration's files are deleted"
+    seq = run(other, PROMPT_B)
+    other.close()
+    assert seq.num_cached_prompt_tokens == 0
+
+
+def test_a_corrupt_file_is_ignored_counted_and_the_prefix_recomputed(tiny_llama, tmp_path):
+    engine = decode_engine(tiny_llama, tmp_path)
+    warm(engine)
+    disk = engine.kv.offload.disk
+    number, offset = disk._where[engine_hashes(engine, PREFIX)[0]]
+    path = tmp_path / f"seg-{number:08d}.kvd"
+    raw = bytearray(path.read_bytes())
+    raw[offset + RECORD_HEADER_BYTES + 5] ^= 0x40  # one bit of the first block's payload
+    path.write_bytes(raw)
+    seq = run(engine, PROMPT_B)
+    engine.close()
+    assert disk.stats.corrupt_files == 1 and not path.exists()
+    assert seq.num_cached_prompt_tokens == 0, "never served from a corrupt file"
+    assert seq.output_token_ids == hf_b(tiny_llama)
+
+
+def test_a_truncated_file_is_ignored_at_restart(tiny_llama, tmp_path):
+    first = decode_engine(tiny_llama, tmp_path)
+    warm(first)
+    number, _ = first.kv.offload.disk._where[engine_hashes(first, PREFIX)[0]]
+    first.close()
+    path = tmp_path / f"seg-{number:08d}.kvd"
+    path.write_bytes(path.read_bytes()[:-7])
+    second = decode_engine(tiny_llama, tmp_path)
+    assert second.kv.offload.disk.stats.corrupt_files == 1 and not path.exists()
+    seq = run(second, PROMPT_B)
+    second.close()
+    assert seq.num_cached_prompt_tokens == 0
+    assert seq.output_token_ids == hf_b(tiny_llama)
+
+
+def test_the_directory_stays_within_its_size(tiny_llama, tmp_path):
+    """Room for 4 blocks: many prompts spill more; the oldest files go first."""
+    engine = decode_engine(tiny_llama, tmp_path)
+    per_block = engine.runner.spec.bytes_per_block
+    engine.close()
+    capacity = 2 * FILE_HEADER_BYTES + 4 * (RECORD_HEADER_BYTES + per_block)
+    engine = decode_engine(tiny_llama, tmp_path / "small", capacity)
+    for prompt in make_prompts((50, 50, 50, 50), seed=9):
+        run(engine, prompt, capacity)
+    engine.close()
+    disk = engine.kv.offload.disk
+    assert disk.stats.evictions > 0 and disk.num_blocks <= 4
+    assert disk_bytes(tmp_path / "small") <= capacity
+
+
+def engine_hashes(engine, tokens):
+    return hash_blocks(tokens, BLOCK, model_fingerprint=engine.fingerprint)
