@@ -72,11 +72,11 @@ class OffloadCounts:
     disk_corrupt_files: int | None = None
     disk_blocks_cached: int | None = None
     disk_bytes_used: int | None = None
-    disk_bytes_total: int | None = None
+    disk_capacity_bytes: int | None = None
 
 
 OFFLOAD_GAUGES = (
-    "blocks_cached", "blocks_total", "disk_blocks_cached", "disk_bytes_used", "disk_bytes_total",
+    "blocks_cached", "blocks_total", "disk_blocks_cached", "disk_bytes_used", "disk_capacity_bytes",
 )  # fmt: skip
 
 

@@ -238,7 +238,7 @@ class KVOffload:
             "disk_corrupt_files": stats.corrupt_files,
             "disk_blocks_cached": self.disk.num_blocks,
             "disk_bytes_used": self.disk.bytes_used,
-            "disk_bytes_total": self.disk.capacity_bytes,
+            "disk_capacity_bytes": self.disk.capacity_bytes,
         }
 
     def check_integrity(self, pool: BlockPool) -> None:

@@ -10,10 +10,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from support.metric_docs import documented_metrics
 from support.oracle import GREEDY, hf_greedy_on, hf_model, make_engine, make_prompts
 
 from pagedserve.kvstore.disk_tier import FILE_HEADER_BYTES, RECORD_HEADER_BYTES
 from pagedserve.kvstore.hashing import hash_blocks
+from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES
+from pagedserve.kvstore.kv_cache_manager import offload_counts
+from pagedserve.metrics import CounterSource, StateCollector
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.sampling_params import SamplingParams
 
@@ -70,6 +74,23 @@ def test_decode_engine_serves_an_evicted_prefix_from_disk(tiny_llama, tmp_path):
     assert counts.disk_promotion_bytes == PREFIX_BLOCKS * engine.runner.spec.bytes_per_block
     assert seq.num_cached_prompt_tokens == len(PREFIX), "read from disk, not recomputed"
     assert seq.output_token_ids == hf_b(tiny_llama)
+    exported = {s.name for m in offload_metrics(engine.kv) for s in m.samples}
+    documented = {m for m in documented_metrics("Decode worker") if "kv_offload_disk" in m}
+    documented |= {m for m in documented_metrics("Prefill worker") if "kv_offload_disk" in m}
+    assert {m for m in exported if "disk" in m} == documented
+
+
+def offload_metrics(kv):
+    """The `kv_offload_*` families a worker's scrape shows (as the servers register them)."""
+    source = CounterSource("kv_offload_", lambda: offload_counts(kv), OFFLOAD_GAUGES)
+    return list(StateCollector([], [source]).collect())
+
+
+def test_without_the_disk_tier_no_disk_series_are_exported(tiny_llama):
+    engine = make_engine(tiny_llama, block_size=BLOCK, num_blocks=12, kv_offload_blocks=2)
+    names = {s.name for m in offload_metrics(engine.kv) for s in m.samples}
+    engine.close()
+    assert "pagedserve:kv_offload_writes_total" in names and not [n for n in names if "disk" in n]
 
 
 def prefill(engine: PrefillEngine, request_id: str, prompt: list[int]):
