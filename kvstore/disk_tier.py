@@ -52,7 +52,7 @@ RECORD_HEADER_BYTES = _RECORD_HEAD.size + 4
 MAX_BLOCKS_PER_FILE = 32
 MIN_FILES = 8  # NOTE: files are evicted whole: at least this many keep each eviction small
 LOCK_NAME = ".lock"
-_SEGMENT = re.compile(r"^seg-(\d{8})\.kvd$")
+_SEGMENT = re.compile(r"^seg-(\d{8,})\.kvd$")
 
 
 class CorruptFile(Exception):
@@ -380,7 +380,7 @@ class DiskTier:
                     path.unlink(missing_ok=True)
                 else:
                     self._write_record(path, offset, block_hash, data)
-            except OSError as exc:  # NOTE: a failed write is found at read (truncated)
+            except Exception as exc:  # NOTE: a failed write is found at read (truncated)
                 log.warning("kv disk tier: %s %s failed: %s", kind, path.name, exc)
             finally:
                 if kind == "write":
