@@ -6,6 +6,7 @@ corrupt file is ignored, counted and recomputed; the directory stays within its 
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,8 @@ import torch
 from support.metric_docs import documented_metrics
 from support.oracle import GREEDY, hf_greedy_on, hf_model, make_engine, make_prompts
 
-from pagedserve.kvstore.disk_tier import FILE_HEADER_BYTES, RECORD_HEADER_BYTES
+from pagedserve.decode_worker.plan import PreemptionMode
+from pagedserve.kvstore.disk_tier import FILE_HEADER_BYTES, RECORD_HEADER_BYTES, segment_name
 from pagedserve.kvstore.hashing import hash_blocks
 from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES
 from pagedserve.kvstore.kv_cache_manager import offload_counts
@@ -122,43 +124,57 @@ def test_prefill_engine_promotes_a_prefix_from_disk_and_counts_it_cached(tiny_ll
     engine.close()
 
 
-def test_a_restarted_engine_serves_the_prefix_it_left_on_disk(tiny_llama, tmp_path):
-    first = decode_engine(tiny_llama, tmp_path)
-    warm(first)
-    first.close()
-    second = decode_engine(tiny_llama, tmp_path)
-    assert second.kv.offload.disk.num_blocks >= PREFIX_BLOCKS, "found by the start-up scan"
-    seq = run(second, PROMPT_B)
-    second.close()
+@pytest.fixture(scope="module")
+def warmed(tiny_llama, tmp_path_factory):
+    """A directory an engine warmed (A's prefix on disk) and closed, and where the prefix's
+    first block lies (file number, record offset). Tests restart on a copy of it."""
+    directory = tmp_path_factory.mktemp("warmed")
+    engine = decode_engine(tiny_llama, directory)
+    warm(engine)
+    where = engine.kv.offload.disk._where[engine_hashes(engine, PREFIX)[0]]
+    engine.close()
+    return directory, where
+
+
+def restart_on(warmed, tmp_path) -> tuple[Path, Path]:
+    """A copy of the warmed directory, and the path of the file of the prefix's first block."""
+    directory = tmp_path / "disk"
+    shutil.copytree(warmed[0], directory)
+    return directory, directory / segment_name(warmed[1][0])
+
+
+def test_a_restarted_engine_serves_the_prefix_it_left_on_disk(tiny_llama, warmed, tmp_path):
+    directory, _ = restart_on(warmed, tmp_path)
+    engine = decode_engine(tiny_llama, directory)
+    assert engine.kv.offload.disk.num_blocks >= PREFIX_BLOCKS, "found by the start-up scan"
+    seq = run(engine, PROMPT_B)
+    engine.close()
     assert seq.num_cached_prompt_tokens == len(PREFIX)
-    assert second.kv.offload.counts().disk_promotions == PREFIX_BLOCKS
+    assert engine.kv.offload.counts().disk_promotions == PREFIX_BLOCKS
     assert seq.output_token_ids == hf_b(tiny_llama)
 
 
 @pytest.mark.parametrize("change", [{"block_size": 16}, {"dtype": "bfloat16"}])
-def test_an_engine_of_another_configuration_ignores_the_files(tiny_llama, tmp_path, change):
-    first = decode_engine(tiny_llama, tmp_path)
-    warm(first)
-    first.close()
-    files = len(list(tmp_path.glob("seg-*.kvd")))
-    other = decode_engine(tiny_llama, tmp_path, **change)
+def test_an_engine_of_another_configuration_ignores_the_files(tiny_llama, warmed, tmp_path, change):
+    directory, _ = restart_on(warmed, tmp_path)
+    files = len(list(directory.glob("seg-*.kvd")))
+    other = decode_engine(tiny_llama, directory, **change)
     disk = other.kv.offload.disk
     assert disk.num_blocks == 0 and disk.stats.stale_files == files > 0
-    assert not list(tmp_path.glob("seg-*.kvd")), "another configuration's files are deleted"
+    assert not list(directory.glob("seg-*.kvd")), "another configuration's files are deleted"
     seq = run(other, PROMPT_B)
     other.close()
     assert seq.num_cached_prompt_tokens == 0
 
 
-def test_a_corrupt_file_is_ignored_counted_and_the_prefix_recomputed(tiny_llama, tmp_path):
-    engine = decode_engine(tiny_llama, tmp_path)
-    warm(engine)
-    disk = engine.kv.offload.disk
-    number, offset = disk._where[engine_hashes(engine, PREFIX)[0]]
-    path = tmp_path / f"seg-{number:08d}.kvd"
+def test_a_corrupt_file_is_ignored_counted_and_the_prefix_recomputed(tiny_llama, warmed, tmp_path):
+    directory, path = restart_on(warmed, tmp_path)
     raw = bytearray(path.read_bytes())
-    raw[offset + RECORD_HEADER_BYTES + 5] ^= 0x40  # one bit of the first block's payload
+    raw[warmed[1][1] + RECORD_HEADER_BYTES + 5] ^= 0x40  # one bit of the first block's payload
     path.write_bytes(raw)
+    engine = decode_engine(tiny_llama, directory)
+    disk = engine.kv.offload.disk
+    assert engine_hashes(engine, PREFIX)[0] in disk, "payloads are checked on read, not at start"
     seq = run(engine, PROMPT_B)
     engine.close()
     assert disk.stats.corrupt_files == 1 and not path.exists()
@@ -166,17 +182,13 @@ def test_a_corrupt_file_is_ignored_counted_and_the_prefix_recomputed(tiny_llama,
     assert seq.output_token_ids == hf_b(tiny_llama)
 
 
-def test_a_truncated_file_is_ignored_at_restart(tiny_llama, tmp_path):
-    first = decode_engine(tiny_llama, tmp_path)
-    warm(first)
-    number, _ = first.kv.offload.disk._where[engine_hashes(first, PREFIX)[0]]
-    first.close()
-    path = tmp_path / f"seg-{number:08d}.kvd"
+def test_a_truncated_file_is_ignored_at_restart(tiny_llama, warmed, tmp_path):
+    directory, path = restart_on(warmed, tmp_path)
     path.write_bytes(path.read_bytes()[:-7])
-    second = decode_engine(tiny_llama, tmp_path)
-    assert second.kv.offload.disk.stats.corrupt_files == 1 and not path.exists()
-    seq = run(second, PROMPT_B)
-    second.close()
+    engine = decode_engine(tiny_llama, directory)
+    assert engine.kv.offload.disk.stats.corrupt_files == 1 and not path.exists()
+    seq = run(engine, PROMPT_B)
+    engine.close()
     assert seq.num_cached_prompt_tokens == 0
     assert seq.output_token_ids == hf_b(tiny_llama)
 
@@ -188,7 +200,7 @@ def test_the_directory_stays_within_its_size(tiny_llama, tmp_path):
     engine.close()
     capacity = 2 * FILE_HEADER_BYTES + 4 * (RECORD_HEADER_BYTES + per_block)
     engine = decode_engine(tiny_llama, tmp_path / "small", capacity)
-    for prompt in make_prompts((50, 50, 50, 50), seed=9):
+    for prompt in make_prompts((50, 50, 50), seed=9):
         run(engine, prompt, capacity)
     engine.close()
     disk = engine.kv.offload.disk
@@ -198,3 +210,25 @@ def test_the_directory_stays_within_its_size(tiny_llama, tmp_path):
 
 def engine_hashes(engine, tokens):
     return hash_blocks(tokens, BLOCK, model_fingerprint=engine.fingerprint)
+
+
+def test_disk_tier_with_swap_preemption_keeps_transformers_tokens(tiny_llama, tmp_path):
+    """A pool too small for the batch: sequences are swapped out while prefixes move between
+    the device, the host tier and the disk; every token stays equal to transformers'."""
+    engine = decode_engine(
+        tiny_llama, tmp_path, num_blocks=14, max_num_batched_tokens=32, num_swap_blocks=64,
+        preemption_mode=PreemptionMode.SWAP,
+    )  # fmt: skip
+    waves = [[PROMPT_A, OTHER_1], [OTHER_2, PROMPT_B, PREFIX + TAIL_B[:2]]]
+    seqs, swapped = [], 0
+    for wave in waves:
+        seqs += [engine.add_request(p, SHORT) for p in wave]
+        while engine.has_unfinished:
+            swapped += len(engine.step().plan.preempted)
+            engine.check_integrity()
+    engine.close()
+    counts = engine.kv.offload.counts()
+    assert swapped >= 1 and counts.disk_promotions >= 1, (swapped, counts)
+    model = hf_model(tiny_llama, torch.float32)
+    for prompt, seq in zip([p for wave in waves for p in wave], seqs, strict=True):
+        assert seq.output_token_ids == hf_greedy_on(model, prompt, SHORT.max_tokens)
