@@ -4,6 +4,7 @@ a hash the device registers again leaves the disk; a reset empties it."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from pagedserve.kvstore.block_pool import BlockPool
@@ -20,11 +21,11 @@ def h(i: int) -> bytes:
     return i.to_bytes(2, "big") * 8  # a 16-byte stand-in for a BlockHash
 
 
-def make_manager(tmp_path, num_blocks: int, num_slots: int):
-    pool = BlockPool(num_blocks, SPEC.block_size)
-    device = torch.zeros(SPEC.storage_shape(num_blocks))
-    disk = DiskTier(tmp_path, 1 << 16, bytes_per_block=SPEC.bytes_per_block, compat_key=h(99))
-    offload = KVOffload(SPEC, device, num_slots, disk=disk)
+def make_manager(tmp_path, num_blocks: int, num_slots: int, spec: KVCacheSpec = SPEC):
+    pool = BlockPool(num_blocks, spec.block_size)
+    device = torch.zeros(spec.storage_shape(num_blocks), dtype=spec.storage_dtype)
+    disk = DiskTier(tmp_path, 1 << 16, bytes_per_block=spec.bytes_per_block, compat_key=h(99))
+    offload = KVOffload(spec, device, num_slots, disk=disk)
     return KVCacheManager(pool, offload=offload), offload
 
 
@@ -38,8 +39,11 @@ def fill(manager: KVCacheManager, offload: KVOffload, hashes, value: float) -> N
     manager.free(table)
 
 
-def test_a_prefix_comes_back_from_the_host_run_then_the_disk_run_with_its_bytes(tmp_path):
-    manager, offload = make_manager(tmp_path, num_blocks=4, num_slots=2)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+def test_a_prefix_comes_back_from_the_host_run_then_the_disk_run_with_its_bytes(tmp_path, dtype):
+    """int8: an 8-bit cache's raw uint8 pages (codes and scales) move as they are."""
+    spec = KVCacheSpec(num_layers=1, num_kv_heads=1, head_dim=2, block_size=2, dtype=dtype)
+    manager, offload = make_manager(tmp_path, num_blocks=4, num_slots=2, spec=spec)
     prefix = [h(0), h(1), h(2), h(3)]
     fill(manager, offload, prefix, 10.0)
     fill(manager, offload, [h(10), h(11), h(12), h(13)], 20.0)  # 2 to host, 2 on to disk
@@ -52,6 +56,7 @@ def test_a_prefix_comes_back_from_the_host_run_then_the_disk_run_with_its_bytes(
         assert torch.all(offload.device_tensor[block_id] == 10.0 + i)
     counts = offload.counts()
     assert counts.promotions == 2 and counts.disk_promotions == 2
+    assert counts.disk_promotion_bytes == 2 * spec.bytes_per_block
     assert not any(x in offload.disk or x in offload.tier for x in prefix)
     manager.check_integrity()
     offload.close()
