@@ -160,8 +160,7 @@ async def _turn(run: _Run, messages: list[dict[str, str]], conv: int, turn: int)
     """One streamed chat completion; any failure (status, transport, no content) is its
     `status`, never an exception."""
     body = {"model": run.model, "messages": messages, "max_tokens": run.max_tokens,
-            "temperature": 0,
-            "ignore_eos": True, "stream": True,
+            "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     sent = time.perf_counter()
     times: list[float] = []
@@ -191,10 +190,13 @@ async def _turn(run: _Run, messages: list[dict[str, str]], conv: int, turn: int)
 
 def _on_line(line: str, now: float, times: list[float], parts: list[str],
              usage: dict[str, Any]) -> None:  # fmt: skip
-    """One SSE line: content chunks' arrival times and text, and the usage."""
+    """One SSE line: content chunks' arrival times and text, and the usage. RuntimeError for
+    an error event (a server that fails after its 200 says so in the stream)."""
     if not line.startswith("data: {"):
         return  # NOTE: blank separators, `data: [DONE]`
     chunk = json.loads(line[6:])
+    if chunk.get("error"):
+        raise RuntimeError(f"error event: {chunk['error']}"[:300])
     usage.update(chunk.get("usage") or {})
     for choice in chunk.get("choices") or ():
         content = (choice.get("delta") or {}).get("content")

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from pagedserve.bench import online, online_multiturn
+from pagedserve.bench import multiturn, online, online_multiturn
 from pagedserve.bench.conversations import SYSTEM_PROMPT, ConversationSpec, user_messages
 from pagedserve.bench.multiturn import ServerRun
 
@@ -113,3 +113,18 @@ def test_max_model_len_bounds_the_longest_conversation(tmp_path: Path):
     bound = online_multiturn.max_model_len(spec, words)
     longest = 192 + 5 * 64 + 6 * 48  # every message at its most, every answer
     assert bound % 256 == 0 and bound >= longest + len(online_multiturn.SYSTEM_PROMPT.split())
+
+
+def test_stream_lines_give_content_times_and_usage_and_an_error_event_fails_the_turn():
+    times: list[float] = []
+    parts: list[str] = []
+    usage: dict = {}
+    role = {"choices": [{"delta": {"role": "assistant", "content": ""}}]}
+    for now, chunk in ((0.1, role), (0.2, {"choices": [{"delta": {"content": "Hi"}}]}),
+                       (0.3, {"choices": [], "usage": {"completion_tokens": 1}})):  # fmt: skip
+        multiturn._on_line("data: " + json.dumps(chunk), now, times, parts, usage)
+    multiturn._on_line("data: [DONE]", 0.4, times, parts, usage)
+    assert (times, parts, usage) == ([0.2], ["Hi"], {"completion_tokens": 1})  # TTFT: content
+    with pytest.raises(RuntimeError, match="error event"):
+        error = {"error": {"message": "worker lost", "type": "server_error"}}
+        multiturn._on_line("data: " + json.dumps(error), 0.5, times, parts, usage)
