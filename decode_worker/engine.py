@@ -37,7 +37,7 @@ from pagedserve.decode_worker.preemption import PreemptionCostModel
 from pagedserve.decode_worker.scheduler import Scheduler, worst_case_blocks
 from pagedserve.decode_worker.speculation import SpeculationStats, SpeculativeConfig
 from pagedserve.decode_worker.swapper import CopyFn, Swapper, every_rank
-from pagedserve.kvstore.block_pool import BlockPool
+from pagedserve.kvstore.block_pool import BlockEvent, BlockPool
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.kvstore.kv_offload import check_offload_config, kv_cache_manager
 from pagedserve.kvstore.swap_space import SwapSpace, swap_blocks_for
@@ -69,6 +69,8 @@ class DecodeEngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
     kv_offload_blocks: int = 0  # host-memory prefix tier (--kv-offload-memory), 0: off
+    kv_offload_dir: str | None = None  # disk prefix tier below it (--kv-offload-dir), None: off
+    kv_offload_disk_bytes: int = 0  # its size (--kv-offload-disk)
     dtype: str | None = None  # default: the checkpoint's
     quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
     kv_cache_dtype: str | None = None  # "int8" / "fp8_e4m3" for an 8-bit KV cache; None: dtype's
@@ -97,7 +99,12 @@ class DecodeEngineConfig:
             raise ValueError(f"swap_space_gib: must be >= 0, got {self.swap_space_gib}")
         if self.num_swap_blocks is not None and self.num_swap_blocks < 0:
             raise ValueError(f"num_swap_blocks: must be >= 0, got {self.num_swap_blocks}")
-        check_offload_config(self.kv_offload_blocks, self.tensor_parallel_size)
+        check_offload_config(
+            self.kv_offload_blocks,
+            self.tensor_parallel_size,
+            self.kv_offload_dir,
+            self.kv_offload_disk_bytes,
+        )
         if self.speculative is not None and self.tensor_parallel_size > 1:
             raise ValueError(
                 "speculative-method: speculative decoding is not supported with "
@@ -118,6 +125,8 @@ class DecodeStepOutput:
     plan: DecodePlan
     finished: list[Sequence] = field(default_factory=list)  # incl. plan.failed's sequences
     waited_for_swap_out: bool = False
+    # the pool's block events since the last step (this step's, and KV imports' since)
+    events: list[BlockEvent] = field(default_factory=list)
 
 
 class DecodeEngine:
@@ -147,13 +156,15 @@ class DecodeEngine:
         # NOTE: computed exactly as the prefill worker does, so block hashes and the layout
         # compat hash agree across the two (docs/hashing.md).
         self.fingerprint = model_config.fingerprint(revision)
+        # NOTE: the pool records block events for the prefix index; every `step` drains them
         self.pool = BlockPool(
             config.num_blocks,
             config.block_size,
-            record_events=False,
             eviction_policy=config.eviction_policy,
         )
-        self.kv = kv_cache_manager(self.pool, runner.spec, runner.kv_cache.tensor, config)
+        self.kv = kv_cache_manager(
+            self.pool, runner.spec, runner.kv_cache.tensor, config, self.fingerprint
+        )
         num_swap = config.num_swap_blocks
         if num_swap is None:
             num_swap = swap_blocks_for(runner.spec, config.swap_space_gib)
@@ -418,7 +429,7 @@ class DecodeEngine:
         # over (add_prefilled) or frees it; until then an empty plan is a wait, not a bug.
         if plan.is_empty and self.has_unfinished and not self.num_block_refs_outside:
             raise RuntimeError("decode engine: nothing schedulable (scheduler invariant broken)")
-        return DecodeStepOutput(plan, finished, waited)
+        return DecodeStepOutput(plan, finished, waited, self.pool.drain_events())
 
     def _promote_waiting(self) -> None:
         """Copy back from the host tier the prefixes of the waiting sequences this step could
@@ -505,8 +516,12 @@ class DecodeEngine:
             self.swap_space.check_integrity()
 
     def close(self) -> None:
+        """Wait for in-flight swap copies, write the disk tier's queued blocks and release its
+        directory, stop the ranks."""
         if self.swapper is not None:
             self.swapper.close()
+        if self.kv.offload is not None:
+            self.kv.offload.close()
         self.runner.close()
 
 

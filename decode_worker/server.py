@@ -2,8 +2,11 @@
 
 Start-up: load the model, allocate the KV pool and the swap space, bind the gRPC server,
 register in Redis as a decode worker (if `--redis-url`; a heartbeat carries the load), mark
-ready, print `READY <worker_id> <address>` on stdout. SIGTERM/SIGINT: health NOT_SERVING, refuse
-new requests, let in-flight streams finish up to `--drain-timeout`, deregister, stop.
+ready, print `READY <worker_id> <address>` on stdout. While serving, the blocks it computes or
+imports go to the Redis prefix index after every step (`IndexPublisher`, off the worker's loop,
+as a prefill worker's do), so the router can send a conversation's next turn here.
+SIGTERM/SIGINT: health NOT_SERVING, refuse new requests, let in-flight streams finish up to
+`--drain-timeout`, delete the index entries and the record, stop.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedserve import worker_server
-from pagedserve.cluster import ClusterMember, join, model_key
+from pagedserve.cluster import IndexedMember, join_indexed, model_key
 from pagedserve.core_share import open_core_share
 from pagedserve.decode_worker.cli_args import DEFAULT_MAX_SWAP_GIB, add_arguments
 from pagedserve.decode_worker.engine import DecodeEngine, DecodeEngineConfig
@@ -30,9 +33,10 @@ from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import EngineLoop, client_tls_from_args
 from pagedserve.internal.v1 import decode_pb2_grpc
 from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES
+from pagedserve.kvstore.index_publisher import IndexEvents
 from pagedserve.kvstore.kv_cache_manager import offload_counts
 from pagedserve.kvstore.swap_space import GIB
-from pagedserve.kvstore.worker_registry import Role, compat_tag
+from pagedserve.kvstore.worker_registry import Role, compat_tag, new_incarnation
 from pagedserve.logs import setup_logging
 from pagedserve.metrics import (
     CounterSource,
@@ -136,12 +140,14 @@ async def serve(
     )  # fmt: skip
     death = worker_server.LoopDeath(stop)
     core_share = open_core_share(args.core_share, set_threads=engine.runner.set_threads)
+    events = IndexEvents()
     worker = DecodeWorker(
         engine,
         import_threads=args.import_threads,
         producers=ProducerClients(args.max_message_bytes, client_tls_from_args(args)),
         tracing=tracing,
         hooks=WorkerHooks(engine_loop, core_share, death),
+        on_events=events.submit,
     )
     _register_metrics(worker)
     worker.phases = PhaseMetrics()
@@ -153,7 +159,7 @@ async def serve(
     bound = await worker_server.bind(args, "decode", [_servicer_adder(servicer)], [SERVICE_NAME])
     death.handle = bound.handle
     worker.worker_id = bound.worker_id  # NOTE: known once bound (`--port 0`)
-    member = await asyncio.to_thread(_join_cluster, args, worker, bound.address)
+    member = await asyncio.to_thread(_join_cluster, args, worker, bound.address, events)
     worker.start()
     await worker_server.announce_ready(bound)
     await asyncio.to_thread(stop.wait)
@@ -215,14 +221,26 @@ def _register_metrics(worker: DecodeWorker) -> None:
 
 
 def _join_cluster(
-    args: argparse.Namespace, worker: DecodeWorker, address: str
-) -> ClusterMember | None:
+    args: argparse.Namespace, worker: DecodeWorker, address: str, events: IndexEvents
+) -> IndexedMember | None:
     registry = worker_server.connect_registry(args)
     if registry is None:
         return None
     client, model = registry
-    compat = compat_tag(worker.engine.fingerprint, worker.engine.config.block_size)
-    return join(client, model, worker.worker_id, address, Role.DECODE, worker.load, compat=compat)
+    block_size = worker.engine.config.block_size
+    return join_indexed(
+        client,
+        model,
+        worker.worker_id,
+        address,
+        Role.DECODE,
+        worker.load,
+        worker,
+        events,
+        compat=compat_tag(worker.engine.fingerprint, block_size),
+        incarnation=new_incarnation(),
+        block_size=block_size,
+    )
 
 
 if __name__ == "__main__":

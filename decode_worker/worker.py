@@ -5,6 +5,8 @@
     loop thread ── step() under the lock ──► the step's deltas ──► `publish`: one hand-over
                    to the server's event loop (`AsyncRequestStream`s) per step; a request's
                    delta waits until its `stream_interval` is full (one wake-up per interval)
+                   └─► the step's block events (KV imports' since the last step too) ──►
+                       `on_events`: the prefix index's publisher, which only queues them
     caller ── abort / cancel ──► engine.abort under the lock: blocks freed at once
 
 `submit` validates and queues the request in the inbox, and starts it at once unless a step
@@ -31,6 +33,7 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 from opentelemetry.context import Context
@@ -45,6 +48,8 @@ from pagedserve.decode_worker.streams import AnyStream, Delta, RequestStream, pu
 from pagedserve.decode_worker.tracked import TrackedRequest, request_of, trace_plan
 from pagedserve.errors import InvalidArgument, Unavailable
 from pagedserve.grpcutil import EngineLoop
+from pagedserve.kvstore.block_pool import BlockEvent
+from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.metrics import PhaseMetrics
 from pagedserve.model.requests.batch import ScheduledSequence
 from pagedserve.model.requests.sequence import FinishReason, Sequence, fork_samples
@@ -68,8 +73,12 @@ class DecodeWorker:
         producers: ProducerClients | None = None,
         tracing: Tracing | None = None,
         hooks: WorkerHooks = NO_HOOKS,
+        on_events: Callable[[list[BlockEvent]], None] | None = None,
     ) -> None:
+        """`on_events`: gets each step's block events (the prefix index's publisher); called
+        on the loop thread with the lock held, it must not block."""
         self.engine = engine
+        self.on_events = on_events
         self.tracing = tracing or setup_tracing("pagedserve-decode", None)
         self.phases: PhaseMetrics | None = None  # the server's histograms (none in tests)
         self.worker_id = worker_id
@@ -399,6 +408,8 @@ class DecodeWorker:
                 out = self.engine.step()
             finally:
                 self._stepping = False
+            if out.events and self.on_events is not None:
+                self.on_events(out.events)
             trace_plan(out.plan, self._tracked)
             for seq in out.finished:
                 tracked = self._tracked.get(request_of(seq))
@@ -463,6 +474,11 @@ class DecodeWorker:
             self._flush()
 
     # -- state ---------------------------------------------------------------------------------
+
+    def registered_hashes(self) -> list[BlockHash]:
+        """Hashes of every block a prefix hit could use now (for republishing the index)."""
+        with self.lock:
+            return self.engine.pool.registered_hashes()
 
     @property
     def num_in_flight(self) -> int:

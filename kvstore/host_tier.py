@@ -26,6 +26,7 @@ the tier, and a device block registered under a hash the tier holds drops the ti
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NewType
 
@@ -49,8 +50,9 @@ class TierStats:
 
 @dataclass(frozen=True, slots=True)
 class OffloadCounts:
-    """One tier's metrics (``pagedserve:kv_offload_*``; docs/metrics.md): counters in blocks
-    and bytes, and two levels (``blocks_cached``, ``blocks_total``)."""
+    """The offload tiers' metrics (``pagedserve:kv_offload_*``; docs/metrics.md): counters in
+    blocks and bytes, and levels (``blocks_cached``, ``blocks_total``). The ``disk_*`` fields
+    are None (no series) without the disk tier (``--kv-offload-dir``)."""
 
     writes: int
     write_bytes: int
@@ -60,9 +62,22 @@ class OffloadCounts:
     evictions: int
     blocks_cached: int
     blocks_total: int
+    disk_writes: int | None = None
+    disk_write_bytes: int | None = None
+    disk_hits: int | None = None
+    disk_promotions: int | None = None
+    disk_promotion_bytes: int | None = None
+    disk_evictions: int | None = None
+    disk_dropped: int | None = None
+    disk_corrupt_files: int | None = None
+    disk_blocks_cached: int | None = None
+    disk_bytes_used: int | None = None
+    disk_capacity_bytes: int | None = None
 
 
-OFFLOAD_GAUGES = ("blocks_cached", "blocks_total")
+OFFLOAD_GAUGES = (
+    "blocks_cached", "blocks_total", "disk_blocks_cached", "disk_bytes_used", "disk_capacity_bytes",
+)  # fmt: skip
 
 
 class HostTier:
@@ -84,6 +99,7 @@ class HostTier:
         "_hashes",
         "_num_slots",
         "_pinned",
+        "on_evict",
         "policy",
         "stats",
     )
@@ -102,6 +118,9 @@ class HostTier:
         self._cached: Evictor = make_evictor(self.policy, num_slots)
         self._pinned: set[SlotId] = set()
         self.stats = TierStats()
+        # NOTE: the disk tier (kv_offload.KVOffload) spills a slot here before a store reuses
+        # it, while the slot still holds the evicted block's KV.
+        self.on_evict: Callable[[SlotId, BlockHash], object] | None = None
 
     @property
     def num_slots(self) -> int:
@@ -143,6 +162,8 @@ class HostTier:
             return None
         else:
             slot = SlotId(self._cached.pop())
+            if self.on_evict is not None:
+                self.on_evict(slot, self._hashes[slot])  # type: ignore[arg-type]
             self._drop(slot)
             self.stats.evictions += 1
         self._hashes[slot] = block_hash

@@ -30,8 +30,9 @@ class KVCacheManager:
     With ``enable_prefix_caching=False`` nothing is ever matched or registered, so every block
     returns to the free list when its table is freed.
 
-    With ``offload`` (the host tier, ``--kv-offload-memory``), the pool's evicted cached blocks
-    are copied to host memory and ``match_prefix`` promotes them back; with
+    With ``offload`` (the host tier, ``--kv-offload-memory``, and the disk tier below it,
+    ``--kv-offload-dir``), the pool's evicted cached blocks are copied to host memory (and on to
+    disk) and ``match_prefix`` promotes them back; with
     ``promote_on_match=False`` only an explicit ``promote`` does (the decode engine promotes
     before it schedules a step, when no planned swap-out can still read a block it overwrites).
     """

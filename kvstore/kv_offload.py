@@ -15,6 +15,10 @@ NOTE: synchronous by design for now: an eviction happens inside ``BlockPool.allo
 the block it frees may be written at once by whoever allocated it (a forward, a swap-in or a
 KV import on another thread), so the copy out must be complete before ``allocate`` returns.
 Overlapping it with compute (the swapper's copy thread and ``wait_for_writes``) is not built.
+
+With a disk tier (``disk_tier.DiskTier``, ``--kv-offload-dir``), a host slot the host tier
+reuses is first handed to it (its bytes copied out, written by the disk tier's writer thread),
+and ``promote`` continues the host run with the disk run (one checked read per block).
 """
 
 from __future__ import annotations
@@ -26,11 +30,13 @@ import torch
 
 from pagedserve.kernels.dispatch import swap_blocks
 from pagedserve.kvstore.block_pool import BlockId, BlockPool
+from pagedserve.kvstore.disk_tier import DiskPlan, DiskTier, check_disk_config
 from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash
-from pagedserve.kvstore.host_tier import HostTier, OffloadCounts, check_tiers_disjoint
+from pagedserve.kvstore.host_tier import HostTier, OffloadCounts, SlotId, check_tiers_disjoint
 from pagedserve.kvstore.kv_cache import KVCacheSpec
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
+from pagedserve.kvstore.transfer import layout_compat_hash
 
 
 def offload_slots_for(spec: KVCacheSpec, offload_bytes: int) -> int:
@@ -53,7 +59,10 @@ class KVOffload:
       between steps only, ``KVCacheManager.promote_on_match``).
     """
 
-    __slots__ = ("before_write", "bytes_per_block", "device_tensor", "host_tensor", "tier")
+    __slots__ = (
+        "before_write", "bytes_per_block", "device_tensor", "disk", "disk_hits", "host_tensor",
+        "tier",
+    )  # fmt: skip
 
     def __init__(
         self,
@@ -63,6 +72,7 @@ class KVOffload:
         *,
         eviction_policy: EvictionPolicy | str = EvictionPolicy.HITS,
         pin_memory: bool | None = None,
+        disk: DiskTier | None = None,
     ) -> None:
         pin = device_tensor.is_cuda if pin_memory is None else pin_memory
         # NOTE: `empty`: a slot is always written by an offload before a promotion reads it,
@@ -76,6 +86,11 @@ class KVOffload:
         # NOTE: the decode engine sets it to `Swapper.wait_for_writes`: a pending swap-out may
         # still read a device block that a promotion is about to overwrite.
         self.before_write: Callable[[list[BlockId]], object] | None = None
+        # NOTE: the disk tier (--kv-offload-dir) takes the blocks the host tier evicts.
+        self.disk = disk
+        self.disk_hits = 0
+        if disk is not None:
+            self.tier.on_evict = self._spill
 
     @property
     def num_slots(self) -> int:
@@ -91,9 +106,25 @@ class KVOffload:
 
     def stored(self, block_hash: BlockHash) -> None:
         self.tier.discard(block_hash)
+        if self.disk is not None:
+            self.disk.discard(block_hash)
 
     def reset(self) -> None:
         self.tier.clear()
+        if self.disk is not None:
+            self.disk.clear()
+
+    def _spill(self, slot: SlotId, block_hash: BlockHash) -> None:
+        """Hand the host slot the tier is about to reuse to the disk tier (its bytes are
+        copied out now; the writer thread writes them)."""
+        assert self.disk is not None
+        data = self.host_tensor[slot].reshape(-1).view(torch.uint8).numpy().tobytes()
+        self.disk.put(block_hash, data)
+
+    def close(self) -> None:
+        """Write the disk tier's queued blocks and release its directory (no-op without)."""
+        if self.disk is not None:
+            self.disk.close()
 
     # -- promotion ------------------------------------------------------------------------
 
@@ -101,37 +132,73 @@ class KVOffload:
         self, pool: BlockPool, block_hashes: Sequence[BlockHash], matched: Sequence[BlockId]
     ) -> int:
         """Copy the host-held run of ``block_hashes`` that follows the device's ``matched``
-        blocks back into device blocks, registered (CACHED, ref 0) at their depths; returns how
-        many. ``block_hashes`` ends at the match limit. The matched blocks are pinned meanwhile
-        and the wanted host slots are pinned, so the allocation (which may evict other cached device
-        blocks into the tier) displaces neither. Fewer allocatable device blocks than wanted
-        promote a shorter run."""
+        blocks, then the disk-held run after it, back into device blocks, registered (CACHED,
+        ref 0) at their depths; returns how many. ``block_hashes`` ends at the match limit.
+        The matched blocks are pinned meanwhile, the wanted host slots are pinned and the
+        disk blocks are read (and checked) before the allocation, so the allocation (which
+        may evict other cached device blocks into the tiers) displaces none of them. Fewer
+        allocatable device blocks than wanted, or a corrupt disk block, promote a shorter run."""
         start = len(matched)
-        wanted = 0
-        while start + wanted < len(block_hashes) and block_hashes[start + wanted] in self.tier:
-            wanted += 1
-        if wanted == 0:
+        host = self._run(block_hashes, start, self.tier)
+        disk = self._run(block_hashes, start + host, self.disk) if self.disk else 0
+        if host + disk == 0:
             return 0
-        self.tier.stats.hits += wanted
-        hashes = block_hashes[start : start + wanted]
+        self.tier.stats.hits += host
+        self.disk_hits += disk
+        hashes = list(block_hashes[start : start + host])
         slots = [self.tier.pin(block_hash) for block_hash in hashes]
         pool.acquire(matched, hit=False)
         new: list[BlockId] = []
         done = 0
         try:
-            new = pool.allocate(min(wanted, pool.num_allocatable)) or []
+            room = pool.num_allocatable - host
+            blocks = self._read_disk(block_hashes[start + host : start + host + disk], room)
+            new = pool.allocate(min(host + len(blocks), pool.num_allocatable)) or []
             if new and self.before_write is not None:
                 self.before_write(new)
             self._copy(self.host_tensor, self.device_tensor, list(zip(slots, new, strict=False)))
+            self._write_disk_blocks(new[host:], blocks)
+            hashes += block_hashes[start + host : start + host + len(blocks)]
             for block_hash, block_id in zip(hashes, new, strict=False):
-                self.tier.take(block_hash)
+                if done < host:
+                    self.tier.take(block_hash)
+                elif self.disk is not None:
+                    self.disk.take(block_hash)
                 pool.cache_block(block_id, block_hash, depth=start + done)
                 done += 1
         finally:
-            for block_hash in hashes[done:]:
+            for block_hash in hashes[done:host]:
                 self.tier.unpin(block_hash)
             pool.free([*reversed(new), *reversed(matched)])
         return done
+
+    @staticmethod
+    def _run(block_hashes: Sequence[BlockHash], start: int, tier: HostTier | DiskTier) -> int:
+        """How many of ``block_hashes[start:]`` in a row ``tier`` holds."""
+        n = 0
+        while start + n < len(block_hashes) and block_hashes[start + n] in tier:
+            n += 1
+        return n
+
+    def _read_disk(self, hashes: Sequence[BlockHash], room: int) -> list[bytearray]:
+        """The checked bytes of the leading run of ``hashes`` (at most ``room``) the disk
+        tier can read; empty when there is no room (the host run comes first)."""
+        blocks: list[bytearray] = []
+        if self.disk is None:
+            return blocks
+        for block_hash in hashes[: max(room, 0)]:
+            data = self.disk.read(block_hash)
+            if data is None:  # NOTE: corrupt (dropped and counted): the rest is recomputed
+                break
+            blocks.append(data)
+        return blocks
+
+    def _write_disk_blocks(self, block_ids: Sequence[BlockId], blocks: list[bytearray]) -> None:
+        for block_id, data in zip(block_ids, blocks, strict=False):
+            dst = self.device_tensor[block_id].view(-1).view(torch.uint8)
+            dst.copy_(torch.frombuffer(data, dtype=torch.uint8))
+        if block_ids and blocks and self.device_tensor.is_cuda:
+            torch.cuda.current_stream().synchronize()
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -154,18 +221,52 @@ class KVOffload:
             evictions=stats.evictions,
             blocks_cached=self.tier.num_cached,
             blocks_total=self.tier.num_slots,
+            **(self._disk_counts() if self.disk is not None else {}),
         )
 
+    def _disk_counts(self) -> dict[str, int]:
+        assert self.disk is not None
+        stats, per_block = self.disk.stats, self.bytes_per_block
+        return {
+            "disk_writes": stats.writes,
+            "disk_write_bytes": stats.writes * per_block,
+            "disk_hits": self.disk_hits,
+            "disk_promotions": stats.promotions,
+            "disk_promotion_bytes": stats.promotions * per_block,
+            "disk_evictions": stats.evictions,
+            "disk_dropped": stats.dropped,
+            "disk_corrupt_files": stats.corrupt_files,
+            "disk_blocks_cached": self.disk.num_blocks,
+            "disk_bytes_used": self.disk.bytes_used,
+            "disk_capacity_bytes": self.disk.capacity_bytes,
+        }
+
     def check_integrity(self, pool: BlockPool) -> None:
-        """The tier's own invariants plus: no hash in both ``pool`` and the tier."""
+        """The tiers' own invariants plus: a hash is in at most one of ``pool``, the host
+        tier and the disk tier."""
         self.tier.check_integrity()
-        check_tiers_disjoint(pool.registered_hashes(), self.tier)
+        device = pool.registered_hashes()
+        check_tiers_disjoint(device, self.tier)
+        if self.disk is not None:
+            self.disk.check_integrity()
+            lower = [h for h in [*device, *self.tier.hashes()] if h in self.disk]
+            if lower:
+                raise RuntimeError(
+                    f"integrity: {len(lower)} hashes in both the disk tier and a tier above it"
+                )
 
 
-def check_offload_config(num_slots: int, tensor_parallel_size: int) -> None:
+def check_offload_config(
+    num_slots: int,
+    tensor_parallel_size: int,
+    disk_dir: str | None = None,
+    disk_bytes: int = 0,
+) -> None:
     """ValueError naming the flag for a negative size, or a tier with more than one
-    tensor-parallel rank (each rank's shard would need its own tier; not built). Engine
-    configs call it at construction, before any rank process starts."""
+    tensor-parallel rank (each rank's shard would need its own tier; not built), or a disk
+    tier (``disk_dir``, ``disk_bytes``) given half, without the host tier above it, or at a
+    path that is not a directory. Engine configs call it at construction, before any rank
+    process starts; the directory itself is opened (created, locked) when the tier is built."""
     if num_slots < 0:
         raise ValueError(f"kv-offload-memory: must be >= 0 blocks, got {num_slots}")
     if num_slots > 0 and tensor_parallel_size > 1:
@@ -173,6 +274,7 @@ def check_offload_config(num_slots: int, tensor_parallel_size: int) -> None:
             "kv-offload-memory: the host KV tier is not supported with --tensor-parallel-size "
             "above 1 (supported: 1, or --kv-offload-memory 0)"
         )
+    check_disk_config(num_slots, tensor_parallel_size, disk_dir, disk_bytes)
 
 
 def make_offload(
@@ -182,23 +284,37 @@ def make_offload(
     *,
     tensor_parallel_size: int = 1,
     eviction_policy: EvictionPolicy | str = EvictionPolicy.HITS,
+    disk_plan: DiskPlan | None = None,
 ) -> KVOffload | None:
     """An engine's host tier of ``num_slots`` blocks, or None for 0 (``check_offload_config``
-    errors otherwise)."""
-    check_offload_config(num_slots, tensor_parallel_size)
+    errors otherwise), with the disk tier ``disk_plan`` asks for below it."""
+    plan = disk_plan or DiskPlan(None, 0)
+    check_offload_config(num_slots, tensor_parallel_size, plan.directory, plan.capacity_bytes)
     if num_slots == 0:
         return None
-    return KVOffload(spec, device_tensor, num_slots, eviction_policy=eviction_policy)
+    disk = None
+    if plan.directory:
+        disk = DiskTier(
+            plan.directory,
+            plan.capacity_bytes,
+            bytes_per_block=spec.bytes_per_block,
+            compat_key=plan.compat_key,
+        )
+    return KVOffload(spec, device_tensor, num_slots, eviction_policy=eviction_policy, disk=disk)
 
 
 class TierFields(Protocol):
-    """The engine-config fields the prefix cache and its host tier are built from (both
-    workers' engine configs have them)."""
+    """The engine-config fields the prefix cache and its host and disk tiers are built from
+    (both workers' engine configs have them)."""
 
     @property
     def enable_prefix_caching(self) -> bool: ...
     @property
     def kv_offload_blocks(self) -> int: ...
+    @property
+    def kv_offload_dir(self) -> str | None: ...
+    @property
+    def kv_offload_disk_bytes(self) -> int: ...
     @property
     def tensor_parallel_size(self) -> int: ...
     @property
@@ -206,15 +322,26 @@ class TierFields(Protocol):
 
 
 def kv_cache_manager(
-    pool: BlockPool, spec: KVCacheSpec, device_tensor: torch.Tensor, config: TierFields
+    pool: BlockPool,
+    spec: KVCacheSpec,
+    device_tensor: torch.Tensor,
+    config: TierFields,
+    model_fingerprint: bytes = b"",
 ) -> KVCacheManager:
-    """An engine's manager of `pool`, with the host tier `config` asks for (none without
-    prefix caching)."""
+    """An engine's manager of `pool`, with the host (and disk) tier `config` asks for (none
+    without prefix caching). `model_fingerprint` (the block hashes') enters the disk files'
+    compat key, so a worker of another model, dtype or layout ignores them."""
+    caching = config.enable_prefix_caching
     offload = make_offload(
         spec,
         device_tensor,
-        config.kv_offload_blocks if config.enable_prefix_caching else 0,
+        config.kv_offload_blocks if caching else 0,
         tensor_parallel_size=config.tensor_parallel_size,
         eviction_policy=config.eviction_policy,
+        disk_plan=DiskPlan(
+            config.kv_offload_dir if caching else None,
+            config.kv_offload_disk_bytes if caching else 0,
+            layout_compat_hash(spec, model_fingerprint, config.tensor_parallel_size),
+        ),
     )
-    return KVCacheManager(pool, enable_prefix_caching=config.enable_prefix_caching, offload=offload)
+    return KVCacheManager(pool, enable_prefix_caching=caching, offload=offload)

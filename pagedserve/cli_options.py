@@ -156,6 +156,17 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "(docs/kv_tiers.md). Default 0: off",
     )  # fmt: skip
     parser.add_argument(
+        "--kv-offload-dir", default=None, metavar="DIR",
+        help="a directory for the prefix cache's disk tier, below the host tier: blocks the "
+        "host tier evicts are written there and promoted back on a later prefix hit; they "
+        "survive a restart with the same configuration. Needs --kv-offload-memory and "
+        "--kv-offload-disk; one directory per worker (docs/kv_tiers.md). Default: off",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-offload-disk", type=bytes_arg, default=0,
+        help="bytes of disk for the disk tier (e.g. 10GiB; with --kv-offload-dir)",
+    )  # fmt: skip
+    parser.add_argument(
         "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True
     )
     parser.add_argument(

@@ -6,6 +6,10 @@ worker's callback reports. Leaving stops the heartbeat and deletes the record (t
 only). Redis is a hint: a worker whose Redis is unavailable at start serves anyway, and its
 heartbeat registers it as soon as Redis answers (``on_recreated`` is then called).
 
+A worker that publishes its blocks to the prefix index joins with ``join_indexed``: the same
+membership plus an ``IndexPublisher`` that the heartbeat refreshes (every TTL/2 of the index
+entries, and at once after a re-created record), cleared before the record goes.
+
 Torch-free; imports no service package (a worker passes callbacks).
 """
 
@@ -13,10 +17,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import redis
 
-from pagedserve.kvstore.prefix_index import IndexUnavailable
+from pagedserve.kvstore.index_publisher import HashSource, IndexEvents, IndexPublisher
+from pagedserve.kvstore.prefix_index import IndexUnavailable, RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import (
     DEFAULT_WORKER_TTL_S,
     Heartbeater,
@@ -99,3 +105,67 @@ def join(  # noqa: PLR0913
     )
     heartbeater.start()
     return ClusterMember(registry, heartbeater, registered)
+
+
+@dataclass(slots=True)
+class IndexedMember:
+    """A worker's membership and its index entries (made by ``join_indexed``)."""
+
+    member: ClusterMember
+    publisher: IndexPublisher
+
+    def leave(self) -> None:
+        """Stop beating and publishing, delete the index entries, then the record (best
+        effort). NOTE: events submitted after this are never written."""
+        self.member.leave(before_deregister=self._clear_index)
+
+    def _clear_index(self) -> None:
+        self.publisher.stop()
+        self.publisher.clear()
+
+
+def join_indexed(  # noqa: PLR0913
+    client: redis.Redis,
+    model: str,
+    worker_id: str,
+    address: str,
+    role: Role,
+    load: Callable[[], WorkerLoad],
+    worker: HashSource,
+    events: IndexEvents,
+    *,
+    compat: str,
+    incarnation: str,
+    block_size: int,
+    ttl_s: float = DEFAULT_WORKER_TTL_S,
+    heartbeat_interval_s: float | None = None,
+) -> IndexedMember:
+    """``join``, and publish ``worker``'s block events (``events`` is its ``on_events``; it
+    forwards to the publisher from now on) to the Redis prefix index under ``incarnation``.
+
+    The heartbeat's load callback also refreshes the index when due (or stale), and a
+    re-created record (Redis lost our keys) republishes every hash at once.
+    """
+    publisher = IndexPublisher(
+        RedisPrefixIndex(client, model, block_size=block_size), worker_id, incarnation, worker
+    )
+    events.publisher = publisher
+    publisher.start()
+
+    def load_and_refresh() -> WorkerLoad:
+        # NOTE: called on every heartbeat; also the idle-time hook for the index refresh
+        publisher.refresh()
+        return load()
+
+    member = join(
+        client, model, worker_id, address, role, load_and_refresh,
+        compat=compat,
+        incarnation=incarnation,
+        ttl_s=ttl_s,
+        heartbeat_interval_s=heartbeat_interval_s,
+        on_recreated=lambda: publisher.refresh(force=True),
+    )  # fmt: skip
+    if not member.registered:
+        log.warning("serving without the prefix index until Redis returns")
+        publisher.stale = True
+    return IndexedMember(member, publisher)

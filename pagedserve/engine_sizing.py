@@ -5,6 +5,7 @@
     --kv-cache-memory[-fraction] --device             ──► rank 0's KV budget (rank_kv_cache_bytes)
     --num-gpu-blocks-override, else budget / block    ──► num_blocks (per rank, one allocator)
     --kv-offload-memory / block                       ──► kv_offload_blocks (host prefix tier)
+    --kv-offload-dir, --kv-offload-disk               ──► kv_offload_dir, _disk_bytes (disk tier)
 
 Each worker's server builds its engine's config from `EngineSizing.fields` (the fields both
 engine configs share) plus its own flags, so the two workers size a pool alike.
@@ -34,6 +35,8 @@ class EngineFields(TypedDict):
     enable_prefix_caching: bool
     eviction_policy: EvictionPolicy
     kv_offload_blocks: int
+    kv_offload_dir: str | None
+    kv_offload_disk_bytes: int
     dtype: str | None
     quantization: WeightQuant | None
     kv_cache_dtype: str | None
@@ -79,6 +82,8 @@ def size_engine(args: argparse.Namespace, extra_bytes_per_block: int = 0) -> Eng
         enable_prefix_caching=args.enable_prefix_caching,
         eviction_policy=EvictionPolicy(args.eviction_policy),
         kv_offload_blocks=spec.num_blocks_for(getattr(args, "kv_offload_memory", 0)),
+        kv_offload_dir=getattr(args, "kv_offload_dir", None),
+        kv_offload_disk_bytes=getattr(args, "kv_offload_disk", 0),
         dtype=args.dtype,
         quantization=quantization,
         kv_cache_dtype=args.kv_cache_dtype,

@@ -45,9 +45,11 @@ from pagedserve.decode_worker.cli_args import (
     speculative_flags,
 )
 from pagedserve.grpcutil import ClientTLS, client_tls_from_args, make_channel
+from pagedserve.kvstore.disk_tier import check_disk_config
 from pagedserve.kvstore.eviction import DEFAULT_EVICTION_POLICY, EvictionPolicy
 from pagedserve.logs import add_logging_arguments
 from pagedserve.router.chat import read_template_file
+from pagedserve.router.routing import DEFAULT_LOCAL_PREFILL
 from pagedserve.signals import stop_on_signals
 from pagedserve.supervisor import (
     DEFAULT_POLICY,
@@ -155,9 +157,9 @@ def _start_all(
         argv = [*cli, role, *common, "--port", "0", "--worker-id", name, *redis_args]
         if share is not None:
             argv += ["--core-share", f"{share}:{slot}"]
-        print(f"  {name:<10} memory: {memory_plan(role, args)}", flush=True)
+        print(f"  {name:<10} memory: {memory_plan(role, args, name)}", flush=True)
         started.append(
-            spawn(name, _with_metrics(argv + _worker_flags(role, args), args), log_dir, env)
+            spawn(name, _with_metrics(argv + _worker_flags(role, args, name), args), log_dir, env)
         )
     cluster.children[:0] = started  # NOTE: before waiting, so that a failed start stops them
     for child in started:  # NOTE: they load the model in parallel; wait for each in turn
@@ -251,7 +253,7 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
         flags += ["--chat-template", str(Path(args.chat_template).resolve())]
     passed = ("max_queued_requests", "stream_interval", "stall_timeout", "max_n",
               "max_local_prefill_tokens", "local_prefill_queue_tokens",
-              "tool_call_parser")  # fmt: skip
+              "max_local_suffix_tokens", "tool_call_parser")  # fmt: skip
     for name in passed:
         if getattr(args, name, None) is not None:
             flags += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -262,10 +264,13 @@ def _router_flags(args: argparse.Namespace, workers: list[Child]) -> list[str]:
     return flags
 
 
-def _worker_flags(role: str, args: argparse.Namespace) -> list[str]:
-    """Flags of `up` that a prefill or decode worker takes (its KV memory, its eviction, its
-    tensor-parallel ranks)."""
+def _worker_flags(role: str, args: argparse.Namespace, name: str | None = None) -> list[str]:
+    """Flags of `up` that a prefill or decode worker (`name`, e.g. prefill-0) takes (its KV
+    memory, its disk tier's directory, its eviction, its tensor-parallel ranks)."""
     flags = _memory_flags(role, args)
+    disk_dir = worker_disk_dir(args, name or role)
+    if disk_dir is not None:
+        flags += ["--kv-offload-dir", disk_dir, "--kv-offload-disk", str(args.kv_offload_disk)]
     if getattr(args, "device", "cpu") != "cpu":
         flags += ["--device", args.device]
     if getattr(args, "kv_cache_dtype", "auto") != "auto":
@@ -288,13 +293,35 @@ def _memory_flags(role: str, args: argparse.Namespace) -> list[str]:
     return flags
 
 
-def memory_plan(role: str, args: argparse.Namespace) -> str:
-    """What a worker will allocate beyond its model weights, as the flags say (one line)."""
+def worker_disk_dir(args: argparse.Namespace, name: str) -> str | None:
+    """The disk tier directory of worker `name` (`--kv-offload-dir`/`name`: each worker has
+    its own, the same across restarts), or None without the flag."""
+    disk_dir = getattr(args, "kv_offload_dir", None)
+    return str(Path(disk_dir) / name) if disk_dir else None
+
+
+def check_disk_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for `up`'s disk tier flags that a worker would refuse."""
+    check_disk_config(
+        parse_bytes(str(getattr(args, "kv_offload_memory", None) or 0)),
+        getattr(args, "tensor_parallel_size", 1),
+        getattr(args, "kv_offload_dir", None),
+        parse_bytes(str(getattr(args, "kv_offload_disk", None) or 0)),
+    )
+
+
+def memory_plan(role: str, args: argparse.Namespace, name: str | None = None) -> str:
+    """What a worker (`name`) will allocate beyond its model weights, as the flags say (one
+    line)."""
     kv = parse_bytes(args.kv_cache_memory)
     plan = f"KV cache {_mib(kv)}"
     offload = parse_bytes(str(getattr(args, "kv_offload_memory", None) or 0))
     if offload > 0:
         plan += f" + host prefix tier {_mib(offload)} (--kv-offload-memory; RAM on CPU too)"
+    disk_dir = worker_disk_dir(args, name or role)
+    if disk_dir is not None:
+        disk = parse_bytes(str(args.kv_offload_disk))
+        plan += f" + disk prefix tier {_mib(disk)} in {disk_dir} (--kv-offload-disk)"
     if role != "decode":
         return plan
     swap_gib = getattr(args, "swap_space", None)
@@ -365,6 +392,12 @@ def add_local_prefill_arguments(parser: argparse.ArgumentParser) -> None:
         help="passed to the router: only while the prefill worker has this many prompt tokens "
         "queued (0: always)",
     )  # fmt: skip
+    parser.add_argument(
+        "--max-local-suffix-tokens", type=int, default=DEFAULT_LOCAL_PREFILL.max_suffix_tokens,
+        help="passed to the router: a decode worker holding more of a prompt than the prefill "
+        "worker (a conversation's next turn) computes it when at most this many of its tokens "
+        "are not cached there (docs/router.md); 0: never",
+    )  # fmt: skip
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -394,6 +427,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="per prefill and decode worker: host memory for the prefix cache's host tier "
         "(e.g. 512MiB; evicted prefix blocks are kept there; docs/kv_tiers.md). Default 0: off",
     )  # fmt: skip
+    parser.add_argument(
+        "--kv-offload-dir", default=None, metavar="DIR",
+        help="the prefix cache's disk tier, below the host tier: each prefill and decode "
+        "worker gets DIR/<its name> (e.g. DIR/prefill-0; kept across restarts). Needs "
+        "--kv-offload-memory and --kv-offload-disk. Default: off",
+    )  # fmt: skip
+    parser.add_argument(
+        "--kv-offload-disk", default="0", help="per worker: bytes of its disk tier (e.g. 10GiB)"
+    )
     parser.add_argument(
         "--swap-space", type=float, default=None,
         help="GiB of host swap per decode worker (default: the decode worker's: as large as "
@@ -469,6 +511,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     try:
         check_quantization(args.quantization, args.quantize_lm_head)
+        check_disk_flags(args)
         if getattr(args, "chat_template", None):
             read_template_file(args.chat_template)  # NOTE: refused here, not by a crash loop
     except ValueError as err:

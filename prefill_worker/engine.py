@@ -52,6 +52,8 @@ class PrefillEngineConfig:
     enable_prefix_caching: bool = True
     eviction_policy: EvictionPolicy = DEFAULT_EVICTION_POLICY  # which cached block goes first
     kv_offload_blocks: int = 0  # host-memory prefix tier (--kv-offload-memory), 0: off
+    kv_offload_dir: str | None = None  # disk prefix tier below it (--kv-offload-dir), None: off
+    kv_offload_disk_bytes: int = 0  # its size (--kv-offload-disk)
     dtype: str | None = None  # default: the checkpoint's
     quantization: WeightQuant | None = None  # of the linear layers' weights (model/quant.py)
     kv_cache_dtype: str | None = None  # "int8" / "fp8_e4m3" for an 8-bit KV cache; None: dtype's
@@ -66,7 +68,12 @@ class PrefillEngineConfig:
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size: must be >= 1, got {self.tensor_parallel_size}")
-        check_offload_config(self.kv_offload_blocks, self.tensor_parallel_size)
+        check_offload_config(
+            self.kv_offload_blocks,
+            self.tensor_parallel_size,
+            self.kv_offload_dir,
+            self.kv_offload_disk_bytes,
+        )
 
 
 @dataclass(slots=True)
@@ -107,7 +114,9 @@ class PrefillEngine:
         self.pool = BlockPool(
             config.num_blocks, config.block_size, eviction_policy=config.eviction_policy
         )
-        self.kv = kv_cache_manager(self.pool, runner.spec, runner.kv_cache.tensor, config)
+        self.kv = kv_cache_manager(
+            self.pool, runner.spec, runner.kv_cache.tensor, config, self.fingerprint
+        )
         self.scheduler = PrefillScheduler(
             self.kv,
             PrefillSchedulerConfig(
@@ -273,7 +282,10 @@ class PrefillEngine:
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks and release the shared-memory segments
-        (nothing may read them afterwards)."""
+        (nothing may read them afterwards); write the disk tier's queued blocks and release its
+        directory."""
+        if self.kv.offload is not None:
+            self.kv.offload.close()
         self.runner.close()
         if self.shm_pool is not None:
             self.runner.kv_cache = None  # type: ignore[assignment]

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from pagedserve import worker_server
-from pagedserve.cluster import ClusterMember, join, model_key
+from pagedserve.cluster import IndexedMember, join_indexed, model_key
 from pagedserve.core_share import open_core_share
 from pagedserve.engine_sizing import EngineSizing, size_engine
 from pagedserve.grpcutil import (
@@ -33,11 +33,10 @@ from pagedserve.grpcutil import (
     build_server,
 )
 from pagedserve.internal.v1 import prefill_pb2_grpc
-from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES
+from pagedserve.kvstore.index_publisher import IndexEvents
 from pagedserve.kvstore.kv_cache_manager import offload_counts
-from pagedserve.kvstore.prefix_index import RedisPrefixIndex
-from pagedserve.kvstore.worker_registry import Role, WorkerLoad, compat_tag, new_incarnation
+from pagedserve.kvstore.worker_registry import Role, compat_tag, new_incarnation
 from pagedserve.logs import setup_logging
 from pagedserve.metrics import (
     CounterSource,
@@ -51,7 +50,6 @@ from pagedserve.model.tp_pipes import RankLost
 from pagedserve.prefill_worker.cli_args import add_arguments
 from pagedserve.prefill_worker.convert import Identity, worker_load
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
-from pagedserve.prefill_worker.index_publisher import IndexPublisher
 from pagedserve.prefill_worker.servicer import PrefillServicer
 from pagedserve.prefill_worker.warmup import load_warmup_prompts
 from pagedserve.prefill_worker.worker import PrefillWorker
@@ -61,22 +59,6 @@ from pagedserve.worker_hooks import WorkerHooks
 log = logging.getLogger("pagedserve.prefill")
 SERVICE_NAME = "pagedserve.internal.v1.PrefillWorker"
 WARMUP_TIMEOUT_S = 600.0
-
-
-@dataclass(slots=True)
-class _Cluster:
-    """This worker's membership in Redis: its record and heartbeat, and its index entries."""
-
-    member: ClusterMember
-    publisher: IndexPublisher
-
-    def leave(self) -> None:
-        """Stop beating and publishing, delete the index entries, then the record (best effort)."""
-        self.member.leave(before_deregister=self._clear_index)
-
-    def _clear_index(self) -> None:
-        self.publisher.stop()
-        self.publisher.clear()
 
 
 def engine_config(args: argparse.Namespace, sizing: EngineSizing) -> PrefillEngineConfig:
@@ -108,7 +90,7 @@ def _start(
 ) -> worker_server.Serve | None:
     warmup = load_warmup_prompts(args.warmup_prompts, args.model) if args.warmup_prompts else []
     engine = build_engine(args)
-    death, events = worker_server.LoopDeath(stop), _IndexEvents()
+    death, events = worker_server.LoopDeath(stop), IndexEvents()
     core_share = open_core_share(
         args.core_share, borrow=False, set_threads=engine.runner.set_threads
     )
@@ -120,24 +102,12 @@ def _start(
     return lambda: serve(args, worker, warmup, stop, _Wiring(death, events))
 
 
-@dataclass(slots=True)
-class _IndexEvents:
-    """The worker's `on_events`: to the index publisher once the worker has joined Redis;
-    dropped before that, and without Redis (nothing to publish to)."""
-
-    publisher: IndexPublisher | None = None
-
-    def submit(self, events: list[BlockEvent]) -> None:
-        if self.publisher is not None:
-            self.publisher.submit(events)
-
-
 @dataclass(frozen=True, slots=True)
 class _Wiring:
     """Where the worker's hooks lead; `serve` points them at the server and the publisher."""
 
     death: worker_server.LoopDeath
-    events: _IndexEvents
+    events: IndexEvents
 
 
 async def serve(
@@ -211,7 +181,9 @@ async def build_grpc_server(
     )
 
 
-def _warm_up(worker: PrefillWorker, prompts: list[list[int]], cluster: _Cluster | None) -> None:
+def _warm_up(
+    worker: PrefillWorker, prompts: list[list[int]], cluster: IndexedMember | None
+) -> None:
     """Prefill the warm-up prompts and wait until their blocks are in Redis (bounded)."""
     if not prompts:
         return
@@ -222,39 +194,22 @@ def _warm_up(worker: PrefillWorker, prompts: list[list[int]], cluster: _Cluster 
 
 
 def _join_cluster(
-    args: argparse.Namespace, worker: PrefillWorker, me: Identity, events: _IndexEvents
-) -> _Cluster | None:
+    args: argparse.Namespace, worker: PrefillWorker, me: Identity, events: IndexEvents
+) -> IndexedMember | None:
     registry = worker_server.connect_registry(args)
     if registry is None:
         return None
     client, model = registry
-    publisher = IndexPublisher(
-        RedisPrefixIndex(client, model, block_size=args.block_size),
-        me.worker_id,
-        me.incarnation,
-        worker,
-    )
-    events.publisher = publisher
-    publisher.start()
-
-    def load() -> WorkerLoad:
-        # NOTE: called on every heartbeat; also the idle-time hook for the index refresh
-        publisher.refresh()
-        return worker_load(worker.engine, draining=worker.dead)
-
-    member = join(
-        client, model, me.worker_id, me.address, Role.PREFILL, load,
+    return join_indexed(
+        client, model, me.worker_id, me.address, Role.PREFILL,
+        lambda: worker_load(worker.engine, draining=worker.dead),
+        worker, events,
         compat=compat_tag(worker.engine.fingerprint, args.block_size),
         incarnation=me.incarnation,
+        block_size=args.block_size,
         ttl_s=args.worker_ttl,
         heartbeat_interval_s=args.heartbeat_interval,
-        # NOTE: a re-created record means Redis lost our keys (restart, or TTL ran out)
-        on_recreated=lambda: publisher.refresh(force=True),
     )  # fmt: skip
-    if not member.registered:
-        log.warning("serving without the prefix index until Redis returns")
-        publisher.stale = True
-    return _Cluster(member, publisher)
 
 
 def _register_metrics(worker: PrefillWorker) -> None:

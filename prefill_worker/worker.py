@@ -35,6 +35,7 @@ from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
 from pagedserve.kvstore.block_pool import BlockEvent
 from pagedserve.kvstore.block_table import BlockTable
+from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.model.requests.batch import RunnerOutput, StepPlan
 from pagedserve.model.requests.sequence import RequestId, Sequence, sample_request_ids
 from pagedserve.model.sampler import GeneratorStates
@@ -211,7 +212,7 @@ class PrefillWorker:
         with self.lock:
             self.engine.check_integrity()
 
-    def registered_hashes(self) -> list:
+    def registered_hashes(self) -> list[BlockHash]:
         """Hashes of every block a prefix hit could use now (for republishing the index)."""
         with self.lock:
             return self.engine.pool.registered_hashes()

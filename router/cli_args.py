@@ -110,6 +110,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "prefilled on the decode worker (0: whenever they are short enough)",
     )  # fmt: skip
     parser.add_argument(
+        "--max-local-suffix-tokens", type=non_negative_int,
+        default=DEFAULT_LOCAL_PREFILL.max_suffix_tokens,
+        help="conditional disaggregation by locality: a decode worker that holds more of a "
+        "prompt's leading blocks than the chosen prefill worker (a conversation's next turn) "
+        "computes the prompt itself when at most this many of its tokens are not cached there "
+        "(docs/router.md). 0: never",
+    )  # fmt: skip
+    parser.add_argument(
         "--index-timeout", type=float, default=0.04,
         help="seconds a prefix-index lookup may take before routing by load alone",
     )  # fmt: skip

@@ -2,22 +2,40 @@
 
     cost(p) = w_overlap * uncached_prefill_blocks(p) + w_load * queued_prefill_tokens(p) / bs
     cost(d) = w_decode * kv_usage(d) + w_queue * (running + waiting + in_flight)(d) / max_num_seqs
+              - w_decode_overlap * cached_blocks(d) / prompt_blocks
 
-Conditional disaggregation (`LocalPrefill`, as NVIDIA Dynamo's disaggregated router does; off
-by default here, turned on by `pagedserve up`, one host): a short prompt is computed by the
-decode worker itself (`Decision.prefill_here`) while the chosen prefill worker has a queue.
-Remote prefill keeps long prompts off the decode worker's steps (their TPOT); a short prompt
-costs the decode worker little (its chunk rides along a decode step) and would otherwise wait
-behind the queue. Measured (S1, SmolLM2, 2 cores): with the queue condition (2,048 tokens)
-median TTFT 0.53x, useful tok/s 0.90x; without it (`up`'s setting) TTFT 0.57x, tok/s 1.24x:
+`cached_blocks(w)` is what one prefix-index lookup per request says: the leading full blocks of
+the prompt worker `w` holds. Prefill and decode workers both publish, so a conversation's next
+turn (its prompt repeats the last prompt and answer) finds the decode worker that served the
+last one cheaper by up to `w_decode_overlap`.
 
-    prefill_here = prompt tokens <= max_tokens
-                   and queued tokens of the chosen prefill worker >= queue_tokens
-                   and the decode worker accepts it (its LoadReport says so)
+Conditional disaggregation (`LocalPrefill`, as NVIDIA Dynamo's disaggregated router does): the
+decode worker computes the prompt itself (`Decision.prefill_here`) in two cases.
 
-The whole prompt counts, not its part uncached at the prefill worker: decode workers publish no
-prefix index, so one may have to compute all of it. `routes_*` counters say how often each path
-was taken (Prometheus `pagedserve:routes_prefill_here_total`).
+- Short prompts (off by default here, turned on by `pagedserve up`, one host) while the chosen
+  prefill worker has a queue. Remote prefill keeps long prompts off the decode worker's steps
+  (their TPOT); a short prompt costs the decode worker little (its chunk rides along a decode
+  step) and would otherwise wait behind the queue. Measured (S1, SmolLM2, 2 cores): with the
+  queue condition (2,048 tokens) median TTFT 0.53x, useful tok/s 0.90x; without it (`up`'s
+  setting) TTFT 0.57x, tok/s 1.24x:
+
+      prefill_here = prompt tokens <= max_tokens
+                     and queued tokens of the chosen prefill worker >= queue_tokens
+
+  The whole prompt counts: this rule is about the prefill worker's queue.
+- Locality (on by default): the chosen decode worker holds more leading blocks of the prompt
+  than the chosen prefill worker (a follow-up turn), so it computes only the uncached suffix
+  from its own prefix cache and pulls no block, where a prefill worker would recompute more
+  and send it all. Like Dynamo's `max_local_prefill_length` (compared with the part not cached
+  at the decode worker) and llm-d's P/D threshold, the suffix is bounded, so a long new part
+  still goes to a prefill worker:
+
+      prefill_here = cached_blocks(d) > cached_blocks(p)
+                     and prompt tokens - cached_blocks(d) * bs <= max_suffix_tokens
+
+Both need a request of one sample without beam search (`num_tokens` given) and a decode worker
+that accepts it (its LoadReport says so). `routes_*` counters say how often each path was taken
+(Prometheus `pagedserve:routes_prefill_here_total`, `routes_prefill_here_locality_total`).
 
 Tensor parallelism: KV moves only between workers of the same `--tensor-parallel-size` (each
 worker's `LoadReport` says its count). The decode worker is chosen first, then the cheapest
@@ -70,6 +88,10 @@ class CostWeights:
     load: float = 1.0
     decode: float = 4.0
     queue: float = 1.0
+    # per fraction of the prompt's full blocks already on the decode worker (its prefix
+    # index entries): holding a whole conversation is worth 25 points of KV usage, or a
+    # max_num_seqs worth of queued requests
+    decode_overlap: float = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +100,9 @@ class LocalPrefill:
 
     max_tokens: int = 0  # 0: never (the default); longer prompts go to a prefill worker
     queue_tokens: int = 2048  # only while the prefill worker has this many tokens queued
+    # locality: the decode worker holds more of the prompt than the prefill worker, and at
+    # most this many of its tokens are not cached there (0: never)
+    max_suffix_tokens: int = 1024
 
     @property
     def enabled(self) -> bool:
@@ -95,6 +120,8 @@ class RouteStats:
     prefill_here: int = 0  # the decode worker computed it (conditional disaggregation)
     # of those, because no prefill worker had the decode worker's --tensor-parallel-size
     tensor_parallel_mismatch: int = 0
+    # of those, because the decode worker held more of the prompt than the prefill worker
+    prefill_here_locality: int = 0
 
 
 @dataclass(slots=True)
@@ -365,17 +392,29 @@ class RoutingPolicy:
             queued = (p.load.queued_prefill_tokens if p.load else 0) / self.block_size
             return w.overlap * uncached + w.load * (queued + p.in_flight)
 
+        def decode_held(d: Worker) -> float:
+            return overlap.get(d.worker_id, 0) / len(block_hashes) if block_hashes else 0.0
+
         def decode_cost(d: Worker) -> float:
             load = d.load
             busy = (load.num_requests_running + load.num_requests_waiting) if load else 0
             usage = load.kv_cache_usage if load else 0.0
-            return w.decode * usage + w.queue * (busy + d.in_flight) / self.max_num_seqs
+            return (
+                w.decode * usage
+                + w.queue * (busy + d.in_flight) / self.max_num_seqs
+                - w.decode_overlap * decode_held(d)
+            )
 
         decode = min(decodes, key=lambda d: (decode_cost(d), d.assigned))
         paired = [p for p in prefills if same_tensor_parallel(p, decode)]
         prefill = min(paired or prefills, key=lambda p: (prefill_cost(p), p.assigned))
         cached = overlap.get(prefill.worker_id, 0)
+        decode_blocks = overlap.get(decode.worker_id, 0)
         here = self._prefill_here(prefill, decode, num_tokens)
+        local = not here and self._locality(decode, decode_blocks, cached, num_tokens)
+        if local:
+            here = True
+            self.stats.prefill_here_locality += 1
         if not paired and not here and self._can_prefill_here(decode, num_tokens):
             # NOTE: no prefill worker's KV fits this decode worker's ranks: the decode worker
             # would refuse the hand-off and recompute the prompt after a wasted prefill
@@ -391,9 +430,12 @@ class RoutingPolicy:
             "uncached_prefill_blocks": float(len(block_hashes) - cached),
             "prefill_cost": prefill_cost(prefill),
             "decode_cost": decode_cost(decode),
+            "decode_cached_blocks": float(decode_blocks),
+            "decode_overlap": w.decode_overlap * decode_held(decode),
             "index_degraded": self.index_degraded,
             "prefill_queue_tokens": float(queued_tokens(prefill)),
             "prefill_here": here,
+            "prefill_here_locality": local,
             "tensor_parallel_paired": bool(paired),
         }
         return Decision(prefill, decode, cached, terms, prefill_here=here)
@@ -406,6 +448,20 @@ class RoutingPolicy:
             return False
         assert num_tokens is not None
         return num_tokens <= local.max_tokens and queued_tokens(prefill) >= local.queue_tokens
+
+    def _locality(
+        self, decode: Worker, decode_blocks: int, prefill_blocks: int, num_tokens: int | None
+    ) -> bool:
+        """Conditional disaggregation by locality (module docstring): the decode worker holds
+        more leading blocks of the prompt than the prefill worker, and computes at most
+        `max_suffix_tokens` of it itself."""
+        limit = self.local_prefill.max_suffix_tokens
+        if limit <= 0 or decode_blocks <= prefill_blocks:
+            return False
+        if not self._can_prefill_here(decode, num_tokens):
+            return False
+        assert num_tokens is not None
+        return num_tokens - decode_blocks * self.block_size <= limit
 
     @staticmethod
     def _can_prefill_here(decode: Worker, num_tokens: int | None) -> bool:

@@ -127,7 +127,9 @@ class RouterOptions:
             server_tls=server_tls_from_args(args),
             client_tls=client_tls_from_args(args),
             local_prefill=LocalPrefill(
-                args.max_local_prefill_tokens, args.local_prefill_queue_tokens
+                args.max_local_prefill_tokens,
+                args.local_prefill_queue_tokens,
+                args.max_local_suffix_tokens,
             ),
             max_queued_requests=args.max_queued_requests,
             route_wait_s=args.route_wait_timeout,

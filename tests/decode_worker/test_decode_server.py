@@ -30,6 +30,7 @@ from pagedserve.internal.v1 import (
     prefill_pb2_grpc,
     worker_pb2,
 )
+from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
 from pagedserve.protoconv import sampling_to_proto
 from pagedserve.sampling_params import SamplingParams
@@ -205,6 +206,17 @@ def test_bad_request_is_invalid_argument_naming_the_field(cluster, change, field
     bad_request = error_details_pb2.BadRequest()
     rpc_status.from_call(info.value).details[0].Unpack(bad_request)
     assert bad_request.field_violations[0].field == field
+
+
+def test_imported_blocks_are_published_to_the_prefix_index(cluster, module_redis):
+    """The blocks a decode worker pulls from a prefill worker are in its own index entries
+    (the router's next turn counts them); the prefill workers here run without Redis."""
+    (prompt,) = make_prompts((40,), seed=37)  # 2 full blocks
+    handles = []
+    play_router(cluster, "prefill-shm", "indexed", prompt, before_decode=handles.append)
+    hashes = list(handles[0].kv_handle.block_hashes)
+    index = RedisPrefixIndex(connect(module_redis.url), "tiny")
+    assert wait_until(lambda: index.lookup(hashes) == {"decode-a": 2}, 10.0), index.lookup(hashes)
 
 
 def test_registered_in_redis_then_sigterm_drains_the_stream_in_flight(cluster, module_redis):

@@ -57,7 +57,9 @@ def test_a_rows_result_does_not_depend_on_its_batch():
     x = torch.randn(33, 192, generator=torch.Generator().manual_seed(2))
     whole = cpu_w8a8.linear(x, codes, scales, b)
     for i in (0, 16, 32):
-        assert torch.equal(cpu_w8a8.linear(x[i : i + 1].contiguous(), codes, scales, b)[0], whole[i])
+        assert torch.equal(
+            cpu_w8a8.linear(x[i : i + 1].contiguous(), codes, scales, b)[0], whole[i]
+        )
 
 
 def test_the_error_is_that_of_int8_activations():

@@ -1,4 +1,9 @@
-"""`IndexPublisher`: mirrors a prefill worker's block events into the Redis prefix index.
+"""`IndexPublisher`: mirrors a worker's block events into the Redis prefix index.
+
+Both workers use it (docs/prefix_index.md): a prefill worker for the prompts it computes, a
+decode worker for the blocks it computes (prompts prefilled there, generated tokens) or imports.
+It knows a worker only through `HashSource` (the hashes its pool can serve now), so kvstore
+imports no service.
 
 Threads: the worker's loop calls `submit` after every step and never waits for Redis; one
 publisher thread writes what was submitted, in order; the heartbeat thread calls `refresh`.
@@ -17,16 +22,36 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from typing import Protocol
 
 from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
-from pagedserve.prefill_worker.worker import PrefillWorker
 
 log = logging.getLogger(__name__)
 
 MAX_REMOVED_WHILE_STALE = 1 << 16
 DEFAULT_REFRESH_INTERVAL_S = 300.0
+
+
+class HashSource(Protocol):
+    """A worker whose pool's hashes are published (`PrefillWorker`, `DecodeWorker`)."""
+
+    def registered_hashes(self) -> list[BlockHash]:
+        """Every hash the worker's pool can serve a prefix hit for now (thread-safe)."""
+
+
+@dataclass(slots=True)
+class IndexEvents:
+    """A worker's `on_events`: to the index publisher once the worker has joined Redis;
+    dropped before that, and without Redis (nothing to publish to)."""
+
+    publisher: IndexPublisher | None = None
+
+    def submit(self, events: list[BlockEvent]) -> None:
+        if self.publisher is not None:
+            self.publisher.submit(events)
 
 
 class IndexPublisher:
@@ -37,7 +62,7 @@ class IndexPublisher:
         index: PrefixIndex,
         worker_id: str,
         incarnation: str,
-        worker: PrefillWorker,
+        worker: HashSource,
         *,
         refresh_interval_s: float = DEFAULT_REFRESH_INTERVAL_S,
     ) -> None:
