@@ -137,3 +137,15 @@ def test_w8a8_is_refused_outside_float32_on_cpu(tiny_llama):
     config = load_model_config(tiny_llama, "bfloat16", W8A8)
     with pytest.raises(ValueError, match="quantization: w8a8 runs on CPU with float32"):
         load_model(config, "cpu")
+
+
+def test_w8a8_blocks_never_match_weight_only_int8_blocks():
+    """Their KV differs, so their block hashes must: the name is part of the fingerprint."""
+    from pagedserve.cli_options import quantization_name
+    from pagedserve.kvstore.hashing import model_fingerprint
+
+    config = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64}
+    names = [quantization_name(m) for m in ("int8", "w8a8")]
+    assert names == ["int8", "w8a8"]
+    prints = {model_fingerprint(config, dtype="float32", weights=n) for n in names}
+    assert len(prints) == 2
