@@ -46,6 +46,7 @@ SOURCES = tuple(
     for name in (
         "paged_decode.c", "linear_i8g.c", "linear_i4g.c", "linear_f32.c", "rms_norm.c",
         "decode_stack.c", "gemm_f32.c", "token_mask.c", "quant_act.c",
+        "linear_w8a8.c",
     )
 )  # fmt: skip
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
@@ -173,7 +174,9 @@ def _signatures() -> dict[str, tuple[list[type], type | None]]:
         "rms_norm_f32": ([ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32], None),
         "mask_logits_f32": ([ptr, i64, ptr, i64, ptr, i64, i64], None),
         "quantize_rows_i8": ([ptr, i64, ptr, ptr, i64, i64, i32], None),
-        "dequant_rows_i32": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i32], None),
+        "dequant_rows_i32": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32], None),
+        "linear_w8a8_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32),
+        "w8a8_vnni": ([], i32),
     }
 
 

@@ -13,7 +13,7 @@ import torch
 
 from pagedserve.kernels import cpu_native
 
-F32, I8G, I4G = 0, 1, 2  # a Linear's kind
+F32, I8G, I4G, W8A8 = 0, 1, 2, 3  # a Linear's kind (W8A8: `zeros` holds the codes' row sums)
 MAX_PARTS = 3  # linears side by side in the q/k/v and gate/up slots
 
 _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
@@ -82,4 +82,4 @@ def run(layers: ctypes.Array[Layer], step: Step, final_norm: torch.Tensor, x: to
         x.data_ptr(), scratch.data_ptr(),
     )  # fmt: skip
     if failed:
-        raise MemoryError("native decode stack: attention's scratch allocation failed")
+        raise MemoryError("native decode stack: a scratch allocation failed")

@@ -22,11 +22,32 @@ log = logging.getLogger(__name__)
 _warned = False
 
 
+VNNI_MAX_ROWS = 8
+"""Up to this many rows the VNNI kernel (csrc/linear_w8a8.c) runs, above them `_int_mm`
+(oneDNN: AMX tiles pay off on larger batches); both sum exactly, so they agree bit for bit."""
+
+
+def has_vnni() -> bool:
+    """Whether the native kernels were built with AVX-512 VNNI (the decode stack needs it)."""
+    lib = cpu_native.library()
+    return lib is not None and bool(lib.w8a8_vnni())
+
+
+def code_sums(codes: torch.Tensor) -> torch.Tensor:
+    """Each output channel's sum of codes (int32 [N]): what the VNNI kernel subtracts 128
+    times, having shifted the activations' codes into unsigned bytes."""
+    return codes.sum(dim=1, dtype=torch.int32)
+
+
 def linear(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+    x: torch.Tensor,
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    bias: torch.Tensor | None,
+    sums: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 (rows contiguous) -> [M, N] float32; codes int8 [N, K], scales float32
-    [N] (and bias [N]) contiguous."""
+    [N] (and bias [N]; `sums`: `code_sums(codes)`, for the VNNI kernel) contiguous."""
     lib = cpu_native.library()
     if lib is None or x.stride(1) != 1:
         _warn_fallback(cpu_native.unavailable_reason() or "strided input")
@@ -34,16 +55,20 @@ def linear(
     rows, k = x.shape
     n = codes.shape[0]
     threads = torch.get_num_threads()
+    out = torch.empty(rows, n, dtype=torch.float32)
+    bias_ptr = None if bias is None else bias.data_ptr()
+    if sums is not None and rows <= VNNI_MAX_ROWS and lib.linear_w8a8_f32(
+        x.data_ptr(), x.stride(0), codes.data_ptr(), scales.data_ptr(), sums.data_ptr(),
+        bias_ptr, out.data_ptr(), n, rows, n, k, threads,
+    ):  # fmt: skip
+        return out
     q = torch.empty(rows, k, dtype=torch.int8)
     row_scales = torch.empty(rows, dtype=torch.float32)
     lib.quantize_rows_i8(x.data_ptr(), x.stride(0), q.data_ptr(), row_scales.data_ptr(), rows,
                          k, threads)  # fmt: skip
     acc = torch._int_mm(q, codes.t())
-    out = torch.empty(rows, n, dtype=torch.float32)
-    lib.dequant_rows_i32(
-        acc.data_ptr(), row_scales.data_ptr(), scales.data_ptr(),
-        None if bias is None else bias.data_ptr(), out.data_ptr(), rows, n, threads,
-    )  # fmt: skip
+    lib.dequant_rows_i32(acc.data_ptr(), row_scales.data_ptr(), scales.data_ptr(), bias_ptr,
+                         out.data_ptr(), n, rows, n, threads)  # fmt: skip
     return out
 
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
-from pagedserve.kernels import cpu_linear, cpu_native, cpu_stack, dispatch
+from pagedserve.kernels import cpu_linear, cpu_native, cpu_stack, cpu_w8a8, dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model import quant
@@ -200,6 +200,8 @@ def _linear(module: nn.Module, keep: list[torch.Tensor]) -> tuple[cpu_stack.Line
     if not isinstance(module, quant.QuantizedLinear):
         return None
     bias = module.bias
+    if module.w8a8:
+        return _w8a8_linear(module, keep)
     operands = module.cpu_operands()
     if operands is None or not _is_f32(bias):
         return None
@@ -215,6 +217,23 @@ def _linear(module: nn.Module, keep: list[torch.Tensor]) -> tuple[cpu_stack.Line
             cpu_stack.I4G, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), bias_ptr, n, k,
             group, scales.stride(0), scales.stride(1),
         )  # fmt: skip
+    return linear, quant.NATIVE_ROWS
+
+
+def _w8a8_linear(
+    module: quant.QuantizedLinear, keep: list[torch.Tensor]
+) -> tuple[cpu_stack.Linear, int] | None:
+    """A w8a8 layer's entry: the VNNI kernel's (csrc/linear_w8a8.c); None without VNNI."""
+    operands = module.w8a8_operands()
+    if operands is None or not cpu_w8a8.has_vnni() or not _is_f32(module.bias):
+        return None
+    codes, scales, sums = operands
+    bias = module.bias
+    keep.extend(t for t in (codes, scales, sums, bias) if t is not None)
+    linear = cpu_stack.Linear(
+        cpu_stack.W8A8, codes.data_ptr(), scales.data_ptr(), sums.data_ptr(),
+        None if bias is None else bias.data_ptr(), module.out_features, module.in_features,
+    )  # fmt: skip
     return linear, quant.NATIVE_ROWS
 
 

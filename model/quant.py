@@ -153,6 +153,7 @@ class QuantizedLinear(nn.Module):
         self._cuda_operands: tuple[torch.Tensor, ...] | None = None
         self.int4_layout = "aten"
         self._cpu_scales: tuple[torch.Tensor, ...] | None = None
+        self._w8a8_sums: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def w8a8(self) -> bool:
@@ -182,7 +183,7 @@ class QuantizedLinear(nn.Module):
         if self.quant.int8_codes:
             q, scales = quantize_int8(w)
             self.qweight.copy_(q)
-            self._cuda_operands = None
+            self._cuda_operands = self._w8a8_sums = None
             self.scales.copy_(scales)
         else:
             q, scale, zero = quantize_int4(w, self.quant.group_size)
@@ -215,7 +216,7 @@ class QuantizedLinear(nn.Module):
             )
         self.qweight.copy_(q)
         self.scales = scale.to(device=self.qweight.device, dtype=torch.float32).contiguous()
-        self._cuda_operands = None
+        self._cuda_operands = self._w8a8_sums = None
 
     def int4_codes(self) -> torch.Tensor:
         """int4's codes [out, in] (int32, on CPU), read back from either layout."""
@@ -288,8 +289,9 @@ class QuantizedLinear(nn.Module):
         weight."""
         shape = x.shape
         x2 = x.reshape(-1, self.in_features)
-        if self.w8a8:
-            out = cpu_w8a8.linear(x2.float(), self.qweight, self.scales, self.bias)
+        operands = self.w8a8_operands()
+        if operands is not None:
+            out = cpu_w8a8.linear(x2.float(), *operands[:2], self.bias, operands[2])
             return out.to(x.dtype).view(*shape[:-1], self.out_features)
         if self.quant.method == "int4":
             self._use_int4_layout("native")
@@ -305,6 +307,17 @@ class QuantizedLinear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.view(*shape[:-1], self.out_features)
+
+    def w8a8_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """(codes, scales, the codes' int32 row sums) of a w8a8 layer on CPU (the sums are
+        computed once, for the VNNI kernel), else None."""
+        if not self.w8a8 or self.qweight.device.type != "cpu":
+            return None
+        sums = self._w8a8_sums
+        if sums is None or sums[0] is not self.qweight:
+            sums = (self.qweight, cpu_w8a8.code_sums(self.qweight))
+            self._w8a8_sums = sums
+        return self.qweight, self.scales, sums[1]
 
     def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
         """(codes, scales, zeros (int4) or None, group): what the native CPU kernels read for

@@ -47,13 +47,18 @@ int paged_decode_f32(const float *q, int64_t q_tok, const float *k, const float 
                      int64_t o_tok, int n, int hq, int hkv, int d, int bs, float scale,
                      float softcap, int threads);
 
-enum { LIN_F32 = 0, LIN_I8G = 1, LIN_I4G = 2 };
+int linear_w8a8_f32(const float *x, int64_t ldx, const int8_t *w, const float *scales,
+                    const int32_t *wsum, const float *bias, float *y, int64_t ldy,
+                    int64_t m_rows, int64_t n_rows, int64_t k, int threads);
+
+enum { LIN_F32 = 0, LIN_I8G = 1, LIN_I4G = 2, LIN_W8A8 = 3 };
 
 /* One linear layer's weights, as kernels/cpu_stack.py's `Linear` structure lays them out. */
 typedef struct {
     int64_t kind;          /* LIN_F32: w float [n, k]; LIN_I8G: int8 codes [n, k] and scales
                               [n, k / group]; LIN_I4G: cpu_native.pack_int4 codes [n, k / 2],
-                              scales and zeros with strides (ls_n, ls_g) */
+                              scales and zeros with strides (ls_n, ls_g); LIN_W8A8: int8 codes
+                              [n, k], scales [n] and, in `zeros`, the codes' int32 row sums */
     const void *w;
     const float *scales, *zeros, *bias; /* bias [n] or NULL (added after, as torch does) */
     int64_t n, k, group, ls_n, ls_g;
@@ -85,14 +90,19 @@ typedef struct {
     int threads;
 } ps_step;
 
-static void linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int64_t ldy,
-                   int64_t rows, int threads) {
+/* Returns 0, or 1 when a w8a8 linear could not allocate its scratch (y is then undefined). */
+static int linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int64_t ldy,
+                  int64_t rows, int threads) {
     if (l->kind == LIN_F32) { /* as kernels/cpu_linear.py chooses: the GEMM above 16 rows */
         if (rows <= 16 ||
             !gemm_f32(x, ldx, (const float *)l->w, l->bias, y, ldy, rows, l->n, l->k, threads))
             linear_f32(x, ldx, (const float *)l->w, l->bias, y, ldy, rows, l->n, l->k, threads);
-        return;
+        return 0;
     }
+    if (l->kind == LIN_W8A8) /* its bias is added in its epilogue */
+        return !linear_w8a8_f32(x, ldx, (const int8_t *)l->w, l->scales,
+                                (const int32_t *)l->zeros, l->bias, y, ldy, rows, l->n, l->k,
+                                threads);
     if (l->kind == LIN_I8G)
         linear_i8g_f32(x, ldx, (const int8_t *)l->w, l->scales, y, ldy, rows, l->n, l->k,
                        l->group, threads);
@@ -102,15 +112,17 @@ static void linear(const ps_linear *l, const float *x, int64_t ldx, float *y, in
     if (l->bias)
         for (int64_t m = 0; m < rows; m++)
             for (int64_t j = 0; j < l->n; j++) y[m * ldy + j] += l->bias[j];
+    return 0;
 }
 
-/* parts side by side: part i's outputs at columns [sum of earlier n, + n) of each row of y */
+/* parts side by side: part i's outputs at columns [sum of earlier n, + n) of each row of y.
+ * Returns the total width, or -1 when a part failed (see `linear`). */
 static int64_t linear_parts(const ps_linear *parts, int64_t count, const float *x, int64_t ldx,
                             float *y, int64_t rows, int threads) {
     int64_t width = 0;
     for (int64_t i = 0; i < count; i++) width += parts[i].n;
     for (int64_t i = 0, col = 0; i < count; col += parts[i].n, i++)
-        linear(&parts[i], x, ldx, y + col, width, rows, threads);
+        if (linear(&parts[i], x, ldx, y + col, width, rows, threads)) return -1;
     return width;
 }
 
@@ -169,7 +181,7 @@ int64_t decode_stack_scratch(int64_t rows, int64_t hidden, int64_t heads, int64_
 }
 
 /* x [rows, hidden]: the embeddings in, the final norm's output (`final_norm`) out. Returns 0,
- * or 1 when attention could not allocate its scratch (x is then undefined). */
+ * or 1 when attention or a w8a8 linear could not allocate its scratch (x is then undefined). */
 int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *s,
                      const float *final_norm, float *x, float *scratch) {
     const int64_t rows = s->rows, hidden = s->hidden, d = s->head_dim;
@@ -187,6 +199,7 @@ int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *
             rms_norm_f32(mlp, hidden, residual, hidden, residual, l->input_norm, h, rows, hidden,
                          s->eps);
         const int64_t width = linear_parts(l->qkv, l->qkv_parts, h, hidden, qkv, rows, s->threads);
+        if (width < 0) return 1;
         rope(qkv, width, s);
         write_kv(l, qkv, width, s);
         if (paged_decode_f32(qkv, width, l->k_cache, l->v_cache, s->blk_stride, s->pos_stride,
@@ -196,11 +209,12 @@ int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *
                              (int)s->block_size, s->scale, 0.0f /* no soft cap */,
                              attn_threads))
             return 1;
-        linear(&l->o, attn, s->heads * d, mlp, hidden, rows, s->threads);
+        if (linear(&l->o, attn, s->heads * d, mlp, hidden, rows, s->threads)) return 1;
         rms_norm_f32(mlp, hidden, residual, hidden, residual, l->post_norm, h, rows, hidden, s->eps);
-        linear_parts(l->gate_up, l->gate_up_parts, h, hidden, gu, rows, s->threads);
+        if (linear_parts(l->gate_up, l->gate_up_parts, h, hidden, gu, rows, s->threads) < 0)
+            return 1;
         silu_mul(gu, act, rows, s->inter);
-        linear(&l->down, act, s->inter, mlp, hidden, rows, s->threads);
+        if (linear(&l->down, act, s->inter, mlp, hidden, rows, s->threads)) return 1;
     }
     rms_norm_f32(mlp, hidden, residual, hidden, residual, final_norm, x, rows, hidden, s->eps);
     return 0;

@@ -29,11 +29,12 @@ void quantize_rows_i8(const float *x, int64_t ldx, int8_t *q, float *scales, int
 
 /* NOTE: no FMA contraction: torch multiplies, then adds the bias, each rounded once */
 __attribute__((optimize("fp-contract=off"))) void dequant_rows_i32(const int32_t *acc, const float *row_scales, const float *col_scales,
-                      const float *bias, float *out, int64_t rows, int64_t n, int threads) {
+                      const float *bias, float *out, int64_t ldo, int64_t rows, int64_t n,
+                      int threads) {
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows * n > 65536)
     for (int64_t row = 0; row < rows; row++) {
         const int32_t *ar = acc + row * n;
-        float *o = out + row * n;
+        float *o = out + row * ldo;
         const float s = row_scales[row];
         if (bias) {
             for (int64_t j = 0; j < n; j++) o[j] = ((float)ar[j] * s) * col_scales[j] + bias[j];

@@ -32,15 +32,23 @@ def operands(n, k, seed=0, bias=False):
 
 
 @needs_native
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 576, 1536), (17, 1536, 576), (130, 96, 77)])
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 96), (3, 576, 1536), (17, 1536, 576), (130, 96, 77),
+                                      (5, 100, 49)])  # fmt: skip
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_kernel_equals_the_reference_bit_for_bit(rows, k, n, bias):
+@pytest.mark.parametrize("vnni", [False, True], ids=["int_mm", "vnni"])
+def test_the_kernels_equal_the_reference_bit_for_bit(rows, k, n, bias, vnni, monkeypatch):
+    """`_int_mm` and the VNNI kernel (on every row count here, as the decode stack calls it;
+    k not a multiple of its 64-byte vectors included)."""
+    if vnni and not cpu_w8a8.has_vnni():
+        pytest.skip("no AVX-512 VNNI")
+    monkeypatch.setattr(cpu_w8a8, "VNNI_MAX_ROWS", 1000)
     codes, scales, b = operands(n, k, bias=bias)
     x = torch.randn(rows, k, generator=torch.Generator().manual_seed(1)) * 3
     x[0, :5] = 0.0  # exact zeros and a tie-free row of zeros below
     if rows > 2:
         x[2] = 0.0
-    got = cpu_w8a8.linear(x, codes, scales, b)
+    sums = cpu_w8a8.code_sums(codes) if vnni else None
+    got = cpu_w8a8.linear(x, codes, scales, b, sums)
     assert torch.equal(got, reference.w8a8_linear(x, codes, scales, b))
 
 
@@ -126,10 +134,11 @@ def test_greedy_equals_transformers_computing_int8_activations(tiny_llama, lm_he
 
 
 @needs_native
-def test_the_native_decode_stack_declines_w8a8_layers(tiny_llama):
+def test_the_native_decode_stack_takes_w8a8_layers_with_vnni(tiny_llama):
     engine, _ = run_engine(tiny_llama, make_prompts((5,)), quantization=W8A8)
     model = engine.runner.model
-    assert model._native_stack(engine.runner.kv_cache) is None
+    stack = model._native_stack(engine.runner.kv_cache)
+    assert (stack is not None) == cpu_w8a8.has_vnni()
     assert all(m.w8a8 for m in model.modules() if isinstance(m, QuantizedLinear))
 
 
