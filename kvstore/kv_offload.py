@@ -19,6 +19,11 @@ Overlapping it with compute (the swapper's copy thread and ``wait_for_writes``) 
 With a disk tier (``disk_tier.DiskTier``, ``--kv-offload-dir``), a host slot the host tier
 reuses is first handed to it (its bytes copied out, written by the disk tier's writer thread),
 and ``promote`` continues the host run with the disk run (one checked read per block).
+
+The prefix index sees the tiers (docs/prefix_index.md, "Tiers"): every move (device → host,
+host → disk, out of the last tier) is recorded as a ``BlockEvent`` with its tier into the device
+pool's event log (``attach``), in order with the pool's own events; a promotion is recorded by
+the pool alone (STORED on the device).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from typing import Protocol
 import torch
 
 from pagedserve.kernels.dispatch import swap_blocks
-from pagedserve.kvstore.block_pool import BlockId, BlockPool
+from pagedserve.kvstore.block_pool import BlockEventKind, BlockId, BlockPool, EventSink, Tier
 from pagedserve.kvstore.disk_tier import DiskPlan, DiskTier, check_disk_config
 from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash
@@ -61,7 +66,7 @@ class KVOffload:
 
     __slots__ = (
         "before_write", "bytes_per_block", "device_tensor", "disk", "disk_hits", "host_tensor",
-        "tier",
+        "sink", "tier",
     )  # fmt: skip
 
     def __init__(
@@ -89,8 +94,12 @@ class KVOffload:
         # NOTE: the disk tier (--kv-offload-dir) takes the blocks the host tier evicts.
         self.disk = disk
         self.disk_hits = 0
+        # NOTE: the pool's event log (`attach`): the tiers' moves reach the prefix index in
+        # order with the device's events (docs/prefix_index.md, "Tiers").
+        self.sink: EventSink | None = None
+        self.tier.on_evict = self._host_evicted
         if disk is not None:
-            self.tier.on_evict = self._spill
+            disk.on_dropped = self._disk_dropped
 
     @property
     def num_slots(self) -> int:
@@ -98,28 +107,60 @@ class KVOffload:
 
     # -- TierListener ---------------------------------------------------------------------
 
-    def evicted(self, block_id: BlockId, block_hash: BlockHash, depth: int) -> None:
-        """Copy the evicted device block into a host slot (complete on return)."""
+    def attach(self, sink: EventSink) -> None:
+        """Record the tiers' moves into ``sink`` (the pool's event log; ``BlockPool.set_tier``)."""
+        self.sink = sink
+
+    def evicted(self, block_id: BlockId, block_hash: BlockHash, depth: int) -> bool:
+        """Copy the evicted device block into a host slot (complete on return); whether the
+        tier kept it (then recorded as STORED in tier ``host``)."""
         slot = self.tier.store(block_hash, depth)
-        if slot is not None:
-            self._copy(self.device_tensor, self.host_tensor, [(block_id, slot)])
+        if slot is None:
+            return False
+        self._copy(self.device_tensor, self.host_tensor, [(block_id, slot)])
+        self._emit(BlockEventKind.STORED, block_hash, Tier.HOST)
+        return True
 
     def stored(self, block_hash: BlockHash) -> None:
+        # NOTE: no event: the pool recorded STORED on the device, which moves the entry.
         self.tier.discard(block_hash)
         if self.disk is not None:
             self.disk.discard(block_hash)
 
     def reset(self) -> None:
+        for block_hash in self.tier.hashes():
+            self._emit(BlockEventKind.REMOVED, block_hash, Tier.HOST)
         self.tier.clear()
         if self.disk is not None:
-            self.disk.clear()
+            self.disk.clear()  # NOTE: its blocks are recorded REMOVED by `_disk_dropped`
 
-    def _spill(self, slot: SlotId, block_hash: BlockHash) -> None:
-        """Hand the host slot the tier is about to reuse to the disk tier (its bytes are
-        copied out now; the writer thread writes them)."""
-        assert self.disk is not None
-        data = self.host_tensor[slot].reshape(-1).view(torch.uint8).numpy().tobytes()
-        self.disk.put(block_hash, data)
+    def _host_evicted(self, slot: SlotId, block_hash: BlockHash) -> None:
+        """The host tier is about to reuse ``slot``: hand its block to the disk tier (its
+        bytes are copied out now; the writer thread writes them), else it is gone."""
+        kept = False
+        if self.disk is not None:
+            data = self.host_tensor[slot].reshape(-1).view(torch.uint8).numpy().tobytes()
+            kept = self.disk.put(block_hash, data)
+        if kept:
+            self._emit(BlockEventKind.STORED, block_hash, Tier.DISK)
+        else:
+            self._emit(BlockEventKind.REMOVED, block_hash, Tier.HOST)
+
+    def _disk_dropped(self, hashes: list[BlockHash]) -> None:
+        """The disk tier forgot ``hashes`` (a file evicted, corrupt or cleared)."""
+        for block_hash in hashes:
+            self._emit(BlockEventKind.REMOVED, block_hash, Tier.DISK)
+
+    def _emit(self, kind: BlockEventKind, block_hash: BlockHash, tier: Tier) -> None:
+        if self.sink is not None:
+            self.sink(kind, block_hash, tier)
+
+    def held_hashes(self) -> dict[BlockHash, Tier]:
+        """Every hash the host and disk tiers hold, with its tier."""
+        held = dict.fromkeys(self.tier.hashes(), Tier.HOST)
+        if self.disk is not None:
+            held.update(dict.fromkeys(self.disk.hashes(), Tier.DISK))
+        return held
 
     def close(self) -> None:
         """Write the disk tier's queued blocks and release its directory (no-op without)."""

@@ -168,4 +168,8 @@ def join_indexed(  # noqa: PLR0913
     if not member.registered:
         log.warning("serving without the prefix index until Redis returns")
         publisher.stale = True
+    else:
+        # NOTE: what the worker holds before it joined (a disk tier's blocks after a restart,
+        # warm-up prompts) produced no event the publisher saw.
+        publisher.refresh(force=True)
     return IndexedMember(member, publisher)
