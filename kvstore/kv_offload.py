@@ -128,9 +128,10 @@ class KVOffload:
             self.disk.discard(block_hash)
 
     def reset(self) -> None:
-        for block_hash in self.tier.hashes():
-            self._emit(BlockEventKind.REMOVED, block_hash, Tier.HOST)
+        held = self.tier.hashes()
         self.tier.clear()
+        for block_hash in held:
+            self._emit(BlockEventKind.REMOVED, block_hash, Tier.HOST)
         if self.disk is not None:
             self.disk.clear()  # NOTE: its blocks are recorded REMOVED by `_disk_dropped`
 

@@ -115,7 +115,7 @@ def test_disk_tier_blocks_are_published_as_disk_and_removed_with_their_file(
 ) -> None:
     """A 2-slot host tier spills to disk: the prefix is `disk` in the index, `dev` once
     promoted; with room for 6 blocks, evicted files' blocks are removed (the mirror check
-    after every prefill covers both)."""
+    after every prefill covers both); a reset of the prefix cache removes every entry."""
     probe = make_env(redis_server, tiny_llama)
     per_block = probe.engine.runner.spec.bytes_per_block
     probe.engine.close()
@@ -135,4 +135,7 @@ def test_disk_tier_blocks_are_published_as_disk_and_removed_with_their_file(
     for other in OTHERS[1:]:
         env.prefill(other)
     assert (env.engine.kv.offload.disk.stats.evictions > 0) == (disk_blocks == 6)
+    env.engine.pool.reset_prefix_cache()  # every tier emptied: every entry removed
+    env.publisher.publish(env.engine.pool.drain_events())
+    assert env.tiers(sorted(env.seen)) == [None] * len(env.seen)
     env.engine.close()
