@@ -12,7 +12,7 @@ snapshot never re-adds a hash whose REMOVED was already written.
 
 Degradation (the index is a hint, prefix_index.md): a failed write marks the index *stale*, counts
 the events it dropped and remembers the REMOVED hashes among them (bounded). The next write that
-gets through first deletes those hashes, then re-asserts every hash the pool holds. Entries are
+gets through first deletes those hashes, then re-asserts every hash the worker holds. Entries are
 also re-asserted every `refresh_interval_s` (half the entry TTL), because prefix hits keep
 blocks hot without producing events.
 """
