@@ -10,13 +10,15 @@ import pytest
 from support.oracle import make_prompts
 from support.redis_server import RedisServer
 
+from pagedserve.cluster import join_indexed
 from pagedserve.kvstore.block_pool import Tier
 from pagedserve.kvstore.hashing import BlockHash, hash_blocks
-from pagedserve.kvstore.index_publisher import IndexPublisher
+from pagedserve.kvstore.index_publisher import IndexEvents, IndexPublisher
 from pagedserve.kvstore.prefix_index import RedisPrefixIndex
 from pagedserve.kvstore.worker_registry import Role, WorkerRegistry, connect
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
 from pagedserve.sampling_params import SamplingParams
+from pagedserve.worker_load import WorkerLoad
 
 BLOCK = 8
 MODEL, WORKER, INC = "tiny", "prefill-0", "inc1"
@@ -139,3 +141,34 @@ def test_disk_tier_blocks_are_published_as_disk_and_removed_with_their_file(
     env.publisher.publish(env.engine.pool.drain_events())
     assert env.tiers(sorted(env.seen)) == [None] * len(env.seen)
     env.engine.close()
+
+
+def test_a_restarted_worker_publishes_its_disk_blocks_when_it_joins(
+    tiny_llama, redis_server: RedisServer, tmp_path
+) -> None:
+    """Only the disk tier survives a restart; the new incarnation's join republishes it, so
+    the router sees the prefix before any request (no event announced those blocks)."""
+    disk = {
+        "kv_offload_blocks": 2,
+        "kv_offload_dir": str(tmp_path),
+        "kv_offload_disk_bytes": 1 << 24,
+    }
+    first = make_env(redis_server, tiny_llama, **disk)
+    first.prefill(PREFIX + TAIL_B)
+    first.prefill(OTHERS[0])
+    on_disk = [h for h in first.prefix if h in first.engine.kv.offload.disk]
+    assert on_disk, "part of the prefix must reach the disk"
+    first.engine.close()
+    config = PrefillEngineConfig(
+        block_size=BLOCK, num_blocks=8, max_num_batched_tokens=64, use_shm=False, **disk
+    )
+    engine = PrefillEngine.from_model_dir(str(tiny_llama), config)
+    member = join_indexed(
+        first.client, MODEL, WORKER, "127.0.0.1:1", Role.PREFILL, WorkerLoad, Held(engine),
+        IndexEvents(), compat="", incarnation="inc2", block_size=BLOCK,
+    )  # fmt: skip
+    try:
+        assert [first.index.holders(h) for h in on_disk] == [{WORKER: Tier.DISK}] * len(on_disk)
+    finally:
+        member.leave()
+        engine.close()
