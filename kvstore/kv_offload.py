@@ -7,14 +7,16 @@ copies the block's KV into a host slot that ``HostTier`` registers under the blo
                           ▲                                              │
                           └────────── promote (KVCacheManager.match_prefix) ┘
 
-The copies use the swap path's kernel (``kernels.dispatch.swap_blocks``). On CPU both pools are
-RAM and a copy is complete on return. On CUDA the copies are issued on the current stream and
-the stream is synchronised after each batch.
+On CUDA the copies use the swap path's kernel (``kernels.dispatch.swap_blocks``), issued on the
+current stream, and the stream is synchronised after each batch. On CPU both pools are RAM and a
+copy is a single-threaded memcpy of the block's bytes (``_byte_view``), complete on return.
 
 NOTE: synchronous by design for now: an eviction happens inside ``BlockPool.allocate``, and
 the block it frees may be written at once by whoever allocated it (a forward, a swap-in or a
 KV import on another thread), so the copy out must be complete before ``allocate`` returns.
-Overlapping it with compute (the swapper's copy thread and ``wait_for_writes``) is not built.
+On CPU that is the decision (a block is a 0.1-0.2 ms memcpy on the same cores the forward uses);
+on CUDA, overlapping it (an event per batch, waited for by writers off the current stream) is
+designed in docs/kv_tiers.md, "Why the copy out stays synchronous", and not built.
 
 With a disk tier (``disk_tier.DiskTier``, ``--kv-offload-dir``), a host slot the host tier
 reuses is first handed to it (its bytes copied out, written by the disk tier's writer thread),
@@ -42,6 +44,16 @@ from pagedserve.kvstore.host_tier import HostTier, OffloadCounts, SlotId, check_
 from pagedserve.kvstore.kv_cache import KVCacheSpec
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import layout_compat_hash
+
+
+def _byte_view(block: torch.Tensor) -> memoryview:
+    """The bytes of one contiguous CPU block, writable in place.
+
+    NOTE: the tier's CPU copies go through these (a single-threaded memcpy), not through
+    ``Tensor.copy_``: torch splits a 720 KiB copy across its intra-op threads, and on cores
+    that other processes keep busy each such copy waited for a descheduled thread (6-12 ms
+    per block instead of 0.1-0.2 ms, measured in docs/kv_tiers.md)."""
+    return memoryview(block.view(-1).view(torch.uint8).numpy()).cast("B")
 
 
 def offload_slots_for(spec: KVCacheSpec, offload_bytes: int) -> int:
@@ -236,18 +248,25 @@ class KVOffload:
         return blocks
 
     def _write_disk_blocks(self, block_ids: Sequence[BlockId], blocks: list[bytearray]) -> None:
+        cuda = self.device_tensor.is_cuda
         for block_id, data in zip(block_ids, blocks, strict=False):
+            if not cuda:
+                _byte_view(self.device_tensor[block_id])[:] = memoryview(data)
+                continue
             dst = self.device_tensor[block_id].view(-1).view(torch.uint8)
             dst.copy_(torch.frombuffer(data, dtype=torch.uint8))
-        if block_ids and blocks and self.device_tensor.is_cuda:
+        if block_ids and blocks and cuda:
             torch.cuda.current_stream().synchronize()
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
+        if not (src.is_cuda or dst.is_cuda):
+            for s, d in pairs:
+                _byte_view(dst[d])[:] = _byte_view(src[s])
+            return
         swap_blocks(src, dst, pairs)
-        if src.is_cuda or dst.is_cuda:
-            torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream().synchronize()
 
     # -- metrics and integrity ------------------------------------------------------------
 
