@@ -53,7 +53,7 @@ def _byte_view(block: torch.Tensor) -> memoryview:
     ``Tensor.copy_``: torch splits a 720 KiB copy across its intra-op threads, and on cores
     that other processes keep busy each such copy waited for a descheduled thread (6-12 ms
     per block instead of 0.1-0.2 ms, measured in docs/kv_tiers.md)."""
-    return memoryview(block.view(-1).view(torch.uint8).numpy()).cast("B")
+    return block.view(-1).view(torch.uint8).numpy().data
 
 
 def offload_slots_for(spec: KVCacheSpec, offload_bytes: int) -> int:
