@@ -48,7 +48,7 @@ from pagedserve.decode_worker.streams import AnyStream, Delta, RequestStream, pu
 from pagedserve.decode_worker.tracked import TrackedRequest, request_of, trace_plan
 from pagedserve.errors import InvalidArgument, Unavailable
 from pagedserve.grpcutil import EngineLoop
-from pagedserve.kvstore.block_pool import BlockEvent
+from pagedserve.kvstore.block_pool import BlockEvent, Tier
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.metrics import PhaseMetrics
 from pagedserve.model.requests.batch import ScheduledSequence
@@ -475,10 +475,11 @@ class DecodeWorker:
 
     # -- state ---------------------------------------------------------------------------------
 
-    def registered_hashes(self) -> list[BlockHash]:
-        """Hashes of every block a prefix hit could use now (for republishing the index)."""
+    def registered_hashes(self) -> dict[BlockHash, Tier]:
+        """Hashes of every block a prefix hit could use now, with the tier holding each (the
+        device pool, the host or disk tier), for republishing the index."""
         with self.lock:
-            return self.engine.pool.registered_hashes()
+            return self.engine.kv.held_hashes()
 
     @property
     def num_in_flight(self) -> int:

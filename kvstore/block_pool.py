@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import enum
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import NewType, Protocol
 
@@ -41,19 +41,40 @@ class BlockEventKind(enum.Enum):
     REMOVED = "removed"
 
 
+class Tier(enum.Enum):
+    """Where a worker holds a block: its device KV pool, its host-memory tier or its disk tier
+    (the prefix index's ``{tier}:{incarnation}`` values, docs/prefix_index.md)."""
+
+    DEV = "dev"
+    HOST = "host"
+    DISK = "disk"
+
+
 @dataclass(frozen=True, slots=True)
 class BlockEvent:
-    """A hash became reachable (STORED) or unreachable (REMOVED) in this pool."""
+    """A hash became reachable (STORED) in ``tier`` of this worker, or unreachable in every
+    tier (REMOVED; ``tier`` then names the tier it left). A STORED of a hash already held in
+    another tier moves it (one worker holds a hash in one tier at a time)."""
 
     kind: BlockEventKind
     block_hash: BlockHash
+    tier: Tier = Tier.DEV
+
+
+EventSink = Callable[[BlockEventKind, BlockHash, Tier], None]
 
 
 class TierListener(Protocol):
     """A lower tier of the prefix cache (``kv_offload.KVOffload``): told of every CACHED block
-    ``allocate`` evicts, while its KV is still intact, and of every hash newly stored here."""
+    ``allocate`` evicts, while its KV is still intact, and of every hash newly stored here.
 
-    def evicted(self, block_id: BlockId, block_hash: BlockHash, depth: int) -> None: ...
+    ``attach`` gives it the pool's event log (``set_tier`` calls it), so that its own moves
+    reach the prefix index in order with the pool's. ``evicted`` returns whether the tier kept
+    the block: then it recorded the move itself (STORED in its tier) and the pool records no
+    REMOVED."""
+
+    def attach(self, sink: EventSink) -> None: ...
+    def evicted(self, block_id: BlockId, block_hash: BlockHash, depth: int) -> bool: ...
     def stored(self, block_hash: BlockHash) -> None: ...
     def reset(self) -> None: ...
 
@@ -157,8 +178,11 @@ class BlockPool:
         return self._num_used / self._num_blocks
 
     def set_tier(self, listener: TierListener | None) -> None:
-        """Attach (or detach, None) the lower tier that receives evicted cached blocks."""
+        """Attach (or detach, None) the lower tier that receives evicted cached blocks; it
+        records its own events into this pool's (``drain_events``)."""
         self._listener = listener
+        if listener is not None:
+            listener.attach(self._record)
 
     # -- allocation ----------------------------------------------------------------------------
 
@@ -172,7 +196,8 @@ class BlockPool:
 
         Free blocks go first, oldest-freed first; then cached blocks are evicted in the
         evictor's order (``lru``: least recently used first), losing their hash (a REMOVED event
-        each; with a tier attached, ``set_tier``, the tier copies each one's KV out first). The
+        each; with a tier attached, ``set_tier``, the tier copies each one's KV out first, and
+        a block it keeps is recorded by the tier as STORED in its tier instead). The
         caller owns one reference to each returned block and must ``free`` it.
         """
         if not self.can_allocate(num_blocks):
@@ -183,9 +208,12 @@ class BlockPool:
         while len(taken) < num_blocks:
             block_id = self._cached.pop()
             block_hash = self._hashes[block_id]
+            kept = False
             if self._listener is not None and block_hash is not None:
-                self._listener.evicted(block_id, block_hash, self._depths[block_id])
-            self._drop_hash(block_id)
+                kept = self._listener.evicted(block_id, block_hash, self._depths[block_id])
+            # NOTE: a block the tier kept was recorded there as STORED in its tier: a REMOVED
+            # after it would delete the worker's index entry.
+            self._drop_hash(block_id, record=not kept)
             taken.append(block_id)
         for block_id in taken:
             self._refs[block_id] = 1
@@ -366,7 +394,7 @@ class BlockPool:
 
     # -- internals -----------------------------------------------------------------------------
 
-    def _drop_hash(self, block_id: BlockId) -> None:
+    def _drop_hash(self, block_id: BlockId, *, record: bool = True) -> None:
         block_hash = self._hashes[block_id]
         if block_hash is None:
             raise RuntimeError(f"block {block_id} is cached without a hash")
@@ -374,11 +402,12 @@ class BlockPool:
         self._depths[block_id] = 0
         del self._hash_to_block[block_hash]
         self._cached.unhashed(block_id)
-        self._record(BlockEventKind.REMOVED, block_hash)
+        if record:
+            self._record(BlockEventKind.REMOVED, block_hash)
 
-    def _record(self, kind: BlockEventKind, block_hash: BlockHash) -> None:
+    def _record(self, kind: BlockEventKind, block_hash: BlockHash, tier: Tier = Tier.DEV) -> None:
         if self._record_events:
-            self._events.append(BlockEvent(kind, block_hash))
+            self._events.append(BlockEvent(kind, block_hash, tier))
 
     def _check_id(self, block_id: BlockId) -> None:
         if not isinstance(block_id, int) or not 0 <= block_id < self._num_blocks:

@@ -35,6 +35,7 @@ import struct
 import threading
 import zlib
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -213,6 +214,9 @@ class DiskTier:
         self.blocks_per_file = blocks_per_file_for(capacity_bytes, bytes_per_block)
         self.max_pending = max_pending
         self.stats = DiskStats()
+        # NOTE: told of the hashes a dropped file held (evicted, corrupt or cleared), so that
+        # the prefix index forgets them (kv_offload.KVOffload publishes them as REMOVED).
+        self.on_dropped: Callable[[list[BlockHash]], object] | None = None
         self._files: OrderedDict[int, _Segment] = OrderedDict()  # oldest first
         self._where: dict[BlockHash, tuple[int, int]] = {}  # hash -> (file, record offset)
         self._pending: dict[BlockHash, tuple[int, int, bytes]] = {}  # queued, not yet written
@@ -291,6 +295,8 @@ class DiskTier:
     def _drop_file(self, number: int, *, evicted: bool = False) -> None:
         """Forget file ``number``'s blocks and queue its deletion."""
         segment = self._files.pop(number)
+        if self.on_dropped is not None and segment.live:
+            self.on_dropped(list(segment.live))
         for block_hash in segment.live:
             del self._where[block_hash]
             with self._lock:
@@ -476,6 +482,8 @@ class DiskTier:
 
     def _evict_at_start(self, number: int) -> None:
         segment = self._files.pop(number)
+        if self.on_dropped is not None and segment.live:
+            self.on_dropped(list(segment.live))
         for block_hash in segment.live:
             del self._where[block_hash]
         self._used -= segment.size

@@ -2,8 +2,8 @@
 
 Both workers use it (docs/prefix_index.md): a prefill worker for the prompts it computes, a
 decode worker for the blocks it computes (prompts prefilled there, generated tokens) or imports.
-It knows a worker only through `HashSource` (the hashes its pool can serve now), so kvstore
-imports no service.
+It knows a worker only through `HashSource` (the hashes its pool and its host and disk tiers can
+serve now, with their tiers), so kvstore imports no service.
 
 Threads: the worker's loop calls `submit` after every step and never waits for Redis; one
 publisher thread writes what was submitted, in order; the heartbeat thread calls `refresh`.
@@ -12,7 +12,7 @@ snapshot never re-adds a hash whose REMOVED was already written.
 
 Degradation (the index is a hint, prefix_index.md): a failed write marks the index *stale*, counts
 the events it dropped and remembers the REMOVED hashes among them (bounded). The next write that
-gets through first deletes those hashes, then re-asserts every hash the pool holds. Entries are
+gets through first deletes those hashes, then re-asserts every hash the worker holds. Entries are
 also re-asserted every `refresh_interval_s` (half the entry TTL), because prefix hits keep
 blocks hot without producing events.
 """
@@ -22,10 +22,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Protocol
 
-from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind
+from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind, Tier
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.kvstore.prefix_index import IndexUnavailable, PrefixIndex
 
@@ -38,8 +39,9 @@ DEFAULT_REFRESH_INTERVAL_S = 300.0
 class HashSource(Protocol):
     """A worker whose pool's hashes are published (`PrefillWorker`, `DecodeWorker`)."""
 
-    def registered_hashes(self) -> list[BlockHash]:
-        """Every hash the worker's pool can serve a prefix hit for now (thread-safe)."""
+    def registered_hashes(self) -> Mapping[BlockHash, Tier]:
+        """Every hash the worker can serve a prefix hit for now, with the tier holding it
+        (device pool, host or disk tier; thread-safe)."""
 
 
 @dataclass(slots=True)
@@ -166,7 +168,7 @@ class IndexPublisher:
         if not (force or self.stale or due):
             return
         hashes = self.worker.registered_hashes()
-        gone = self._removed_while_stale.difference(hashes)
+        gone = self._removed_while_stale.difference(hashes.keys())
         if gone:
             removed = [BlockEvent(BlockEventKind.REMOVED, h) for h in gone]
             self.index.publish(self.worker_id, removed, incarnation=self.incarnation)

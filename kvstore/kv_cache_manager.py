@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from pagedserve.kvstore.block_pool import BlockId, BlockPool
+from pagedserve.kvstore.block_pool import BlockId, BlockPool, Tier
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash
 
@@ -163,6 +163,15 @@ class KVCacheManager:
     def free(self, table: BlockTable) -> None:
         """Release the table's blocks (tail first); full registered ones stay cached."""
         table.free()
+
+    def held_hashes(self) -> dict[BlockHash, Tier]:
+        """Every hash a prefix match can serve now, with the tier that holds it (the device
+        pool's, then the host and disk tiers'; a hash is in one tier): what the prefix index
+        is republished from."""
+        held = dict.fromkeys(self.pool.registered_hashes(), Tier.DEV)
+        if self.offload is not None:
+            held.update(self.offload.held_hashes())
+        return held
 
     def check_integrity(self) -> None:
         """The pool's invariants and, with a host tier, the tier's and their disjointness."""

@@ -7,18 +7,25 @@ copies the block's KV into a host slot that ``HostTier`` registers under the blo
                           ▲                                              │
                           └────────── promote (KVCacheManager.match_prefix) ┘
 
-The copies use the swap path's kernel (``kernels.dispatch.swap_blocks``). On CPU both pools are
-RAM and a copy is complete on return. On CUDA the copies are issued on the current stream and
-the stream is synchronised after each batch.
+On CUDA the copies use the swap path's kernel (``kernels.dispatch.swap_blocks``), issued on the
+current stream, and the stream is synchronised after each batch. On CPU both pools are RAM and a
+copy is a single-threaded memcpy of the block's bytes (``_byte_view``), complete on return.
 
 NOTE: synchronous by design for now: an eviction happens inside ``BlockPool.allocate``, and
 the block it frees may be written at once by whoever allocated it (a forward, a swap-in or a
 KV import on another thread), so the copy out must be complete before ``allocate`` returns.
-Overlapping it with compute (the swapper's copy thread and ``wait_for_writes``) is not built.
+On CPU that is the decision (a block is a 0.1-0.2 ms memcpy on the same cores the forward uses);
+on CUDA, overlapping it (an event per batch, waited for by writers off the current stream) is
+designed in docs/kv_tiers.md, "Why the copy out stays synchronous", and not built.
 
 With a disk tier (``disk_tier.DiskTier``, ``--kv-offload-dir``), a host slot the host tier
 reuses is first handed to it (its bytes copied out, written by the disk tier's writer thread),
 and ``promote`` continues the host run with the disk run (one checked read per block).
+
+The prefix index sees the tiers (docs/prefix_index.md, "Tiers"): every move (device → host,
+host → disk, out of the last tier) is recorded as a ``BlockEvent`` with its tier into the device
+pool's event log (``attach``), in order with the pool's own events; a promotion is recorded by
+the pool alone (STORED on the device).
 """
 
 from __future__ import annotations
@@ -29,7 +36,7 @@ from typing import Protocol
 import torch
 
 from pagedserve.kernels.dispatch import swap_blocks
-from pagedserve.kvstore.block_pool import BlockId, BlockPool
+from pagedserve.kvstore.block_pool import BlockEventKind, BlockId, BlockPool, EventSink, Tier
 from pagedserve.kvstore.disk_tier import DiskPlan, DiskTier, check_disk_config
 from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.kvstore.hashing import BlockHash
@@ -37,6 +44,16 @@ from pagedserve.kvstore.host_tier import HostTier, OffloadCounts, SlotId, check_
 from pagedserve.kvstore.kv_cache import KVCacheSpec
 from pagedserve.kvstore.kv_cache_manager import KVCacheManager
 from pagedserve.kvstore.transfer import layout_compat_hash
+
+
+def _byte_view(block: torch.Tensor) -> memoryview:
+    """The bytes of one contiguous CPU block, writable in place.
+
+    NOTE: the tier's CPU copies go through these (a single-threaded memcpy), not through
+    ``Tensor.copy_``: torch splits a 720 KiB copy across its intra-op threads, and on cores
+    that other processes keep busy each such copy waited for a descheduled thread (6-12 ms
+    per block instead of 0.1-0.2 ms, measured in docs/kv_tiers.md)."""
+    return block.view(-1).view(torch.uint8).numpy().data
 
 
 def offload_slots_for(spec: KVCacheSpec, offload_bytes: int) -> int:
@@ -61,7 +78,7 @@ class KVOffload:
 
     __slots__ = (
         "before_write", "bytes_per_block", "device_tensor", "disk", "disk_hits", "host_tensor",
-        "tier",
+        "sink", "tier",
     )  # fmt: skip
 
     def __init__(
@@ -89,8 +106,12 @@ class KVOffload:
         # NOTE: the disk tier (--kv-offload-dir) takes the blocks the host tier evicts.
         self.disk = disk
         self.disk_hits = 0
+        # NOTE: the pool's event log (`attach`): the tiers' moves reach the prefix index in
+        # order with the device's events (docs/prefix_index.md, "Tiers").
+        self.sink: EventSink | None = None
+        self.tier.on_evict = self._host_evicted
         if disk is not None:
-            self.tier.on_evict = self._spill
+            disk.on_dropped = self._disk_dropped
 
     @property
     def num_slots(self) -> int:
@@ -98,28 +119,61 @@ class KVOffload:
 
     # -- TierListener ---------------------------------------------------------------------
 
-    def evicted(self, block_id: BlockId, block_hash: BlockHash, depth: int) -> None:
-        """Copy the evicted device block into a host slot (complete on return)."""
+    def attach(self, sink: EventSink) -> None:
+        """Record the tiers' moves into ``sink`` (the pool's event log; ``BlockPool.set_tier``)."""
+        self.sink = sink
+
+    def evicted(self, block_id: BlockId, block_hash: BlockHash, depth: int) -> bool:
+        """Copy the evicted device block into a host slot (complete on return); whether the
+        tier kept it (then recorded as STORED in tier ``host``)."""
         slot = self.tier.store(block_hash, depth)
-        if slot is not None:
-            self._copy(self.device_tensor, self.host_tensor, [(block_id, slot)])
+        if slot is None:
+            return False
+        self._copy(self.device_tensor, self.host_tensor, [(block_id, slot)])
+        self._emit(BlockEventKind.STORED, block_hash, Tier.HOST)
+        return True
 
     def stored(self, block_hash: BlockHash) -> None:
+        # NOTE: no event: the pool recorded STORED on the device, which moves the entry.
         self.tier.discard(block_hash)
         if self.disk is not None:
             self.disk.discard(block_hash)
 
     def reset(self) -> None:
+        held = self.tier.hashes()
         self.tier.clear()
+        for block_hash in held:
+            self._emit(BlockEventKind.REMOVED, block_hash, Tier.HOST)
         if self.disk is not None:
-            self.disk.clear()
+            self.disk.clear()  # NOTE: its blocks are recorded REMOVED by `_disk_dropped`
 
-    def _spill(self, slot: SlotId, block_hash: BlockHash) -> None:
-        """Hand the host slot the tier is about to reuse to the disk tier (its bytes are
-        copied out now; the writer thread writes them)."""
-        assert self.disk is not None
-        data = self.host_tensor[slot].reshape(-1).view(torch.uint8).numpy().tobytes()
-        self.disk.put(block_hash, data)
+    def _host_evicted(self, slot: SlotId, block_hash: BlockHash) -> None:
+        """The host tier is about to reuse ``slot``: hand its block to the disk tier (its
+        bytes are copied out now; the writer thread writes them), else it is gone."""
+        kept = False
+        if self.disk is not None:
+            data = self.host_tensor[slot].reshape(-1).view(torch.uint8).numpy().tobytes()
+            kept = self.disk.put(block_hash, data)
+        if kept:
+            self._emit(BlockEventKind.STORED, block_hash, Tier.DISK)
+        else:
+            self._emit(BlockEventKind.REMOVED, block_hash, Tier.HOST)
+
+    def _disk_dropped(self, hashes: list[BlockHash]) -> None:
+        """The disk tier forgot ``hashes`` (a file evicted, corrupt or cleared)."""
+        for block_hash in hashes:
+            self._emit(BlockEventKind.REMOVED, block_hash, Tier.DISK)
+
+    def _emit(self, kind: BlockEventKind, block_hash: BlockHash, tier: Tier) -> None:
+        if self.sink is not None:
+            self.sink(kind, block_hash, tier)
+
+    def held_hashes(self) -> dict[BlockHash, Tier]:
+        """Every hash the host and disk tiers hold, with its tier."""
+        held = dict.fromkeys(self.tier.hashes(), Tier.HOST)
+        if self.disk is not None:
+            held.update(dict.fromkeys(self.disk.hashes(), Tier.DISK))
+        return held
 
     def close(self) -> None:
         """Write the disk tier's queued blocks and release its directory (no-op without)."""
@@ -194,18 +248,25 @@ class KVOffload:
         return blocks
 
     def _write_disk_blocks(self, block_ids: Sequence[BlockId], blocks: list[bytearray]) -> None:
+        cuda = self.device_tensor.is_cuda
         for block_id, data in zip(block_ids, blocks, strict=False):
+            if not cuda:
+                _byte_view(self.device_tensor[block_id])[:] = memoryview(data)
+                continue
             dst = self.device_tensor[block_id].view(-1).view(torch.uint8)
             dst.copy_(torch.frombuffer(data, dtype=torch.uint8))
-        if block_ids and blocks and self.device_tensor.is_cuda:
+        if block_ids and blocks and cuda:
             torch.cuda.current_stream().synchronize()
 
     def _copy(self, src: torch.Tensor, dst: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
+        if not (src.is_cuda or dst.is_cuda):
+            for s, d in pairs:
+                _byte_view(dst[d])[:] = _byte_view(src[s])
+            return
         swap_blocks(src, dst, pairs)
-        if src.is_cuda or dst.is_cuda:
-            torch.cuda.current_stream().synchronize()
+        torch.cuda.current_stream().synchronize()
 
     # -- metrics and integrity ------------------------------------------------------------
 

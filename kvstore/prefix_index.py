@@ -21,7 +21,6 @@ router can fall back to load-only routing and a worker can drop (and count) a pu
 
 from __future__ import annotations
 
-import enum
 import json
 import threading
 import time
@@ -33,7 +32,7 @@ from typing import Protocol, cast
 import redis
 from redis.typing import EncodableT, FieldT
 
-from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind
+from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind, Tier
 from pagedserve.kvstore.hashing import BLOCK_HASH_BYTES, BlockHash
 from pagedserve.kvstore.worker_registry import (
     RegistryUnavailable,
@@ -70,13 +69,6 @@ return n
 
 class IndexUnavailable(Exception):
     """The index could not be read or written (Redis down, timed out or erroring)."""
-
-
-class Tier(enum.Enum):
-    """Where a worker holds a block: device KV pool or host (swap) memory."""
-
-    DEV = "dev"
-    HOST = "host"
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,22 +172,16 @@ class PrefixIndex(ABC):
 
     # -- writer side ---------------------------------------------------------------------------
 
-    def publish(
-        self,
-        worker_id: str,
-        events: Iterable[BlockEvent],
-        *,
-        incarnation: str,
-        tier: Tier = Tier.DEV,
-    ) -> None:
-        """Apply one worker's block events (oldest first) under ``incarnation`` and ``tier``."""
+    def publish(self, worker_id: str, events: Iterable[BlockEvent], *, incarnation: str) -> None:
+        """Apply one worker's block events (oldest first) under ``incarnation``; a STORED
+        event's entry carries the event's tier (``dev``, ``host`` or ``disk``)."""
         check_worker_id(worker_id)
         _check_incarnation(incarnation)
         batch = list(events)
         if not batch:
             return
         try:
-            self._apply(worker_id, Entry(tier, incarnation), batch)
+            self._apply(worker_id, incarnation, batch)
         except IndexUnavailable:
             self.stats.publish_errors += 1
             raise
@@ -204,20 +190,24 @@ class PrefixIndex(ABC):
     def refresh(
         self,
         worker_id: str,
-        block_hashes: Iterable[BlockHash],
+        block_hashes: Iterable[BlockHash] | Mapping[BlockHash, Tier],
         *,
         incarnation: str,
         tier: Tier = Tier.DEV,
     ) -> None:
-        """Re-assert entries the worker still holds (after a Redis loss, or within the TTL).
+        """Re-assert entries the worker still holds (after a Redis loss, or within the TTL):
+        each hash in its tier when ``block_hashes`` maps hashes to tiers, else in ``tier``.
 
         Same as publishing STORED events, except that nothing goes to the ``events`` stream.
         """
         check_worker_id(worker_id)
         _check_incarnation(incarnation)
-        events = [BlockEvent(BlockEventKind.STORED, h) for h in block_hashes]
+        if isinstance(block_hashes, Mapping):
+            events = [BlockEvent(BlockEventKind.STORED, h, t) for h, t in block_hashes.items()]
+        else:
+            events = [BlockEvent(BlockEventKind.STORED, h, tier) for h in block_hashes]
         if events:
-            self._apply(worker_id, Entry(tier, incarnation), events, record=False)
+            self._apply(worker_id, incarnation, events, record=False)
 
     @abstractmethod
     def clear(self, worker_id: str, block_hashes: Iterable[BlockHash] = ()) -> None:
@@ -227,7 +217,7 @@ class PrefixIndex(ABC):
 
     @abstractmethod
     def _apply(
-        self, worker_id: str, entry: Entry, events: list[BlockEvent], *, record: bool = True
+        self, worker_id: str, incarnation: str, events: list[BlockEvent], *, record: bool = True
     ) -> None: ...
 
     # -- reader side ---------------------------------------------------------------------------
@@ -370,22 +360,21 @@ class RedisPrefixIndex(PrefixIndex):
         return [_parse_batch(stream_id, fields) for stream_id, fields in rows]
 
     def _apply(
-        self, worker_id: str, entry: Entry, events: list[BlockEvent], *, record: bool = True
+        self, worker_id: str, incarnation: str, events: list[BlockEvent], *, record: bool = True
     ) -> None:
-        value = entry.encode()
         try:
             pipe = self._client.pipeline(transaction=False)
             for event in events:
                 key = self.block_key(_checked(event.block_hash))
                 if event.kind is BlockEventKind.STORED:
-                    pipe.hset(key, worker_id, value)
+                    pipe.hset(key, worker_id, Entry(event.tier, incarnation).encode())
                     pipe.pexpire(key, self._ttl_ms)
                 else:
                     # NOTE: Redis deletes a hash when its last field goes, so no empty keys stay.
                     pipe.hdel(key, worker_id)
             if record and self._events_maxlen is not None:
-                batch = _vllm_events(events, entry.tier, self._block_size)
-                self._xadd(pipe, worker_id, entry.incarnation, batch)
+                batch = _vllm_events(events, self._block_size)
+                self._xadd(pipe, worker_id, incarnation, batch)
             pipe.execute()
         except _REDIS_ERRORS as e:
             raise IndexUnavailable(f"publish {worker_id}: {e}") from e
@@ -470,16 +459,16 @@ class LocalPrefixIndex(PrefixIndex):
                 self._remove(_checked(h), worker_id)
 
     def _apply(
-        self, worker_id: str, entry: Entry, events: list[BlockEvent], *, record: bool = True
+        self, worker_id: str, incarnation: str, events: list[BlockEvent], *, record: bool = True
     ) -> None:
         expires_at = self._clock() + self._ttl_s
         with self._lock:
-            self._published.set_alive(worker_id, entry.incarnation)
+            self._published.set_alive(worker_id, incarnation)
             for event in events:
                 h = _checked(event.block_hash)
                 if event.kind is BlockEventKind.STORED:
                     _, entries = self._live_key(h) or (0.0, {})
-                    entries[worker_id] = entry
+                    entries[worker_id] = Entry(event.tier, incarnation)
                     self._blocks[h] = (expires_at, entries)
                 else:
                     self._remove(h, worker_id)
@@ -529,17 +518,16 @@ def _checked(block_hash: BlockHash) -> BlockHash:
     return block_hash
 
 
-def _vllm_events(
-    events: list[BlockEvent], tier: Tier, block_size: int | None
-) -> list[dict[str, object]]:
-    """Group consecutive events of one kind into vLLM-shaped BlockStored/BlockRemoved dicts."""
+def _vllm_events(events: list[BlockEvent], block_size: int | None) -> list[dict[str, object]]:
+    """Group consecutive events of one kind and tier into vLLM-shaped BlockStored /
+    BlockRemoved dicts (``medium``: the tier, ``dev``, ``host`` or ``disk``)."""
     out: list[dict[str, object]] = []
     hashes: list[str] = []
     for event in events:
         kind = STORED if event.kind is BlockEventKind.STORED else REMOVED
-        if not out or out[-1]["type"] != kind:
+        if not out or out[-1]["type"] != kind or out[-1]["medium"] != event.tier.value:
             hashes = []
-            out.append(_vllm_event(kind, hashes, tier, block_size))
+            out.append(_vllm_event(kind, hashes, event.tier, block_size))
         hashes.append(event.block_hash.hex())
     return out
 

@@ -144,7 +144,8 @@ def join_indexed(  # noqa: PLR0913
     forwards to the publisher from now on) to the Redis prefix index under ``incarnation``.
 
     The heartbeat's load callback also refreshes the index when due (or stale), and a
-    re-created record (Redis lost our keys) republishes every hash at once.
+    re-created record (Redis lost our keys) republishes every hash at once, as does joining
+    (what the worker held before, e.g. a disk tier's blocks after a restart).
     """
     publisher = IndexPublisher(
         RedisPrefixIndex(client, model, block_size=block_size), worker_id, incarnation, worker
@@ -168,4 +169,8 @@ def join_indexed(  # noqa: PLR0913
     if not member.registered:
         log.warning("serving without the prefix index until Redis returns")
         publisher.stale = True
+    else:
+        # NOTE: what the worker holds before it joined (a disk tier's blocks after a restart,
+        # warm-up prompts) produced no event the publisher saw.
+        publisher.refresh(force=True)
     return IndexedMember(member, publisher)

@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 
 from pagedserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from pagedserve.grpcutil import EngineLoop
-from pagedserve.kvstore.block_pool import BlockEvent
+from pagedserve.kvstore.block_pool import BlockEvent, Tier
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.hashing import BlockHash
 from pagedserve.model.requests.batch import RunnerOutput, StepPlan
@@ -212,10 +212,11 @@ class PrefillWorker:
         with self.lock:
             self.engine.check_integrity()
 
-    def registered_hashes(self) -> list[BlockHash]:
-        """Hashes of every block a prefix hit could use now (for republishing the index)."""
+    def registered_hashes(self) -> dict[BlockHash, Tier]:
+        """Hashes of every block a prefix hit could use now, with the tier holding each (the
+        device pool, the host or disk tier), for republishing the index."""
         with self.lock:
-            return self.engine.pool.registered_hashes()
+            return self.engine.kv.held_hashes()
 
     def _free_leased(self, lease: Lease[BlockTable]) -> None:
         with self._wake:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from pagedserve.decode_worker.engine import DecodeEngineConfig
-from pagedserve.kvstore.block_pool import BlockPool
+from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind, BlockPool
 from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES, HostTier
@@ -83,6 +83,10 @@ class Recorder:
         # NOTE: called while the block still carries its hash (its KV is intact)
         assert self.pool.block_hash(block_id) == block_hash
         self.calls.append(("evicted", block_id, block_hash, depth))
+        return False  # not kept: the pool records REMOVED
+
+    def attach(self, sink):
+        self.calls.append(("attach",))
 
     def stored(self, block_hash):
         self.calls.append(("stored", block_hash))
@@ -100,7 +104,10 @@ def test_pool_reports_evictions_with_depth_before_dropping_the_hash():
     pool.cache_block(ids[1], h(1), depth=1)
     pool.free(reversed(ids))
     pool.allocate(1)
-    assert rec.calls == [("stored", h(0)), ("stored", h(1)), ("evicted", ids[1], h(1), 1)]
+    assert rec.calls == [
+        ("attach",), ("stored", h(0)), ("stored", h(1)), ("evicted", ids[1], h(1), 1)
+    ]  # fmt: skip
+    assert pool.drain_events()[-1] == BlockEvent(BlockEventKind.REMOVED, h(1))
     pool.reset_prefix_cache()
     assert rec.calls[-1] == ("reset",)
     pool.check_integrity()

@@ -44,8 +44,8 @@ def chain(num_blocks: int, *, start: int = 0, salt: str = "") -> list[BlockHash]
     return hash_blocks(tokens, BLOCK_SIZE, model_fingerprint=FP, cache_salt=salt)
 
 
-def stored(hashes: list[BlockHash]) -> list[BlockEvent]:
-    return [BlockEvent(BlockEventKind.STORED, h) for h in hashes]
+def stored(hashes: list[BlockHash], tier: Tier = Tier.DEV) -> list[BlockEvent]:
+    return [BlockEvent(BlockEventKind.STORED, h, tier) for h in hashes]
 
 
 def removed(hashes: list[BlockHash]) -> list[BlockEvent]:
@@ -231,9 +231,38 @@ def test_tier_is_recorded_per_worker(env: IndexEnv) -> None:
     env.set_alive("w1", "i1")
     env.set_alive("w2", "i1")
     env.publish("w1", stored([h]))
-    env.index.publish("w2", stored([h]), incarnation="i1", tier=Tier.HOST)
+    env.index.publish("w2", stored([h], Tier.HOST), incarnation="i1")
     assert env.index.holders(h) == {"w1": Tier.DEV, "w2": Tier.HOST}
     assert env.index.lookup([h]) == {"w1": 1, "w2": 1}
+
+
+def test_a_stored_event_in_another_tier_moves_the_entry(env: IndexEnv) -> None:
+    a, b, c = chain(3)
+    env.set_alive("w1", "i1")
+    env.publish("w1", stored([a, b, c]))
+    env.publish("w1", stored([b], Tier.HOST) + stored([c], Tier.DISK))
+    assert [env.index.holders(x) for x in (a, b, c)] == [
+        {"w1": Tier.DEV}, {"w1": Tier.HOST}, {"w1": Tier.DISK}
+    ]  # fmt: skip
+    assert env.index.lookup([a, b, c]) == {"w1": 3}  # every tier counts: a copy, no recompute
+    env.publish("w1", stored([b]) + removed([c]))
+    assert env.index.holders(b) == {"w1": Tier.DEV}
+    assert env.index.lookup([a, b, c]) == {"w1": 2}
+
+
+def test_refresh_restores_each_hash_in_its_tier(env: IndexEnv) -> None:
+    a, b, c = chain(3)
+    env.set_alive("w1", "i1")
+    env.index.refresh("w1", {a: Tier.DEV, b: Tier.HOST, c: Tier.DISK}, incarnation="i1")
+    assert [env.index.holders(x) for x in (a, b, c)] == [
+        {"w1": Tier.DEV}, {"w1": Tier.HOST}, {"w1": Tier.DISK}
+    ]  # fmt: skip
+
+
+def test_entry_values_of_every_tier_decode() -> None:
+    for tier in Tier:
+        assert Entry.decode(f"{tier.value}:abc") == Entry(tier, "abc")
+    assert Entry.decode("gpu:abc") is None
 
 
 def test_clear_removes_the_named_entries(env: IndexEnv) -> None:
@@ -344,6 +373,22 @@ def test_redis_events_stream_holds_vllm_shaped_batches(redis_server: RedisServer
     ]
     assert batches[1].events == [{"type": ALL_CLEARED}]
     assert index.read_events(after=batches[0].stream_id) == batches[1:]
+
+
+def test_redis_events_stream_names_each_events_tier_as_its_medium(
+    redis_server: RedisServer,
+) -> None:
+    env = make_redis_env(redis_server, events_maxlen=1000, block_size=BLOCK_SIZE)
+    assert isinstance(env.index, RedisPrefixIndex)
+    a, b, c = chain(3)
+    env.publish("w1", stored([a]) + stored([b, c], Tier.HOST) + removed([c]))
+    (batch,) = env.index.read_events()
+    shape = [(e["type"], e["block_hashes"], e["medium"]) for e in batch.events]
+    assert shape == [
+        (STORED, [a.hex()], "dev"),
+        (STORED, [b.hex(), c.hex()], "host"),
+        (REMOVED, [c.hex()], "dev"),
+    ]
 
 
 def test_redis_events_stream_is_bounded(redis_server: RedisServer) -> None:

@@ -11,7 +11,7 @@ import asyncio
 
 import pytest
 
-from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind
+from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind, Tier
 from pagedserve.kvstore.hashing import hash_blocks
 from pagedserve.kvstore.prefix_index import LocalPrefixIndex, StaticLiveness
 from pagedserve.router.routing import Decision, LocalPrefill, RoutingPolicy, WorkerSet
@@ -30,12 +30,17 @@ def route(
     busy_usage: float = 0.1,
     local: LocalPrefill | None = None,
     accepts: bool = True,
+    tiers: tuple[Tier, ...] = (Tier.DEV,),
 ) -> tuple[Decision, RoutingPolicy]:
-    """Route PROMPT with `held[worker]` leading blocks of it published for each worker; the
-    decode worker `BUSY` has `busy_usage` of its KV in use and 4 requests, `IDLE` none."""
+    """Route PROMPT with `held[worker]` leading blocks of it published for each worker, block
+    i in tier `tiers[i]` (the last one for the rest); the decode worker `BUSY` has
+    `busy_usage` of its KV in use and 4 requests, `IDLE` none."""
     index = LocalPrefixIndex(liveness=StaticLiveness({w: "inc" for w in held}))
     for worker_id, n in held.items():
-        stored = [BlockEvent(BlockEventKind.STORED, h) for h in HASHES[:n]]
+        stored = [
+            BlockEvent(BlockEventKind.STORED, h, tiers[min(i, len(tiers) - 1)])
+            for i, h in enumerate(HASHES[:n])
+        ]
         index.publish(worker_id, stored, incarnation="inc")
 
     async def scenario() -> tuple[Decision, RoutingPolicy]:
@@ -68,6 +73,16 @@ def test_a_decode_worker_holding_the_conversation_wins_over_a_less_loaded_one() 
     assert decision.terms["decode_cached_blocks"] == 8.0
     assert decision.terms["decode_overlap"] == pytest.approx(1.0)  # the whole prompt, weight 1
     assert decision.terms["decode_cost"] == pytest.approx(4 * 0.1 + 4 / 64 - 1.0)
+
+
+def test_blocks_in_a_host_or_disk_tier_count_like_device_blocks() -> None:
+    """A decode worker that moved the conversation's tail to its host and disk tiers still
+    holds it for the router: the same decode overlap, and it computes the prompt itself."""
+    on_device, _ = route({PREFILL: 2, BUSY: 8})
+    tiered, _ = route({PREFILL: 2, BUSY: 8}, tiers=(Tier.DEV, Tier.DEV, Tier.HOST, Tier.DISK))
+    assert tiered.decode.worker_id == on_device.decode.worker_id == BUSY
+    assert tiered.terms["decode_cached_blocks"] == on_device.terms["decode_cached_blocks"] == 8.0
+    assert tiered.prefill_here and on_device.prefill_here
 
 
 def test_a_much_busier_decode_worker_loses_its_prefix() -> None:
