@@ -291,8 +291,8 @@ class QuantizedLinear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         operands = self.w8a8_operands()
         if operands is not None:
-            out = cpu_w8a8.linear(x2.float(), *operands[:2], self.bias, operands[2])
-            return out.to(x.dtype).view(*shape[:-1], self.out_features)
+            w8a8 = cpu_w8a8.linear(x2.float(), *operands[:2], self.bias, operands[2])
+            return w8a8.to(x.dtype).view(*shape[:-1], self.out_features)
         if self.quant.method == "int4":
             self._use_int4_layout("native")
         out = None
