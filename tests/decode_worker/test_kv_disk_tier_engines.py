@@ -13,6 +13,7 @@ import pytest
 import torch
 from support.metric_docs import documented_metrics
 from support.oracle import GREEDY, hf_greedy_on, hf_model, make_engine, make_prompts
+from support.tiers import run_waves
 
 from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.kvstore.disk_tier import FILE_HEADER_BYTES, RECORD_HEADER_BYTES, segment_name
@@ -220,13 +221,7 @@ def test_disk_tier_with_swap_preemption_keeps_transformers_tokens(tiny_llama, tm
         preemption_mode=PreemptionMode.SWAP,
     )  # fmt: skip
     waves = [[PROMPT_A, OTHER_1], [OTHER_2, PROMPT_B, PREFIX + TAIL_B[:2]]]
-    seqs, swapped = [], 0
-    for wave in waves:
-        seqs += [engine.add_request(p, SHORT) for p in wave]
-        while engine.has_unfinished:
-            swapped += len(engine.step().plan.preempted)
-            engine.check_integrity()
-    engine.close()
+    seqs, swapped = run_waves(engine, waves, SHORT)
     counts = engine.kv.offload.counts()
     assert swapped >= 1 and counts.disk_promotions >= 1, (swapped, counts)
     model = hf_model(tiny_llama, torch.float32)

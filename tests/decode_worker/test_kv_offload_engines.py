@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 from support.oracle import GREEDY, hf_greedy_on, hf_model, make_engine, make_prompts
+from support.tiers import run_waves
 
 from pagedserve.decode_worker.plan import PreemptionMode
 from pagedserve.prefill_worker.engine import PrefillEngine, PrefillEngineConfig
@@ -97,13 +98,7 @@ def test_tier_with_swap_preemption_keeps_transformers_tokens(tiny_llama):
     assert not engine.kv.promote_on_match, "the decode engine promotes between steps only"
     assert engine.kv.offload.before_write == engine.swapper.wait_for_writes
     waves = [[PROMPT_A, OTHER_1], [OTHER_2, PROMPT_B, PREFIX + TAIL_A[:1], PREFIX + TAIL_B[:2]]]
-    seqs, swapped = [], 0
-    for wave in waves:
-        seqs += [engine.add_request(p, SHORT) for p in wave]
-        while engine.has_unfinished:
-            swapped += len(engine.step().plan.preempted)
-            engine.check_integrity()
-    engine.close()
+    seqs, swapped = run_waves(engine, waves, SHORT)
     counts = engine.kv.offload.counts()
     assert swapped >= 1 and counts.promotions >= 1, (swapped, counts)
     model = hf_model(tiny_llama, torch.float32)

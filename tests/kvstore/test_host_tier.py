@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiers import fill
 
 from pagedserve.decode_worker.engine import DecodeEngineConfig
 from pagedserve.kvstore.block_pool import BlockEvent, BlockEventKind, BlockPool
-from pagedserve.kvstore.block_table import BlockTable
 from pagedserve.kvstore.eviction import EvictionPolicy
 from pagedserve.kvstore.host_tier import OFFLOAD_GAUGES, HostTier
 from pagedserve.kvstore.kv_cache import KVCacheSpec
@@ -118,16 +118,6 @@ def make_manager(num_blocks: int, num_slots: int) -> tuple[KVCacheManager, KVOff
     device = torch.zeros(SPEC.storage_shape(num_blocks))
     offload = KVOffload(SPEC, device, num_slots)
     return KVCacheManager(pool, offload=offload), offload
-
-
-def fill(manager: KVCacheManager, offload: KVOffload, hashes, value: float) -> None:
-    """A table over len(hashes) full blocks whose KV is `value + i`, cached, then freed."""
-    table = BlockTable(manager.pool)
-    manager.allocate(table, len(hashes) * SPEC.block_size)
-    for i, block_id in enumerate(table.block_ids):
-        offload.device_tensor[block_id] = value + i
-    manager.cache_full_blocks(table, hashes, table.num_tokens)
-    manager.free(table)
 
 
 def test_evicted_prefix_is_promoted_back_with_its_bytes():

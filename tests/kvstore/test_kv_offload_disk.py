@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from support.tiers import fill
 
 from pagedserve.kvstore.block_pool import BlockPool
 from pagedserve.kvstore.block_table import BlockTable
@@ -27,16 +28,6 @@ def make_manager(tmp_path, num_blocks: int, num_slots: int, spec: KVCacheSpec = 
     disk = DiskTier(tmp_path, 1 << 16, bytes_per_block=spec.bytes_per_block, compat_key=h(99))
     offload = KVOffload(spec, device, num_slots, disk=disk)
     return KVCacheManager(pool, offload=offload), offload
-
-
-def fill(manager: KVCacheManager, offload: KVOffload, hashes, value: float) -> None:
-    """A table over len(hashes) full blocks whose KV is `value + i`, cached, then freed."""
-    table = BlockTable(manager.pool)
-    manager.allocate(table, len(hashes) * SPEC.block_size)
-    for i, block_id in enumerate(table.block_ids):
-        offload.device_tensor[block_id] = value + i
-    manager.cache_full_blocks(table, hashes, table.num_tokens)
-    manager.free(table)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
