@@ -354,8 +354,8 @@ def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
         args.model, mode, Path(args.peers_venv), Path(args.llama_cpp_bin), args.gguf_source,
         Path(args.gguf_dir), args.kv_cache_memory or bytes_arg("448MiB"), spec.conversations,
         args.threads, raw / "logs", args.kv_offload_memory,
-        max_model_len(spec, encoder(args.model)),
-        args.prefill_kv_cache_memory or bytes_arg("64MiB"),
+        max_model_len=max_model_len(spec, encoder(args.model)),
+        prefill_kv_cache_memory_bytes=args.prefill_kv_cache_memory or bytes_arg("64MiB"),
     )  # fmt: skip
     servers = args.servers or DEFAULT_SERVERS
     return MultiTurnConfig(tuple(dict.fromkeys(servers)), spec, setup, args.start_timeout,

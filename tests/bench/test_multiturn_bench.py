@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from transformers import AutoTokenizer
 
-from pagedserve.bench import multiturn, online, online_multiturn
+from pagedserve.bench import multiturn, online, online_multiturn, online_servers
 from pagedserve.bench.conversations import SYSTEM_PROMPT, ConversationSpec, user_messages
 from pagedserve.bench.multiturn import ServerRun
 
@@ -128,3 +128,18 @@ def test_stream_lines_give_content_times_and_usage_and_an_error_event_fails_the_
     with pytest.raises(RuntimeError, match="error event"):
         error = {"error": {"message": "worker lost", "type": "server_error"}}
         multiturn._on_line("data: " + json.dumps(error), 0.5, times, parts, usage)
+
+
+def test_every_server_gets_the_same_total_kv_budget(tiny_chat_model, tmp_path):
+    """Ours: the decode and the prefill worker's budgets on `up`'s command line; vLLM: their
+    sum, and the length bound as its --max-model-len."""
+    argv = ["--workload", "multiturn", "--model", str(tiny_chat_model), "--out",
+            str(tmp_path / "report"), "--raw", str(tmp_path / "raw")]  # fmt: skip
+    setup = online_multiturn.config_from_args(online.parse_args(argv)).setup
+    ours = online_servers.launch(online_servers.OURS, setup, 1).argv
+    assert ours[ours.index("--kv-cache-memory") + 1] == str(448 << 20)
+    assert ours[ours.index("--prefill-kv-cache-memory") + 1] == str(64 << 20)
+    assert online_multiturn.vllm_budget(setup) == 512 << 20
+    vllm = online_servers.launch(online_servers.VLLM, setup, 1).argv
+    assert vllm[vllm.index("--max-model-len") + 1] == str(setup.max_model_len)
+    assert setup.max_model_len is not None and setup.max_model_len < 8192
