@@ -29,6 +29,8 @@ from pagedserve.sampling_params import SamplingParams
 LENS = (1, 3, 7, 12, 16, 20, 21, 25, 33, 40, 47, 64, 70, 90, 120, 150)
 LOCAL_MAX = 20
 KV_BLOCKS = 20  # per worker: under a third of what the 16 streams hold at their longest
+DRAFT_KV_BLOCKS = 16  # with a draft model (below); the longest sequence needs 12 blocks
+DRAFT_GREEDY = SamplingParams(temperature=0.0, max_tokens=32)
 BLOCK_SIZE = 16
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24)
 
@@ -66,20 +68,25 @@ def test_a_cluster_serves_the_family_as_transformers_under_swap(family, make_tin
         metrics=True, max_local_prefill_tokens=LOCAL_MAX, local_prefill_queue_tokens=0,
         kv_cache_memory=str(KV_BLOCKS * spec.bytes_per_block), **UP_FLAGS.get(family, {}),
     )  # fmt: skip
+    params = GREEDY
     if flags.get("speculative_method") == "draft":
         flags["speculative_model"] = str(model_dir)
-        # NOTE: the draft's KV shares each block: twice the bytes keep the test's 20 blocks
-        flags["kv_cache_memory"] = str(2 * KV_BLOCKS * spec.bytes_per_block)
+        # NOTE: the draft's KV shares each block: twice the bytes per block. Its sequences
+        # accept every proposal and finish in a fifth of the steps, so they overlap less: 20
+        # blocks and 24 tokens gave 0-3 swap preemptions a run (one quiet run 0), 16 or 13
+        # blocks 1-6; 16 blocks and 32 tokens keep the pressure
+        flags["kv_cache_memory"] = str(2 * DRAFT_KV_BLOCKS * spec.bytes_per_block)
+        params = DRAFT_GREEDY
     prompts = make_prompts(LENS, seed=31)
     with clusters.private(model_dir, **flags) as started:
         port = child(started, "decode").metrics_port
         before = scrape(port)
-        got = _generate_concurrently(started.router_address, prompts)
+        got = _generate_concurrently(started.router_address, prompts, params)
         with Client(started.router_address) as client:
             assert wait_until(lambda: set(blocks_in_use(client).values()) == {0}, 10.0)
         grew = {k: v - before.get(k, 0.0) for k, v in scrape(port).items()}
     for prompt, tokens in zip(prompts, got, strict=True):
-        want = hf_greedy(model_dir, torch.float32, tuple(prompt))[0][: GREEDY.max_tokens]
+        want = hf_greedy(model_dir, torch.float32, tuple(prompt))[0][: params.max_tokens]
         assert tokens == want, f"{family}: the prompt of {len(prompt)} tokens"
     swaps = grew["pagedserve:decode_num_preemptions_swap_total"]
     print(f"{family}: {swaps:.0f} swap preemptions")
@@ -95,12 +102,14 @@ def test_a_cluster_serves_the_family_as_transformers_under_swap(family, make_tin
             assert 0 < accepted < drafted
 
 
-def _generate_concurrently(address: str, prompts: list[list[int]]) -> list[list[int] | None]:
+def _generate_concurrently(
+    address: str, prompts: list[list[int]], params: SamplingParams
+) -> list[list[int] | None]:
     results: list[list[int] | None] = [None] * len(prompts)
 
     def run(i: int) -> None:
         with Client(address) as client:
-            results[i] = tokens_of(client.generate(prompts[i], GREEDY, timeout=120))
+            results[i] = tokens_of(client.generate(prompts[i], params, timeout=120))
 
     threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
     for t in threads:
