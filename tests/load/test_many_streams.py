@@ -3,7 +3,7 @@ on asyncio servers (docs/architecture.md): no thread per stream, health and stat
 streams run, priority reaches the queue that matters, and admission control answers at once.
 
     200 low-priority streams ─┐
-    1 high-priority stream ───┼─► router ─► prefill (a queue: one prompt a step) ─► decode
+    1 high-priority stream ───┼─► router ─► prefill (a queue: a third of a prompt a step) ─► decode
     extra requests ───────────┘   (--max-queued-requests 201: RESOURCE_EXHAUSTED)
 """
 
@@ -47,10 +47,13 @@ SERVICES = {
 def cluster(tiny_llama, tmp_path_factory):
     logs = tmp_path_factory.mktemp("many-streams")
     common = ["--model", str(tiny_llama), "--block-size", "16"]
-    # NOTE: one prompt per prefill step, so 200 prompts make a queue the priority must jump
+    # NOTE: a 48-token prompt takes three 16-token prefill steps, so 200 prompts make a queue the
+    # priority must jump, and it drains slower than the router passes requests on: with one
+    # prompt a step a busy CI host once drained most of it first, and the high request's trip
+    # through the loaded router lasted 26 prompts (ahead 26 of 49)
     prefill = start(
         "prefill",
-        [*common, "--num-gpu-blocks-override", "1024", "--max-num-batched-tokens", "64"],
+        [*common, "--num-gpu-blocks-override", "1024", "--max-num-batched-tokens", "16"],
         logs / "prefill.log",
     )
     decode = start("decode", [*common, "--num-gpu-blocks-override", "2048",
