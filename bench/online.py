@@ -48,6 +48,7 @@ import dataclasses
 import datetime
 import json
 import os
+import resource
 import shlex
 import statistics
 import sys
@@ -306,12 +307,23 @@ def _serve_and_load(config: OnlineConfig, name: str) -> list[Level]:
 
 
 def _with_cpu(server: online_servers.Server, level: Callable[[], Level]) -> Level:
-    """`level()`'s Level with the CPU seconds each of `server`'s processes spent meanwhile."""
-    before = online_servers.cpu_seconds(server)
+    """`level()`'s Level with the CPU seconds each of `server`'s processes spent meanwhile, and
+    the load generator's: this process (our loops) and the children it waited for (guidellm)."""
+    before, client = online_servers.cpu_seconds(server), _own_and_children_cpu()
     result = level()
-    after = online_servers.cpu_seconds(server)
+    after, client = online_servers.cpu_seconds(server), _own_and_children_cpu() - client
     spent = {role: after[role] - before.get(role, 0.0) for role in after}
-    return dataclasses.replace(result, cpu_s=spent)
+    return dataclasses.replace(result, cpu_s=spent, client_cpu_s=client)
+
+
+def _own_and_children_cpu() -> float:
+    """User + system CPU seconds of this process and of its children that have been waited for
+    (a running server is not among them until it exits)."""
+    own, children = (
+        resource.getrusage(resource.RUSAGE_SELF),
+        resource.getrusage(resource.RUSAGE_CHILDREN),
+    )
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
 
 def _vocab(config: OnlineConfig) -> int:
@@ -324,7 +336,8 @@ def _progress(lv: Level) -> None:
         return
     print(f"[s15] {lv.server} {lv.api} streams={lv.streams}: {lv.output_tok_s:.1f} tok/s, "
           f"ITL p50 {_fmt(lv.itl_p50_ms)} ms, TTFT p50 {_fmt(lv.ttft_p50_ms)} ms, "
-          f"{lv.completed} completed, {lv.errored} errored", flush=True)  # fmt: skip
+          f"{lv.completed} completed, {lv.errored} errored; CPU s: {_fmt_cpu(lv.cpu_s)}, load "
+          f"generator {_fmt(lv.client_cpu_s)}", flush=True)  # fmt: skip
 
 
 def _error_note(lv: Level) -> str:
@@ -399,15 +412,15 @@ def markdown(config: OnlineConfig, result: OnlineResult, header: dict) -> str:
         "its length.", "",
         "| streams | server | API | output tok/s | ITL p50 ms | ITL p99 ms | TTFT p50 ms "
         "| TTFT p99 ms | completed | errored | incomplete | tokens in / out per request | rep "
-        "| server CPU s in the level |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| server CPU s in the level | load generator CPU s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for lv in sorted(result.levels, key=lambda lv: lv.streams):
         cells = [lv.streams, lv.server, lv.api, _fmt(lv.output_tok_s), _fmt(lv.itl_p50_ms),
                  _fmt(lv.itl_p99_ms), _fmt(lv.ttft_p50_ms), _fmt(lv.ttft_p99_ms),
                  lv.completed, lv.errored, lv.incomplete,
                  f"{_fmt(lv.prompt_tokens_mean)} / {_fmt(lv.output_tokens_mean)}",
-                 lv.repetition, _fmt_cpu(lv.cpu_s)]  # fmt: skip
+                 lv.repetition, _fmt_cpu(lv.cpu_s), _fmt(lv.client_cpu_s)]  # fmt: skip
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     lines += ["", *_ratio_table(result.ratios), "", *_gateway_cpu(result.levels)]
     lines += [f"- {note}" for note in (*header["fixed_notes"], *result.notes)]

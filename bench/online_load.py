@@ -107,6 +107,9 @@ class Level:
     # CPU seconds of the server's processes during the level (ours by role: router, gateway,
     # prefill, decode; a peer as "server"), warmup included
     cpu_s: dict[str, float] = dataclasses.field(default_factory=dict)
+    # CPU seconds of the load generator during the level: guidellm's processes, or the bench
+    # process running our own loops (it shares the machine's cores with the server)
+    client_cpu_s: float | None = None
     # per completed request, as the server counted them (chat: with its template's tokens)
     prompt_tokens_mean: float | None = None
     output_tokens_mean: float | None = None

