@@ -1,7 +1,9 @@
-"""`linear` for fp32 on CPU: native kernels for up to 512 rows (64 on Intel), else MKL.
+"""`linear` for fp32 on CPU: native kernels up to 16 rows, MKL on a packed weight above.
 
 - up to NATIVE_MAX_TOKENS (16) rows, `csrc/linear_f32.c` (one row at a time reads the weight at
   the machine's bandwidth; every output the same sum whatever M: batch invariance);
+- above, where torch has MKL, MKL's GEMM on the weight packed once (`mkl_packed`: `F.linear`'s
+  kernels, bit for bit on one thread, at 1.2-1.6x its speed); else:
 - up to GEMM_MAX_TOKENS, `csrc/gemm_f32.c`, a register-blocked GEMM: 512 rows where MKL runs
   its generic path (AMD: over SmolLM2's 120 fused decoder weights, 2 threads, AVX-512, GFLOP/s,
   32 rows 138 against the split `bmm`'s 102, 256 rows 165-167 against MKL's 146, 512 as MKL),
@@ -23,7 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_native, mkl_packed
 
 MAX_TOKENS = 256
 """From about this many input rows on `F.linear` is as fast."""
@@ -60,10 +62,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
         out = cpu_native.linear_f32(x, weight, bias)
         if out is not None:
             return out
-    elif x.dim() == 2 and x.shape[0] <= GEMM_MAX_TOKENS:
-        out = cpu_native.gemm_f32(x, weight, bias)
+    else:
+        out = mkl_packed.linear(x, weight, bias)
         if out is not None:
             return out
+        if x.dim() == 2 and x.shape[0] <= GEMM_MAX_TOKENS:
+            out = cpu_native.gemm_f32(x, weight, bias)
+            if out is not None:
+                return out
     parts = torch.get_num_threads()
     out_features, in_features = weight.shape
     if (

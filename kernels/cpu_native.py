@@ -171,6 +171,8 @@ def _signatures() -> dict[str, tuple[list[type], type | None]]:
         ),
         "linear_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], None),
         "gemm_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32),
+        "set_sgemm_compute": ([ptr], None),
+        "linear_packed_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64], i32),
         "rms_norm_f32": ([ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32], None),
         "mask_logits_f32": ([ptr, i64, ptr, i64, ptr, i64, i64], None),
         "quantize_rows_i8": ([ptr, i64, ptr, ptr, i64, i64, i32], None),

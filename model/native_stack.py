@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
-from pagedserve.kernels import cpu_linear, cpu_native, cpu_stack, cpu_w8a8, dispatch
+from pagedserve.kernels import cpu_linear, cpu_native, cpu_stack, cpu_w8a8, dispatch, mkl_packed
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model import quant
@@ -242,11 +242,14 @@ def _f32_linear(
 ) -> tuple[cpu_stack.Linear, int] | None:
     if not (_is_f32(weight) and weight.dim() == 2 and _is_f32(bias)):
         return None
-    keep.extend(t for t in (weight, bias) if t is not None)
+    packed = mkl_packed.packed(weight)
+    keep.extend(t for t in (weight, bias, packed) if t is not None)
     n, k = weight.shape
     linear = cpu_stack.Linear(cpu_stack.F32, weight.data_ptr(), None, None,
-                              None if bias is None else bias.data_ptr(), n, k)  # fmt: skip
-    return linear, cpu_linear.GEMM_MAX_TOKENS
+                              None if bias is None else bias.data_ptr(), n, k,
+                              packed=None if packed is None else packed.data_ptr())  # fmt: skip
+    # NOTE: MKL on the packed copy takes any batch; the native GEMM is kept to its best range
+    return linear, cpu_linear.MAX_TOKENS if packed is not None else cpu_linear.GEMM_MAX_TOKENS
 
 
 def _is_f32(tensor: torch.Tensor | None) -> bool:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels import dispatch
+from pagedserve.kernels import dispatch, mkl_packed
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
 from pagedserve.model import gguf_weights, moe
@@ -99,6 +99,20 @@ def weight_bytes(config: ModelConfig) -> int:
     return weights + embedding + head + h * size
 
 
+def packed_copy_bytes(config: ModelConfig, device: str) -> int:
+    """Bytes of the copies of fp32 weights that kernels/mkl_packed.py packs for MKL on CPU once
+    products pass 16 rows (prompt chunks, decode batches): every fp32 decoder linear's weight
+    and the LM head's once more (a tied head packs the table). 0 where nothing is packed."""
+    fp32 = config.dtype == torch.float32 and config.quantization is None
+    if not device.startswith("cpu") or config.dtype != torch.float32 or not mkl_packed.available():
+        return 0
+    h, inner = config.hidden_size, config.intermediate_size
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    layer = h * (q + 2 * kv) + q * h + 3 * h * inner if fp32 else 0
+    head = 0 if config.quantization is not None and config.quantization.lm_head else h
+    return (config.num_layers * layer + head * config.vocab_size) * 4
+
+
 def rank_kv_cache_bytes(rank_config: ModelConfig, args: Any, ranks: int) -> int:
     """A worker rank's KV budget from its flags (`--kv-cache-memory`, `--kv-cache-memory-
     fraction`, `--device`): a device is each rank's own, but on CPU the tensor-parallel ranks
@@ -131,7 +145,7 @@ def kv_cache_bytes(config: ModelConfig, device: str, memory: int, fraction: floa
     """
     if fraction is None:
         return memory
-    weights = weight_bytes(config)
+    weights = weight_bytes(config) + packed_copy_bytes(config, device)
     budget = int(fraction * device_memory_bytes(device)) - weights
     if budget <= 0:
         raise ValueError(

@@ -32,6 +32,8 @@ void linear_f32(const float *x, int64_t ldx, const float *w, const float *bias, 
                 int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int threads);
 int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, float *y, int64_t ldy,
              int64_t m_rows, int64_t n_rows, int64_t k, int threads);
+int linear_packed_f32(const float *x, int64_t ldx, const float *packed, const float *bias,
+                      float *y, int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k);
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads);
@@ -62,6 +64,7 @@ typedef struct {
     const void *w;
     const float *scales, *zeros, *bias; /* bias [n] or NULL (added after, as torch does) */
     int64_t n, k, group, ls_n, ls_g;
+    const float *packed; /* LIN_F32: w packed for MKL (kernels/mkl_packed.py), or NULL */
 } ps_linear;
 
 enum { MAX_PARTS = 3 };
@@ -93,7 +96,10 @@ typedef struct {
 /* Returns 0, or 1 when a w8a8 linear could not allocate its scratch (y is then undefined). */
 static int linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int64_t ldy,
                   int64_t rows, int threads) {
-    if (l->kind == LIN_F32) { /* as kernels/cpu_linear.py chooses: the GEMM above 16 rows */
+    if (l->kind == LIN_F32) { /* as kernels/cpu_linear.py chooses: MKL or the GEMM above 16 */
+        if (rows > 16 && l->packed &&
+            linear_packed_f32(x, ldx, l->packed, l->bias, y, ldy, rows, l->n, l->k))
+            return 0;
         if (rows <= 16 ||
             !gemm_f32(x, ldx, (const float *)l->w, l->bias, y, ldy, rows, l->n, l->k, threads))
             linear_f32(x, ldx, (const float *)l->w, l->bias, y, ldy, rows, l->n, l->k, threads);

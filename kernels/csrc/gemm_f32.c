@@ -17,6 +17,7 @@
  */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "simd.h"
 
@@ -87,5 +88,28 @@ int gemm_f32(const float *x, int64_t ldx, const float *w, const float *bias, flo
         }
     }
     free(xt);
+    return 1;
+}
+
+/* MKL's cblas_sgemm_compute as torch's own libtorch_cpu exports it (LP64: MKL_INT is int), set
+ * once by kernels/mkl_packed.py; NULL where torch has no MKL. */
+typedef void (*sgemm_compute_fn)(int layout, int transa, int transb, int m, int n, int k,
+                                 const float *a, int lda, const float *b, int ldb, float beta,
+                                 float *c, int ldc);
+static sgemm_compute_fn packed_compute;
+
+void set_sgemm_compute(void *fn) { packed_compute = (sgemm_compute_fn)fn; }
+
+/* y = x @ W.T (+ bias), W [N, K] packed by cblas_sgemm_pack (B, transposed): MKL's GEMM on
+ * the packed copy, as F.linear computes it (addmm: y starts as the bias, beta = 1), without
+ * MKL packing W again on every call. 0 when no compute function is set (nothing written). */
+int linear_packed_f32(const float *x, int64_t ldx, const float *packed, const float *bias,
+                      float *y, int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k) {
+    enum { ROW_MAJOR = 101, NO_TRANS = 111, PACKED = 151 };
+    if (!packed_compute) return 0;
+    if (bias)
+        for (int64_t m = 0; m < m_rows; m++) memcpy(y + m * ldy, bias, sizeof(float) * n_rows);
+    packed_compute(ROW_MAJOR, NO_TRANS, PACKED, (int)m_rows, (int)n_rows, (int)k, x, (int)ldx,
+                   packed, (int)k, bias ? 1.0f : 0.0f, y, (int)ldy);
     return 1;
 }

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_linear, cpu_native
+from pagedserve.kernels import cpu_linear, cpu_native, mkl_packed
 from pagedserve.kernels.cpu_linear import linear
 
 BLOCKER = cpu_native.build_blocker()
@@ -81,6 +81,7 @@ def test_strided_inputs_and_row_slices_of_a_fused_weight():
 @needs_kernel
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", "GenuineIntel"])
 def test_each_batch_size_takes_its_kernel_and_the_largest_f_linear(monkeypatch, vendor):
+    monkeypatch.setattr(mkl_packed, "enabled", False)  # tests/kernels/test_mkl_packed.py
     bound = cpu_linear.gemm_max_tokens(vendor)
     monkeypatch.setattr(cpu_linear, "GEMM_MAX_TOKENS", bound)
     calls = []
@@ -133,6 +134,7 @@ def test_a_gemm_row_is_the_same_whatever_the_batch_and_its_place_in_it():
 @pytest.mark.parametrize("shape", [(96, 64), (512, 256), (7, 64)], ids=str)  # 7: odd rows
 def test_without_the_kernel_it_is_f_linear_bit_for_bit(tokens, shape, monkeypatch):
     monkeypatch.setattr(cpu_native, "enabled", False)
+    monkeypatch.setattr(mkl_packed, "enabled", False)
     g = torch.Generator().manual_seed(tokens)
     weight = torch.randn(shape, generator=g)
     x = torch.randn(tokens, shape[1], generator=g)

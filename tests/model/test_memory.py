@@ -4,14 +4,18 @@ size computed from the config is the loaded model's, exactly, and the budget is 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import pytest
+from support.oracle import make_engine
 
 from pagedserve.cli_options import add_model_arguments
+from pagedserve.kernels import mkl_packed
 from pagedserve.model import runner
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
+from pagedserve.sampling_params import SamplingParams
 
 
 @pytest.mark.parametrize(
@@ -42,7 +46,7 @@ def test_weight_bytes_are_the_loaded_models(make_tiny, arch, kwargs, dtype):
 def test_the_fraction_is_what_the_device_has_left_after_the_weights(tiny_llama, monkeypatch):
     config = load_model_config(tiny_llama, "float32")
     monkeypatch.setattr(runner, "device_memory_bytes", lambda device: 10 << 30)
-    weights = runner.weight_bytes(config)
+    weights = runner.weight_bytes(config) + runner.packed_copy_bytes(config, "cpu")
     assert runner.kv_cache_bytes(config, "cpu", 123, None) == 123  # no fraction: the bytes
     assert runner.kv_cache_bytes(config, "cpu", 123, 0.5) == (5 << 30) - weights
     with pytest.raises(ValueError, match="kv-cache-memory-fraction"):
@@ -75,5 +79,25 @@ def test_a_decode_worker_sizes_its_pool_from_the_fraction(tiny_llama, monkeypatc
     args = parser.parse_args(["--model", str(tiny_llama), "--kv-cache-memory-fraction", "0.25"])
     config = load_model_config(tiny_llama, None)
     spec = runner.kv_cache_spec(config, args.block_size)
-    budget = (1 << 28) - runner.weight_bytes(config)
+    budget = (1 << 28) - runner.weight_bytes(config) - runner.packed_copy_bytes(config, "cpu")
     assert engine_config(args, size_engine(args)).num_blocks == spec.num_blocks_for(budget)
+
+
+@pytest.mark.skipif(not mkl_packed.available(), reason="torch here has no MKL: nothing is packed")
+def test_the_packed_copies_are_counted_as_the_fp32_weights_they_copy(tiny_llama):
+    config = load_model_config(tiny_llama, "float32")
+    gc.collect()
+    before = set(mkl_packed._packed)
+    engine = make_engine(tiny_llama, block_size=8, num_blocks=128)
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i in range(20):  # 100 prompt rows in a step, then 20 decoding: the LM head's 20 rows
+        engine.add_request([3 + i] * 5, params)
+    while engine.has_unfinished:
+        engine.step()
+    new = [mkl_packed._packed[key][0]() for key in set(mkl_packed._packed) - before]
+    assert sum(w.numel() * 4 for w in new if w is not None) == runner.packed_copy_bytes(
+        config, "cpu"
+    )
+    assert runner.packed_copy_bytes(config, "cuda:0") == 0
+    assert runner.packed_copy_bytes(load_model_config(tiny_llama, "bfloat16"), "cpu") == 0
+    engine.close()

@@ -13,7 +13,7 @@ import torch
 from support.oracle import hf_greedy, make_engine, make_prompts, run_engine
 
 from pagedserve.decode_worker.speculation import SpeculativeConfig
-from pagedserve.kernels import cpu_linear, cpu_native, cpu_stack
+from pagedserve.kernels import cpu_linear, cpu_native, cpu_stack, mkl_packed
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.model import config as config_module
 from pagedserve.model import native_stack
@@ -94,8 +94,10 @@ def test_speculative_chunks_through_the_stack_give_the_layer_by_layer_tokens_and
         assert (logits - want_logits).abs().max().item() < 1e-4
 
 
-def test_fp32_batches_past_16_rows_take_the_gemm_in_the_stack_too(tiny_llama, monkeypatch,
-                                                                   stack_calls):  # fmt: skip
+@pytest.mark.parametrize("packed", [True, False], ids=["mkl-packed", "native-gemm"])
+def test_fp32_batches_past_16_rows_take_a_gemm_in_the_stack_too(tiny_llama, monkeypatch,
+                                                                stack_calls, packed):  # fmt: skip
+    monkeypatch.setattr(mkl_packed, "enabled", packed)
     prompts = make_prompts([5 + 3 * i for i in range(20)])  # 20 decoding at once: the GEMM
     stacked = _decode(tiny_llama, None, prompts, num_blocks=160)
     assert len(stack_calls) >= 15
@@ -118,8 +120,10 @@ def test_the_stack_is_built_for_fp32_and_8_and_4_bit_weights(tiny_llama):
         model, cache = _model_and_cache(tiny_llama, quantization=weight_quant(quantization))
         stack = NativeStack.build(model, cache)
         assert stack is not None, quantization
-        # fp32: linear_f32 up to 16 rows, the GEMM above (to 64 rows on Intel, where MKL wins)
-        expected = 256 if quantization else min(256, cpu_linear.GEMM_MAX_TOKENS)
+        # fp32: linear_f32 up to 16 rows, MKL on packed weights above (any batch), or without
+        # MKL the native GEMM (to 64 rows on Intel)
+        gemm = 256 if mkl_packed.available() else min(256, cpu_linear.GEMM_MAX_TOKENS)
+        expected = 256 if quantization else gemm
         assert stack.max_rows == expected, quantization
 
 
