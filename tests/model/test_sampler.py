@@ -17,7 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from pagedserve.model.sampler import Sampler, SamplingRow, greedy_tokens
+from pagedserve.model.sampler import Sampler, SamplingRow, draw_rows, greedy_tokens
 from pagedserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -61,6 +61,17 @@ def test_greedy_tokens_equal_argmax_on_ties_nan_and_infinite_rows() -> None:
     for rows in (logits, logits.to(torch.bfloat16), logits[:, :7]):
         assert torch.equal(greedy_tokens(rows), rows.argmax(dim=-1))
     assert greedy_tokens(logits)[:4].tolist() == [int(logits[0].eq(2).nonzero()[0]), 5, 0, 0]
+
+
+def test_draws_follow_the_weights_and_never_take_a_zero_weight_token() -> None:
+    weights = torch.tensor([5.0, 2.5, 1.5, 1.0, 0.0]).repeat(20_000, 1)  # unnormalized
+    uniforms = torch.rand(20_000, generator=torch.Generator().manual_seed(0))
+    share = torch.bincount(draw_rows(weights, uniforms), minlength=5).float() / 20_000
+    assert share[4] == 0
+    torch.testing.assert_close(share[:4], torch.tensor([0.5, 0.25, 0.15, 0.1]), atol=0.015, rtol=0)
+    # the ends: u = 0 takes the first token of positive weight, u = 1 (rounding) the last one
+    edge = torch.tensor([[0.0, 0.3, 0.7, 0.0]] * 2)
+    assert draw_rows(edge, torch.tensor([0.0, 1.0])).tolist() == [1, 2]
 
 
 def test_greedy_takes_argmax_per_row() -> None:
