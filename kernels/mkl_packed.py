@@ -12,10 +12,11 @@ decode batches above 16 rows (the native decode stack, through `Linear.packed`) 
 chunks (`cpu_linear.linear`) take it; up to 16 rows the native kernels keep the weight as it
 lies (reading it once is the cost there).
 
-The price is memory: one packed copy per weight that a product of more than 16 rows met (MKL
-reserves up to ~3x the weight's bytes of address space, and touches about 1x). A weight is
-packed on its first such product and re-packed if it was changed in place since (its version
-counter); the copy goes with the weight tensor.
+The price is memory: one packed copy per fp32 weight (MKL reserves up to ~3x the weight's
+bytes of address space, and touches about 1x). A decoder weight is packed when the native
+decode stack is built (its first decode step), any weight on its first product of more than 16
+rows (a prompt chunk; the LM head at 17 decoding sequences); it is packed again if it was
+changed in place since (its version counter); the copy goes with the weight tensor.
 """
 
 from __future__ import annotations

@@ -100,16 +100,17 @@ def weight_bytes(config: ModelConfig) -> int:
 
 
 def packed_copy_bytes(config: ModelConfig, device: str) -> int:
-    """Bytes of the copies of fp32 weights that kernels/mkl_packed.py packs for MKL on CPU once
-    products pass 16 rows (prompt chunks, decode batches): every fp32 decoder linear's weight
-    and the LM head's once more (a tied head packs the table). 0 where nothing is packed."""
-    fp32 = config.dtype == torch.float32 and config.quantization is None
+    """Bytes of the copies of fp32 weights that kernels/mkl_packed.py packs for MKL on CPU (when
+    the native decode stack is built, or on a product of more than 16 rows): every unquantized
+    decoder linear's weight and the LM head's once more (a tied head packs the table). 0 where
+    nothing is packed."""
     if not device.startswith("cpu") or config.dtype != torch.float32 or not mkl_packed.available():
         return 0
+    quant = config.quantization
     h, inner = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
-    layer = h * (q + 2 * kv) + q * h + 3 * h * inner if fp32 else 0
-    head = 0 if config.quantization is not None and config.quantization.lm_head else h
+    layer = 0 if quant is not None else h * (q + 2 * kv) + q * h + 3 * h * inner
+    head = 0 if quant is not None and quant.lm_head else h
     return (config.num_layers * layer + head * config.vocab_size) * 4
 
 

@@ -380,11 +380,6 @@ def _choose(
     if not sampled:
         return greedy_tokens(logits)
     every = len(sampled) == len(rows)
-    token_ids = (
-        torch.empty(len(rows), dtype=torch.int64, device=logits.device)
-        if every
-        else greedy_tokens(logits)
-    )
     index = torch.tensor(sampled, device=logits.device)
     probs = (logits if every else logits[index]).softmax(dim=-1)
     # NOTE: one uniform a row: unseeded rows from the global generator in one call, a seeded
@@ -396,7 +391,11 @@ def _choose(
     for j, i in enumerate(sampled):
         if (generator := generators[i]) is not None:
             uniforms[j] = torch.rand(1, device=logits.device, generator=generator)[0]
-    token_ids[index] = draw_rows(probs, uniforms)
+    drawn = draw_rows(probs, uniforms)
+    if every:
+        return drawn
+    token_ids = greedy_tokens(logits)
+    token_ids[index] = drawn
     return token_ids
 
 
