@@ -86,66 +86,226 @@ static inline __attribute__((always_inline)) vf loadv(const void *base, int64_t 
     return vf_from_i8((const int8_t *)base + at);
 }
 
-/* The fp32 and 8-bit entry points' body; `kind` is a constant at each call, so each is compiled on its own.
- * Codes are scaled once per position and head (the K scale multiplies the dot product, the V
- * scale the weight), never per element; fp32 accumulation throughout. `cap` > 0: the scores
- * are soft-capped (softcap_rows) before the softmax. */
-static inline __attribute__((always_inline)) int decode(
-    const float *q, int64_t q_tok, const void *k, const void *v, int64_t blk, int64_t pos,
-    const float *ks, const float *vs, int64_t sblk, const int64_t *tables, int64_t tstride,
-    const int64_t *qrow, const int64_t *trow, const int64_t *first, const int64_t *end,
-    float *out, int64_t o_tok, int n, int hq, int hkv, int d, int bs, float scale, int threads,
-    int kind, const float *lut, float cap) {
-    const int groups = hq / hkv, chunks = d / PS_VEC;
-    int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int s = 0; s < n; s++) {
-        const int64_t lo = first[s], hi = end[s], len = hi - lo;
-        const int64_t padded = (len + PS_VEC - 1) & ~(int64_t)(PS_VEC - 1);
-        if (len <= 0) continue;
-        float *scores = aligned_alloc(64, sizeof(float) * (size_t)(hq * padded + hq * d));
-        if (scores == NULL) {
-#pragma omp atomic write
-            failed = 1;
+/* What one fp32 or 8-bit call attends: the arguments its sequences share. */
+typedef struct {
+    const float *q;
+    int64_t q_tok;
+    const void *k, *v;
+    int64_t blk, pos;
+    const float *ks, *vs; /* 8-bit caches: scales [block][kv head] */
+    int64_t sblk;
+    const int64_t *tables;
+    int64_t tstride;
+    const int64_t *qrow, *trow, *first, *end;
+    float *out;
+    int64_t o_tok;
+    int hq, hkv, d, bs;
+    float scale, cap;
+    const float *lut;
+} attn;
+
+#define AI static inline __attribute__((always_inline))
+
+/* q . K at element `at`, C vectors: the one product every score is (lane-wise FMAs in order) */
+AI vf dot_lanes(const float *qr, const void *k, int64_t at, int kind, const float *lut, int C) {
+    vf a = vf_mul(vf_loadu(qr), loadv(k, at, kind, lut));
+    for (int c = 1; c < C; c++) a = vf_fmadd(vf_loadu(qr + PS_VEC * c), loadv(k, at + PS_VEC * c, kind, lut), a);
+    return a;
+}
+
+/* One score: scale * q . K (times the block's K scale for codes) */
+AI float score(const attn *a, float dot, int64_t b, int h, int kind) {
+    return kind == F32 ? dot * a->scale : dot * a->ks[b * a->sblk + h] * a->scale;
+}
+
+/* Every query head's scores against PS_VEC positions from p0, into column j0 of its row.
+ * NOTE: vf_sum_lanes reduces the PS_VEC products with vf_sum's own adding tree, so each score
+ * is bit for bit what one vf_sum per position gives (the tail positions' path). */
+AI void score_tile(const attn *a, const float *qs, const int64_t *table, int64_t p0, int64_t j0,
+                   float *scores, int64_t padded, int kind, int C) {
+    const int groups = a->hq / a->hkv;
+    int64_t at[PS_VEC], blocks[PS_VEC];
+    for (int t = 0; t < PS_VEC; t++) {
+        blocks[t] = table[(p0 + t) / a->bs];
+        at[t] = blocks[t] * a->blk + ((p0 + t) % a->bs) * a->pos;
+    }
+    for (int r = 0; r < a->hq; r++) {
+        const int h = r / groups;
+        vf dots[PS_VEC];
+        for (int t = 0; t < PS_VEC; t++) dots[t] = dot_lanes(qs + r * a->d, a->k, at[t] + h * a->d, kind, a->lut, C);
+        const vf sums = vf_sum_lanes(dots);
+        float *row = scores + r * padded + j0;
+        if (kind == F32) {
+            vf_storeu(row, vf_mul(sums, vf_set1(a->scale)));
             continue;
         }
-        float *acc = scores + hq * padded;
-        const int64_t *table = tables + trow[s] * tstride;
-        const float *qs = q + qrow[s] * q_tok;
-        for (int64_t p = lo; p < hi; p++) {
-            const int64_t b = table[p / bs], kp = b * blk + (p % bs) * pos;
-            for (int r = 0; r < hq; r++) {
-                const int h = r / groups;
-                const float *qr = qs + r * d;
-                const int64_t kh = kp + h * d;
-                vf a = vf_mul(vf_loadu(qr), loadv(k, kh, kind, lut));
-                for (int c = 1; c < chunks; c++)
-                    a = vf_fmadd(vf_loadu(qr + PS_VEC * c), loadv(k, kh + PS_VEC * c, kind, lut), a);
-                const float dot = vf_sum(a);
-                scores[r * padded + (p - lo)] =
-                    kind == F32 ? dot * scale : dot * ks[b * sblk + h] * scale;
-            }
-        }
-        if (cap > 0.0f) softcap_rows(scores, hq, len, padded, cap);
-        float sums[64]; /* hq <= 64: checked by the caller */
-        softmax_rows(scores, hq, len, padded, sums);
-        memset(acc, 0, sizeof(float) * hq * d);
-        for (int64_t p = lo; p < hi; p++) {
-            const int64_t b = table[p / bs], vp = b * blk + (p % bs) * pos;
-            for (int r = 0; r < hq; r++) {
-                const int h = r / groups;
-                const int64_t vh = vp + h * d;
-                float *ar = acc + r * d;
-                const float weight = scores[r * padded + (p - lo)];
-                vf w = vf_set1(kind == F32 ? weight : weight * vs[b * sblk + h]);
-                for (int c = 0; c < chunks; c++)
-                    vf_storeu(ar + PS_VEC * c,
-                              vf_fmadd(w, loadv(v, vh + PS_VEC * c, kind, lut), vf_loadu(ar + PS_VEC * c)));
-            }
-        }
-        normalize(out + qrow[s] * o_tok, acc, sums, hq, d);
-        free(scores);
+        float each[PS_VEC];
+        vf_storeu(each, sums);
+        for (int t = 0; t < PS_VEC; t++) row[t] = score(a, each[t], blocks[t], h, kind);
     }
+}
+
+/* Ask for the cache lines of `count` positions from p (every KV head) ahead of their use: the
+ * blocks of a table lie anywhere in the pool, beyond what the hardware prefetcher follows */
+AI void fetch_rows(const attn *a, const int64_t *table, int64_t p, int count, const void *base,
+                   int kind) {
+    const int64_t width = (int64_t)a->hkv * a->d * (kind == F32 ? 4 : 1);
+    for (int t = 0; t < count; t++) {
+        const char *row = (const char *)base +
+                          (table[(p + t) / a->bs] * a->blk + ((p + t) % a->bs) * a->pos) * (kind == F32 ? 4 : 1);
+        for (int64_t at = 0; at < width; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
+    }
+}
+
+/* scores[r][p - lo] for every query head r and position p in [lo, hi) */
+AI void scores_of(const attn *a, const float *qs, const int64_t *table, int64_t lo, int64_t hi,
+                  float *scores, int64_t padded, int kind, int C) {
+    const int groups = a->hq / a->hkv;
+    int64_t p = lo;
+    for (; p + PS_VEC <= hi; p += PS_VEC) {
+        if (p + 2 * PS_VEC <= hi) fetch_rows(a, table, p + PS_VEC, PS_VEC, a->k, kind);
+        score_tile(a, qs, table, p, p - lo, scores, padded, kind, C);
+    }
+    for (; p < hi; p++) {
+        const int64_t b = table[p / a->bs], kp = b * a->blk + (p % a->bs) * a->pos;
+        for (int r = 0; r < a->hq; r++) {
+            const int h = r / groups;
+            const vf dot = dot_lanes(qs + r * a->d, a->k, kp + h * a->d, kind, a->lut, C);
+            scores[r * padded + (p - lo)] = score(a, vf_sum(dot), b, h, kind);
+        }
+    }
+}
+
+enum { PV_REGS = PS_VEC == 16 ? 16 : 8 }; /* accumulators held in registers */
+
+enum { PV_AHEAD = 16 }; /* positions between a V row's prefetch and its use */
+
+/* Ask for the cache lines of KV head h's V at position p */
+AI void fetch_head(const attn *a, const int64_t *table, int64_t p, int h, int kind) {
+    const int64_t size = kind == F32 ? 4 : 1;
+    const char *row = (const char *)a->v +
+                      (table[p / a->bs] * a->blk + (p % a->bs) * a->pos + h * a->d) * size;
+    for (int64_t at = 0; at < a->d * size; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
+}
+
+/* acc[r] += sum_p w[r][p] * V[p][h] for NR query heads r0.. of KV head h, C vectors each, held
+ * in registers across the positions (in position order: the sum the memory loop makes) */
+AI void weigh_rows(const attn *a, const int64_t *table, int64_t lo, int64_t hi,
+                   const float *scores, int64_t padded, int r0, int NR, int h, float *acc,
+                   int kind, int C) {
+    vf x[PV_REGS];
+    for (int i = 0; i < NR * C; i++) x[i] = vf_zero();
+    for (int64_t p = lo; p < hi; p++) {
+        const int64_t b = table[p / a->bs], vh = b * a->blk + (p % a->bs) * a->pos + h * a->d;
+        const float vscale = kind == F32 ? 1.0f : a->vs[b * a->sblk + h];
+        if (p + PV_AHEAD < hi) fetch_head(a, table, p + PV_AHEAD, h, kind);
+        vf vrow[PV_REGS];
+        for (int c = 0; c < C; c++) vrow[c] = loadv(a->v, vh + PS_VEC * c, kind, a->lut);
+        for (int i = 0; i < NR; i++) {
+            const float weight = scores[(r0 + i) * padded + (p - lo)];
+            const vf w = vf_set1(kind == F32 ? weight : weight * vscale);
+            for (int c = 0; c < C; c++) x[i * C + c] = vf_fmadd(w, vrow[c], x[i * C + c]);
+        }
+    }
+    for (int i = 0; i < NR; i++)
+        for (int c = 0; c < C; c++) vf_storeu(acc + (r0 + i) * a->d + PS_VEC * c, x[i * C + c]);
+}
+
+/* acc[r] = sum_p w[r][p] * V[p][r / groups] for every query head: the heads of one KV head
+ * side by side, as many as registers hold (C vectors each) */
+AI void weigh(const attn *a, const int64_t *table, int64_t lo, int64_t hi, const float *scores,
+              int64_t padded, float *acc, int kind, int C) {
+    const int groups = a->hq / a->hkv, most = PV_REGS / C;
+    for (int r = 0; r < a->hq;) {
+        const int h = r / groups, left = (h + 1) * groups - r, nr = left < most ? left : most;
+        switch (nr) {
+        case 1: weigh_rows(a, table, lo, hi, scores, padded, r, 1, h, acc, kind, C); break;
+        case 2: weigh_rows(a, table, lo, hi, scores, padded, r, 2, h, acc, kind, C); break;
+        case 3: weigh_rows(a, table, lo, hi, scores, padded, r, 3, h, acc, kind, C); break;
+        default: weigh_rows(a, table, lo, hi, scores, padded, r, 4, h, acc, kind, C); break;
+        }
+        r += nr < 4 ? nr : 4;
+    }
+}
+/* The same sum with the accumulators in memory: heads too wide for the registers */
+static void weigh_wide(const attn *a, const int64_t *table, int64_t lo, int64_t hi,
+                       const float *scores, int64_t padded, float *acc, int kind) {
+    const int groups = a->hq / a->hkv, chunks = a->d / PS_VEC;
+    memset(acc, 0, sizeof(float) * a->hq * a->d);
+    for (int64_t p = lo; p < hi; p++) {
+        const int64_t b = table[p / a->bs], vp = b * a->blk + (p % a->bs) * a->pos;
+        for (int r = 0; r < a->hq; r++) {
+            const int h = r / groups;
+            const float weight = scores[r * padded + (p - lo)];
+            const vf w = vf_set1(kind == F32 ? weight : weight * a->vs[b * a->sblk + h]);
+            float *ar = acc + r * a->d;
+            for (int c = 0; c < chunks; c++)
+                vf_storeu(ar + PS_VEC * c, vf_fmadd(w, loadv(a->v, vp + h * a->d + PS_VEC * c, kind, a->lut),
+                                                    vf_loadu(ar + PS_VEC * c)));
+        }
+    }
+}
+
+/* Sequence s: its scores, their softmax, the weighted values into its output row. Returns 1
+ * when its scratch allocation failed. `kind` and C are constants in each compiled copy
+ * (sequence_fn): NOTE an OpenMP body is outlined before inlining, so a constant passed into
+ * one would stay a run-time test in every load. */
+AI int one_sequence(const attn *a, int s, int kind, int C) {
+    const int64_t lo = a->first[s], hi = a->end[s], len = hi - lo;
+    const int64_t padded = (len + PS_VEC - 1) & ~(int64_t)(PS_VEC - 1);
+    if (len <= 0) return 0;
+    float *scores = aligned_alloc(64, sizeof(float) * (size_t)(a->hq * padded + a->hq * a->d));
+    if (scores == NULL) return 1;
+    float *acc = scores + a->hq * padded;
+    const int64_t *table = a->tables + a->trow[s] * a->tstride;
+    scores_of(a, a->q + a->qrow[s] * a->q_tok, table, lo, hi, scores, padded, kind, C);
+    if (a->cap > 0.0f) softcap_rows(scores, a->hq, len, padded, a->cap);
+    float sums[64]; /* hq <= 64: checked by the caller */
+    softmax_rows(scores, a->hq, len, padded, sums);
+    if (C <= PV_REGS)
+        weigh(a, table, lo, hi, scores, padded, acc, kind, C);
+    else
+        weigh_wide(a, table, lo, hi, scores, padded, acc, kind);
+    normalize(a->out + a->qrow[s] * a->o_tok, acc, sums, a->hq, a->d);
+    free(scores);
+    return 0;
+}
+
+typedef int (*sequence_fn)(const attn *, int);
+
+#define SEQUENCE(KIND, C)                                                                        \
+    static int seq_##KIND##_##C(const attn *a, int s) { return one_sequence(a, s, KIND, C); }
+#define SEQUENCES(KIND)                                                                          \
+    SEQUENCE(KIND, 1)                                                                            \
+    SEQUENCE(KIND, 2)                                                                            \
+    SEQUENCE(KIND, 4)                                                                            \
+    SEQUENCE(KIND, 8)                                                                            \
+    static int seq_##KIND##_any(const attn *a, int s) { return one_sequence(a, s, KIND, a->d / PS_VEC); }
+SEQUENCES(F32)
+SEQUENCES(I8)
+SEQUENCES(E4M3)
+
+/* The copy compiled for this cache kind and head width (vectors per head) */
+static sequence_fn sequence_for(int kind, int chunks) {
+    static const sequence_fn fns[3][5] = {
+        {seq_F32_1, seq_F32_2, seq_F32_4, seq_F32_8, seq_F32_any},
+        {seq_I8_1, seq_I8_2, seq_I8_4, seq_I8_8, seq_I8_any},
+        {seq_E4M3_1, seq_E4M3_2, seq_E4M3_4, seq_E4M3_8, seq_E4M3_any},
+    };
+    const int at = chunks == 1 ? 0 : chunks == 2 ? 1 : chunks == 4 ? 2 : chunks == 8 ? 3 : 4;
+    return fns[kind][at];
+}
+
+/* Every sequence of the call, one OpenMP task each. Returns 1 when a scratch allocation failed. */
+static int attend(const attn *a, int n, int threads, int kind) {
+    const sequence_fn fn = sequence_for(kind, a->d / PS_VEC);
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
+    for (int s = 0; s < n; s++)
+        if (fn(a, s)) {
+#pragma omp atomic write
+            failed = 1;
+        }
     return failed;
 }
 
@@ -161,8 +321,9 @@ int paged_decode_f32(
     int n, int hq, int hkv, int d, int bs, float scale,
     float softcap,                        /* > 0: scores soft-capped; 0: none */
     int threads) {
-    return decode(q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow, first,
-                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, F32, NULL, softcap);
+    const attn a = {q, q_tok, k, v, blk, pos, NULL, NULL, 0, tables, tstride, qrow, trow,
+                    first, end, out, o_tok, hq, hkv, d, bs, scale, softcap, NULL};
+    return attend(&a, n, threads, F32);
 }
 
 enum { KV_SPLIT = 512 }; /* torch's CPU flash attention: keys in blocks of 512, online softmax */
@@ -284,11 +445,9 @@ int paged_decode_q8(
     float *out, int64_t o_tok,
     int n, int hq, int hkv, int d, int bs, float scale, float softcap, int threads, int fp8,
     const float *lut) {
-    if (fp8)
-        return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
-                      end, out, o_tok, n, hq, hkv, d, bs, scale, threads, E4M3, lut, softcap);
-    return decode(q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow, first,
-                  end, out, o_tok, n, hq, hkv, d, bs, scale, threads, I8, lut, softcap);
+    const attn a = {q, q_tok, k, v, blk, pos, ks, vs, sblk, tables, tstride, qrow, trow,
+                    first, end, out, o_tok, hq, hkv, d, bs, scale, softcap, lut};
+    return attend(&a, n, threads, fp8 ? E4M3 : I8);
 }
 
 /* A decode step's int8 KV write (kernels/kv_quant.py's rule, bit for bit): token t goes to slot

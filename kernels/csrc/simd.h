@@ -31,6 +31,24 @@ static inline vf vf_mul(vf a, vf b) { return _mm512_mul_ps(a, b); }
 static inline vf vf_div(vf a, vf b) { return _mm512_div_ps(a, b); }
 static inline vf vf_fmadd(vf a, vf b, vf c) { return _mm512_fmadd_ps(a, b, c); } /* a*b + c */
 static inline float vf_sum(vf a) { return _mm512_reduce_add_ps(a); }
+/* Lane j = vf_sum(v[j]) bit for bit: the same adding tree (lanes i + 8, then i + 4, then
+ * i + 2, then i + 1), run on all 16 vectors at once; shuffles keep each vector's partial sums
+ * in the lanes its next level adds. */
+static inline __m512 vs_halves(__m512 a, __m512 b) { /* [a lanes i + i+8 | b lanes i + i+8] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x44), _mm512_shuffle_f32x4(a, b, 0xee));
+}
+static inline __m512 vs_quarters(__m512 a, __m512 b) { /* 128-bit: [a0+a1, a2+a3, b0+b1, b2+b3] */
+    return _mm512_add_ps(_mm512_shuffle_f32x4(a, b, 0x88), _mm512_shuffle_f32x4(a, b, 0xdd));
+}
+static inline vf vf_sum_lanes(const vf *v) {
+    __m512 t[4], w[2];
+    for (int m = 0; m < 4; m++) /* t[m], 128-bit lane k: vector 4k + m's four partial sums */
+        t[m] = vs_quarters(vs_halves(v[m], v[4 + m]), vs_halves(v[8 + m], v[12 + m]));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane: [x0 + x2, x1 + x3] of two vectors */
+        w[i] = _mm512_add_ps(_mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(t[2 * i], t[2 * i + 1], 0xee));
+    return _mm512_add_ps(_mm512_shuffle_ps(w[0], w[1], 0x88), _mm512_shuffle_ps(w[0], w[1], 0xdd));
+}
 static inline vf vf_expf(vf a) { return _ZGVeN16v_expf(a); }
 
 /* PS_VEC consecutive bf16 values (their bits), widened exactly */
@@ -107,6 +125,17 @@ static inline float vf_sum(vf a) {
     a = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0x4e));
     a = _mm256_add_ps(a, _mm256_shuffle_ps(a, a, 0xb1));
     return _mm256_cvtss_f32(a);
+}
+/* Lane j = vf_sum(v[j]) bit for bit: the same adding tree on all 8 vectors at once */
+static inline vf vf_sum_lanes(const vf *v) {
+    __m256 h[4], w[2];
+    for (int m = 0; m < 4; m++) /* [vector m's lanes i + i+4 | vector 4 + m's] */
+        h[m] = _mm256_add_ps(_mm256_permute2f128_ps(v[m], v[4 + m], 0x20),
+                             _mm256_permute2f128_ps(v[m], v[4 + m], 0x31));
+    for (int i = 0; i < 2; i++) /* per 128-bit lane: [x0 + x2, x1 + x3] of two vectors */
+        w[i] = _mm256_add_ps(_mm256_shuffle_ps(h[2 * i], h[2 * i + 1], 0x44),
+                             _mm256_shuffle_ps(h[2 * i], h[2 * i + 1], 0xee));
+    return _mm256_add_ps(_mm256_shuffle_ps(w[0], w[1], 0x88), _mm256_shuffle_ps(w[0], w[1], 0xdd));
 }
 static inline vf vf_expf(vf a) { return _ZGVdN8v_expf(a); }
 
