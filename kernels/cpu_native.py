@@ -179,6 +179,7 @@ def _signatures() -> dict[str, tuple[list[type], type | None]]:
         "dequant_rows_i32": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32], None),
         "linear_w8a8_f32": ([ptr, i64, ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32),
         "w8a8_vnni": ([], i32),
+        "sum_lanes_check": ([ptr, ptr, ptr], i32),  # tests: the scores' two reductions
     }
 
 

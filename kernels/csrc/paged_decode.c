@@ -485,3 +485,13 @@ void kv_append_i8(
         }
     }
 }
+
+/* For the tests: the PS_VEC vectors of v [PS_VEC][PS_VEC] summed both ways, tiled[j] by
+ * vf_sum_lanes, single[j] by vf_sum (the scores' two paths; they must agree bit for bit). */
+int sum_lanes_check(const float *v, float *tiled, float *single) {
+    vf vs[PS_VEC];
+    for (int j = 0; j < PS_VEC; j++) vs[j] = vf_loadu(v + PS_VEC * j);
+    vf_storeu(tiled, vf_sum_lanes(vs));
+    for (int j = 0; j < PS_VEC; j++) single[j] = vf_sum(vs[j]);
+    return PS_VEC;
+}
