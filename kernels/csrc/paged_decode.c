@@ -118,21 +118,34 @@ AI float score(const attn *a, float dot, int64_t b, int h, int kind) {
     return kind == F32 ? dot * a->scale : dot * a->ks[b * a->sblk + h] * a->scale;
 }
 
-/* Every query head's scores against PS_VEC positions from p0, into column j0 of its row.
+/* Where a sequence's attended positions lie, j = p - first: at[j] is the element offset of
+ * position p's K (and V) row, blocks[j] its block (8-bit caches' scales). Walked once per
+ * sequence: NOTE a division and a modulo by the block size per position and use cost more than
+ * the scores' arithmetic (they were ~10 a position). */
+typedef struct {
+    int64_t *at, *blocks;
+} places;
+
+static void place(const attn *a, const int64_t *table, int64_t lo, int64_t len, places *w) {
+    int64_t b = lo / a->bs, slot = lo % a->bs;
+    for (int64_t j = 0; j < len; j++) {
+        w->blocks[j] = table[b];
+        w->at[j] = table[b] * a->blk + slot * a->pos;
+        if (++slot == a->bs) slot = 0, b++;
+    }
+}
+
+/* Every query head's scores against PS_VEC positions from j0, into column j0 of its row.
  * NOTE: vf_sum_lanes reduces the PS_VEC products with vf_sum's own adding tree, so each score
  * is bit for bit what one vf_sum per position gives (the tail positions' path). */
-AI void score_tile(const attn *a, const float *qs, const int64_t *table, int64_t p0, int64_t j0,
-                   float *scores, int64_t padded, int kind, int C) {
+AI void score_tile(const attn *a, const float *qs, const places *w, int64_t j0, float *scores,
+                   int64_t padded, int kind, int C) {
     const int groups = a->hq / a->hkv;
-    int64_t at[PS_VEC], blocks[PS_VEC];
-    for (int t = 0; t < PS_VEC; t++) {
-        blocks[t] = table[(p0 + t) / a->bs];
-        at[t] = blocks[t] * a->blk + ((p0 + t) % a->bs) * a->pos;
-    }
     for (int r = 0; r < a->hq; r++) {
         const int h = r / groups;
         vf dots[PS_VEC];
-        for (int t = 0; t < PS_VEC; t++) dots[t] = dot_lanes(qs + r * a->d, a->k, at[t] + h * a->d, kind, a->lut, C);
+        for (int t = 0; t < PS_VEC; t++)
+            dots[t] = dot_lanes(qs + r * a->d, a->k, w->at[j0 + t] + h * a->d, kind, a->lut, C);
         const vf sums = vf_sum_lanes(dots);
         float *row = scores + r * padded + j0;
         if (kind == F32) {
@@ -141,109 +154,96 @@ AI void score_tile(const attn *a, const float *qs, const int64_t *table, int64_t
         }
         float each[PS_VEC];
         vf_storeu(each, sums);
-        for (int t = 0; t < PS_VEC; t++) row[t] = score(a, each[t], blocks[t], h, kind);
+        for (int t = 0; t < PS_VEC; t++) row[t] = score(a, each[t], w->blocks[j0 + t], h, kind);
     }
 }
 
-/* Ask for the cache lines of `count` positions from p (every KV head) ahead of their use: the
- * blocks of a table lie anywhere in the pool, beyond what the hardware prefetcher follows */
-AI void fetch_rows(const attn *a, const int64_t *table, int64_t p, int count, const void *base,
-                   int kind) {
-    const int64_t width = (int64_t)a->hkv * a->d * (kind == F32 ? 4 : 1);
-    for (int t = 0; t < count; t++) {
-        const char *row = (const char *)base +
-                          (table[(p + t) / a->bs] * a->blk + ((p + t) % a->bs) * a->pos) * (kind == F32 ? 4 : 1);
-        for (int64_t at = 0; at < width; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
-    }
+/* Ask for the cache lines of `width` bytes at element offset `at` of `base` ahead of their use:
+ * a table's blocks lie anywhere in the pool, beyond what the hardware prefetcher follows */
+AI void fetch(const void *base, int64_t at, int64_t width, int kind) {
+    const char *row = (const char *)base + at * (kind == F32 ? 4 : 1);
+    for (int64_t off = 0; off < width; off += 64) _mm_prefetch(row + off, _MM_HINT_T0);
 }
 
-/* scores[r][p - lo] for every query head r and position p in [lo, hi) */
-AI void scores_of(const attn *a, const float *qs, const int64_t *table, int64_t lo, int64_t hi,
-                  float *scores, int64_t padded, int kind, int C) {
+/* scores[r][j] for every query head r and attended position j < len */
+AI void scores_of(const attn *a, const float *qs, const places *w, int64_t len, float *scores,
+                  int64_t padded, int kind, int C) {
     const int groups = a->hq / a->hkv;
-    int64_t p = lo;
-    for (; p + PS_VEC <= hi; p += PS_VEC) {
-        if (p + 2 * PS_VEC <= hi) fetch_rows(a, table, p + PS_VEC, PS_VEC, a->k, kind);
-        score_tile(a, qs, table, p, p - lo, scores, padded, kind, C);
+    const int64_t width = (int64_t)a->hkv * a->d * (kind == F32 ? 4 : 1);
+    int64_t j = 0;
+    for (; j + PS_VEC <= len; j += PS_VEC) {
+        if (j + 2 * PS_VEC <= len)
+            for (int t = 0; t < PS_VEC; t++) fetch(a->k, w->at[j + PS_VEC + t], width, kind);
+        score_tile(a, qs, w, j, scores, padded, kind, C);
     }
-    for (; p < hi; p++) {
-        const int64_t b = table[p / a->bs], kp = b * a->blk + (p % a->bs) * a->pos;
+    for (; j < len; j++)
         for (int r = 0; r < a->hq; r++) {
             const int h = r / groups;
-            const vf dot = dot_lanes(qs + r * a->d, a->k, kp + h * a->d, kind, a->lut, C);
-            scores[r * padded + (p - lo)] = score(a, vf_sum(dot), b, h, kind);
+            const vf dot = dot_lanes(qs + r * a->d, a->k, w->at[j] + h * a->d, kind, a->lut, C);
+            scores[r * padded + j] = score(a, vf_sum(dot), w->blocks[j], h, kind);
         }
-    }
 }
 
 enum { PV_REGS = PS_VEC == 16 ? 16 : 8 }; /* accumulators held in registers */
 
 enum { PV_AHEAD = 16 }; /* positions between a V row's prefetch and its use */
 
-/* Ask for the cache lines of KV head h's V at position p */
-AI void fetch_head(const attn *a, const int64_t *table, int64_t p, int h, int kind) {
-    const int64_t size = kind == F32 ? 4 : 1;
-    const char *row = (const char *)a->v +
-                      (table[p / a->bs] * a->blk + (p % a->bs) * a->pos + h * a->d) * size;
-    for (int64_t at = 0; at < a->d * size; at += 64) _mm_prefetch(row + at, _MM_HINT_T0);
-}
-
-/* acc[r] += sum_p w[r][p] * V[p][h] for NR query heads r0.. of KV head h, C vectors each, held
+/* acc[r] += sum_j w[r][j] * V[j][h] for NR query heads r0.. of KV head h, C vectors each, held
  * in registers across the positions (in position order: the sum the memory loop makes) */
-AI void weigh_rows(const attn *a, const int64_t *table, int64_t lo, int64_t hi,
-                   const float *scores, int64_t padded, int r0, int NR, int h, float *acc,
-                   int kind, int C) {
+AI void weigh_rows(const attn *a, const places *w, int64_t len, const float *scores,
+                   int64_t padded, int r0, int NR, int h, float *acc, int kind, int C) {
+    const int64_t width = a->d * (kind == F32 ? 4 : 1);
     vf x[PV_REGS];
     for (int i = 0; i < NR * C; i++) x[i] = vf_zero();
-    for (int64_t p = lo; p < hi; p++) {
-        const int64_t b = table[p / a->bs], vh = b * a->blk + (p % a->bs) * a->pos + h * a->d;
-        const float vscale = kind == F32 ? 1.0f : a->vs[b * a->sblk + h];
-        if (p + PV_AHEAD < hi) fetch_head(a, table, p + PV_AHEAD, h, kind);
+    for (int64_t j = 0; j < len; j++) {
+        const int64_t vh = w->at[j] + h * a->d;
+        const float vscale = kind == F32 ? 1.0f : a->vs[w->blocks[j] * a->sblk + h];
+        if (j + PV_AHEAD < len) fetch(a->v, w->at[j + PV_AHEAD] + h * a->d, width, kind);
         vf vrow[PV_REGS];
         for (int c = 0; c < C; c++) vrow[c] = loadv(a->v, vh + PS_VEC * c, kind, a->lut);
         for (int i = 0; i < NR; i++) {
-            const float weight = scores[(r0 + i) * padded + (p - lo)];
-            const vf w = vf_set1(kind == F32 ? weight : weight * vscale);
-            for (int c = 0; c < C; c++) x[i * C + c] = vf_fmadd(w, vrow[c], x[i * C + c]);
+            const float weight = scores[(r0 + i) * padded + j];
+            const vf wv = vf_set1(kind == F32 ? weight : weight * vscale);
+            for (int c = 0; c < C; c++) x[i * C + c] = vf_fmadd(wv, vrow[c], x[i * C + c]);
         }
     }
     for (int i = 0; i < NR; i++)
         for (int c = 0; c < C; c++) vf_storeu(acc + (r0 + i) * a->d + PS_VEC * c, x[i * C + c]);
 }
 
-/* acc[r] = sum_p w[r][p] * V[p][r / groups] for every query head: the heads of one KV head
+/* acc[r] = sum_j w[r][j] * V[j][r / groups] for every query head: the heads of one KV head
  * side by side, as many as registers hold (C vectors each) */
-AI void weigh(const attn *a, const int64_t *table, int64_t lo, int64_t hi, const float *scores,
-              int64_t padded, float *acc, int kind, int C) {
+AI void weigh(const attn *a, const places *w, int64_t len, const float *scores, int64_t padded,
+              float *acc, int kind, int C) {
     const int groups = a->hq / a->hkv, most = PV_REGS / C;
     for (int r = 0; r < a->hq;) {
         const int h = r / groups, left = (h + 1) * groups - r, nr = left < most ? left : most;
         switch (nr) {
-        case 1: weigh_rows(a, table, lo, hi, scores, padded, r, 1, h, acc, kind, C); break;
-        case 2: weigh_rows(a, table, lo, hi, scores, padded, r, 2, h, acc, kind, C); break;
-        case 3: weigh_rows(a, table, lo, hi, scores, padded, r, 3, h, acc, kind, C); break;
-        default: weigh_rows(a, table, lo, hi, scores, padded, r, 4, h, acc, kind, C); break;
+        case 1: weigh_rows(a, w, len, scores, padded, r, 1, h, acc, kind, C); break;
+        case 2: weigh_rows(a, w, len, scores, padded, r, 2, h, acc, kind, C); break;
+        case 3: weigh_rows(a, w, len, scores, padded, r, 3, h, acc, kind, C); break;
+        default: weigh_rows(a, w, len, scores, padded, r, 4, h, acc, kind, C); break;
         }
         r += nr < 4 ? nr : 4;
     }
 }
+
 /* The same sum with the accumulators in memory: heads too wide for the registers */
-static void weigh_wide(const attn *a, const int64_t *table, int64_t lo, int64_t hi,
-                       const float *scores, int64_t padded, float *acc, int kind) {
+static void weigh_wide(const attn *a, const places *w, int64_t len, const float *scores,
+                       int64_t padded, float *acc, int kind) {
     const int groups = a->hq / a->hkv, chunks = a->d / PS_VEC;
     memset(acc, 0, sizeof(float) * a->hq * a->d);
-    for (int64_t p = lo; p < hi; p++) {
-        const int64_t b = table[p / a->bs], vp = b * a->blk + (p % a->bs) * a->pos;
+    for (int64_t j = 0; j < len; j++)
         for (int r = 0; r < a->hq; r++) {
             const int h = r / groups;
-            const float weight = scores[r * padded + (p - lo)];
-            const vf w = vf_set1(kind == F32 ? weight : weight * a->vs[b * a->sblk + h]);
+            const float weight = scores[r * padded + j];
+            const vf wv = vf_set1(kind == F32 ? weight : weight * a->vs[w->blocks[j] * a->sblk + h]);
             float *ar = acc + r * a->d;
             for (int c = 0; c < chunks; c++)
-                vf_storeu(ar + PS_VEC * c, vf_fmadd(w, loadv(a->v, vp + h * a->d + PS_VEC * c, kind, a->lut),
-                                                    vf_loadu(ar + PS_VEC * c)));
+                vf_storeu(ar + PS_VEC * c,
+                          vf_fmadd(wv, loadv(a->v, w->at[j] + h * a->d + PS_VEC * c, kind, a->lut),
+                                   vf_loadu(ar + PS_VEC * c)));
         }
-    }
 }
 
 /* Sequence s: its scores, their softmax, the weighted values into its output row. Returns 1
@@ -254,18 +254,22 @@ AI int one_sequence(const attn *a, int s, int kind, int C) {
     const int64_t lo = a->first[s], hi = a->end[s], len = hi - lo;
     const int64_t padded = (len + PS_VEC - 1) & ~(int64_t)(PS_VEC - 1);
     if (len <= 0) return 0;
-    float *scores = aligned_alloc(64, sizeof(float) * (size_t)(a->hq * padded + a->hq * a->d));
+    /* scratch: scores [hq][padded], acc [hq][d], then the places (2 x padded int64) */
+    float *scores = aligned_alloc(64, sizeof(float) * (size_t)(a->hq * padded + a->hq * a->d) +
+                                          sizeof(int64_t) * (size_t)(2 * padded));
     if (scores == NULL) return 1;
     float *acc = scores + a->hq * padded;
-    const int64_t *table = a->tables + a->trow[s] * a->tstride;
-    scores_of(a, a->q + a->qrow[s] * a->q_tok, table, lo, hi, scores, padded, kind, C);
+    places w = {(int64_t *)(acc + a->hq * a->d), NULL};
+    w.blocks = w.at + padded;
+    place(a, a->tables + a->trow[s] * a->tstride, lo, len, &w);
+    scores_of(a, a->q + a->qrow[s] * a->q_tok, &w, len, scores, padded, kind, C);
     if (a->cap > 0.0f) softcap_rows(scores, a->hq, len, padded, a->cap);
     float sums[64]; /* hq <= 64: checked by the caller */
     softmax_rows(scores, a->hq, len, padded, sums);
     if (C <= PV_REGS)
-        weigh(a, table, lo, hi, scores, padded, acc, kind, C);
+        weigh(a, &w, len, scores, padded, acc, kind, C);
     else
-        weigh_wide(a, table, lo, hi, scores, padded, acc, kind);
+        weigh_wide(a, &w, len, scores, padded, acc, kind);
     normalize(a->out + a->qrow[s] * a->o_tok, acc, sums, a->hq, a->d);
     free(scores);
     return 0;
