@@ -167,7 +167,7 @@ def _signatures() -> dict[str, tuple[list[type], type | None]]:
         "linear_i8g_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32], None),
         "linear_i4g_f32": (
             [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32],
-            None,
+            i32,
         ),
         "linear_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], None),
         "gemm_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32),
@@ -520,18 +520,28 @@ def rms_norm(
 
 def pack_int4(codes: torch.Tensor) -> torch.Tensor:
     """int4 codes [N, K] in 0..15 (K a multiple of 32) -> uint8 [N, K / 2] in the layout
-    `linear_int4_groups` reads (csrc/linear_i4g.c): per block of 32 codes, byte j holds code j
-    in its low nibble and code j + 16 in its high one. The same layout on every CPU."""
+    `linear_int4_groups` reads (csrc/linear_i4g.c): 16 rows side by side, one little-endian
+    32-bit word per row and 8 consecutive codes, code j of the word in bits 4j .. 4j + 3 (so
+    byte b holds code 2b in its low nibble and 2b + 1 in its high one); a last tile of r < 16
+    rows has r words side by side. The same layout on every CPU."""
     n, k = codes.shape
-    blocks = codes.to(torch.uint8).view(n, k // 32, 2, 16)
-    return (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).view(n, k // 2)
+    pairs = codes.to(torch.uint8).view(n, k // 8, 4, 2)
+    words = pairs[..., 0] | (pairs[..., 1] << 4)  # [n, k / 8, 4 bytes]
+    full = n // 16 * 16
+    tiles = [words[:full].view(n // 16, 16, k // 8, 4).transpose(1, 2).reshape(-1)]
+    tiles.append(words[full:].transpose(0, 1).reshape(-1))  # the last r < 16 rows
+    return torch.cat(tiles).view(n, k // 2)
 
 
 def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     """`pack_int4`'s inverse: uint8 [N, K / 2] -> int32 codes [N, K]."""
     n, half = packed.shape
-    blocks = packed.view(n, half // 16, 1, 16)
-    return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(n, half * 2).to(torch.int32)
+    k, full, flat = half * 2, n // 16 * 16, packed.reshape(-1)
+    words = torch.cat([
+        flat[: full * half].view(n // 16, k // 8, 16, 4).transpose(1, 2).reshape(full, k // 8, 4),
+        flat[full * half :].view(k // 8, n - full, 4).transpose(0, 1),
+    ])  # fmt: skip
+    return torch.stack([words & 0xF, words >> 4], dim=-1).view(n, k).to(torch.int32)
 
 
 def linear_int4_groups(
@@ -559,9 +569,9 @@ def linear_int4_groups(
     ):
         return None
     lib, x32, y = _linear_operands(x, n)
-    lib.linear_i4g_f32(
+    failed = lib.linear_i4g_f32(
         x32.data_ptr(), x32.stride(0), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(),
         scale.stride(0), scale.stride(1), y.data_ptr(), y.stride(0), x32.shape[0], n, k,
         k // groups, torch.get_num_threads(),
     )  # fmt: skip
-    return y
+    return None if failed else y

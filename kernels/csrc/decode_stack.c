@@ -37,9 +37,9 @@ int linear_packed_f32(const float *x, int64_t ldx, const float *packed, const fl
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads);
-void linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scale,
-                    const float *zero, int64_t ls_n, int64_t ls_g, float *y, int64_t ldy,
-                    int64_t m_rows, int64_t n_rows, int64_t k, int64_t group, int threads);
+int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scale,
+                   const float *zero, int64_t ls_n, int64_t ls_g, float *y, int64_t ldy,
+                   int64_t m_rows, int64_t n_rows, int64_t k, int64_t group, int threads);
 void rms_norm_f32(const float *x, int64_t ldx, const float *residual, int64_t ldr,
                   float *sum_out, const float *weight, float *out, int64_t rows, int64_t n,
                   float eps);
@@ -93,7 +93,8 @@ typedef struct {
     int threads;
 } ps_step;
 
-/* Returns 0, or 1 when a w8a8 linear could not allocate its scratch (y is then undefined). */
+/* Returns 0, or 1 when a w8a8 or int4 linear could not allocate its scratch (y is then
+ * undefined). */
 static int linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int64_t ldy,
                   int64_t rows, int threads) {
     if (l->kind == LIN_F32) { /* as kernels/cpu_linear.py chooses: MKL or the GEMM above 16 */
@@ -112,9 +113,9 @@ static int linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int
     if (l->kind == LIN_I8G)
         linear_i8g_f32(x, ldx, (const int8_t *)l->w, l->scales, y, ldy, rows, l->n, l->k,
                        l->group, threads);
-    else
-        linear_i4g_f32(x, ldx, (const uint8_t *)l->w, l->scales, l->zeros, l->ls_n, l->ls_g, y,
-                       ldy, rows, l->n, l->k, l->group, threads);
+    else if (linear_i4g_f32(x, ldx, (const uint8_t *)l->w, l->scales, l->zeros, l->ls_n,
+                            l->ls_g, y, ldy, rows, l->n, l->k, l->group, threads))
+        return 1;
     if (l->bias)
         for (int64_t m = 0; m < rows; m++)
             for (int64_t j = 0; j < l->n; j++) y[m * ldy + j] += l->bias[j];

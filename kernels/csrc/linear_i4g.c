@@ -4,130 +4,127 @@
  * activations in decode-sized batches).
  *
  *     W[n][k] = (q[n][k] - 8) * scale[n][g] + zero[n][g]      q in [0, 15], g = k / group
- *     y[m][n] = sum_k x[m][k] * W[n][k]                         accumulated in float32
+ *     y[m][n] = sum_g scale[n][g] * sum_{k in g} x[m][k] * q[n][k]
+ *                 + (zero[n][g] - 8 scale[n][g]) * sum_{k in g} x[m][k]
  *
- * The codes: K / 2 bytes per output row, in blocks of 32 codes (16 bytes) where byte j holds
- * code j in its low nibble and code j + 16 in its high one:
+ * One vector lane per output row: the codes of 16 rows lie side by side (cpu_native.pack_int4),
+ * one 32-bit word per row and 8 consecutive codes, code j of the word in bits 4j .. 4j + 3:
  *
- *     block bytes   | 0      | 1      | ... | 15      |
- *     low nibble    | k = 0  | k = 1  | ... | k = 15  |
- *     high nibble   | k = 16 | k = 17 | ... | k = 31  |
+ *     tile of rows n0 .. n0 + 15 (fewer in the last tile: r rows, words r apart)
+ *     | row n0: k 0-7 | row n0 + 1: k 0-7 | ... | row n0 + 15: k 0-7 | row n0: k 8-15 | ...
  *
- * so PS_VEC bytes widen to two vectors of PS_VEC consecutive codes (AVX-512: bytes 0-15 give
- * k 0-15 and 16-31; AVX2: bytes 0-7 give k 0-7 and 16-23, bytes 8-15 give 8-15 and 24-31) with
- * one zero-extension and one shift. Each code becomes its weight in registers (simd.h's
- * `vq4_weights`: with AVX-512 a lookup in the group's 16 weights, with AVX2 an FMA).
- * scale[n][g] is at scale + n * ls_n + g * ls_g (zero likewise): model/quant.py passes views
- * of its [groups, N, 2] buffer.
+ * so one load gives 16 rows' codes for 8 k's, and code j of all 16 is one shift and one
+ * lookup (simd.h's `vq4_code`), multiplied by x[m][k] broadcast. The scale is applied once a
+ * group, not once a code: a row's 16 weights were rebuilt per group before, two operations in
+ * every eight where a group is 32 codes (docs/kernels.md).
  *
- * One OpenMP task per tile of output rows, as linear_i8g.c: a single row of x (a decode step
- * of one sequence) takes ROWS_ONE rows of codes per task, TOGETHER side by side, and reads
- * them once; more rows take TILE_M x TILE_N tiles. Every output is the same sequence of
- * vector operations in both, so a row's output does not depend on the batch. `group` is a multiple of 32 that divides k.
+ * One OpenMP task per PS_VEC rows (a panel: with AVX2 a tile is two). Each output is the same
+ * sequence of operations whatever the number of rows of x: its lane sums x[m][k] * q in CHAINS
+ * chains by k mod CHAINS (the FMA latency), adds them ((0 + 1) + (2 + 3)) at the end of a
+ * group and folds the group in. `group` is a multiple of 32 that divides k.
  */
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
-#define BLOCK 32 /* codes per block of 16 bytes */
-#define TILE_N 4
-#define TILE_M (PS_VEC == 16 ? 4 : 2)
-#define ROWS_ONE 8 /* rows of codes per tile at one row of x ... */
-#define TOGETHER (PS_VEC == 16 ? 4 : 2) /* ... read side by side (two FMA chains a block) */
+#define TILE_ROWS 16 /* rows of a tile of codes (the layout's) */
+#define CODES 8      /* codes of one row in one word */
+#define CHAINS 4
+#define TILE_M (PS_VEC == 16 ? 4 : 2) /* rows of x per pass over a panel's codes */
+/* bytes between a code's prefetch and its use at one row of x: 4 KB read 18.7-18.9 GB/s on two
+ * Sapphire Rapids cores where simd.h's 2 KB read 17.5-18.0 and 1 KB 16.8-17.0 */
+#define AHEAD 4096
 
 typedef struct {
     const uint8_t *q;
-    const float *scale, *zero;
-    int64_t ls_n, ls_g, k, group;
-} int4_weights;
+    const float *scale, *zero, *x, *sums; /* sums[m][g]: x[m]'s sum over group g */
+    int64_t ls_n, ls_g, k, group, ldx, m_rows, n_rows;
+} int4_linear;
 
-static inline vq4 group_of(const int4_weights *w, int64_t n, int64_t g) {
-    const int64_t at = n * w->ls_n + g * w->ls_g;
-    return vq4_group(w->scale[at], w->zero[at]);
+static inline int64_t row_at(int64_t at, int64_t rows) { return at < rows ? at : rows - 1; }
+
+/* Rows n0 .. n0 + lanes - 1 (one panel) for rows m0 .. m0 + tm - 1 of x (repeating the last
+ * row of x past m_rows): y[m][n] for each. `words` is the panel's first word, `stride` the
+ * bytes from one word of a row to its next (the tile's rows x 4). */
+static inline __attribute__((always_inline)) void panel(const int4_linear *l, const uint8_t *words,
+                                                        int64_t stride, int64_t n0, int lanes,
+                                                        int64_t m0, int tm, float *y,
+                                                        int64_t ldy) {
+    const float *xr[TILE_M], *sr[TILE_M];
+    const int64_t groups = l->k / l->group;
+    for (int i = 0; i < tm; i++) {
+        const int64_t m = row_at(m0 + i, l->m_rows);
+        xr[i] = l->x + m * l->ldx;
+        sr[i] = l->sums + m * groups;
+    }
+    vf out[TILE_M];
+    for (int i = 0; i < tm; i++) out[i] = vf_zero();
+    for (int64_t g = 0; g < groups; g++) {
+        vf acc[TILE_M][CHAINS];
+        for (int i = 0; i < tm; i++)
+            for (int c = 0; c < CHAINS; c++) acc[i][c] = vf_zero();
+        for (int64_t k0 = g * l->group; k0 < (g + 1) * l->group; k0 += CODES) {
+            const uint8_t *p = words + k0 / CODES * stride;
+            if (tm == 1) prefetch_at(p, AHEAD);
+            const vq4c v = vq4_load(p, lanes);
+            for (int j = 0; j < CODES; j++) {
+                const vf q = vq4_code(v, j);
+                for (int i = 0; i < tm; i++)
+                    acc[i][j % CHAINS] = vf_fmadd(vf_set1(xr[i][k0 + j]), q, acc[i][j % CHAINS]);
+            }
+        }
+        const vf scale = vq4_lanes(l->scale + n0 * l->ls_n + g * l->ls_g, l->ls_n, lanes);
+        const vf zero = vq4_lanes(l->zero + n0 * l->ls_n + g * l->ls_g, l->ls_n, lanes);
+        const vf offset = vf_fmadd(vf_set1(-8.0f), scale, zero);
+        for (int i = 0; i < tm; i++) {
+            const vf sum = vf_add(vf_add(acc[i][0], acc[i][1]), vf_add(acc[i][2], acc[i][3]));
+            out[i] = vf_fmadd(offset, vf_set1(sr[i][g]), vf_fmadd(scale, sum, out[i]));
+        }
+    }
+    for (int i = 0; i < tm && m0 + i < l->m_rows; i++)
+        vf_store_lanes(y + (m0 + i) * ldy + n0, out[i], lanes);
 }
 
-static inline int64_t row_at(int64_t at, int64_t n_rows) { return at < n_rows ? at : n_rows - 1; }
-
-/* one row of x against ROWS_ONE rows of codes, TOGETHER rows at a time: each row's two FMAs a
- * block are a chain, so one row at a time waited on their latency; each row asks for its
- * lines PREFETCH_AHEAD bytes early (simd.h). With AVX-512, 4 rows and the prefetch read
- * 13.5-14.9 GB/s of codes on two cores where 1 row without it read 9.8 (docs/kernels.md) */
-static void tile_one(const float *x, const int4_weights *w, float *y, int64_t n0, int64_t n_rows) {
-    const int64_t groups = w->k / w->group;
-    for (int64_t a = n0; a < n0 + ROWS_ONE && a < n_rows; a += TOGETHER) {
-        const uint8_t *q[TOGETHER];
-        vf acc[TOGETHER];
-        for (int r = 0; r < TOGETHER; r++) {
-            q[r] = w->q + row_at(a + r, n_rows) * (w->k / 2);
-            acc[r] = vf_zero();
-        }
-        for (int64_t g = 0; g < groups; g++) {
-            vq4 gw[TOGETHER];
-            for (int r = 0; r < TOGETHER; r++) gw[r] = group_of(w, row_at(a + r, n_rows), g);
-            for (int64_t j = g * w->group; j < (g + 1) * w->group; j += BLOCK)
-                for (int h = 0; h < BLOCK / 2; h += PS_VEC) {
-                    if (((j / 2 + h) & 63) == 0)
-                        for (int r = 0; r < TOGETHER; r++) prefetch_ahead(q[r] + j / 2 + h);
-                    const vf x_lo = vf_loadu(x + j + h), x_hi = vf_loadu(x + j + BLOCK / 2 + h);
-                    for (int r = 0; r < TOGETHER; r++) {
-                        vf lo, hi;
-                        vq4_weights(q[r] + j / 2 + h, gw[r], &lo, &hi);
-                        acc[r] = vf_fmadd(x_hi, hi, vf_fmadd(x_lo, lo, acc[r]));
-                    }
-                }
-        }
-        for (int r = 0; r < TOGETHER && a + r < n_rows; r++) y[a + r] = vf_sum(acc[r]);
-    }
+/* panel `t` (PS_VEC rows; two of them a tile with AVX2) for every row of x */
+static void rows_of_panel(const int4_linear *l, int64_t t, float *y, int64_t ldy) {
+    const int64_t n0 = t * PS_VEC, tile = n0 / TILE_ROWS * TILE_ROWS;
+    const int64_t tile_rows = l->n_rows - tile < TILE_ROWS ? l->n_rows - tile : TILE_ROWS;
+    const int lanes = (int)(l->n_rows - n0 < PS_VEC ? l->n_rows - n0 : PS_VEC);
+    const uint8_t *words = l->q + tile * (l->k / 2) + (n0 - tile) * 4;
+    const int64_t stride = tile_rows * 4;
+    if (l->m_rows == 1 && lanes == PS_VEC) /* whole panels: no masks (a constant to inline) */
+        panel(l, words, stride, n0, PS_VEC, 0, 1, y, ldy);
+    else if (l->m_rows == 1)
+        panel(l, words, stride, n0, lanes, 0, 1, y, ldy);
+    else
+        for (int64_t m0 = 0; m0 < l->m_rows; m0 += TILE_M)
+            panel(l, words, stride, n0, lanes, m0, TILE_M, y, ldy);
 }
 
-static void tile(const float *x, int64_t ldx, const int4_weights *w, float *y, int64_t ldy,
-                 int64_t m_rows, int64_t n0, int64_t n_rows) {
-    const int64_t groups = w->k / w->group;
-    int64_t n[TILE_N];
-    const uint8_t *q[TILE_N];
-    for (int r = 0; r < TILE_N; r++) {
-        n[r] = row_at(n0 + r, n_rows);
-        q[r] = w->q + n[r] * (w->k / 2);
-    }
-    for (int64_t m0 = 0; m0 < m_rows; m0 += TILE_M) {
-        const float *xr[TILE_M];
-        for (int i = 0; i < TILE_M; i++) xr[i] = x + row_at(m0 + i, m_rows) * ldx;
-        vf acc[TILE_M][TILE_N];
-        for (int i = 0; i < TILE_M; i++)
-            for (int r = 0; r < TILE_N; r++) acc[i][r] = vf_zero();
-        for (int64_t g = 0; g < groups; g++) {
-            vq4 gw[TILE_N];
-            for (int r = 0; r < TILE_N; r++) gw[r] = group_of(w, n[r], g);
-            for (int64_t j = g * w->group; j < (g + 1) * w->group; j += BLOCK)
-                for (int h = 0; h < BLOCK / 2; h += PS_VEC) {
-                    vf lo[TILE_N], hi[TILE_N];
-                    for (int r = 0; r < TILE_N; r++)
-                        vq4_weights(q[r] + j / 2 + h, gw[r], &lo[r], &hi[r]);
-                    for (int i = 0; i < TILE_M; i++) {
-                        const vf x_lo = vf_loadu(xr[i] + j + h);
-                        const vf x_hi = vf_loadu(xr[i] + j + BLOCK / 2 + h);
-                        for (int r = 0; r < TILE_N; r++)
-                            acc[i][r] = vf_fmadd(x_hi, hi[r], vf_fmadd(x_lo, lo[r], acc[i][r]));
-                    }
-                }
+/* sums[m][g] = x[m]'s sum over group g, in vectors of PS_VEC then their lanes */
+static void group_sums(const float *x, int64_t ldx, int64_t m_rows, int64_t k, int64_t group,
+                       float *sums) {
+    for (int64_t m = 0; m < m_rows; m++)
+        for (int64_t g = 0; g < k / group; g++) {
+            vf s = vf_zero();
+            for (int64_t j = g * group; j < (g + 1) * group; j += PS_VEC)
+                s = vf_add(s, vf_loadu(x + m * ldx + j));
+            sums[m * (k / group) + g] = vf_sum(s);
         }
-        for (int i = 0; i < TILE_M && m0 + i < m_rows; i++)
-            for (int r = 0; r < TILE_N && n0 + r < n_rows; r++)
-                y[(m0 + i) * ldy + n[r]] = vf_sum(acc[i][r]);
-    }
 }
 
-void linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scale,
-                    const float *zero, int64_t ls_n, int64_t ls_g, float *y, int64_t ldy,
-                    int64_t m_rows, int64_t n_rows, int64_t k, int64_t group, int threads) {
-    const int4_weights w = {q, scale, zero, ls_n, ls_g, k, group};
-    if (m_rows == 1) {
-        const int64_t tiles = (n_rows + ROWS_ONE - 1) / ROWS_ONE;
+/* Returns 0, or 1 when the group sums could not be allocated (y is then untouched). */
+int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scale,
+                   const float *zero, int64_t ls_n, int64_t ls_g, float *y, int64_t ldy,
+                   int64_t m_rows, int64_t n_rows, int64_t k, int64_t group, int threads) {
+    float *sums = malloc(sizeof(float) * m_rows * (k / group));
+    if (!sums) return 1;
+    group_sums(x, ldx, m_rows, k, group, sums);
+    const int4_linear l = {q, scale, zero, x, sums, ls_n, ls_g, k, group, ldx, m_rows, n_rows};
+    const int64_t panels = (n_rows + PS_VEC - 1) / PS_VEC;
 #pragma omp parallel for num_threads(threads) schedule(guided, 2)
-        for (int64_t t = 0; t < tiles; t++) tile_one(x, &w, y, t * ROWS_ONE, n_rows);
-        return;
-    }
-    const int64_t tiles = (n_rows + TILE_N - 1) / TILE_N;
-#pragma omp parallel for num_threads(threads) schedule(guided, 2)
-    for (int64_t t = 0; t < tiles; t++) tile(x, ldx, &w, y, ldy, m_rows, t * TILE_N, n_rows);
+    for (int64_t t = 0; t < panels; t++) rows_of_panel(&l, t, y, ldy);
+    free(sums);
+    return 0;
 }

@@ -218,11 +218,19 @@ AI void weigh(const attn *a, const places *w, int64_t len, const float *scores, 
     const int groups = a->hq / a->hkv, most = PV_REGS / C;
     for (int r = 0; r < a->hq;) {
         const int h = r / groups, left = (h + 1) * groups - r, nr = left < most ? left : most;
+        /* NOTE: nr * C <= PV_REGS always; the tests below drop, in each compiled copy, the
+         * cases that cannot fit (GCC warned of their arrays' bounds) */
         switch (nr) {
         case 1: weigh_rows(a, w, len, scores, padded, r, 1, h, acc, kind, C); break;
-        case 2: weigh_rows(a, w, len, scores, padded, r, 2, h, acc, kind, C); break;
-        case 3: weigh_rows(a, w, len, scores, padded, r, 3, h, acc, kind, C); break;
-        default: weigh_rows(a, w, len, scores, padded, r, 4, h, acc, kind, C); break;
+        case 2:
+            if (2 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 2, h, acc, kind, C);
+            break;
+        case 3:
+            if (3 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 3, h, acc, kind, C);
+            break;
+        default:
+            if (4 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 4, h, acc, kind, C);
+            break;
         }
         r += nr < 4 ? nr : 4;
     }

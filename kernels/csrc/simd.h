@@ -19,9 +19,11 @@
  * on one Sapphire Rapids core (12.9 on two) where the machine reads ~27: the hardware
  * prefetcher alone did not run far enough ahead of a consumer this slow (docs/kernels.md). */
 #define PREFETCH_AHEAD 2048
-static inline void prefetch_ahead(const void *p) {
-    _mm_prefetch((const char *)p + PREFETCH_AHEAD, _MM_HINT_T0);
+static inline void prefetch_at(const void *p, int64_t ahead) { /* NOTE: GCC 12 dropped
+    _mm_prefetch inside an always-inline caller (linear_i4g.c's panel); the builtin stays */
+    __builtin_prefetch((const char *)p + ahead, 0, 3); /* prefetcht0 */
 }
+static inline void prefetch_ahead(const void *p) { prefetch_at(p, PREFETCH_AHEAD); }
 
 #if PS_VEC == 16
 
@@ -68,24 +70,33 @@ static inline vf vf_from_bf16(const uint16_t *p) {
 static inline vf vf_from_i8(const int8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* One output row's int4 group: the 16 weights its codes stand for, w = (q - 8) * scale + zero,
- * each rounded as model/quant.py's `dequantize` rounds it (a product, then a sum: no FMA) */
-typedef struct {
-    __m512 w;
-} vq4;
-static inline vq4 vq4_group(float scale, float zero) {
-    const __m512 q = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
-    const __m512 qs = _mm512_mul_round_ps(q, _mm512_set1_ps(scale),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const vq4 g = {_mm512_add_ps(qs, _mm512_set1_ps(zero))};
-    return g;
+/* int4 codes, one 32-bit word per output row (linear_i4g.c's layout): the words of `lanes`
+ * rows (the rest zero) */
+typedef __m512i vq4c;
+static inline __mmask16 lanes_mask(int lanes) { return (__mmask16)((1u << lanes) - 1); }
+static inline vq4c vq4_load(const uint8_t *p, int lanes) {
+    return lanes == 16 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi32(lanes_mask(lanes), p);
 }
-/* PS_VEC bytes of codes -> the weights of their low nibbles (*lo) and high nibbles (*hi): a
- * table lookup (vpermps reads an index's low 4 bits) */
-static inline void vq4_weights(const uint8_t *p, vq4 g, vf *lo, vf *hi) {
-    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-    *lo = _mm512_permutexvar_ps(b, g.w);
-    *hi = _mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), g.w);
+/* code j of each word as a float: a lookup in 0 .. 15 (vpermps reads an index's low 4 bits) */
+static inline vf vq4_code(vq4c v, int j) {
+    const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * j), codes);
+}
+/* p[i * stride] for the first `lanes` lanes (the rest zero); stride 2 is ATen's interleaved
+ * (scale, zero) pairs, read as two vectors */
+static inline vf vq4_lanes(const float *p, int64_t stride, int lanes) {
+    if (stride == 2 && lanes == 16)
+        return _mm512_permutex2var_ps(
+            _mm512_loadu_ps(p),
+            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
+            _mm512_loadu_ps(p + 16));
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)stride));
+    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes_mask(lanes), at, p, 4);
+}
+static inline void vf_store_lanes(float *p, vf a, int lanes) {
+    _mm512_mask_storeu_ps(p, lanes_mask(lanes), a);
 }
 /* float8 e4m3 codes, decoded through their 256-entry table */
 static inline vf vf_from_e4m3(const uint8_t *p, const float *lut) {
@@ -155,19 +166,34 @@ static inline vf vf_from_bf16(const uint16_t *p) {
 static inline vf vf_from_i8(const int8_t *p) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)p)));
 }
-/* AVX2 has no 16-entry lookup in one instruction: w = fma(q, scale, zero - 8 scale) instead
- * (the same weights within one rounding) */
-typedef struct {
-    __m256 s, z;
-} vq4;
-static inline vq4 vq4_group(float scale, float zero) {
-    const vq4 g = {_mm256_set1_ps(scale), _mm256_set1_ps(zero - 8.0f * scale)};
-    return g;
+typedef __m256i vq4c;
+static inline __m256i lanes_mask(int lanes) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
-static inline void vq4_weights(const uint8_t *p, vq4 g, vf *lo, vf *hi) {
-    const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p));
-    *lo = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_and_si256(b, _mm256_set1_epi32(15))), g.s, g.z);
-    *hi = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4)), g.s, g.z);
+static inline vq4c vq4_load(const uint8_t *p, int lanes) {
+    return lanes == 8 ? _mm256_loadu_si256((const __m256i *)p)
+                      : _mm256_maskload_epi32((const int *)p, lanes_mask(lanes));
+}
+/* AVX2 has no 16-entry lookup in one instruction: the code's bits, converted (the same value) */
+static inline vf vq4_code(vq4c v, int j) {
+    const __m256i q = _mm256_srli_epi32(v, 4 * j);
+    return _mm256_cvtepi32_ps(j == 7 ? q : _mm256_and_si256(q, _mm256_set1_epi32(15)));
+}
+static inline vf vq4_lanes(const float *p, int64_t stride, int lanes) {
+    if (stride == 2 && lanes == 8) /* [p0 p2 p8 p10 | p4 p6 p12 p14] -> in order */
+        return _mm256_castpd_ps(_mm256_permute4x64_pd(
+            _mm256_castps_pd(_mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88)),
+            0xd8));
+    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
+                                          _mm256_set1_epi32((int)stride));
+    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, at,
+                                    _mm256_castsi256_ps(lanes_mask(lanes)), 4);
+}
+static inline void vf_store_lanes(float *p, vf a, int lanes) {
+    if (lanes == 8)
+        _mm256_storeu_ps(p, a);
+    else
+        _mm256_maskstore_ps(p, lanes_mask(lanes), a);
 }
 static inline vf vf_from_e4m3(const uint8_t *p, const float *lut) {
     return _mm256_i32gather_ps(lut, _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)p)), 4);

@@ -26,15 +26,25 @@ def make_weights(n: int, k: int, group: int, seed: int = 0):
     return codes, scale, zero, weight.view(n, k)
 
 
-def test_the_layout_reads_back_and_puts_code_j_and_j_plus_16_in_one_byte():
-    codes = torch.arange(64).remainder(16).repeat(3, 1)
+def test_the_layout_puts_16_rows_side_by_side_8_codes_a_word_and_reads_back():
+    g = torch.Generator().manual_seed(2)
+    codes = torch.randint(0, 16, (37, 64), generator=g)  # two tiles of 16 rows and one of 5
     packed = cpu_native.pack_int4(codes)
-    assert packed.shape == (3, 32) and packed.dtype == torch.uint8
-    assert packed[0, 0].item() == 0 | (0 << 4) and packed[0, 1].item() == 1 | (1 << 4)
+    assert packed.shape == (37, 32) and packed.dtype == torch.uint8
+    words = packed.reshape(-1).view(torch.int32)  # little-endian words
+
+    def word(row: int, chunk: int) -> int:  # the word of codes 8 chunk .. 8 chunk + 7 of `row`
+        tile, at = divmod(row, 16)
+        rows = min(16, 37 - 16 * tile)
+        return words[tile * 16 * 8 + chunk * rows + at].item() & 0xFFFFFFFF
+
+    for row, chunk in [(0, 0), (15, 0), (1, 7), (16, 3), (33, 0), (36, 7)]:
+        want = sum(codes[row, 8 * chunk + j].item() << (4 * j) for j in range(8))
+        assert word(row, chunk) == want
     assert torch.equal(cpu_native.unpack_int4(packed), codes.int())
-    odd = torch.randint(0, 16, (5, 96), generator=torch.Generator().manual_seed(2))
-    assert torch.equal(cpu_native.unpack_int4(cpu_native.pack_int4(odd)), odd.int())
-    assert cpu_native.pack_int4(odd)[0, 3].item() == odd[0, 3].item() | (odd[0, 19].item() << 4)
+    for n in (1, 16, 20, 48):
+        some = torch.randint(0, 16, (n, 96), generator=g)
+        assert torch.equal(cpu_native.unpack_int4(cpu_native.pack_int4(some)), some.int())
 
 
 SHAPES = [(1, 37, 576), (1, 576, 1536), (3, 9, 576), (16, 61, 1536), (5, 192, 256)]
