@@ -188,17 +188,17 @@ enum { PV_REGS = PS_VEC == 16 ? 16 : 8 }; /* accumulators held in registers */
 
 enum { PV_AHEAD = 16 }; /* positions between a V row's prefetch and its use */
 
-/* acc[r] += sum_j w[r][j] * V[j][h] for NR query heads r0.. of KV head h, C vectors each, held
- * in registers across the positions (in position order: the sum the memory loop makes) */
+/* acc[r][c0 ..] += sum_j w[r][j] * V[j][h][c0 ..] for NR query heads r0.. of KV head h, C
+ * vectors each from vector c0, held in registers across the positions (in position order) */
 AI void weigh_rows(const attn *a, const places *w, int64_t len, const float *scores,
-                   int64_t padded, int r0, int NR, int h, float *acc, int kind, int C) {
-    const int64_t width = a->d * (kind == F32 ? 4 : 1);
+                   int64_t padded, int r0, int NR, int h, float *acc, int kind, int c0, int C) {
+    const int64_t width = (int64_t)C * PS_VEC * (kind == F32 ? 4 : 1), col = h * a->d + PS_VEC * c0;
     vf x[PV_REGS];
     for (int i = 0; i < NR * C; i++) x[i] = vf_zero();
     for (int64_t j = 0; j < len; j++) {
-        const int64_t vh = w->at[j] + h * a->d;
+        const int64_t vh = w->at[j] + col;
         const float vscale = kind == F32 ? 1.0f : a->vs[w->blocks[j] * a->sblk + h];
-        if (j + PV_AHEAD < len) fetch(a->v, w->at[j + PV_AHEAD] + h * a->d, width, kind);
+        if (j + PV_AHEAD < len) fetch(a->v, w->at[j + PV_AHEAD] + col, width, kind);
         vf vrow[PV_REGS];
         for (int c = 0; c < C; c++) vrow[c] = loadv(a->v, vh + PS_VEC * c, kind, a->lut);
         for (int i = 0; i < NR; i++) {
@@ -208,50 +208,50 @@ AI void weigh_rows(const attn *a, const places *w, int64_t len, const float *sco
         }
     }
     for (int i = 0; i < NR; i++)
-        for (int c = 0; c < C; c++) vf_storeu(acc + (r0 + i) * a->d + PS_VEC * c, x[i * C + c]);
+        for (int c = 0; c < C; c++)
+            vf_storeu(acc + (r0 + i) * a->d + PS_VEC * (c0 + c), x[i * C + c]);
 }
 
-/* acc[r] = sum_j w[r][j] * V[j][r / groups] for every query head: the heads of one KV head
- * side by side, as many as registers hold (C vectors each) */
-AI void weigh(const attn *a, const places *w, int64_t len, const float *scores, int64_t padded,
-              float *acc, int kind, int C) {
-    const int groups = a->hq / a->hkv, most = PV_REGS / C;
-    for (int r = 0; r < a->hq;) {
-        const int h = r / groups, left = (h + 1) * groups - r, nr = left < most ? left : most;
-        /* NOTE: nr * C <= PV_REGS always; the tests below drop, in each compiled copy, the
-         * cases that cannot fit (GCC warned of their arrays' bounds) */
-        switch (nr) {
-        case 1: weigh_rows(a, w, len, scores, padded, r, 1, h, acc, kind, C); break;
-        case 2:
-            if (2 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 2, h, acc, kind, C);
-            break;
-        case 3:
-            if (3 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 3, h, acc, kind, C);
-            break;
-        default:
-            if (4 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 4, h, acc, kind, C);
-            break;
-        }
-        r += nr < 4 ? nr : 4;
+/* weigh_rows for nr (1 to 4) heads, nr a constant in each call (registers) */
+AI void weigh_heads(const attn *a, const places *w, int64_t len, const float *scores,
+                    int64_t padded, int r, int nr, int h, float *acc, int kind, int c0, int C) {
+    /* NOTE: nr * C <= PV_REGS always; the tests drop, in each compiled copy, the cases that
+     * cannot fit (GCC warned of their arrays' bounds) */
+    switch (nr) {
+    case 1: weigh_rows(a, w, len, scores, padded, r, 1, h, acc, kind, c0, C); break;
+    case 2:
+        if (2 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 2, h, acc, kind, c0, C);
+        break;
+    case 3:
+        if (3 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 3, h, acc, kind, c0, C);
+        break;
+    default:
+        if (4 * C <= PV_REGS) weigh_rows(a, w, len, scores, padded, r, 4, h, acc, kind, c0, C);
+        break;
     }
 }
 
-/* The same sum with the accumulators in memory: heads too wide for the registers */
-static void weigh_wide(const attn *a, const places *w, int64_t len, const float *scores,
-                       int64_t padded, float *acc, int kind) {
-    const int groups = a->hq / a->hkv, chunks = a->d / PS_VEC;
-    memset(acc, 0, sizeof(float) * a->hq * a->d);
-    for (int64_t j = 0; j < len; j++)
-        for (int r = 0; r < a->hq; r++) {
-            const int h = r / groups;
-            const float weight = scores[r * padded + j];
-            const vf wv = vf_set1(kind == F32 ? weight : weight * a->vs[w->blocks[j] * a->sblk + h]);
-            float *ar = acc + r * a->d;
-            for (int c = 0; c < chunks; c++)
-                vf_storeu(ar + PS_VEC * c,
-                          vf_fmadd(wv, loadv(a->v, w->at[j] + h * a->d + PS_VEC * c, kind, a->lut),
-                                   vf_loadu(ar + PS_VEC * c)));
+/* acc[r] = sum_j w[r][j] * V[j][r / groups] for every query head: the heads of one KV head
+ * side by side, as many as registers hold (C vectors each, at most 4 heads); a head wider than
+ * the registers (AVX2 with head_dim 128 and more) in column slices, PV_REGS / nr vectors of
+ * nr heads a pass, so each V row is still read once per KV head */
+AI void weigh(const attn *a, const places *w, int64_t len, const float *scores, int64_t padded,
+              float *acc, int kind, int C) {
+    const int groups = a->hq / a->hkv;
+    for (int r = 0; r < a->hq;) {
+        const int h = r / groups, left = (h + 1) * groups - r;
+        if (C <= PV_REGS) {
+            const int fit = PV_REGS / C < 4 ? PV_REGS / C : 4, nr = left < fit ? left : fit;
+            weigh_heads(a, w, len, scores, padded, r, nr, h, acc, kind, 0, C);
+            r += nr;
+            continue;
         }
+        const int nr = left < 4 ? left : 4, slice = PV_REGS / nr;
+        for (int c0 = 0; c0 < C; c0 += slice)
+            weigh_heads(a, w, len, scores, padded, r, nr, h, acc, kind, c0,
+                        C - c0 < slice ? C - c0 : slice);
+        r += nr;
+    }
 }
 
 /* Sequence s: its scores, their softmax, the weighted values into its output row. Returns 1
@@ -274,10 +274,7 @@ AI int one_sequence(const attn *a, int s, int kind, int C) {
     if (a->cap > 0.0f) softcap_rows(scores, a->hq, len, padded, a->cap);
     float sums[64]; /* hq <= 64: checked by the caller */
     softmax_rows(scores, a->hq, len, padded, sums);
-    if (C <= PV_REGS)
-        weigh(a, &w, len, scores, padded, acc, kind, C);
-    else
-        weigh_wide(a, &w, len, scores, padded, acc, kind);
+    weigh(a, &w, len, scores, padded, acc, kind, C);
     normalize(a->out + a->qrow[s] * a->o_tok, acc, sums, a->hq, a->d);
     free(scores);
     return 0;
