@@ -165,10 +165,7 @@ def _signatures() -> dict[str, tuple[list[type], type | None]]:
         "kv_append_i8": ([ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i32, i32, i32, i32], None),
         "paged_decode_q8": ([*q8, f32, f32, i32, i32, ptr], i32),  # ..., fp8, lut
         "linear_i8g_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32], None),
-        "linear_i4g_f32": (
-            [ptr, i64, ptr, ptr, ptr, i64, i64, ptr, i64, i64, i64, i64, i64, i32],
-            i32,
-        ),
+        "linear_i4g_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i64, i32], i32),
         "linear_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], None),
         "gemm_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32),
         "set_sgemm_compute": ([ptr], None),
@@ -544,15 +541,35 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
     return torch.stack([words & 0xF, words >> 4], dim=-1).view(n, k).to(torch.int32)
 
 
+def pack_int4_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """int4's scale and zero [N, groups] -> [ceil(N / 16), groups, 16, 2] in their dtype, the
+    (scale, zero) pairs `linear_int4_groups` reads (csrc/linear_i4g.c): tile by tile of 16 rows
+    as `pack_int4` lays the codes, a group's 16 pairs side by side, the last tile padded with
+    zeros. A panel of rows then reads its groups' pairs as one stream, where ATen's
+    [groups, N, 2] put each group 8 N bytes after the last (a page or more)."""
+    n, groups = scale.shape
+    tiles = -(-n // 16)
+    pairs = torch.zeros(tiles * 16, groups, 2, dtype=scale.dtype, device=scale.device)
+    pairs[:n, :, 0], pairs[:n, :, 1] = scale, zero
+    return pairs.view(tiles, 16, groups, 2).transpose(1, 2).contiguous()
+
+
+def unpack_int4_scales(pairs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """`pack_int4_scales`' inverse: (scale, zero) [n, groups]."""
+    tiles, groups = pairs.shape[:2]
+    rows = pairs.transpose(1, 2).reshape(tiles * 16, groups, 2)[:n]
+    return rows[..., 0], rows[..., 1]
+
+
 def linear_int4_groups(
-    x: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor
+    x: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor
 ) -> torch.Tensor | None:
-    """x [M, K] @ W.T for `pack_int4` codes [N, K / 2] with W = (q - 8) * scale + zero, scale
-    and zero float32 [N, K / group] (any strides, the same for both; group a multiple of 32) ->
-    float32 [M, N], the codes widened in registers (no dequantized copy). None when the kernel
-    cannot take it (the caller dequantizes)."""
+    """x [M, K] @ W.T for `pack_int4` codes [N, K / 2] and `pack_int4_scales` pairs (float32)
+    with W = (q - 8) * scale + zero (groups of a multiple of 32) -> float32 [M, N], the codes
+    widened in registers (no dequantized copy). None when the kernel cannot take it (the
+    caller dequantizes)."""
     n, k = codes.shape[0], codes.shape[1] * 2
-    groups = scale.shape[1] if scale.dim() == 2 else 0
+    groups = pairs.shape[1] if pairs.dim() == 4 else 0
     if not (
         enabled
         and x.device.type == "cpu"
@@ -560,9 +577,9 @@ def linear_int4_groups(
         and x.shape[1] == k
         and codes.dtype == torch.uint8
         and codes.is_contiguous()
-        and scale.dtype == zero.dtype == torch.float32
-        and scale.shape == zero.shape == (n, groups)
-        and scale.stride() == zero.stride()
+        and pairs.dtype == torch.float32
+        and pairs.shape == (-(-n // 16), groups, 16, 2)
+        and pairs.is_contiguous()
         and groups > 0
         and k % (32 * groups) == 0
         and _load() is not None
@@ -570,8 +587,7 @@ def linear_int4_groups(
         return None
     lib, x32, y = _linear_operands(x, n)
     failed = lib.linear_i4g_f32(
-        x32.data_ptr(), x32.stride(0), codes.data_ptr(), scale.data_ptr(), zero.data_ptr(),
-        scale.stride(0), scale.stride(1), y.data_ptr(), y.stride(0), x32.shape[0], n, k,
-        k // groups, torch.get_num_threads(),
+        x32.data_ptr(), x32.stride(0), codes.data_ptr(), pairs.data_ptr(), y.data_ptr(),
+        y.stride(0), x32.shape[0], n, k, k // groups, torch.get_num_threads(),
     )  # fmt: skip
     return None if failed else y

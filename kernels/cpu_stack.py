@@ -22,7 +22,7 @@ _ptr, _i64 = ctypes.c_void_p, ctypes.c_int64
 class Linear(ctypes.Structure):
     _fields_ = [
         ("kind", _i64), ("w", _ptr), ("scales", _ptr), ("zeros", _ptr), ("bias", _ptr),
-        ("n", _i64), ("k", _i64), ("group", _i64), ("ls_n", _i64), ("ls_g", _i64),
+        ("n", _i64), ("k", _i64), ("group", _i64),
         ("packed", _ptr),  # F32: the weight packed for MKL (kernels/mkl_packed.py), or None
     ]  # fmt: skip
 

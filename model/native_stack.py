@@ -205,18 +205,13 @@ def _linear(module: nn.Module, keep: list[torch.Tensor]) -> tuple[cpu_stack.Line
     operands = module.cpu_operands()
     if operands is None or not _is_f32(bias):
         return None
-    codes, scales, zeros, group = operands
-    keep.extend(t for t in (codes, scales, zeros, bias) if t is not None)
-    n, k = module.out_features, module.in_features
-    bias_ptr = None if bias is None else bias.data_ptr()
-    if zeros is None:
-        linear = cpu_stack.Linear(cpu_stack.I8G, codes.data_ptr(), scales.data_ptr(), None,
-                                  bias_ptr, n, k, group)  # fmt: skip
-    else:
-        linear = cpu_stack.Linear(
-            cpu_stack.I4G, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), bias_ptr, n, k,
-            group, scales.stride(0), scales.stride(1),
-        )  # fmt: skip
+    codes, scales, group = operands
+    keep.extend(t for t in (codes, scales, bias) if t is not None)
+    kind = cpu_stack.I4G if module.quant.method == "int4" else cpu_stack.I8G
+    linear = cpu_stack.Linear(
+        kind, codes.data_ptr(), scales.data_ptr(), None, None if bias is None else bias.data_ptr(),
+        module.out_features, module.in_features, group,
+    )  # fmt: skip
     return linear, quant.NATIVE_ROWS
 
 

@@ -124,10 +124,12 @@ class QuantizedLinear(nn.Module):
     and bias as `nn.Linear`. `load_weight` quantizes a float [out, in] tensor into it."""
 
     qweight: torch.Tensor  # int8 [out, in]; int4 [out, in / 2], two codes a byte (`int4_layout`)
-    scales: torch.Tensor  # int8: [out], or [out, in / group]; int4: [in / group, out, (s, z)]
-    # int4's codes are held once, in one of two layouts: "native" (cpu_native.pack_int4, what
-    # the fp32 / fp16 CPU kernel reads) or "aten" (`_convert_weight_to_int4pack_for_cpu`, what
-    # ATen's bf16 CPU matmul reads); a call that needs the other repacks them in place
+    scales: torch.Tensor  # int8: [out], or [out, in / group]; int4: see `int4_layout`
+    # int4's codes and (scale, zero) pairs are held once, in one of two layouts: "native"
+    # (cpu_native.pack_int4 and pack_int4_scales [tiles of 16 rows, groups, 16, 2], what the
+    # fp32 / fp16 CPU kernel reads) or "aten" (`_convert_weight_to_int4pack_for_cpu` and
+    # [groups, out, 2], what ATen's bf16 CPU matmul reads); a call that needs the other
+    # repacks them
     int4_layout: str
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: WeightQuant) -> None:
@@ -152,7 +154,6 @@ class QuantizedLinear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self._cuda_operands: tuple[torch.Tensor, ...] | None = None
         self.int4_layout = "aten"
-        self._cpu_scales: tuple[torch.Tensor, ...] | None = None
         self._w8a8_sums: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
@@ -196,9 +197,7 @@ class QuantizedLinear(nn.Module):
         in float32 or float16 (its scales' dtype: the model's) holds them in the native kernel's
         layout, one in bfloat16 (or on CUDA) in ATen's: the layout its own dtype's matmul reads."""
         native = self.qweight.device.type == "cpu" and self.scales.dtype != torch.bfloat16
-        self._store_codes(q.to(torch.int32).cpu(), "native" if native else "aten")
-        # NOTE: ATen's layout: [groups, out, (scale, zero)]
-        self.scales.copy_(torch.stack([scale, zero], dim=-1).transpose(0, 1))
+        self._store_int4(q.to(torch.int32).cpu(), scale, zero, "native" if native else "aten")
 
     @torch.no_grad()
     def load_int8_groups(self, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -224,20 +223,32 @@ class QuantizedLinear(nn.Module):
             return cpu_native.unpack_int4(self.qweight.cpu())
         return unpack_int4(self.qweight.cpu(), self.out_features, self.in_features)
 
-    def _store_codes(self, q: torch.Tensor, layout: str) -> None:
+    def int4_scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """int4's scale and zero [out, in / group], read back from either layout."""
+        if self.int4_layout == "native":
+            return cpu_native.unpack_int4_scales(self.scales, self.out_features)
+        return self.scales[..., 0].t(), self.scales[..., 1].t()
+
+    def _store_int4(
+        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, layout: str
+    ) -> None:
+        """Codes [out, in] (int32, on CPU) and scale, zero [out, in / group] into `layout`."""
         if layout == "native":
             packed = cpu_native.pack_int4(q)
+            pairs = cpu_native.pack_int4_scales(scale, zero)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
+            pairs = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # [groups, out, 2]
         self.qweight.copy_(packed)
+        self.scales = pairs.to(device=self.scales.device, dtype=self.scales.dtype).contiguous()
         self.int4_layout = layout
         self._cuda_operands = None
 
     def _use_int4_layout(self, layout: str) -> None:
-        """Repack the codes in place if they are in the other layout (once per change of
+        """Repack codes and pairs if they are in the other layout (once per change of
         activation dtype: a model runs in one, so in practice at load time only)."""
         if self.int4_layout != layout:
-            self._store_codes(self.int4_codes(), layout)
+            self._store_int4(self.int4_codes(), *self.int4_scale_zero(), layout)
 
     def dequantize(self) -> torch.Tensor:
         """The weight as the matmul sees it, [out, in] in the scales' dtype (for the reference
@@ -247,7 +258,7 @@ class QuantizedLinear(nn.Module):
         if self.quant.int8_codes:
             return self.qweight.to(self.scales.dtype) * self.scales[:, None]
         q = self.int4_codes().to(self.qweight.device)
-        scale, zero = self.scales[..., 0].t(), self.scales[..., 1].t()  # [out, groups]
+        scale, zero = self.int4_scale_zero()  # [out, groups]
         g = self.quant.group_size
         q = q.view(self.out_features, -1, g).to(self.scales.dtype)
         return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, -1)
@@ -263,7 +274,7 @@ class QuantizedLinear(nn.Module):
                 from pagedserve.kernels.triton_quant import pack_nibbles
 
                 q = self.int4_codes()
-                scale, zero = self.scales[..., 0].t(), self.scales[..., 1].t()
+                scale, zero = self.int4_scale_zero()
                 self._cuda_operands = (
                     pack_nibbles(q).to(self.qweight.device),
                     scale.float().contiguous(),
@@ -293,11 +304,9 @@ class QuantizedLinear(nn.Module):
         if operands is not None:
             w8a8 = cpu_w8a8.linear(x2.float(), *operands[:2], self.bias, operands[2])
             return w8a8.to(x.dtype).view(*shape[:-1], self.out_features)
-        if self.quant.method == "int4":
-            self._use_int4_layout("native")
         out = None
         if x2.shape[0] <= NATIVE_ROWS and self.quant.method == "int4":
-            out = cpu_native.linear_int4_groups(x2, self.qweight, *self._int4_cpu_scales())
+            out = cpu_native.linear_int4_groups(x2, self.qweight, self._int4_cpu_pairs())
         elif x2.shape[0] <= NATIVE_ROWS:
             scales = self.scales if self.int8_groups else self.scales.view(-1, 1)
             out = cpu_native.linear_int8_groups(x2, self.qweight, scales)
@@ -319,35 +328,28 @@ class QuantizedLinear(nn.Module):
             self._w8a8_sums = sums
         return self.qweight, self.scales, sums[1]
 
-    def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int] | None:
-        """(codes, scales, zeros (int4) or None, group): what the native CPU kernels read for
-        float32 activations (int4's codes in their layout, int8 per channel as one group of
-        the whole row), or None where no kernel takes this layer."""
+    def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(codes, scales, group): what the native CPU kernels read for float32 activations
+        (int4's codes and (scale, zero) pairs in their layout; int8's scales per group, or per
+        channel as one group of the whole row), or None where no kernel takes this layer."""
         if self.qweight.device.type != "cpu" or self.scales.dtype != torch.float32 or self.w8a8:
             return None  # NOTE: w8a8's int8 activations are not what these kernels compute
         if self.quant.method == "int4":
-            self._use_int4_layout("native")
-            scale, zero = self._int4_cpu_scales()
-            groups = scale.shape[1]
-            if self.in_features % (32 * groups):
+            pairs = self._int4_cpu_pairs()
+            if self.in_features % (32 * pairs.shape[1]):
                 return None
-            return self.qweight, scale, zero, self.in_features // groups
+            return self.qweight, pairs, self.in_features // pairs.shape[1]
         scales = self.scales if self.int8_groups else self.scales.view(-1, 1)
         group = self.in_features // scales.shape[1]
         if group % 16 or not scales.is_contiguous():
             return None
-        return self.qweight, scales, None, group
+        return self.qweight, scales, group
 
-    def _int4_cpu_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """int4's (scale, zero) [out, groups] for the native kernel: float32 views of `scales`,
-        kept while `scales` is the same tensor (float16 scales are widened per call, not kept:
-        no second copy)."""
-        cached = self._cpu_scales
-        if cached is None or cached[0] is not self.scales:
-            scale, zero = self.scales[..., 0].t().float(), self.scales[..., 1].t().float()
-            cached = (self.scales, scale, zero)
-            self._cpu_scales = cached if self.scales.dtype == torch.float32 else None
-        return cached[1], cached[2]
+    def _int4_cpu_pairs(self) -> torch.Tensor:
+        """int4's (scale, zero) pairs in the native layout, float32 for the kernel (float16
+        ones are widened per call, not kept: no second copy)."""
+        self._use_int4_layout("native")
+        return self.scales.float()
 
     def _packed_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] @ W.T from the codes: Triton on CUDA, ATen's packed kernels on CPU."""

@@ -37,9 +37,9 @@ int linear_packed_f32(const float *x, int64_t ldx, const float *packed, const fl
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads);
-int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scale,
-                   const float *zero, int64_t ls_n, int64_t ls_g, float *y, int64_t ldy,
-                   int64_t m_rows, int64_t n_rows, int64_t k, int64_t group, int threads);
+int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *pairs, float *y,
+                   int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
+                   int threads);
 void rms_norm_f32(const float *x, int64_t ldx, const float *residual, int64_t ldr,
                   float *sum_out, const float *weight, float *out, int64_t rows, int64_t n,
                   float eps);
@@ -58,12 +58,12 @@ enum { LIN_F32 = 0, LIN_I8G = 1, LIN_I4G = 2, LIN_W8A8 = 3 };
 /* One linear layer's weights, as kernels/cpu_stack.py's `Linear` structure lays them out. */
 typedef struct {
     int64_t kind;          /* LIN_F32: w float [n, k]; LIN_I8G: int8 codes [n, k] and scales
-                              [n, k / group]; LIN_I4G: cpu_native.pack_int4 codes [n, k / 2],
-                              scales and zeros with strides (ls_n, ls_g); LIN_W8A8: int8 codes
+                              [n, k / group]; LIN_I4G: cpu_native.pack_int4 codes [n, k / 2]
+                              and, in `scales`, pack_int4_scales' pairs; LIN_W8A8: int8 codes
                               [n, k], scales [n] and, in `zeros`, the codes' int32 row sums */
     const void *w;
     const float *scales, *zeros, *bias; /* bias [n] or NULL (added after, as torch does) */
-    int64_t n, k, group, ls_n, ls_g;
+    int64_t n, k, group;
     const float *packed; /* LIN_F32: w packed for MKL (kernels/mkl_packed.py), or NULL */
 } ps_linear;
 
@@ -113,8 +113,8 @@ static int linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int
     if (l->kind == LIN_I8G)
         linear_i8g_f32(x, ldx, (const int8_t *)l->w, l->scales, y, ldy, rows, l->n, l->k,
                        l->group, threads);
-    else if (linear_i4g_f32(x, ldx, (const uint8_t *)l->w, l->scales, l->zeros, l->ls_n,
-                            l->ls_g, y, ldy, rows, l->n, l->k, l->group, threads))
+    else if (linear_i4g_f32(x, ldx, (const uint8_t *)l->w, l->scales, y, ldy, rows, l->n, l->k,
+                            l->group, threads))
         return 1;
     if (l->bias)
         for (int64_t m = 0; m < rows; m++)

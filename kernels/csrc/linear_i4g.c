@@ -13,6 +13,11 @@
  *     tile of rows n0 .. n0 + 15 (fewer in the last tile: r rows, words r apart)
  *     | row n0: k 0-7 | row n0 + 1: k 0-7 | ... | row n0 + 15: k 0-7 | row n0: k 8-15 | ...
  *
+ * and their (scale, zero) pairs likewise, tile by tile (cpu_native.pack_int4_scales; a last
+ * tile is padded to 16 rows):
+ *
+ *     tile t: | group 0: (s, z) of rows 16t .. 16t + 15 | group 1: ... | ... |   32 floats a group
+ *
  * so one load gives 16 rows' codes for 8 k's, and code j of all 16 is one shift and one
  * lookup (simd.h's `vq4_code`), multiplied by x[m][k] broadcast. The scale is applied once a
  * group, not once a code: a row's 16 weights were rebuilt per group before, two operations in
@@ -35,22 +40,24 @@
 /* bytes between a code's prefetch and its use at one row of x: 4 KB read 18.7-18.9 GB/s on two
  * Sapphire Rapids cores where simd.h's 2 KB read 17.5-18.0 and 1 KB 16.8-17.0 */
 #define AHEAD 4096
+#define SCALES_AHEAD 4 /* groups between a group's pairs' prefetch and their use */
 
 typedef struct {
     const uint8_t *q;
-    const float *scale, *zero, *x, *sums; /* sums[m][g]: x[m]'s sum over group g */
-    int64_t ls_n, ls_g, k, group, ldx, m_rows, n_rows;
+    const float *pairs, *x, *sums; /* sums[m][g]: x[m]'s sum over group g */
+    int64_t k, group, ldx, m_rows, n_rows;
 } int4_linear;
 
 static inline int64_t row_at(int64_t at, int64_t rows) { return at < rows ? at : rows - 1; }
 
 /* Rows n0 .. n0 + lanes - 1 (one panel) for rows m0 .. m0 + tm - 1 of x (repeating the last
  * row of x past m_rows): y[m][n] for each. `words` is the panel's first word, `stride` the
- * bytes from one word of a row to its next (the tile's rows x 4). */
+ * bytes from one word of a row to its next (the tile's rows x 4), `pairs` its group 0's
+ * (scale, zero) pairs (the next group's TILE_ROWS pairs on). */
 static inline __attribute__((always_inline)) void panel(const int4_linear *l, const uint8_t *words,
-                                                        int64_t stride, int64_t n0, int lanes,
-                                                        int64_t m0, int tm, float *y,
-                                                        int64_t ldy) {
+                                                        int64_t stride, const float *pairs,
+                                                        int64_t n0, int lanes, int64_t m0,
+                                                        int tm, float *y, int64_t ldy) {
     const float *xr[TILE_M], *sr[TILE_M];
     const int64_t groups = l->k / l->group;
     for (int i = 0; i < tm; i++) {
@@ -61,6 +68,9 @@ static inline __attribute__((always_inline)) void panel(const int4_linear *l, co
     vf out[TILE_M];
     for (int i = 0; i < tm; i++) out[i] = vf_zero();
     for (int64_t g = 0; g < groups; g++) {
+        if (tm == 1) /* the pairs of a group SCALES_AHEAD on: their two cache lines */
+            for (int line = 0; line < 2; line++)
+                prefetch_at(pairs + (g + SCALES_AHEAD) * 2 * TILE_ROWS + line * 16, 0);
         vf acc[TILE_M][CHAINS];
         for (int i = 0; i < tm; i++)
             for (int c = 0; c < CHAINS; c++) acc[i][c] = vf_zero();
@@ -74,8 +84,8 @@ static inline __attribute__((always_inline)) void panel(const int4_linear *l, co
                     acc[i][j % CHAINS] = vf_fmadd(vf_set1(xr[i][k0 + j]), q, acc[i][j % CHAINS]);
             }
         }
-        const vf scale = vq4_lanes(l->scale + n0 * l->ls_n + g * l->ls_g, l->ls_n, lanes);
-        const vf zero = vq4_lanes(l->zero + n0 * l->ls_n + g * l->ls_g, l->ls_n, lanes);
+        vf scale, zero;
+        vq4_pairs(pairs + g * 2 * TILE_ROWS, &scale, &zero);
         const vf offset = vf_fmadd(vf_set1(-8.0f), scale, zero);
         for (int i = 0; i < tm; i++) {
             const vf sum = vf_add(vf_add(acc[i][0], acc[i][1]), vf_add(acc[i][2], acc[i][3]));
@@ -92,14 +102,15 @@ static void rows_of_panel(const int4_linear *l, int64_t t, float *y, int64_t ldy
     const int64_t tile_rows = l->n_rows - tile < TILE_ROWS ? l->n_rows - tile : TILE_ROWS;
     const int lanes = (int)(l->n_rows - n0 < PS_VEC ? l->n_rows - n0 : PS_VEC);
     const uint8_t *words = l->q + tile * (l->k / 2) + (n0 - tile) * 4;
+    const float *pairs = l->pairs + (tile * (l->k / l->group) + n0 - tile) * 2;
     const int64_t stride = tile_rows * 4;
     if (l->m_rows == 1 && lanes == PS_VEC) /* whole panels: no masks (a constant to inline) */
-        panel(l, words, stride, n0, PS_VEC, 0, 1, y, ldy);
+        panel(l, words, stride, pairs, n0, PS_VEC, 0, 1, y, ldy);
     else if (l->m_rows == 1)
-        panel(l, words, stride, n0, lanes, 0, 1, y, ldy);
+        panel(l, words, stride, pairs, n0, lanes, 0, 1, y, ldy);
     else
         for (int64_t m0 = 0; m0 < l->m_rows; m0 += TILE_M)
-            panel(l, words, stride, n0, lanes, m0, TILE_M, y, ldy);
+            panel(l, words, stride, pairs, n0, lanes, m0, TILE_M, y, ldy);
 }
 
 /* sums[m][g] = x[m]'s sum over group g, in vectors of PS_VEC then their lanes */
@@ -115,13 +126,13 @@ static void group_sums(const float *x, int64_t ldx, int64_t m_rows, int64_t k, i
 }
 
 /* Returns 0, or 1 when the group sums could not be allocated (y is then untouched). */
-int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *scale,
-                   const float *zero, int64_t ls_n, int64_t ls_g, float *y, int64_t ldy,
-                   int64_t m_rows, int64_t n_rows, int64_t k, int64_t group, int threads) {
+int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *pairs, float *y,
+                   int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
+                   int threads) {
     float *sums = malloc(sizeof(float) * m_rows * (k / group));
     if (!sums) return 1;
     group_sums(x, ldx, m_rows, k, group, sums);
-    const int4_linear l = {q, scale, zero, x, sums, ls_n, ls_g, k, group, ldx, m_rows, n_rows};
+    const int4_linear l = {q, pairs, x, sums, k, group, ldx, m_rows, n_rows};
     const int64_t panels = (n_rows + PS_VEC - 1) / PS_VEC;
 #pragma omp parallel for num_threads(threads) schedule(guided, 2)
     for (int64_t t = 0; t < panels; t++) rows_of_panel(&l, t, y, ldy);

@@ -14,16 +14,21 @@
 #include <immintrin.h>
 #include <stdint.h>
 
-/* Weights streamed at one row of x: ask for the cache line PREFETCH_AHEAD bytes on. At one
- * token per step the codes' bytes are the cost, and without it the int8 kernel read 6.6 GB/s
- * on one Sapphire Rapids core (12.9 on two) where the machine reads ~27: the hardware
- * prefetcher alone did not run far enough ahead of a consumer this slow (docs/kernels.md). */
-#define PREFETCH_AHEAD 2048
-static inline void prefetch_at(const void *p, int64_t ahead) { /* NOTE: GCC 12 dropped
-    _mm_prefetch inside an always-inline caller (linear_i4g.c's panel); the builtin stays */
-    __builtin_prefetch((const char *)p + ahead, 0, 3); /* prefetcht0 */
+/* Weights streamed at one row of x: ask for the cache line some bytes on. At one token per
+ * step the codes' bytes are the cost, and without it the int8 kernel read 6.6 GB/s on one
+ * Sapphire Rapids core (12.9 on two) where the machine reads ~27: the hardware prefetcher
+ * alone did not run far enough ahead of a consumer this slow (docs/kernels.md).
+ * NOTE: GCC 12 dropped _mm_prefetch inside an always-inline caller (linear_i4g.c's panel);
+ * the builtin stays. */
+static inline void prefetch_at(const void *p, int64_t ahead) { /* prefetcht0: into L1 */
+    __builtin_prefetch((const char *)p + ahead, 0, 3);
 }
-static inline void prefetch_ahead(const void *p) { prefetch_at(p, PREFETCH_AHEAD); }
+/* The int8 one-row kernel's: 4 KB on, into L2 (prefetcht1). Over 425 MB of codes (beyond
+ * this VM's L3) it read 18.2 GB/s on two cores where 2 KB into L1 read 15.4-15.7 */
+#define PREFETCH_AHEAD 4096
+static inline void prefetch_ahead(const void *p) {
+    __builtin_prefetch((const char *)p + PREFETCH_AHEAD, 0, 2);
+}
 
 #if PS_VEC == 16
 
@@ -82,18 +87,12 @@ static inline vf vq4_code(vq4c v, int j) {
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * j), codes);
 }
-/* p[i * stride] for the first `lanes` lanes (the rest zero); stride 2 is ATen's interleaved
- * (scale, zero) pairs, read as two vectors */
-static inline vf vq4_lanes(const float *p, int64_t stride, int lanes) {
-    if (stride == 2 && lanes == 16)
-        return _mm512_permutex2var_ps(
-            _mm512_loadu_ps(p),
-            _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30),
-            _mm512_loadu_ps(p + 16));
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32((int)stride));
-    return _mm512_mask_i32gather_ps(_mm512_setzero_ps(), lanes_mask(lanes), at, p, 4);
+/* 16 interleaved (scale, zero) pairs -> the scales and the zeros */
+static inline void vq4_pairs(const float *p, vf *scale, vf *zero) {
+    const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    *scale = _mm512_permutex2var_ps(lo, even, hi);
+    *zero = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
 }
 static inline void vf_store_lanes(float *p, vf a, int lanes) {
     _mm512_mask_storeu_ps(p, lanes_mask(lanes), a);
@@ -179,15 +178,14 @@ static inline vf vq4_code(vq4c v, int j) {
     const __m256i q = _mm256_srli_epi32(v, 4 * j);
     return _mm256_cvtepi32_ps(j == 7 ? q : _mm256_and_si256(q, _mm256_set1_epi32(15)));
 }
-static inline vf vq4_lanes(const float *p, int64_t stride, int lanes) {
-    if (stride == 2 && lanes == 8) /* [p0 p2 p8 p10 | p4 p6 p12 p14] -> in order */
-        return _mm256_castpd_ps(_mm256_permute4x64_pd(
-            _mm256_castps_pd(_mm256_shuffle_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8), 0x88)),
-            0xd8));
-    const __m256i at = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7),
-                                          _mm256_set1_epi32((int)stride));
-    return _mm256_mask_i32gather_ps(_mm256_setzero_ps(), p, at,
-                                    _mm256_castsi256_ps(lanes_mask(lanes)), 4);
+/* 8 interleaved (scale, zero) pairs -> the scales and the zeros: [s0 s1 s4 s5 | s2 s3 s6 s7]
+ * (and the zeros), then the 64-bit quarters in order */
+static inline void vq4_pairs(const float *p, vf *scale, vf *zero) {
+    const __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
+    *scale = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8));
+    *zero = _mm256_castpd_ps(
+        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8));
 }
 static inline void vf_store_lanes(float *p, vf a, int lanes) {
     if (lanes == 8)

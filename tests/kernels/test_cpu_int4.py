@@ -57,7 +57,8 @@ SHAPES = [(1, 37, 576), (1, 576, 1536), (3, 9, 576), (16, 61, 1536), (5, 192, 25
 def test_int4_linear_equals_x_times_the_dequantized_weight(m, n, k, group):
     codes, scale, zero, weight = make_weights(n, k, group, seed=m * n + group)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(k))
-    got = cpu_native.linear_int4_groups(x, cpu_native.pack_int4(codes), scale, zero)
+    pairs = cpu_native.pack_int4_scales(scale, zero)
+    got = cpu_native.linear_int4_groups(x, cpu_native.pack_int4(codes), pairs)
     assert got is not None and got.dtype == torch.float32 and got.shape == (m, n)
     want = (x.double() @ weight.double().T).float()
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6 * k)
@@ -67,34 +68,39 @@ def test_int4_linear_equals_x_times_the_dequantized_weight(m, n, k, group):
 @pytest.mark.parametrize(("n", "k", "group"), [(37, 576, 32), (13, 1536, 256), (64, 256, 64)])
 def test_int4_linear_one_row_equals_that_row_of_a_batch(n, k, group):
     codes, scale, zero, _ = make_weights(n, k, group, seed=n)
-    packed = cpu_native.pack_int4(codes)
+    packed, pairs = cpu_native.pack_int4(codes), cpu_native.pack_int4_scales(scale, zero)
     x = torch.randn(7, k, generator=torch.Generator().manual_seed(n + k))
-    batch = cpu_native.linear_int4_groups(x, packed, scale, zero)
+    batch = cpu_native.linear_int4_groups(x, packed, pairs)
     assert batch is not None
     for i in range(7):  # the one-row path (decode of one sequence) and the tiled one, bit for bit
-        one = cpu_native.linear_int4_groups(x[i : i + 1], packed, scale, zero)
+        one = cpu_native.linear_int4_groups(x[i : i + 1], packed, pairs)
         assert torch.equal(one, batch[i : i + 1])
 
 
-@needs_kernel
-def test_int4_linear_reads_scale_and_zero_through_their_strides():
-    codes, scale, zero, weight = make_weights(24, 128, 32, seed=4)
-    aten_like = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous()  # [g, n, 2]
-    x = torch.randn(2, 128)
-    got = cpu_native.linear_int4_groups(
-        x, cpu_native.pack_int4(codes), aten_like[..., 0].t(), aten_like[..., 1].t()
-    )
-    torch.testing.assert_close(got, x @ weight.T, rtol=1e-5, atol=1e-4)
+def test_the_pairs_lie_tile_by_tile_a_groups_16_side_by_side_and_read_back():
+    scale, zero = torch.rand(37, 3), torch.rand(37, 3)  # two tiles of 16 rows and one of 5
+    pairs = cpu_native.pack_int4_scales(scale, zero)
+    assert pairs.shape == (3, 3, 16, 2) and pairs.is_contiguous()
+    flat = pairs.reshape(-1)
+    for row, group in [(0, 0), (15, 2), (16, 1), (36, 2)]:
+        tile, at = divmod(row, 16)
+        first = ((tile * 3 + group) * 16 + at) * 2
+        assert flat[first].item() == scale[row, group].item()
+        assert flat[first + 1].item() == zero[row, group].item()
+    assert torch.count_nonzero(pairs[2, :, 5:]) == 0  # the last tile's padding
+    back = cpu_native.unpack_int4_scales(pairs, 37)
+    assert torch.equal(back[0], scale) and torch.equal(back[1], zero)
 
 
 def test_int4_linear_declines_what_it_cannot_take():
     packed = torch.zeros(4, 32, dtype=torch.uint8)  # k = 64
-    ones = torch.ones(4, 2)
+    pairs = cpu_native.pack_int4_scales(torch.ones(4, 2), torch.ones(4, 2))
     x = torch.ones(1, 64)
-    assert cpu_native.linear_int4_groups(x, packed, ones, ones.double()) is None  # float64
-    assert cpu_native.linear_int4_groups(x, packed, torch.ones(4, 4), torch.ones(4, 4)) is None
-    assert cpu_native.linear_int4_groups(torch.ones(1, 32), packed, ones, ones) is None  # k
-    assert cpu_native.linear_int4_groups(x, packed[:, ::2], ones[:, :1], ones[:, :1]) is None
+    assert cpu_native.linear_int4_groups(x, packed, pairs.double()) is None  # float64
+    assert cpu_native.linear_int4_groups(x, packed, torch.ones(4, 4)) is None  # not pairs
+    assert cpu_native.linear_int4_groups(x, packed, torch.ones(2, 2, 16, 2)) is None  # tiles
+    assert cpu_native.linear_int4_groups(torch.ones(1, 32), packed, pairs) is None  # k
+    assert cpu_native.linear_int4_groups(x, packed[:, ::2], pairs[:, :1]) is None
 
 
 def make_layer(quant: WeightQuant, out_features: int = 40, in_features: int = 256):
