@@ -6,6 +6,9 @@
  *     W[n][k] = q[n][k] * s[n][k / group]        q int8 [N, K], s float32 [N, K / group]
  *     y[m][n] = sum_k x[m][k] * W[n][k]          x, y float32, accumulated in float32
  *
+ * With one scale per row (per-channel int8, group = k) the sum is s[n] * sum_k x[m][k] q[n][k]:
+ * the scale once per output instead of once per weight (one multiply fewer a vector of codes).
+ *
  * The codes are read once per tile of TILE_N output rows and widened to float32 in registers;
  * one OpenMP task per tile (torch's libgomp). TILE_M x rows at a time (fewer with AVX2's 16
  * registers): tails of M and N repeat their last row and write nothing twice; a single row of
@@ -21,15 +24,26 @@
 #define TILE_M (PS_VEC == 16 ? 4 : 2)
 
 /* one row of x against ROWS_ONE rows of codes (the decode case: the codes' bytes are the
- * cost), TOGETHER rows at a time: rows are contiguous, so one row at a time reads one
- * contiguous stream, where 8 rows interleaved ran at half the machine's read bandwidth
- * (docs/kernels.md); the stream asks for its lines PREFETCH_AHEAD bytes early (simd.h: over
- * 425 MB of codes 9.2 GB/s without, 18.1-18.5 with, on two cores). The same operations per
- * output as the tiled path, so the two agree bit for bit */
+ * cost), TOGETHER rows at a time, each stream asking for its lines PREFETCH_AHEAD bytes early
+ * (simd.h). Over 425 MB of codes on two cores: 9.2 GB/s without the prefetch, 18.1-18.5 with
+ * it and one row at a time, 20.0-20.5 with two rows and the scale once per row
+ * (docs/kernels.md; 8 rows side by side, before the prefetch, ran at half the bandwidth). The
+ * same operations per output as the tiled path, so the two agree bit for bit */
 #define ROWS_ONE 8
-#define TOGETHER 1
-static void tile_one(const float *x, const int8_t *q, const float *s, float *y, int64_t n0,
-                     int64_t n_rows, int64_t k, int64_t group) {
+#define TOGETHER 2
+#define AI static inline __attribute__((always_inline))
+
+/* a vector of weights: q * s (GGUF's groups, s a group's scale), or q alone where the row has
+ * one scale (per channel: `whole`), applied once to the row's sum */
+AI vf weights(const int8_t *q, vf sv, int whole) {
+    return whole ? vf_from_i8(q) : vf_mul(vf_from_i8(q), sv);
+}
+AI float scaled(float sum, const float *s, int64_t n, int whole) {
+    return whole ? sum * s[n] : sum;
+}
+
+AI void tile_one(const float *x, const int8_t *q, const float *s, float *y, int64_t n0,
+                 int64_t n_rows, int64_t k, int64_t group, int whole) {
     const int64_t groups = k / group;
     for (int64_t a = n0; a < n0 + ROWS_ONE && a < n_rows; a += TOGETHER) {
         int64_t n[TOGETHER];
@@ -46,53 +60,66 @@ static void tile_one(const float *x, const int8_t *q, const float *s, float *y, 
                 if ((j & 63) == 0)
                     for (int r = 0; r < TOGETHER; r++) prefetch_ahead(q + n[r] * k + j);
                 for (int r = 0; r < TOGETHER; r++)
-                    acc[r] = vf_fmadd(xv, vf_mul(vf_from_i8(q + n[r] * k + j), sv[r]), acc[r]);
+                    acc[r] = vf_fmadd(xv, weights(q + n[r] * k + j, sv[r], whole), acc[r]);
             }
         }
-        for (int r = 0; r < TOGETHER && a + r < n_rows; r++) y[a + r] = vf_sum(acc[r]);
+        for (int r = 0; r < TOGETHER && a + r < n_rows; r++)
+            y[a + r] = scaled(vf_sum(acc[r]), s, n[r], whole);
     }
 }
 
+AI void tile(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
+             int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
+             int64_t tile_at, int whole) {
+    const int64_t groups = k / group;
+    int64_t n[TILE_N];
+    for (int r = 0; r < TILE_N; r++) {
+        int64_t at = tile_at * TILE_N + r;
+        n[r] = at < n_rows ? at : n_rows - 1;
+    }
+    for (int64_t m0 = 0; m0 < m_rows; m0 += TILE_M) {
+        const float *xs[TILE_M];
+        for (int i = 0; i < TILE_M; i++) xs[i] = x + (m0 + i < m_rows ? m0 + i : m_rows - 1) * ldx;
+        vf acc[TILE_M][TILE_N];
+        for (int i = 0; i < TILE_M; i++)
+            for (int r = 0; r < TILE_N; r++) acc[i][r] = vf_zero();
+        for (int64_t g = 0; g < groups; g++) {
+            vf sv[TILE_N];
+            for (int r = 0; r < TILE_N; r++) sv[r] = vf_set1(s[n[r] * groups + g]);
+            for (int64_t j = g * group; j < (g + 1) * group; j += PS_VEC) {
+                vf w[TILE_N];
+                for (int r = 0; r < TILE_N; r++) w[r] = weights(q + n[r] * k + j, sv[r], whole);
+                for (int i = 0; i < TILE_M; i++) {
+                    vf xv = vf_loadu(xs[i] + j);
+                    for (int r = 0; r < TILE_N; r++) acc[i][r] = vf_fmadd(xv, w[r], acc[i][r]);
+                }
+            }
+        }
+        for (int i = 0; i < TILE_M && m0 + i < m_rows; i++)
+            for (int r = 0; r < TILE_N && tile_at * TILE_N + r < n_rows; r++)
+                y[(m0 + i) * ldy + n[r]] = scaled(vf_sum(acc[i][r]), s, n[r], whole);
+    }
+}
+
+/* NOTE: `whole` is a literal in each loop below: an OpenMP body is outlined before inlining */
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads) {
-    if (m_rows == 1) {
-        const int64_t tiles = (n_rows + ROWS_ONE - 1) / ROWS_ONE;
+    const int64_t tiles = m_rows == 1 ? (n_rows + ROWS_ONE - 1) / ROWS_ONE
+                                      : (n_rows + TILE_N - 1) / TILE_N;
+    if (m_rows == 1 && group == k) {
 #pragma omp parallel for num_threads(threads) schedule(guided, 2)
-        for (int64_t tile = 0; tile < tiles; tile++)
-            tile_one(x, q, s, y, tile * ROWS_ONE, n_rows, k, group);
-        return;
-    }
-    const int64_t groups = k / group, tiles = (n_rows + TILE_N - 1) / TILE_N;
+        for (int64_t t = 0; t < tiles; t++) tile_one(x, q, s, y, t * ROWS_ONE, n_rows, k, group, 1);
+    } else if (m_rows == 1) {
 #pragma omp parallel for num_threads(threads) schedule(guided, 2)
-    for (int64_t tile = 0; tile < tiles; tile++) {
-        int64_t n[TILE_N];
-        for (int r = 0; r < TILE_N; r++) {
-            int64_t at = tile * TILE_N + r;
-            n[r] = at < n_rows ? at : n_rows - 1;
-        }
-        for (int64_t m0 = 0; m0 < m_rows; m0 += TILE_M) {
-            const float *xs[TILE_M];
-            for (int i = 0; i < TILE_M; i++)
-                xs[i] = x + (m0 + i < m_rows ? m0 + i : m_rows - 1) * ldx;
-            vf acc[TILE_M][TILE_N];
-            for (int i = 0; i < TILE_M; i++)
-                for (int r = 0; r < TILE_N; r++) acc[i][r] = vf_zero();
-            for (int64_t g = 0; g < groups; g++) {
-                vf sv[TILE_N];
-                for (int r = 0; r < TILE_N; r++) sv[r] = vf_set1(s[n[r] * groups + g]);
-                for (int64_t j = g * group; j < (g + 1) * group; j += PS_VEC) {
-                    vf w[TILE_N];
-                    for (int r = 0; r < TILE_N; r++) w[r] = vf_mul(vf_from_i8(q + n[r] * k + j), sv[r]);
-                    for (int i = 0; i < TILE_M; i++) {
-                        vf xv = vf_loadu(xs[i] + j);
-                        for (int r = 0; r < TILE_N; r++) acc[i][r] = vf_fmadd(xv, w[r], acc[i][r]);
-                    }
-                }
-            }
-            for (int i = 0; i < TILE_M && m0 + i < m_rows; i++)
-                for (int r = 0; r < TILE_N && tile * TILE_N + r < n_rows; r++)
-                    y[(m0 + i) * ldy + n[r]] = vf_sum(acc[i][r]);
-        }
+        for (int64_t t = 0; t < tiles; t++) tile_one(x, q, s, y, t * ROWS_ONE, n_rows, k, group, 0);
+    } else if (group == k) {
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
+        for (int64_t t = 0; t < tiles; t++)
+            tile(x, ldx, q, s, y, ldy, m_rows, n_rows, k, group, t, 1);
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
+        for (int64_t t = 0; t < tiles; t++)
+            tile(x, ldx, q, s, y, ldy, m_rows, n_rows, k, group, t, 0);
     }
 }

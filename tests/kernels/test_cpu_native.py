@@ -268,9 +268,19 @@ def test_the_engine_decodes_through_the_kernel_and_equals_transformers(tiny_llam
 
 
 @needs_kernel
-@pytest.mark.parametrize(("m", "n", "k", "group"), [(1, 37, 64, 32), (5, 64, 96, 32),
-                                                     (17, 9, 128, 64), (4, 3, 32, 16)])  # fmt: skip
+@pytest.mark.parametrize(
+    ("m", "n", "k", "group"),
+    [
+        (1, 37, 64, 32),
+        (5, 64, 96, 32),
+        (17, 9, 128, 64),
+        (4, 3, 32, 16),
+        (1, 19, 576, 576),
+        (3, 21, 64, 64),
+    ],
+)
 def test_grouped_int8_linear_equals_linear_on_the_dequantized_weight(m, n, k, group):
+    # NOTE: group == k is per-channel int8, whose kernel applies the scale to the row's sum
     g = torch.Generator().manual_seed(m * n)
     codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     scales = torch.rand(n, k // group, generator=g) / 100
