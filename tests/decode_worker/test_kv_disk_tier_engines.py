@@ -37,7 +37,13 @@ def hf_b(model_dir) -> list[int]:
 
 
 def disk_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in directory.glob("seg-*.kvd"))
+    total = 0
+    for path in directory.glob("seg-*.kvd"):
+        try:
+            total += path.stat().st_size
+        except FileNotFoundError:  # NOTE: the writer thread deleted it after the listing
+            continue
+    return total
 
 
 def decode_engine(model_dir, directory: Path, capacity: int = DISK, **config):
