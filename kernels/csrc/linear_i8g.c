@@ -24,11 +24,10 @@
 #define TILE_M (PS_VEC == 16 ? 4 : 2)
 
 /* one row of x against ROWS_ONE rows of codes (the decode case: the codes' bytes are the
- * cost), TOGETHER rows at a time, each stream asking for its lines PREFETCH_AHEAD bytes early
- * (simd.h). Over 425 MB of codes on two cores: 9.2 GB/s without the prefetch, 18.1-18.5 with
- * it and one row at a time, 20.0-20.5 with two rows and the scale once per row
- * (docs/kernels.md; 8 rows side by side, before the prefetch, ran at half the bandwidth). The
- * same operations per output as the tiled path, so the two agree bit for bit */
+ * cost), TOGETHER rows at a time, each stream asking for its lines early (simd.h's
+ * `prefetch_ahead`). Over 425 MB of codes on two cores: 9.2 GB/s without the prefetch,
+ * 22.3-22.9 now (docs/kernels.md; 8 rows side by side, before the prefetch, ran at half the
+ * bandwidth). The same operations per output as the tiled path, so the two agree bit for bit */
 #define ROWS_ONE 8
 #define TOGETHER 2
 #define AI static inline __attribute__((always_inline))
