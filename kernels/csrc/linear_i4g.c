@@ -54,10 +54,8 @@ static inline int64_t row_at(int64_t at, int64_t rows) { return at < rows ? at :
  * row of x past m_rows): y[m][n] for each. `words` is the panel's first word, `stride` the
  * bytes from one word of a row to its next (the tile's rows x 4), `pairs` its group 0's
  * (scale, zero) pairs (the next group's TILE_ROWS pairs on). */
-static inline __attribute__((always_inline)) void panel(const int4_linear *l, const uint8_t *words,
-                                                        int64_t stride, const float *pairs,
-                                                        int64_t n0, int lanes, int64_t m0,
-                                                        int tm, float *y, int64_t ldy) {
+AI void panel(const int4_linear *l, const uint8_t *words, int64_t stride, const float *pairs,
+              int64_t n0, int lanes, int64_t m0, int tm, float *y, int64_t ldy) {
     const float *xr[TILE_M], *sr[TILE_M];
     const int64_t groups = l->k / l->group;
     for (int i = 0; i < tm; i++) {

@@ -30,7 +30,6 @@
  * bandwidth). The same operations per output as the tiled path, so the two agree bit for bit */
 #define ROWS_ONE 8
 #define TOGETHER 2
-#define AI static inline __attribute__((always_inline))
 
 /* a vector of weights: q * s (GGUF's groups, s a group's scale), or q alone where the row has
  * one scale (per channel: `whole`), applied once to the row's sum */

@@ -78,8 +78,7 @@ static inline float bf16_round(float f) {
 
 /* PS_VEC consecutive elements of K or V, as floats: fp32 values, bf16 bits, or int8 / e4m3 codes
  * (e4m3 decoded through the 256-entry table lut). `at` counts elements (bytes for codes). */
-static inline __attribute__((always_inline)) vf loadv(const void *base, int64_t at, int kind,
-                                                      const float *lut) {
+AI vf loadv(const void *base, int64_t at, int kind, const float *lut) {
     if (kind == F32) return vf_loadu((const float *)base + at);
     if (kind == BF16) return vf_from_bf16((const uint16_t *)base + at);
     if (kind == E4M3) return vf_from_e4m3((const uint8_t *)base + at, lut);
@@ -104,7 +103,6 @@ typedef struct {
     const float *lut;
 } attn;
 
-#define AI static inline __attribute__((always_inline))
 
 /* q . K at element `at`, C vectors: the one product every score is (lane-wise FMAs in order) */
 AI vf dot_lanes(const float *qr, const void *k, int64_t at, int kind, const float *lut, int C) {
