@@ -92,13 +92,13 @@ def _compiler() -> str | None:
 
 def vector_width() -> int | None:
     """Floats per vector of the kernel built here: 16 (AVX-512) where torch itself runs its
-    AVX-512 code, 8 (AVX2 + FMA) where torch runs AVX2 (AMD Zen 1-3, Intel before Skylake-X, or
-    `ATEN_CPU_CAPABILITY=avx2`); None where the CPU has neither."""
+    AVX-512 code, 8 (AVX2 + FMA + F16C) where torch runs AVX2 (AMD Zen 1-3, Intel before
+    Skylake-X, or `ATEN_CPU_CAPABILITY=avx2`); None where the CPU has neither."""
     flags = set(_cpu_flags().split())
     capability = torch.backends.cpu.get_cpu_capability()
     if capability.startswith("AVX512") and "avx512f" in flags:
         return 16
-    if capability.startswith(("AVX2", "AVX512")) and {"avx2", "fma"} <= flags:
+    if capability.startswith(("AVX2", "AVX512")) and {"avx2", "fma", "f16c"} <= flags:
         return 8
     return None
 
@@ -542,29 +542,32 @@ def unpack_int4(packed: torch.Tensor) -> torch.Tensor:
 
 
 def pack_int4_scales(scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
-    """int4's scale and zero [N, groups] -> [ceil(N / 16), groups, 16, 2] in their dtype, the
-    (scale, zero) pairs `linear_int4_groups` reads (csrc/linear_i4g.c): tile by tile of 16 rows
-    as `pack_int4` lays the codes, a group's 16 pairs side by side, the last tile padded with
-    zeros. A panel of rows then reads its groups' pairs as one stream, where ATen's
-    [groups, N, 2] put each group 8 N bytes after the last (a page or more)."""
+    """int4's scale and zero [N, groups] (W = (q - 8) scale + zero) -> float16 [ceil(N / 16),
+    groups, 2, 16], what `linear_int4_groups` reads (csrc/linear_i4g.c): tile by tile of 16 rows
+    as `pack_int4` lays the codes, per group the 16 rows' scales, then their minimums
+    `low = zero - 8 scale` (W = q scale + low, GGUF Q4_1's d and m), the last tile padded with
+    zeros. One group of a tile is one 64-byte line, and a panel of rows reads its groups as one
+    stream, where ATen's [groups, N, 2] put each group 8 N bytes after the last (a page or
+    more). float16 holds quant.quantize_int4's and GGUF's pairs exactly (others are rounded)."""
     n, groups = scale.shape
     tiles = -(-n // 16)
-    pairs = torch.zeros(tiles * 16, groups, 2, dtype=scale.dtype, device=scale.device)
-    pairs[:n, :, 0], pairs[:n, :, 1] = scale, zero
-    return pairs.view(tiles, 16, groups, 2).transpose(1, 2).contiguous()
+    pairs = torch.zeros(tiles * 16, groups, 2, dtype=torch.float16, device=scale.device)
+    pairs[:n, :, 0], pairs[:n, :, 1] = scale, zero.float() - 8 * scale.float()
+    return pairs.view(tiles, 16, groups, 2).permute(0, 2, 3, 1).contiguous()
 
 
 def unpack_int4_scales(pairs: torch.Tensor, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """`pack_int4_scales`' inverse: (scale, zero) [n, groups]."""
+    """`pack_int4_scales`' inverse: float32 (scale, zero) [n, groups]."""
     tiles, groups = pairs.shape[:2]
-    rows = pairs.transpose(1, 2).reshape(tiles * 16, groups, 2)[:n]
-    return rows[..., 0], rows[..., 1]
+    rows = pairs.float().permute(0, 3, 1, 2).reshape(tiles * 16, groups, 2)[:n]
+    scale = rows[..., 0]
+    return scale, rows[..., 1] + 8 * scale
 
 
 def linear_int4_groups(
     x: torch.Tensor, codes: torch.Tensor, pairs: torch.Tensor
 ) -> torch.Tensor | None:
-    """x [M, K] @ W.T for `pack_int4` codes [N, K / 2] and `pack_int4_scales` pairs (float32)
+    """x [M, K] @ W.T for `pack_int4` codes [N, K / 2] and `pack_int4_scales` pairs (float16)
     with W = (q - 8) * scale + zero (groups of a multiple of 32) -> float32 [M, N], the codes
     widened in registers (no dequantized copy). None when the kernel cannot take it (the
     caller dequantizes)."""
@@ -577,8 +580,8 @@ def linear_int4_groups(
         and x.shape[1] == k
         and codes.dtype == torch.uint8
         and codes.is_contiguous()
-        and pairs.dtype == torch.float32
-        and pairs.shape == (-(-n // 16), groups, 16, 2)
+        and pairs.dtype == torch.float16
+        and pairs.shape == (-(-n // 16), groups, 2, 16)
         and pairs.is_contiguous()
         and groups > 0
         and k % (32 * groups) == 0

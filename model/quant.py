@@ -126,10 +126,10 @@ class QuantizedLinear(nn.Module):
     qweight: torch.Tensor  # int8 [out, in]; int4 [out, in / 2], two codes a byte (`int4_layout`)
     scales: torch.Tensor  # int8: [out], or [out, in / group]; int4: see `int4_layout`
     # int4's codes and (scale, zero) pairs are held once, in one of two layouts: "native"
-    # (cpu_native.pack_int4 and pack_int4_scales [tiles of 16 rows, groups, 16, 2], what the
-    # fp32 / fp16 CPU kernel reads) or "aten" (`_convert_weight_to_int4pack_for_cpu` and
-    # [groups, out, 2], what ATen's bf16 CPU matmul reads); a call that needs the other
-    # repacks them
+    # (cpu_native.pack_int4, and pack_int4_scales' float16 [tiles of 16 rows, groups, 2, 16],
+    # what the fp32 / fp16 CPU kernel reads) or "aten" (`_convert_weight_to_int4pack_for_cpu`
+    # and [groups, out, 2] in the activations' dtype, what ATen's bf16 CPU matmul reads); a
+    # call that needs the other repacks them
     int4_layout: str
 
     def __init__(self, in_features: int, out_features: int, bias: bool, quant: WeightQuant) -> None:
@@ -196,8 +196,11 @@ class QuantizedLinear(nn.Module):
         weight is `(q - 8) * scale + zero`), e.g. straight from a GGUF Q4 block. On CPU, a layer
         in float32 or float16 (its scales' dtype: the model's) holds them in the native kernel's
         layout, one in bfloat16 (or on CUDA) in ATen's: the layout its own dtype's matmul reads."""
-        native = self.qweight.device.type == "cpu" and self.scales.dtype != torch.bfloat16
-        self._store_int4(q.to(torch.int32).cpu(), scale, zero, "native" if native else "aten")
+        dtype = self.scales.dtype
+        native = self.qweight.device.type == "cpu" and dtype != torch.bfloat16
+        self._store_int4(
+            q.to(torch.int32).cpu(), scale, zero, "native" if native else "aten", dtype
+        )
 
     @torch.no_grad()
     def load_int8_groups(self, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -224,35 +227,38 @@ class QuantizedLinear(nn.Module):
         return unpack_int4(self.qweight.cpu(), self.out_features, self.in_features)
 
     def int4_scale_zero(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """int4's scale and zero [out, in / group], read back from either layout."""
+        """int4's scale and zero [out, in / group], read back from either layout (float32 from
+        the native one)."""
         if self.int4_layout == "native":
             return cpu_native.unpack_int4_scales(self.scales, self.out_features)
         return self.scales[..., 0].t(), self.scales[..., 1].t()
 
     def _store_int4(
-        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, layout: str
-    ) -> None:
-        """Codes [out, in] (int32, on CPU) and scale, zero [out, in / group] into `layout`."""
+        self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, layout: str,
+        dtype: torch.dtype,
+    ) -> None:  # fmt: skip
+        """Codes [out, in] (int32, on CPU) and scale, zero [out, in / group] into `layout`, the
+        pairs float16 in the native one and `dtype` (the activations') in ATen's."""
         if layout == "native":
             packed = cpu_native.pack_int4(q)
             pairs = cpu_native.pack_int4_scales(scale, zero)
         else:
             packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 1)
-            pairs = torch.stack([scale, zero], dim=-1).transpose(0, 1)  # [groups, out, 2]
+            pairs = torch.stack([scale, zero], dim=-1).transpose(0, 1).to(dtype)  # [groups, out, 2]
         self.qweight.copy_(packed)
-        self.scales = pairs.to(device=self.scales.device, dtype=self.scales.dtype).contiguous()
+        self.scales = pairs.to(device=self.scales.device).contiguous()
         self.int4_layout = layout
         self._cuda_operands = None
 
-    def _use_int4_layout(self, layout: str) -> None:
+    def _use_int4_layout(self, layout: str, dtype: torch.dtype) -> None:
         """Repack codes and pairs if they are in the other layout (once per change of
         activation dtype: a model runs in one, so in practice at load time only)."""
         if self.int4_layout != layout:
-            self._store_int4(self.int4_codes(), *self.int4_scale_zero(), layout)
+            self._store_int4(self.int4_codes(), *self.int4_scale_zero(), layout, dtype)
 
     def dequantize(self) -> torch.Tensor:
-        """The weight as the matmul sees it, [out, in] in the scales' dtype (for the reference
-        path and for tests)."""
+        """The weight as the matmul sees it, [out, in] in the scales' dtype (float32 for int4
+        held natively: its kernel's) (for the reference path and for tests)."""
         if self.int8_groups:
             return dequantize_int8_groups(self.qweight, self.scales)
         if self.quant.int8_codes:
@@ -260,7 +266,7 @@ class QuantizedLinear(nn.Module):
         q = self.int4_codes().to(self.qweight.device)
         scale, zero = self.int4_scale_zero()  # [out, groups]
         g = self.quant.group_size
-        q = q.view(self.out_features, -1, g).to(self.scales.dtype)
+        q = q.view(self.out_features, -1, g).to(scale.dtype)
         return ((q - 8) * scale[..., None] + zero[..., None]).view(self.out_features, -1)
 
     def cuda_operands(self) -> tuple[torch.Tensor, ...]:
@@ -330,26 +336,30 @@ class QuantizedLinear(nn.Module):
 
     def cpu_operands(self) -> tuple[torch.Tensor, torch.Tensor, int] | None:
         """(codes, scales, group): what the native CPU kernels read for float32 activations
-        (int4's codes and (scale, zero) pairs in their layout; int8's scales per group, or per
+        (int4's codes and float16 pairs in their layout; int8's scales per group, or per
         channel as one group of the whole row), or None where no kernel takes this layer."""
-        if self.qweight.device.type != "cpu" or self.scales.dtype != torch.float32 or self.w8a8:
+        if self.qweight.device.type != "cpu" or self.w8a8:
             return None  # NOTE: w8a8's int8 activations are not what these kernels compute
         if self.quant.method == "int4":
+            if self.scales.dtype == torch.bfloat16:
+                return None  # a bf16 layer's: ATen's layout, for its bf16 matmul
             pairs = self._int4_cpu_pairs()
             if self.in_features % (32 * pairs.shape[1]):
                 return None
             return self.qweight, pairs, self.in_features // pairs.shape[1]
         scales = self.scales if self.int8_groups else self.scales.view(-1, 1)
         group = self.in_features // scales.shape[1]
-        if group % 16 or not scales.is_contiguous():
+        if scales.dtype != torch.float32 or group % 16 or not scales.is_contiguous():
             return None
         return self.qweight, scales, group
 
     def _int4_cpu_pairs(self) -> torch.Tensor:
-        """int4's (scale, zero) pairs in the native layout, float32 for the kernel (float16
-        ones are widened per call, not kept: no second copy)."""
-        self._use_int4_layout("native")
-        return self.scales.float()
+        """int4's pairs in the native layout, float16 (as `pack_int4_scales` made them; a
+        `.to(dtype)` of the module since widened them, and narrowing them back is exact)."""
+        self._use_int4_layout("native", torch.float16)
+        if self.scales.dtype != torch.float16:
+            self.scales = self.scales.half()
+        return self.scales
 
     def _packed_matmul(self, x2: torch.Tensor) -> torch.Tensor:
         """x2 [M, in] @ W.T from the codes: Triton on CUDA, ATen's packed kernels on CPU."""
@@ -362,7 +372,7 @@ class QuantizedLinear(nn.Module):
             return triton_quant.int4_linear(x2, ops[0], ops[1], ops[2], self.quant.group_size)
         if self.quant.int8_codes:
             return torch.ops.aten._weight_int8pack_mm(x2, self.qweight, self.scales)
-        self._use_int4_layout("aten")
+        self._use_int4_layout("aten", x2.dtype)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(
             x2, self.qweight, self.quant.group_size, self.scales
         )
@@ -420,11 +430,17 @@ def quantize_int8(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
     """Group-wise affine int4 (min-max per group): (q [out, in] in [0, 15], scale and zero
-    [out, in / group]) with `w ~ (q - 8) * scale + zero`."""
+    [out, in / group], float32) with `w ~ (q - 8) * scale + zero`. The scale and the minimum
+    `zero - 8 * scale` are float16 values, as a GGUF Q4_1 block's d and m (the native CPU
+    kernel reads them so): the minimum rounded down, so no weight lies below code 0, and the
+    codes counted from it, so every weight is within half a step of its code's."""
     out_features = w.shape[0]
-    groups = w.view(out_features, -1, group_size)
-    low, high = groups.amin(dim=-1), groups.amax(dim=-1)
-    scale = ((high - low) / INT4_MAX).clamp(min=1e-12)
+    groups = w.view(out_features, -1, group_size).float()
+    low = groups.amin(dim=-1)
+    half = low.half()
+    low = torch.where(half.float() > low, torch.nextafter(half, half.new_tensor(-65504.0)), half)
+    low = low.float()
+    scale = ((groups.amax(dim=-1) - low) / INT4_MAX).clamp(min=2.0**-24).half().float()
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, INT4_MAX)
     return q.view(out_features, -1).to(torch.uint8), scale, low + 8 * scale
 
@@ -496,9 +512,14 @@ def dequantize_into(hf_model: Any, quant: WeightQuant) -> Any:
     return hf_model
 
 
-def quantized_bytes(in_features: int, out_features: int, quant: WeightQuant, itemsize: int) -> int:
-    """Bytes of one quantized weight (codes and scales; its bias is the caller's)."""
+def quantized_bytes(
+    in_features: int, out_features: int, quant: WeightQuant, dtype: torch.dtype
+) -> int:
+    """Bytes of one quantized weight in a model of `dtype` on CPU (codes and scales; its bias is
+    the caller's): int4's pairs float16 in tiles of 16 rows (`cpu_native.pack_int4_scales`)
+    except in a bf16 model (ATen's layout, in bf16)."""
     if quant.int8_codes:
-        return out_features * in_features + out_features * itemsize
+        return out_features * in_features + out_features * dtype.itemsize
     groups = in_features // quant.group_size
-    return out_features * in_features // 2 + groups * out_features * 2 * itemsize
+    rows = out_features if dtype == torch.bfloat16 else -(-out_features // 16) * 16
+    return out_features * in_features // 2 + groups * rows * 2 * 2

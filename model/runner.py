@@ -80,7 +80,7 @@ def weight_bytes(config: ModelConfig) -> int:
             elif config.quantization is None:
                 weights += i * o * size
             else:
-                weights += quantized_bytes(i, o, config.quantization, size)
+                weights += quantized_bytes(i, o, config.quantization, config.dtype)
     biases = (q + 2 * kv) * config.qkv_bias + h * config.o_bias + (2 * inner + h) * config.mlp_bias
     qk_norms = {"": 0, "head": 2 * config.head_dim, "projection": q + kv}[config.qk_norm]
     norms = (4 if config.sandwich_norms else 2) * h + qk_norms  # NOTE: Gemma's four

@@ -37,7 +37,7 @@ int linear_packed_f32(const float *x, int64_t ldx, const float *packed, const fl
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads);
-int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *pairs, float *y,
+int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const uint16_t *pairs, float *y,
                    int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                    int threads);
 void rms_norm_f32(const float *x, int64_t ldx, const float *residual, int64_t ldr,
@@ -59,8 +59,9 @@ enum { LIN_F32 = 0, LIN_I8G = 1, LIN_I4G = 2, LIN_W8A8 = 3 };
 typedef struct {
     int64_t kind;          /* LIN_F32: w float [n, k]; LIN_I8G: int8 codes [n, k] and scales
                               [n, k / group]; LIN_I4G: cpu_native.pack_int4 codes [n, k / 2]
-                              and, in `scales`, pack_int4_scales' pairs; LIN_W8A8: int8 codes
-                              [n, k], scales [n] and, in `zeros`, the codes' int32 row sums */
+                              and, in `scales`, pack_int4_scales' float16 pairs; LIN_W8A8:
+                              int8 codes [n, k], scales [n] and, in `zeros`, the codes' int32
+                              row sums */
     const void *w;
     const float *scales, *zeros, *bias; /* bias [n] or NULL (added after, as torch does) */
     int64_t n, k, group;
@@ -113,8 +114,8 @@ static int linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int
     if (l->kind == LIN_I8G)
         linear_i8g_f32(x, ldx, (const int8_t *)l->w, l->scales, y, ldy, rows, l->n, l->k,
                        l->group, threads);
-    else if (linear_i4g_f32(x, ldx, (const uint8_t *)l->w, l->scales, y, ldy, rows, l->n, l->k,
-                            l->group, threads))
+    else if (linear_i4g_f32(x, ldx, (const uint8_t *)l->w, (const uint16_t *)(const void *)l->scales,
+                            y, ldy, rows, l->n, l->k, l->group, threads))
         return 1;
     if (l->bias)
         for (int64_t m = 0; m < rows; m++)

@@ -1,11 +1,14 @@
-/* y = x @ W.T for 4-bit weights with one affine (scale, zero) pair per group of input features
- * (model/quant.py's int4, GGUF Q4_0 / Q4_1), on x86-64 CPUs with AVX-512 or AVX2 + FMA (simd.h;
- * kernels/cpu_native.py builds it with the other kernels; model/quant.py calls it for fp32
- * activations in decode-sized batches).
+/* y = x @ W.T for 4-bit weights with one affine (scale, minimum) pair per group of input
+ * features (model/quant.py's int4, GGUF Q4_0 / Q4_1), on x86-64 CPUs with AVX-512 or AVX2 + FMA
+ * + F16C (simd.h; kernels/cpu_native.py builds it with the other kernels; model/quant.py calls
+ * it for fp32 activations in decode-sized batches).
  *
- *     W[n][k] = (q[n][k] - 8) * scale[n][g] + zero[n][g]      q in [0, 15], g = k / group
+ *     W[n][k] = q[n][k] * scale[n][g] + low[n][g]      q in [0, 15], g = k / group
  *     y[m][n] = sum_g scale[n][g] * sum_{k in g} x[m][k] * q[n][k]
- *                 + (zero[n][g] - 8 scale[n][g]) * sum_{k in g} x[m][k]
+ *                 + low[n][g] * sum_{k in g} x[m][k]
+ *
+ * (model/quant.py's (scale, zero) with low = zero - 8 scale: the group's minimum, GGUF Q4_1's
+ * m, Q4_0's -8 d). Scale and low are float16, as GGUF stores them.
  *
  * One vector lane per output row: the codes of 16 rows lie side by side (cpu_native.pack_int4),
  * one 32-bit word per row and 8 consecutive codes, code j of the word in bits 4j .. 4j + 3:
@@ -13,10 +16,11 @@
  *     tile of rows n0 .. n0 + 15 (fewer in the last tile: r rows, words r apart)
  *     | row n0: k 0-7 | row n0 + 1: k 0-7 | ... | row n0 + 15: k 0-7 | row n0: k 8-15 | ...
  *
- * and their (scale, zero) pairs likewise, tile by tile (cpu_native.pack_int4_scales; a last
+ * and their scales and minimums likewise, tile by tile (cpu_native.pack_int4_scales; a last
  * tile is padded to 16 rows):
  *
- *     tile t: | group 0: (s, z) of rows 16t .. 16t + 15 | group 1: ... | ... |   32 floats a group
+ *     tile t: | group 0: scales of rows 16t .. 16t + 15, their lows | group 1: ... | ...
+ *                                       32 halves (one cache line) a group
  *
  * so one load gives 16 rows' codes for 8 k's, and code j of all 16 is one shift and one
  * lookup (simd.h's `vq4_code`), multiplied by x[m][k] broadcast. The scale is applied once a
@@ -37,14 +41,12 @@
 #define CODES 8      /* codes of one row in one word */
 #define CHAINS 4
 #define TILE_M (PS_VEC == 16 ? 4 : 2) /* rows of x per pass over a panel's codes */
-/* bytes between a code's prefetch and its use at one row of x: 4 KB read 18.7-18.9 GB/s on two
- * Sapphire Rapids cores where simd.h's 2 KB read 17.5-18.0 and 1 KB 16.8-17.0 */
-#define AHEAD 4096
 #define SCALES_AHEAD 4 /* groups between a group's pairs' prefetch and their use */
 
 typedef struct {
     const uint8_t *q;
-    const float *pairs, *x, *sums; /* sums[m][g]: x[m]'s sum over group g */
+    const uint16_t *pairs;
+    const float *x, *sums; /* sums[m][g]: x[m]'s sum over group g */
     int64_t k, group, ldx, m_rows, n_rows;
 } int4_linear;
 
@@ -53,8 +55,8 @@ static inline int64_t row_at(int64_t at, int64_t rows) { return at < rows ? at :
 /* Rows n0 .. n0 + lanes - 1 (one panel) for rows m0 .. m0 + tm - 1 of x (repeating the last
  * row of x past m_rows): y[m][n] for each. `words` is the panel's first word, `stride` the
  * bytes from one word of a row to its next (the tile's rows x 4), `pairs` its group 0's
- * (scale, zero) pairs (the next group's TILE_ROWS pairs on). */
-AI void panel(const int4_linear *l, const uint8_t *words, int64_t stride, const float *pairs,
+ * first scale (the next group's 2 TILE_ROWS halves on). */
+AI void panel(const int4_linear *l, const uint8_t *words, int64_t stride, const uint16_t *pairs,
               int64_t n0, int lanes, int64_t m0, int tm, float *y, int64_t ldy) {
     const float *xr[TILE_M], *sr[TILE_M];
     const int64_t groups = l->k / l->group;
@@ -66,15 +68,14 @@ AI void panel(const int4_linear *l, const uint8_t *words, int64_t stride, const 
     vf out[TILE_M];
     for (int i = 0; i < tm; i++) out[i] = vf_zero();
     for (int64_t g = 0; g < groups; g++) {
-        if (tm == 1) /* the pairs of a group SCALES_AHEAD on: their two cache lines */
-            for (int line = 0; line < 2; line++)
-                prefetch_at(pairs + (g + SCALES_AHEAD) * 2 * TILE_ROWS + line * 16, 0);
+        if (tm == 1) /* the pairs of a group SCALES_AHEAD on: one cache line */
+            prefetch_at(pairs + (g + SCALES_AHEAD) * 2 * TILE_ROWS, 0);
         vf acc[TILE_M][CHAINS];
         for (int i = 0; i < tm; i++)
             for (int c = 0; c < CHAINS; c++) acc[i][c] = vf_zero();
         for (int64_t k0 = g * l->group; k0 < (g + 1) * l->group; k0 += CODES) {
             const uint8_t *p = words + k0 / CODES * stride;
-            if (tm == 1) prefetch_at(p, AHEAD);
+            if (tm == 1) prefetch_ahead(p);
             const vq4c v = vq4_load(p, lanes);
             for (int j = 0; j < CODES; j++) {
                 const vf q = vq4_code(v, j);
@@ -82,12 +83,11 @@ AI void panel(const int4_linear *l, const uint8_t *words, int64_t stride, const 
                     acc[i][j % CHAINS] = vf_fmadd(vf_set1(xr[i][k0 + j]), q, acc[i][j % CHAINS]);
             }
         }
-        vf scale, zero;
-        vq4_pairs(pairs + g * 2 * TILE_ROWS, &scale, &zero);
-        const vf offset = vf_fmadd(vf_set1(-8.0f), scale, zero);
+        vf scale, low;
+        vq4_pairs(pairs + g * 2 * TILE_ROWS, &scale, &low);
         for (int i = 0; i < tm; i++) {
             const vf sum = vf_add(vf_add(acc[i][0], acc[i][1]), vf_add(acc[i][2], acc[i][3]));
-            out[i] = vf_fmadd(offset, vf_set1(sr[i][g]), vf_fmadd(scale, sum, out[i]));
+            out[i] = vf_fmadd(low, vf_set1(sr[i][g]), vf_fmadd(scale, sum, out[i]));
         }
     }
     for (int i = 0; i < tm && m0 + i < l->m_rows; i++)
@@ -100,7 +100,7 @@ static void rows_of_panel(const int4_linear *l, int64_t t, float *y, int64_t ldy
     const int64_t tile_rows = l->n_rows - tile < TILE_ROWS ? l->n_rows - tile : TILE_ROWS;
     const int lanes = (int)(l->n_rows - n0 < PS_VEC ? l->n_rows - n0 : PS_VEC);
     const uint8_t *words = l->q + tile * (l->k / 2) + (n0 - tile) * 4;
-    const float *pairs = l->pairs + (tile * (l->k / l->group) + n0 - tile) * 2;
+    const uint16_t *pairs = l->pairs + tile * (l->k / l->group) * 2 + (n0 - tile);
     const int64_t stride = tile_rows * 4;
     if (l->m_rows == 1 && lanes == PS_VEC) /* whole panels: no masks (a constant to inline) */
         panel(l, words, stride, pairs, n0, PS_VEC, 0, 1, y, ldy);
@@ -124,7 +124,7 @@ static void group_sums(const float *x, int64_t ldx, int64_t m_rows, int64_t k, i
 }
 
 /* Returns 0, or 1 when the group sums could not be allocated (y is then untouched). */
-int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const float *pairs, float *y,
+int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const uint16_t *pairs, float *y,
                    int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                    int threads) {
     float *sums = malloc(sizeof(float) * m_rows * (k / group));

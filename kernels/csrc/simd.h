@@ -2,7 +2,7 @@
  * width per build, which kernels/cpu_native.py chooses to match torch's own CPU capability:
  *
  *     PS_VEC == 16   AVX-512F   (torch's "AVX512")
- *     PS_VEC == 8    AVX2 + FMA (torch's "AVX2": AMD Zen 1-3, Intel before Skylake-X)
+ *     PS_VEC == 8    AVX2 + FMA + F16C (torch's "AVX2": AMD Zen 1-3, Intel before Skylake-X)
  *
  * The bf16 attention follows torch's CPU flash attention step for step, and that code takes
  * its fast exponential on whole vectors of torch's width and `exp` on the rest: the same width
@@ -92,12 +92,10 @@ static inline vf vq4_code(vq4c v, int j) {
     const __m512 codes = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
     return _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4 * j), codes);
 }
-/* 16 interleaved (scale, zero) pairs -> the scales and the zeros */
-static inline void vq4_pairs(const float *p, vf *scale, vf *zero) {
-    const __m512 lo = _mm512_loadu_ps(p), hi = _mm512_loadu_ps(p + 16);
-    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
-    *scale = _mm512_permutex2var_ps(lo, even, hi);
-    *zero = _mm512_permutex2var_ps(lo, _mm512_add_epi32(even, _mm512_set1_epi32(1)), hi);
+/* a group's 16 float16 scales, then its 16 minimums, as floats */
+static inline void vq4_pairs(const uint16_t *p, vf *scale, vf *low) {
+    *scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+    *low = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(p + 16)));
 }
 static inline void vf_store_lanes(float *p, vf a, int lanes) {
     _mm512_mask_storeu_ps(p, lanes_mask(lanes), a);
@@ -183,14 +181,10 @@ static inline vf vq4_code(vq4c v, int j) {
     const __m256i q = _mm256_srli_epi32(v, 4 * j);
     return _mm256_cvtepi32_ps(j == 7 ? q : _mm256_and_si256(q, _mm256_set1_epi32(15)));
 }
-/* 8 interleaved (scale, zero) pairs -> the scales and the zeros: [s0 s1 s4 s5 | s2 s3 s6 s7]
- * (and the zeros), then the 64-bit quarters in order */
-static inline void vq4_pairs(const float *p, vf *scale, vf *zero) {
-    const __m256 lo = _mm256_loadu_ps(p), hi = _mm256_loadu_ps(p + 8);
-    *scale = _mm256_castpd_ps(
-        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8));
-    *zero = _mm256_castpd_ps(
-        _mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8));
+/* 8 of a group's float16 scales, and the same rows' minimums 16 halves on (F16C), as floats */
+static inline void vq4_pairs(const uint16_t *p, vf *scale, vf *low) {
+    *scale = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    *low = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16)));
 }
 static inline void vf_store_lanes(float *p, vf a, int lanes) {
     if (lanes == 8)

@@ -17,11 +17,12 @@ GROUPS = (32, 64, 128, 256)  # cli_options.QUANTIZATION_GROUP_SIZES
 
 
 def make_weights(n: int, k: int, group: int, seed: int = 0):
-    """(codes [n, k], scale, zero [n, k / group], the dequantized weight [n, k])."""
+    """(codes [n, k], scale, zero [n, k / group], the dequantized weight [n, k]), the scale and
+    the minimum `zero - 8 scale` float16 values, as the layout holds them."""
     g = torch.Generator().manual_seed(seed)
     codes = torch.randint(0, 16, (n, k), generator=g)
-    scale = torch.rand(n, k // group, generator=g) / 50
-    zero = torch.randn(n, k // group, generator=g) / 20
+    scale = (torch.rand(n, k // group, generator=g) / 50).half().float()
+    zero = (torch.randn(n, k // group, generator=g) / 20).half().float() + 8 * scale
     weight = (codes.float().view(n, -1, group) - 8) * scale[..., None] + zero[..., None]
     return codes, scale, zero, weight.view(n, k)
 
@@ -77,28 +78,29 @@ def test_int4_linear_one_row_equals_that_row_of_a_batch(n, k, group):
         assert torch.equal(one, batch[i : i + 1])
 
 
-def test_the_pairs_lie_tile_by_tile_a_groups_16_side_by_side_and_read_back():
-    scale, zero = torch.rand(37, 3), torch.rand(37, 3)  # two tiles of 16 rows and one of 5
-    pairs = cpu_native.pack_int4_scales(scale, zero)
-    assert pairs.shape == (3, 3, 16, 2) and pairs.is_contiguous()
+def test_the_pairs_lie_tile_by_tile_a_groups_16_scales_then_their_minimums():
+    scale = torch.rand(37, 3).half().float()  # two tiles of 16 rows and one of 5
+    low = torch.randn(37, 3).half().float()
+    pairs = cpu_native.pack_int4_scales(scale, low + 8 * scale)
+    assert pairs.shape == (3, 3, 2, 16) and pairs.dtype == torch.float16 and pairs.is_contiguous()
     flat = pairs.reshape(-1)
     for row, group in [(0, 0), (15, 2), (16, 1), (36, 2)]:
         tile, at = divmod(row, 16)
-        first = ((tile * 3 + group) * 16 + at) * 2
+        first = (tile * 3 + group) * 32 + at  # a group of a tile: 32 halves, one cache line
         assert flat[first].item() == scale[row, group].item()
-        assert flat[first + 1].item() == zero[row, group].item()
-    assert torch.count_nonzero(pairs[2, :, 5:]) == 0  # the last tile's padding
+        assert flat[first + 16].item() == low[row, group].item()
+    assert torch.count_nonzero(pairs[2, :, :, 5:]) == 0  # the last tile's padding
     back = cpu_native.unpack_int4_scales(pairs, 37)
-    assert torch.equal(back[0], scale) and torch.equal(back[1], zero)
+    assert torch.equal(back[0], scale) and torch.equal(back[1], low + 8 * scale)
 
 
 def test_int4_linear_declines_what_it_cannot_take():
     packed = torch.zeros(4, 32, dtype=torch.uint8)  # k = 64
     pairs = cpu_native.pack_int4_scales(torch.ones(4, 2), torch.ones(4, 2))
     x = torch.ones(1, 64)
-    assert cpu_native.linear_int4_groups(x, packed, pairs.double()) is None  # float64
-    assert cpu_native.linear_int4_groups(x, packed, torch.ones(4, 4)) is None  # not pairs
-    assert cpu_native.linear_int4_groups(x, packed, torch.ones(2, 2, 16, 2)) is None  # tiles
+    assert cpu_native.linear_int4_groups(x, packed, pairs.float()) is None  # float32
+    assert cpu_native.linear_int4_groups(x, packed, torch.ones(4, 4).half()) is None  # not pairs
+    assert cpu_native.linear_int4_groups(x, packed, torch.ones(2, 2, 2, 16).half()) is None  # tiles
     assert cpu_native.linear_int4_groups(torch.ones(1, 32), packed, pairs) is None  # k
     assert cpu_native.linear_int4_groups(x, packed[:, ::2], pairs[:, :1]) is None
 

@@ -71,9 +71,14 @@ def test_int8_error_is_at_most_half_a_step_per_channel():
 def test_int4_error_is_at_most_half_a_step_per_group(group):
     q, weight = layer(WeightQuant("int4", group))
     groups = weight.view(weight.shape[0], -1, group)
-    step = (groups.amax(-1) - groups.amin(-1)) / 15
+    low = groups.amin(-1)
+    step = (groups.amax(-1) - low) / 15
+    scale, zero = q.int4_scale_zero()  # float16 values: the step, and the minimum rounded down
+    assert torch.equal(scale, scale.half().float())
+    assert ((scale - step).abs() <= step * 2**-10 + low.abs() * 2**-10 / 15).all()
+    assert torch.equal(zero - 8 * scale, (zero - 8 * scale).half().float())
     err = (q.dequantize() - weight).view_as(groups).abs()
-    assert (err <= step[..., None] / 2 + 1e-6).all()
+    assert (err <= scale[..., None] / 2 + 1e-6).all()
     # the codes use the whole range: every group has its minimum at 0 and its maximum at 15
     codes, _, _ = quantize_int4(weight, group)
     per_group = codes.view(weight.shape[0], -1, group)
@@ -81,15 +86,17 @@ def test_int4_error_is_at_most_half_a_step_per_group(group):
 
 
 def test_gguf_style_codes_load_exactly():
-    """A GGUF Q4_1 block is `d * q + m`: stored as scale d and zero m + 8 d, the layer's
-    weight is exactly that (the path a GGUF loader takes without an fp32 copy)."""
+    """A GGUF Q4_1 block is `d * q + m` (d and m float16): stored as scale d and zero m + 8 d,
+    the layer's weight is exactly that (the path a GGUF loader takes without an fp32 copy),
+    and on CPU it holds d and m as the file does, in float16."""
     torch.manual_seed(1)
     out_features, in_features, group = 16, 64, 32
     codes = torch.randint(0, 16, (out_features, in_features))
-    d = torch.rand(out_features, in_features // group) * 0.01
-    m = -torch.rand(out_features, in_features // group) * 0.1
+    d = (torch.rand(out_features, in_features // group) * 0.01).half().float()
+    m = (-torch.rand(out_features, in_features // group) * 0.1).half().float()
     q = QuantizedLinear(in_features, out_features, False, WeightQuant("int4", group))
     q.load_int4(codes, d, m + 8 * d)
+    assert q.scales.dtype == torch.float16 and q.scales.numel() == 2 * d.numel()
     want = codes.view(out_features, -1, group) * d[..., None] + m[..., None]
     torch.testing.assert_close(q.dequantize(), want.view(out_features, in_features))
 
