@@ -202,6 +202,43 @@ def test_top_p_keeps_the_set_transformers_keeps(top_p: float, seed: int) -> None
     assert len(kept(ours)) >= 1
 
 
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.99])
+def test_top_p_over_a_large_vocabulary_keeps_the_set_transformers_keeps(top_p: float) -> None:
+    """Rows decided from their 256 most likely tokens, from 4,096, and from the whole sorted
+    row (apply_top_p's three steps), in one batch and each alone."""
+    g = torch.Generator().manual_seed(11)
+    scales = torch.tensor([[8.0], [2.0], [1.0], [0.05]])  # peaked ... nearly flat
+    logits = torch.randn(4, 6000, generator=g) * scales
+    rows = [make_row(SamplingParams(top_p=top_p)) for _ in range(4)]
+    ours = Sampler().processed_logits(logits, rows)
+    sizes = []
+    for i in range(4):
+        expected = TopPLogitsWarper(top_p)(NO_IDS, logits[i : i + 1].clone())
+        assert kept(ours[i : i + 1]) == kept(expected)
+        alone = Sampler().processed_logits(logits[i : i + 1], [rows[i]])
+        assert torch.equal(alone, ours[i : i + 1])
+        sizes.append(len(kept(expected)))
+    if top_p == 0.9:  # each of the three steps decides a row
+        assert sizes[0] < 256 and any(256 < n < 4096 for n in sizes) and sizes[3] > 4096
+
+
+@pytest.mark.parametrize("top_p", [0.9, 0.95])
+def test_top_p_over_a_49152_token_vocabulary_keeps_transformers_set(top_p: float) -> None:
+    """Zipf-like rows the size of SmolLM2's vocabulary: float32 softmax's rows sum to 1 only
+    within ~1e-5 there, and a head's mass not taken over its row's own total kept another
+    boundary token than transformers' in some of these rows."""
+    g = torch.Generator().manual_seed(5)
+    vocab = 49152
+    zipf = -torch.arange(1, vocab + 1).float().log()
+    logits = torch.stack(
+        [zipf[torch.randperm(vocab, generator=g)] + 0.3 * torch.randn(vocab, generator=g)
+         for _ in range(32)]
+    )  # fmt: skip
+    ours = Sampler().processed_logits(logits, [make_row(SamplingParams(top_p=top_p))] * 32)
+    expected = TopPLogitsWarper(top_p)(NO_IDS, logits.clone())
+    assert torch.equal(torch.isfinite(ours), torch.isfinite(expected))
+
+
 @pytest.mark.parametrize("seed", range(5))
 def test_tiny_top_p_keeps_only_the_most_likely_token(seed: int) -> None:
     logits = random_logits(seed=seed)
