@@ -17,7 +17,13 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
-from pagedserve.model.sampler import Sampler, SamplingRow, draw_rows, greedy_tokens
+from pagedserve.model.sampler import (
+    DRAW_BLOCK,
+    Sampler,
+    SamplingRow,
+    draw_rows,
+    greedy_tokens,
+)
 from pagedserve.sampling_params import SamplingParams
 
 VOCAB = 50
@@ -72,6 +78,31 @@ def test_draws_follow_the_weights_and_never_take_a_zero_weight_token() -> None:
     # the ends: u = 0 takes the first token of positive weight, u = 1 (rounding) the last one
     edge = torch.tensor([[0.0, 0.3, 0.7, 0.0]] * 2)
     assert draw_rows(edge, torch.tensor([0.0, 1.0])).tolist() == [1, 2]
+
+
+def test_draws_over_blocks_of_tokens_invert_the_running_sum() -> None:
+    """draw_rows sums blocks of DRAW_BLOCK tokens, then runs through one: the same token as a
+    float64 running sum over the whole row, across whole and partial blocks, zero-weight
+    tokens and a zero-weight block, and at both ends."""
+    g = torch.Generator().manual_seed(3)
+    vocab = 3 * DRAW_BLOCK + 37
+    weights = torch.rand(4, vocab, generator=g) ** 4
+    weights[:, :5] = 0  # zeros first
+    weights[:, DRAW_BLOCK : 2 * DRAW_BLOCK] = 0  # a whole block
+    weights[:, -3:] = 0  # and last, in the partial block
+    weights[1, : 3 * DRAW_BLOCK] = 0  # a row whose weight is all in the partial block
+    rows = weights.repeat(500, 1)
+    uniforms = torch.rand(len(rows), generator=g)
+    uniforms[:4], uniforms[4:8] = 0.0, 1.0
+    cumulative = rows.double().cumsum(dim=-1)
+    want = torch.searchsorted(
+        cumulative, uniforms.double()[:, None] * cumulative[:, -1:], right=True
+    )
+    want = torch.where(want.squeeze(1) >= vocab, vocab - 4, want.squeeze(1))  # u = 1: the last
+    got = draw_rows(rows, uniforms)
+    assert torch.equal(got, want)
+    assert (rows.gather(1, got[:, None]) > 0).all()
+    assert got[:4].tolist() == [5, 3 * DRAW_BLOCK, 5, 5]
 
 
 def test_greedy_takes_argmax_per_row() -> None:
