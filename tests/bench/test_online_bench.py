@@ -10,6 +10,8 @@ import json
 import os
 from pathlib import Path
 
+import pytest
+
 from pagedserve.bench import grounded, online, online_load, online_servers
 from pagedserve.bench.online_load import Level, LoopRequest, loop_summary, parse_guidellm
 
@@ -147,14 +149,29 @@ def test_repetitions_pair_each_http_run_with_the_grpc_run_of_the_same_repetition
     assert "| 16 | pagedserve | pagedserve gRPC | 0.909 [0.9-1.2] |" in table
 
 
-def test_vllm_is_not_run_in_int8_and_missing_peers_are_named(tmp_path):
+@pytest.mark.parametrize("mode", ["int8", "int4"])
+def test_vllm_is_not_run_quantized_and_missing_peers_are_named(tmp_path, mode):
     setup = online_servers.ServerSetup(
-        "m", "int8", tmp_path / "venv", tmp_path / "bin", "smollm2-135m-instruct", tmp_path,
+        "m", mode, tmp_path / "venv", tmp_path / "bin", "smollm2-135m-instruct", tmp_path,
         2**30, 16, 2, tmp_path / "logs",
     )  # fmt: skip
-    assert "no weight-only int8" in (online_servers.missing("vllm-cpu", setup) or "")
+    assert f"no weight-only {mode}" in (online_servers.missing("vllm-cpu", setup) or "")
     assert "make llama-cpp" in (online_servers.missing("llama.cpp", setup) or "")
     assert online_servers.missing("pagedserve", setup) is None
+    ours = online_servers.launch("pagedserve", setup, 1).argv
+    assert ours[ours.index("--quantization") + 1] == mode and "--quantize-lm-head" in ours
+
+
+def test_int4_runs_llama_cpp_on_the_source_gguf_itself(tmp_path):
+    """Its Q4_1 blocks are what ours loads with --quantization int4: no requantized copy."""
+    source = tmp_path / "model.Q4_1.gguf"
+    source.write_bytes(b"GGUF")
+    setup = online_servers.ServerSetup(
+        "m", "int4", tmp_path / "venv", tmp_path / "bin", str(source), tmp_path / "ggufs",
+        2**30, 16, 2, tmp_path / "logs",
+    )  # fmt: skip
+    argv = online_servers.launch("llama.cpp", setup, 1).argv
+    assert argv[argv.index("-m") + 1] == str(source) and not (tmp_path / "ggufs").exists()
 
 
 def test_grounded_levels_send_the_same_passages_to_every_server_greedy():
