@@ -37,6 +37,10 @@ _NEG_INF = float("-inf")
 # top-p: heads of the sorted distribution tried before the whole of it (`apply_top_p`)
 TOP_P_HEADS = (256, 4096)
 DRAW_BLOCK = 256  # tokens summed at once when a row is sampled (`draw_rows`)
+# NOTE: below this temperature a row's probabilities reach float32's denormals (an LM's logits
+# span ~50, and e^(-50 / 0.5) < 1e-38), where each operation costs ~10x: 64 rows of SmolLM2's
+# softmax took 9.6 ms at 0.2 against 0.95 at 0.5. float64 holds them, 3 ms at any temperature
+COLD_TEMPERATURE = 0.5
 
 
 @dataclass(slots=True)
@@ -174,7 +178,8 @@ class Sampler:
         accept d with probability p(d), else draw from p without d; after k acceptances, draw
         the next token from the last row. Draws use the request's generator when seeded.
         """
-        probs = _warp(logits.float(), [row.params] * logits.shape[0]).softmax(dim=-1)
+        params = [row.params] * logits.shape[0]
+        probs = _warp(logits.float(), params).softmax(dim=-1, dtype=_probability_dtype(params))
         generator = self._generator(row, logits.device)
         emitted: list[int] = []
         for i, proposed in enumerate(draft):
@@ -309,11 +314,18 @@ def _warp(logits: torch.Tensor, params: list[SamplingParams], owned: bool = True
         logits = logits.clone()
     if any(0 < p.top_k < logits.shape[1] for p in params):
         logits = apply_top_k(logits, [p.top_k for p in params])
+    dtype = _probability_dtype(params)
     if any(p.top_p < 1.0 for p in params):
-        logits = apply_top_p(logits, [p.top_p for p in params])
+        logits = apply_top_p(logits, [p.top_p for p in params], dtype)
     if any(p.min_p > 0.0 for p in params):
-        logits = apply_min_p(logits, [p.min_p for p in params])
+        logits = apply_min_p(logits, [p.min_p for p in params], dtype)
     return logits
+
+
+def _probability_dtype(params: Sequence[SamplingParams]) -> torch.dtype:
+    """What a block of rows' softmax computes in: float64 when one is cold (COLD_TEMPERATURE)."""
+    cold = any(p.temperature < COLD_TEMPERATURE for p in params)
+    return torch.float64 if cold else torch.float32
 
 
 def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
@@ -330,11 +342,14 @@ def apply_top_k(logits: torch.Tensor, top_k: Sequence[int]) -> torch.Tensor:
     return logits.masked_fill(on & (logits < kth), _NEG_INF)
 
 
-def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
+def apply_top_p(
+    logits: torch.Tensor, top_p: Sequence[float], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Keep, per row, the most likely tokens until their probability reaches `top_p[i]`.
 
     As `TopPLogitsWarper`: drop tokens whose ascending cumulative probability is <= 1 - top_p,
     never the most likely one. `top_p[i]` >= 1 leaves row i untouched. Returns a new tensor.
+    `dtype`: the probabilities' (`_probability_dtype`).
 
     NOTE: a token is kept when the probability of the tokens above it is below top_p, so only
     the head of the order matters: a row is decided from its `TOP_P_HEADS` most likely tokens
@@ -349,16 +364,18 @@ def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
     every = len(filtered) == len(top_p)
     # NOTE: the filtered rows' kept tokens are put back below
     out = torch.full_like(logits, _NEG_INF) if every else logits.index_fill(0, pending, _NEG_INF)
-    probs = (logits if every else logits[pending]).softmax(dim=-1)
+    scores = logits if every else logits[pending]
+    probs = scores.softmax(dim=-1, dtype=dtype)
     total = probs.sum(dim=-1).double()
     vocab = logits.shape[1]
     heads = TOP_P_HEADS if logits.device.type == "cpu" else ()  # NOTE: a GPU sorts fast
     for head in (*(h for h in heads if h < vocab), vocab):
         whole = head == vocab
-        top, order = torch.sort(probs, descending=True) if whole else torch.topk(probs, head)
+        # NOTE: ordered by the float32 logits (as transformers sorts them), not the probabilities
+        _, order = torch.sort(scores, descending=True) if whole else torch.topk(scores, head)
         # NOTE: in float64 and over the row's own total: float32 softmax's rows sum to 1 only
         # within ~1e-5, enough to move the boundary token in a few rows in a hundred
-        top = top.double() / total[:, None]
+        top = probs.gather(1, order).double() / total[:, None]
         above = top.cumsum(dim=-1) - top  # the mass of the tokens before each
         kept = above < p[pending, None]
         kept[:, 0] = True
@@ -367,19 +384,22 @@ def apply_top_p(logits: torch.Tensor, top_p: Sequence[float]) -> torch.Tensor:
         )
         rows, columns = pending[decided, None], order[decided]
         out[rows, columns] = logits[rows, columns].masked_fill(~kept[decided], _NEG_INF)
-        pending, probs, total = pending[~decided], probs[~decided], total[~decided]
+        pending, scores = pending[~decided], scores[~decided]
+        probs, total = probs[~decided], total[~decided]
         if len(pending) == 0:
             break
     return out
 
 
-def apply_min_p(logits: torch.Tensor, min_p: Sequence[float]) -> torch.Tensor:
+def apply_min_p(
+    logits: torch.Tensor, min_p: Sequence[float], dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
     """Drop, per row, tokens less likely than `min_p[i]` x the most likely token's probability.
 
     The most likely token always stays (`min_p` <= 1). Returns a new tensor.
     """
     m = torch.tensor(min_p, dtype=torch.float32, device=logits.device)[:, None]
-    probs = logits.softmax(dim=-1)
+    probs = logits.softmax(dim=-1, dtype=dtype)
     drop = probs < m * probs.amax(dim=-1, keepdim=True)
     return logits.masked_fill(drop, _NEG_INF)
 
@@ -443,7 +463,8 @@ def _choose(
     every = len(sampled) == len(rows)
     index = torch.tensor(sampled, device=logits.device)
     # NOTE: softmax, not exp(x - max): torch's exp is ~6x slower on -inf (filtered tokens)
-    probs = (logits if every else logits[index]).softmax(dim=-1)
+    dtype = _probability_dtype([rows[i].params for i in sampled])
+    probs = (logits if every else logits[index]).softmax(dim=-1, dtype=dtype)
     # NOTE: one uniform a row: unseeded rows from the global generator in one call, a seeded
     # row from its own (so its draws never depend on what else is batched)
     uniforms = torch.empty(len(sampled), device=logits.device)

@@ -17,6 +17,7 @@ from transformers.generation.logits_process import (
     TopPLogitsWarper,
 )
 
+from pagedserve.model import sampler as sampler_module
 from pagedserve.model.sampler import (
     DRAW_BLOCK,
     Sampler,
@@ -103,6 +104,25 @@ def test_draws_over_blocks_of_tokens_invert_the_running_sum() -> None:
     assert torch.equal(got, want)
     assert (rows.gather(1, got[:, None]) > 0).all()
     assert got[:4].tolist() == [5, 3 * DRAW_BLOCK, 5, 5]
+
+
+@pytest.mark.parametrize(("temperature", "dtype"), [(1.0, torch.float32), (0.2, torch.float64)])
+def test_cold_rows_draw_from_float64_probabilities(temperature, dtype, monkeypatch) -> None:
+    """Below COLD_TEMPERATURE the probabilities reach float32's denormals (slow), so a block
+    with a cold row draws from float64 ones; never a banned token either way."""
+    seen: list[torch.dtype] = []
+    original = sampler_module.draw_rows
+    monkeypatch.setattr(
+        sampler_module, "draw_rows", lambda w, u: seen.append(w.dtype) or original(w, u)
+    )
+    logits = random_logits(batch=2, vocab=500, seed=9) * 10  # spans ~200 / temperature
+    params = SamplingParams(temperature=temperature, bad_word_ids=((7,),), top_p=0.999)
+    rows = [make_row(params, seed=1), make_row(SamplingParams(temperature=1.0), seed=2)]
+    banned = logits.clone()
+    banned[0, 7] = 1e4  # the most likely token, yet banned
+    for _ in range(20):
+        assert Sampler()(banned, rows).token_ids[0] != 7
+    assert set(seen) == {dtype}
 
 
 def test_greedy_takes_argmax_per_row() -> None:
