@@ -364,18 +364,17 @@ def apply_top_p(
     every = len(filtered) == len(top_p)
     # NOTE: the filtered rows' kept tokens are put back below
     out = torch.full_like(logits, _NEG_INF) if every else logits.index_fill(0, pending, _NEG_INF)
-    scores = logits if every else logits[pending]
-    probs = scores.softmax(dim=-1, dtype=dtype)
-    total = probs.sum(dim=-1).double()
+    probs = (logits if every else logits[pending]).softmax(dim=-1, dtype=dtype)
+    # NOTE: a float64 sum: a float32 one (off by ~1e-7) moved the boundary at top-p 0.99+
+    total = probs.sum(dim=-1, dtype=torch.float64)
     vocab = logits.shape[1]
     heads = TOP_P_HEADS if logits.device.type == "cpu" else ()  # NOTE: a GPU sorts fast
     for head in (*(h for h in heads if h < vocab), vocab):
         whole = head == vocab
-        # NOTE: ordered by the float32 logits (as transformers sorts them), not the probabilities
-        _, order = torch.sort(scores, descending=True) if whole else torch.topk(scores, head)
+        top, order = torch.sort(probs, descending=True) if whole else torch.topk(probs, head)
         # NOTE: in float64 and over the row's own total: float32 softmax's rows sum to 1 only
         # within ~1e-5, enough to move the boundary token in a few rows in a hundred
-        top = probs.gather(1, order).double() / total[:, None]
+        top = top.double() / total[:, None]
         above = top.cumsum(dim=-1) - top  # the mass of the tokens before each
         kept = above < p[pending, None]
         kept[:, 0] = True
@@ -384,8 +383,7 @@ def apply_top_p(
         )
         rows, columns = pending[decided, None], order[decided]
         out[rows, columns] = logits[rows, columns].masked_fill(~kept[decided], _NEG_INF)
-        pending, scores = pending[~decided], scores[~decided]
-        probs, total = probs[~decided], total[~decided]
+        pending, probs, total = pending[~decided], probs[~decided], total[~decided]
         if len(pending) == 0:
             break
     return out

@@ -273,7 +273,7 @@ def test_top_p_over_a_large_vocabulary_keeps_the_set_transformers_keeps(top_p: f
         assert sizes[0] < 256 and any(256 < n < 4096 for n in sizes) and sizes[3] > 4096
 
 
-@pytest.mark.parametrize("top_p", [0.9, 0.95])
+@pytest.mark.parametrize("top_p", [0.9, 0.95, 0.99, 0.999])
 def test_top_p_over_a_49152_token_vocabulary_keeps_transformers_set(top_p: float) -> None:
     """Zipf-like rows the size of SmolLM2's vocabulary: float32 softmax's rows sum to 1 only
     within ~1e-5 there, and a head's mass not taken over its row's own total kept another
