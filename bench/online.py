@@ -145,7 +145,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=["int8", "int4"],
+        choices=[mode for mode in online_servers.MODES if mode != "fp32"],
         help="int8: ours with int8 weights against llama.cpp Q8_0; int4: ours with int4 weights "
         "(groups of 32) against llama.cpp on the shipped Q4_1 GGUF, whose blocks both load (no "
         "vLLM in either)",

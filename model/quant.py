@@ -437,9 +437,9 @@ def quantize_int4(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, ...]:
     out_features = w.shape[0]
     groups = w.view(out_features, -1, group_size).float()
     low = groups.amin(dim=-1)
-    half = low.half()
-    low = torch.where(half.float() > low, torch.nextafter(half, half.new_tensor(-65504.0)), half)
-    low = low.float()
+    half = low.half()  # NOTE: to nearest; one step down where that rounded up
+    down = torch.nextafter(half, torch.full_like(half, float("-inf")))
+    low = torch.where(half.float() > low, down, half).float()
     scale = ((groups.amax(dim=-1) - low) / INT4_MAX).clamp(min=2.0**-24).half().float()
     q = torch.round((groups - low[..., None]) / scale[..., None]).clamp(0, INT4_MAX)
     return q.view(out_features, -1).to(torch.uint8), scale, low + 8 * scale

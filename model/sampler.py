@@ -307,19 +307,18 @@ def _ids(token_ids: Sequence[int], vocab_size: int, device: torch.device) -> tor
 def _warp(logits: torch.Tensor, params: list[SamplingParams], owned: bool = True) -> torch.Tensor:
     """Temperature, then top-k, top-p and min-p, on a [N, V] block of non-greedy rows: a new
     tensor, unless `logits` is `owned` (the caller's own copy) and nothing changes it."""
+    warped = logits
     if any(p.temperature != 1.0 for p in params):
         temperature = torch.tensor([p.temperature for p in params], device=logits.device)
-        logits = logits / temperature.unsqueeze(1)
-    elif not owned:
-        logits = logits.clone()
+        warped = warped / temperature.unsqueeze(1)
     if any(0 < p.top_k < logits.shape[1] for p in params):
-        logits = apply_top_k(logits, [p.top_k for p in params])
+        warped = apply_top_k(warped, [p.top_k for p in params])
     dtype = _probability_dtype(params)
     if any(p.top_p < 1.0 for p in params):
-        logits = apply_top_p(logits, [p.top_p for p in params], dtype)
+        warped = apply_top_p(warped, [p.top_p for p in params], dtype)
     if any(p.min_p > 0.0 for p in params):
-        logits = apply_min_p(logits, [p.min_p for p in params], dtype)
-    return logits
+        warped = apply_min_p(warped, [p.min_p for p in params], dtype)
+    return warped.clone() if warped is logits and not owned else warped
 
 
 def _probability_dtype(params: Sequence[SamplingParams]) -> torch.dtype:
