@@ -46,7 +46,7 @@ SOURCES = tuple(
     for name in (
         "paged_decode.c", "linear_i8g.c", "linear_i4g.c", "linear_f32.c", "rms_norm.c",
         "decode_stack.c", "gemm_f32.c", "token_mask.c", "quant_act.c",
-        "linear_w8a8.c",
+        "linear_w8a8.c", "layer_ops.c",
     )
 )  # fmt: skip
 HEADERS = (Path(__file__).with_name("csrc") / "simd.h",)
@@ -170,7 +170,9 @@ def _signatures() -> dict[str, tuple[list[type], type | None]]:
         "gemm_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, i32], i32),
         "set_sgemm_compute": ([ptr], None),
         "linear_packed_f32": ([ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64], i32),
-        "rms_norm_f32": ([ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32], None),
+        "rms_norm_f32": ([ptr, i64, ptr, i64, ptr, ptr, ptr, i64, i64, f32, i32], None),
+        "rope_f32": ([ptr, i64, i64, i64, ptr, ptr, i64, i32], None),
+        "silu_mul_f32": ([ptr, i64, ptr, i64, i64, i32], None),
         "mask_logits_f32": ([ptr, i64, ptr, i64, ptr, i64, i64], None),
         "quantize_rows_i8": ([ptr, i64, ptr, ptr, i64, i64, i32], None),
         "dequant_rows_i32": ([ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i32], None),
@@ -510,7 +512,7 @@ def rms_norm(
     lib.rms_norm_f32(
         x.data_ptr(), x.stride(0), None if residual is None else residual.data_ptr(),
         0 if residual is None else residual.stride(0), total.data_ptr(), weight.data_ptr(),
-        out.data_ptr(), rows, n, eps,
+        out.data_ptr(), rows, n, eps, torch.get_num_threads(),
     )  # fmt: skip
     return out, total
 

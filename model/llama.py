@@ -22,8 +22,9 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.nn import functional as F  # noqa: N812 - torch's own spelling
 
-from pagedserve.kernels import cpu_linear, cpu_native, dispatch
+from pagedserve.kernels import cpu_layer_ops, cpu_linear, cpu_native, dispatch
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache
 from pagedserve.model.activations import activation
@@ -165,6 +166,12 @@ def rotate(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+def rotated(x: torch.Tensor, tables: RopeTables) -> torch.Tensor:
+    """`rotate(x, tables)`, in place where the native kernel takes it (x is then returned):
+    for x a fresh projection's view that nothing else reads."""
+    return x if cpu_layer_ops.rope_(x, *tables) else rotate(x, tables)
+
+
 NormMaker = Callable[[ModelConfig, int], RMSNorm]
 
 
@@ -210,13 +217,13 @@ class Attention(nn.Module):
         if self.fused and self.q_norm is None:
             qkv = cpu_linear.linear(x, self.fused_weight, self.fused_bias)
             qk, v = qkv.view(num_tokens, -1, self.head_dim).split([heads + kv_heads, kv_heads], 1)
-            q, k = rotate(qk, rope).split([heads, kv_heads], dim=1)
+            q, k = rotated(qk, rope).split([heads, kv_heads], dim=1)
         else:
             q, k, v = self._qkv(x)
             if self.q_norm is not None and self.k_norm is not None:
                 q, k = self._norm(self.q_norm, q), self._norm(self.k_norm, k)
             # NOTE: float32 rope tables (OLMo 2) rotate in float32; the cast is a no-op otherwise
-            q, k = rotate(q, rope).to(x.dtype), rotate(k, rope).to(x.dtype)
+            q, k = rotated(q, rope).to(x.dtype), rotated(k, rope).to(x.dtype)
         k_cache, v_cache = kv_cache.layer(self.layer_idx)
         scales = kv_cache.layer_scales(self.layer_idx)  # None unless the cache is 8-bit
         dispatch.write_kv(k_cache, v_cache, k, v, meta, scales)
@@ -258,11 +265,15 @@ class MLP(nn.Module):
         self.fused = False  # gate/up in one weight (`fuse_rows`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused:
-            gate, up = cpu_linear.linear(x, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
-        else:
+        if not self.fused:
             gate, up = self.gate_proj(x), self.up_proj(x)
-        return _reduce(self.group, self.down_proj(self.act_fn(gate) * up))
+            return _reduce(self.group, self.down_proj(self.act_fn(gate) * up))
+        gate_up = cpu_linear.linear(x, self.fused_weight, self.fused_bias)
+        act = cpu_layer_ops.silu_mul(gate_up) if self.act_fn is F.silu else None
+        if act is None:
+            gate, up = gate_up.chunk(2, dim=-1)
+            act = self.act_fn(gate) * up
+        return _reduce(self.group, self.down_proj(act))
 
 
 def make_mlp(config: ModelConfig, layer_idx: int) -> nn.Module:

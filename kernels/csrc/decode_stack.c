@@ -16,12 +16,10 @@
  *     g | u  = h @ [Wg; Wu].T
  *     x      = (silu(g) * u) @ Wd.T             and the next layer adds r
  *
- * so its outputs are the Python path's, except for silu's exponential (libmvec's expf here,
- * torch's own there: a few ulp). Its attention has no soft cap: model/native_stack.py declines a
- * layer with one (Gemma 2's).
+ * so its outputs are the Python path's: rope and the activation are layer_ops.c's in both (with
+ * the native kernels off, torch's silu there differs from libmvec's expf here by a few ulp).
+ * Its attention has no soft cap: model/native_stack.py declines a layer with one (Gemma 2's).
  */
-#pragma GCC optimize("fp-contract=off") /* rope: two products and a sum, each rounded, as torch */
-
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -42,7 +40,11 @@ int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const uint16_t
                    int threads);
 void rms_norm_f32(const float *x, int64_t ldx, const float *residual, int64_t ldr,
                   float *sum_out, const float *weight, float *out, int64_t rows, int64_t n,
-                  float eps);
+                  float eps, int threads);
+void rope_f32(float *x, int64_t ldx, int64_t heads, int64_t d, const float *cos, const float *sin,
+              int64_t rows, int threads);
+void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t rows, int64_t inter,
+                  int threads);
 int paged_decode_f32(const float *q, int64_t q_tok, const float *k, const float *v, int64_t blk,
                      int64_t pos, const int64_t *tables, int64_t tstride, const int64_t *qrow,
                      const int64_t *trow, const int64_t *first, const int64_t *end, float *out,
@@ -134,27 +136,6 @@ static int64_t linear_parts(const ps_linear *parts, int64_t count, const float *
     return width;
 }
 
-/* q's and k's heads (the first heads + kv_heads of each row) rotated in place */
-static void rope(float *qkv, int64_t width, const ps_step *s) {
-    const int64_t d = s->head_dim, half = d / 2;
-    float tmp[512];
-    for (int64_t m = 0; m < s->rows; m++) {
-        const float *c = s->cos + m * d, *sn = s->sin + m * d;
-        for (int64_t h = 0; h < s->heads + s->kv_heads; h++) {
-            float *x = qkv + m * width + h * d;
-            memcpy(tmp, x, sizeof(float) * d);
-            for (int64_t i = 0; i < half; i++) {
-                const float a = tmp[i] * c[i], b = -tmp[i + half] * sn[i];
-                x[i] = a + b;
-            }
-            for (int64_t i = half; i < d; i++) {
-                const float a = tmp[i] * c[i], b = tmp[i - half] * sn[i];
-                x[i] = a + b;
-            }
-        }
-    }
-}
-
 static void write_kv(const ps_layer *l, const float *qkv, int64_t width, const ps_step *s) {
     const int64_t kv = s->kv_heads * s->head_dim, q = s->heads * s->head_dim;
     for (int64_t m = 0; m < s->rows; m++) {
@@ -162,23 +143,6 @@ static void write_kv(const ps_layer *l, const float *qkv, int64_t width, const p
         const int64_t at = (slot / s->block_size) * s->blk_stride + (slot % s->block_size) * s->pos_stride;
         memcpy(l->k_cache + at, qkv + m * width + q, sizeof(float) * kv);
         memcpy(l->v_cache + at, qkv + m * width + q + kv, sizeof(float) * kv);
-    }
-}
-
-/* out[m][i] = silu(gu[m][i]) * gu[m][inter + i] */
-static void silu_mul(const float *gu, float *out, int64_t rows, int64_t inter) {
-    const int64_t nv = inter - inter % PS_VEC;
-    const vf one = vf_set1(1.0f), zero = vf_zero();
-    for (int64_t m = 0; m < rows; m++) {
-        const float *g = gu + m * 2 * inter, *u = g + inter;
-        float *o = out + m * inter;
-        int64_t i = 0;
-        for (; i < nv; i += PS_VEC) {
-            const vf x = vf_loadu(g + i);
-            const vf act = vf_div(x, vf_add(one, vf_expf(vf_sub(zero, x))));
-            vf_storeu(o + i, vf_mul(act, vf_loadu(u + i)));
-        }
-        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     }
 }
 
@@ -202,13 +166,14 @@ int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *
     for (int64_t i = 0; i < num_layers; i++) {
         const ps_layer *l = &layers[i];
         if (i == 0)
-            rms_norm_f32(residual, hidden, NULL, 0, NULL, l->input_norm, h, rows, hidden, s->eps);
+            rms_norm_f32(residual, hidden, NULL, 0, NULL, l->input_norm, h, rows, hidden, s->eps,
+                         s->threads);
         else
             rms_norm_f32(mlp, hidden, residual, hidden, residual, l->input_norm, h, rows, hidden,
-                         s->eps);
+                         s->eps, s->threads);
         const int64_t width = linear_parts(l->qkv, l->qkv_parts, h, hidden, qkv, rows, s->threads);
         if (width < 0) return 1;
-        rope(qkv, width, s);
+        rope_f32(qkv, width, s->heads + s->kv_heads, d, s->cos, s->sin, rows, s->threads);
         write_kv(l, qkv, width, s);
         if (paged_decode_f32(qkv, width, l->k_cache, l->v_cache, s->blk_stride, s->pos_stride,
                              s->tables, s->table_stride, s->row_ids, s->row_ids,
@@ -218,12 +183,13 @@ int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *
                              attn_threads))
             return 1;
         if (linear(&l->o, attn, s->heads * d, mlp, hidden, rows, s->threads)) return 1;
-        rms_norm_f32(mlp, hidden, residual, hidden, residual, l->post_norm, h, rows, hidden, s->eps);
+        rms_norm_f32(mlp, hidden, residual, hidden, residual, l->post_norm, h, rows, hidden, s->eps,
+                     s->threads);
         if (linear_parts(l->gate_up, l->gate_up_parts, h, hidden, gu, rows, s->threads) < 0)
             return 1;
-        silu_mul(gu, act, rows, s->inter);
+        silu_mul_f32(gu, 2 * s->inter, act, rows, s->inter, s->threads);
         if (linear(&l->down, act, s->inter, mlp, hidden, rows, s->threads)) return 1;
     }
-    rms_norm_f32(mlp, hidden, residual, hidden, residual, final_norm, x, rows, hidden, s->eps);
+    rms_norm_f32(mlp, hidden, residual, hidden, residual, final_norm, x, rows, hidden, s->eps, s->threads);
     return 0;
 }

@@ -51,3 +51,16 @@ def test_the_module_takes_torch_where_the_kernel_cannot(monkeypatch):
     monkeypatch.setattr(cpu_native, "enabled", True)
     assert cpu_native.rms_norm(x.bfloat16(), bf16.weight, 1e-6, None) is None
     assert bf16(x.bfloat16()).dtype == torch.bfloat16
+
+
+@needs_kernel
+def test_a_prompts_rows_split_between_threads_are_normed_as_one_row_alone():
+    g = torch.Generator().manual_seed(9)
+    x, residual = torch.randn(300, 576, generator=g), torch.randn(300, 576, generator=g)
+    weight = torch.rand(576, generator=g) + 0.5
+    out, total = cpu_native.rms_norm(x, weight, 1e-5, residual)  # type: ignore[misc]
+    for i in (0, 150, 299):
+        one = cpu_native.rms_norm(x[i : i + 1], weight, 1e-5, residual[i : i + 1])
+        assert one is not None
+        row, row_total = one
+        assert torch.equal(out[i : i + 1], row) and torch.equal(total[i : i + 1], row_total)
