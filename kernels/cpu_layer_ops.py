@@ -44,25 +44,24 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> bool:
     return True
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor | None:
-    """silu(g) * u [T, I] for gate_up [T, 2 I], each row `| g | u |` (a fused gate/up linear's
-    output). silu's exponential is libmvec's `expf`, torch's `F.silu` its own: they differ by a
-    few ulp (the native decode stack computes it the same way). None when the kernel cannot
-    take it."""
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor | None:
+    """silu(gate) * up [T, I] for gate, up [T, I] (a fused gate/up linear's halves or two
+    linears' outputs: any row strides). silu's exponential is libmvec's `expf`, torch's
+    `F.silu` its own: they differ by a few ulp (the native decode stack computes it the same
+    way). None when the kernel cannot take them."""
     if not (
-        gate_up.dim() == 2
-        and gate_up.shape[0] > 0
-        and gate_up.shape[1] % 2 == 0
-        and gate_up.device.type == "cpu"
-        and gate_up.dtype == torch.float32
-        and gate_up.stride(1) == 1
-    ):
+        gate.dim() == 2
+        and gate.shape == up.shape
+        and gate.shape[0] > 0
+        and all(t.device.type == "cpu" and t.dtype == torch.float32 and t.stride(1) == 1
+                for t in (gate, up))
+    ):  # fmt: skip
         return None
     lib = cpu_native.library()
     if lib is None:
         return None
-    tokens, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    tokens, inter = gate.shape
     out = torch.empty(tokens, inter, dtype=torch.float32)
-    lib.silu_mul_f32(gate_up.data_ptr(), gate_up.stride(0), out.data_ptr(), tokens, inter,
-                     torch.get_num_threads())  # fmt: skip
+    lib.silu_mul_f32(gate.data_ptr(), gate.stride(0), up.data_ptr(), up.stride(0), out.data_ptr(),
+                     tokens, inter, torch.get_num_threads())  # fmt: skip
     return out

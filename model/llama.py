@@ -265,13 +265,12 @@ class MLP(nn.Module):
         self.fused = False  # gate/up in one weight (`fuse_rows`)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.fused:
+        if self.fused:
+            gate, up = cpu_linear.linear(x, self.fused_weight, self.fused_bias).chunk(2, dim=-1)
+        else:
             gate, up = self.gate_proj(x), self.up_proj(x)
-            return _reduce(self.group, self.down_proj(self.act_fn(gate) * up))
-        gate_up = cpu_linear.linear(x, self.fused_weight, self.fused_bias)
-        act = cpu_layer_ops.silu_mul(gate_up) if self.act_fn is F.silu else None
+        act = cpu_layer_ops.silu_mul(gate, up) if self.act_fn is F.silu else None
         if act is None:
-            gate, up = gate_up.chunk(2, dim=-1)
             act = self.act_fn(gate) * up
         return _reduce(self.group, self.down_proj(act))
 

@@ -44,7 +44,7 @@ from torch import nn
 from pagedserve.cli_options import QUANTIZATION_GROUP_SIZES as GROUP_SIZES
 from pagedserve.cli_options import QUANTIZATION_METHODS as METHODS
 from pagedserve.cli_options import check_quantization, quantization_name
-from pagedserve.kernels import cpu_native, cpu_w8a8
+from pagedserve.kernels import cpu_dequant, cpu_native, cpu_w8a8
 
 INT4_MAX = 15
 INT8_MAX = 127
@@ -258,11 +258,14 @@ class QuantizedLinear(nn.Module):
 
     def dequantize(self) -> torch.Tensor:
         """The weight as the matmul sees it, [out, in] in the scales' dtype (float32 for int4
-        held natively: its kernel's) (for the reference path and for tests)."""
+        held natively: `q * scale + low`, GGUF Q4_1's form): for batches above NATIVE_ROWS,
+        the reference path and tests."""
         if self.int8_groups:
             return dequantize_int8_groups(self.qweight, self.scales)
         if self.quant.int8_codes:
             return self.qweight.to(self.scales.dtype) * self.scales[:, None]
+        if self.int4_layout == "native":
+            return cpu_dequant.dequantize_int4(self.qweight, self.scales, self.in_features)
         q = self.int4_codes().to(self.qweight.device)
         scale, zero = self.int4_scale_zero()  # [out, groups]
         g = self.quant.group_size

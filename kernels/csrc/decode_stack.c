@@ -43,8 +43,8 @@ void rms_norm_f32(const float *x, int64_t ldx, const float *residual, int64_t ld
                   float eps, int threads);
 void rope_f32(float *x, int64_t ldx, int64_t heads, int64_t d, const float *cos, const float *sin,
               int64_t rows, int threads);
-void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t rows, int64_t inter,
-                  int threads);
+void silu_mul_f32(const float *g, int64_t ldg, const float *u, int64_t ldu, float *out,
+                  int64_t rows, int64_t inter, int threads);
 int paged_decode_f32(const float *q, int64_t q_tok, const float *k, const float *v, int64_t blk,
                      int64_t pos, const int64_t *tables, int64_t tstride, const int64_t *qrow,
                      const int64_t *trow, const int64_t *first, const int64_t *end, float *out,
@@ -187,7 +187,8 @@ int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *
                      s->threads);
         if (linear_parts(l->gate_up, l->gate_up_parts, h, hidden, gu, rows, s->threads) < 0)
             return 1;
-        silu_mul_f32(gu, 2 * s->inter, act, rows, s->inter, s->threads);
+        silu_mul_f32(gu, 2 * s->inter, gu + s->inter, 2 * s->inter, act, rows, s->inter,
+                     s->threads);
         if (linear(&l->down, act, s->inter, mlp, hidden, rows, s->threads)) return 1;
     }
     rms_norm_f32(mlp, hidden, residual, hidden, residual, final_norm, x, rows, hidden, s->eps, s->threads);

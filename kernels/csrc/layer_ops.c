@@ -2,7 +2,7 @@
  * (kernels/cpu_layer_ops.py binds them for the Python layer path; decode_stack.c calls them).
  *
  *     rope_f32:      x = x * cos + rotate_half(x) * sin      in place, each head of each row
- *     silu_mul_f32:  out = silu(g) * u                        gu's row = | g (inter) | u (inter) |
+ *     silu_mul_f32:  out = silu(g) * u
  *
  * rope is torch's arithmetic operation for operation (two products and a sum, each rounded:
  * no FMA contraction), so its output equals `model/llama.py`'s `rotate` bit for bit. silu's
@@ -44,21 +44,22 @@ void rope_f32(float *x, int64_t ldx, int64_t heads, int64_t d, const float *cos,
     }
 }
 
-/* gu [rows, 2 * inter] with `ldg` floats between rows; out [rows, inter], contiguous. */
-void silu_mul_f32(const float *gu, int64_t ldg, float *out, int64_t rows, int64_t inter,
-                  int threads) {
+/* g, u [rows, inter] with `ldg`, `ldu` floats between rows (a fused gate/up linear's halves,
+ * or two linears' outputs); out [rows, inter], contiguous. */
+void silu_mul_f32(const float *g, int64_t ldg, const float *u, int64_t ldu, float *out,
+                  int64_t rows, int64_t inter, int threads) {
     const int64_t nv = inter - inter % PS_VEC;
 #pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
     for (int64_t m = 0; m < rows; m++) {
         const vf one = vf_set1(1.0f), zero = vf_zero();
-        const float *g = gu + m * ldg, *u = g + inter;
+        const float *gr = g + m * ldg, *ur = u + m * ldu;
         float *o = out + m * inter;
         int64_t i = 0;
         for (; i < nv; i += PS_VEC) {
-            const vf x = vf_loadu(g + i);
+            const vf x = vf_loadu(gr + i);
             const vf act = vf_div(x, vf_add(one, vf_expf(vf_sub(zero, x))));
-            vf_storeu(o + i, vf_mul(act, vf_loadu(u + i)));
+            vf_storeu(o + i, vf_mul(act, vf_loadu(ur + i)));
         }
-        for (; i < inter; i++) o[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+        for (; i < inter; i++) o[i] = gr[i] / (1.0f + expf(-gr[i])) * ur[i];
     }
 }

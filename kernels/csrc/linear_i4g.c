@@ -137,3 +137,33 @@ int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const uint16_t
     free(sums);
     return 0;
 }
+
+/* w [n_rows, k] float32 = q * scale + low, the weight the sums above stand for (q * scale is
+ * exact: a 4-bit code times a float16; one rounding, the add's), for batches where one
+ * dequantized copy and a GEMM beat reading the codes per tile of rows (model/quant.py). Per
+ * panel and block of CODES columns the lanes' weights are built in registers, then written
+ * row by row. */
+void dequant_i4g_f32(const uint8_t *q, const uint16_t *pairs, float *w, int64_t n_rows,
+                     int64_t k, int64_t group, int threads) {
+    const int64_t panels = (n_rows + PS_VEC - 1) / PS_VEC;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t t = 0; t < panels; t++) {
+        const int64_t n0 = t * PS_VEC, tile = n0 / TILE_ROWS * TILE_ROWS;
+        const int64_t tile_rows = n_rows - tile < TILE_ROWS ? n_rows - tile : TILE_ROWS;
+        const int lanes = (int)(n_rows - n0 < PS_VEC ? n_rows - n0 : PS_VEC);
+        const uint8_t *words = q + tile * (k / 2) + (n0 - tile) * 4;
+        const uint16_t *tp = pairs + tile * (k / group) * 2 + (n0 - tile);
+        float block[CODES][PS_VEC];
+        for (int64_t g = 0; g < k / group; g++) {
+            vf scale, low;
+            vq4_pairs(tp + g * 2 * TILE_ROWS, &scale, &low);
+            for (int64_t k0 = g * group; k0 < (g + 1) * group; k0 += CODES) {
+                const vq4c v = vq4_load(words + k0 / CODES * tile_rows * 4, lanes);
+                for (int j = 0; j < CODES; j++)
+                    vf_storeu(block[j], vf_add(vf_mul(vq4_code(v, j), scale), low));
+                for (int i = 0; i < lanes; i++)
+                    for (int j = 0; j < CODES; j++) w[(n0 + i) * k + k0 + j] = block[j][i];
+            }
+        }
+    }
+}

@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_native
+from pagedserve.kernels import cpu_dequant, cpu_native
 from pagedserve.model.quant import QuantizedLinear, WeightQuant
 
 needs_kernel = pytest.mark.skipif(
@@ -167,3 +167,16 @@ def test_a_bfloat16_layer_loads_in_atens_layout():
     codes, scale, zero, _ = make_weights(16, 64, 32)
     layer.load_int4(codes, scale, zero)
     assert layer.int4_layout == "aten" and torch.equal(layer.int4_codes(), codes.int())
+
+
+@needs_kernel
+@pytest.mark.parametrize(("n", "group"), [(37, 32), (48, 128), (16, 256)])  # a last tile of 5
+def test_the_native_dequantized_copy_equals_torchs_q_times_scale_plus_low(n, group, monkeypatch):
+    codes, scale, zero, _ = make_weights(n, 256, group, seed=n)
+    packed, pairs = cpu_native.pack_int4(codes), cpu_native.pack_int4_scales(scale, zero)
+    native = cpu_dequant.dequantize_int4(packed, pairs, 256)
+    low = (zero - 8 * scale).view(n, -1, 1)  # the layout's float16 minimums, exactly
+    want = (codes.float().view(n, -1, group) * scale[..., None] + low).view(n, 256)
+    assert torch.equal(native, want)
+    monkeypatch.setattr(cpu_native, "enabled", False)
+    assert torch.equal(cpu_dequant.dequantize_int4(packed, pairs, 256), want)  # torch's ops

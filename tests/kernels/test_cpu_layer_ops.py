@@ -66,12 +66,16 @@ def test_silu_mul_equals_torch_within_a_few_ulp(tokens, inter):
     g = torch.Generator().manual_seed(tokens + inter)
     gate_up = torch.randn(tokens, 2 * inter, generator=g) * 6
     gate, up = gate_up.chunk(2, dim=-1)
-    got = cpu_layer_ops.silu_mul(gate_up)
+    got = cpu_layer_ops.silu_mul(gate, up)
     assert got is not None and got.shape == (tokens, inter)
     # NOTE: libmvec's expf against torch's: a few ulp of the activation, never more
     torch.testing.assert_close(got, F.silu(gate) * up, rtol=1e-6, atol=1e-30)
-    rows = torch.cat([cpu_layer_ops.silu_mul(gate_up[i : i + 1]) for i in range(tokens)])
+    rows = torch.cat(
+        [cpu_layer_ops.silu_mul(gate[i : i + 1], up[i : i + 1]) for i in range(tokens)]
+    )
     assert torch.equal(got, rows)  # a row's result whatever the batch and its split
+    apart = cpu_layer_ops.silu_mul(gate.contiguous(), up.contiguous())  # two linears' outputs
+    assert apart is not None and torch.equal(apart, got)
 
 
 @needs_kernel
@@ -90,7 +94,7 @@ def test_the_mlp_takes_torch_where_the_kernel_cannot(monkeypatch):
         x = torch.randn(4, 32, generator=g)
         native = mlp(x)
         monkeypatch.setattr(cpu_native, "enabled", False)
-        assert cpu_layer_ops.silu_mul(torch.ones(1, 8)) is None
+        assert cpu_layer_ops.silu_mul(torch.ones(1, 8), torch.ones(1, 8)) is None
         plain = mlp(x)
         gate, up = cpu_linear.linear(x, mlp.fused_weight).chunk(2, dim=-1)
         assert torch.equal(plain, mlp.down_proj(F.silu(gate) * up))
