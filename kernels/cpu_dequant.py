@@ -26,12 +26,12 @@ def dequantize_int4(codes: torch.Tensor, pairs: torch.Tensor, in_features: int) 
         lib.dequant_i4g_f32(codes.data_ptr(), pairs.data_ptr(), weight.data_ptr(), rows,
                             in_features, group, torch.get_num_threads())  # fmt: skip
         return weight
-    scale, low = scale_low(pairs, rows)
+    scale, low = _scale_low(pairs, rows)
     q = cpu_native.unpack_int4(codes).view(rows, groups, -1).float()
     return (q * scale[..., None] + low[..., None]).view(rows, in_features)
 
 
-def scale_low(pairs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _scale_low(pairs: torch.Tensor, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The pairs' float16 scales and minimums `low`, as float32 [rows, groups]."""
     tiles, groups = pairs.shape[:2]
     both = pairs.float().permute(0, 3, 1, 2).reshape(tiles * 16, groups, 2)[:rows]
