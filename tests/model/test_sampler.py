@@ -237,6 +237,25 @@ def test_top_k_off_or_beyond_vocab_keeps_everything(top_k: int) -> None:
     assert len(kept(ours)) == VOCAB
 
 
+def test_top_k_of_a_mixed_block_equals_transformers_row_by_row() -> None:
+    """The scatter of the k largest and the comparison it falls back to (ties at the k-th, rows
+    without a top-k, rows a grammar left fewer than k tokens) give transformers' rows."""
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(7, 300, generator=g) * 3
+    logits[1] = torch.randint(0, 4, (300,), generator=g).float()  # ties everywhere
+    logits[2, 40:] = float("-inf")  # 40 tokens allowed, k = 64
+    logits[3, :] = float("-inf")
+    logits[3, 7] = 1.0
+    ks = [40, 3, 64, 5, 0, 299, 1]
+    got = sampler_module.apply_top_k(logits, ks)
+    assert got is not logits
+    for row, k in enumerate(ks):
+        want = logits[row : row + 1].clone()
+        if 0 < k < 300:
+            want = TopKLogitsWarper(k)(NO_IDS, want)
+        assert torch.equal(got[row : row + 1], want), row
+
+
 def test_top_k_keeps_ties_with_the_kth_value_like_transformers() -> None:
     logits = torch.tensor([[5.0, 1.0, 3.0, 3.0, 0.0]])
     ours = Sampler().processed_logits(logits, [make_row(SamplingParams(top_k=2))])
