@@ -8,7 +8,7 @@
  * no FMA contraction), so its output equals `model/llama.py`'s `rotate` bit for bit. silu's
  * exponential is libmvec's expf, torch's is its own: the two differ by a few ulp.
  *
- * Rows are split between `threads` OpenMP threads (torch's libgomp) from PARALLEL_ROWS rows
+ * Rows are split between `threads` OpenMP threads (torch's libgomp) from PS_PARALLEL_ROWS rows
  * on: a prompt's thousands of rows; a decode step's few stay on the calling thread.
  */
 #pragma GCC optimize("fp-contract=off") /* rope: two products and a sum, each rounded, as torch */
@@ -19,13 +19,13 @@
 
 #include "simd.h"
 
-enum { PARALLEL_ROWS = 128, MAX_HEAD_DIM = 512 };
+enum { MAX_HEAD_DIM = 512 };
 
 /* x [rows, heads, d] with `ldx` floats between rows (heads packed); cos, sin [rows, d]. */
 void rope_f32(float *x, int64_t ldx, int64_t heads, int64_t d, const float *cos, const float *sin,
               int64_t rows, int threads) {
     const int64_t half = d / 2;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PS_PARALLEL_ROWS)
     for (int64_t m = 0; m < rows; m++) {
         const float *c = cos + m * d, *sn = sin + m * d;
         float tmp[MAX_HEAD_DIM];
@@ -49,7 +49,7 @@ void rope_f32(float *x, int64_t ldx, int64_t heads, int64_t d, const float *cos,
 void silu_mul_f32(const float *g, int64_t ldg, const float *u, int64_t ldu, float *out,
                   int64_t rows, int64_t inter, int threads) {
     const int64_t nv = inter - inter % PS_VEC;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PS_PARALLEL_ROWS)
     for (int64_t m = 0; m < rows; m++) {
         const vf one = vf_set1(1.0f), zero = vf_zero();
         const float *gr = g + m * ldg, *ur = u + m * ldu;

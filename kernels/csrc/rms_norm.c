@@ -9,7 +9,7 @@
  * sum of squares is added in another order (vector accumulator, then vf_sum, then the tail),
  * so the scale can differ from torch's in its last bit. One call replaces the eight torch ops
  * of a norm and its residual add. Rows are split between `threads` OpenMP threads from
- * PARALLEL_ROWS on (a prompt's); a decode step's few stay on the calling thread. A row's
+ * PS_PARALLEL_ROWS on (a prompt's); a decode step's few stay on the calling thread. A row's
  * arithmetic is the same either way.
  */
 #include <math.h>
@@ -17,13 +17,11 @@
 
 #include "simd.h"
 
-enum { PARALLEL_ROWS = 128 };
-
 void rms_norm_f32(const float *x, int64_t ldx, const float *residual, int64_t ldr,
                   float *sum_out, const float *weight, float *out, int64_t rows, int64_t n,
                   float eps, int threads) {
     const int64_t nv = n - n % PS_VEC;
-#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PARALLEL_ROWS)
+#pragma omp parallel for num_threads(threads) schedule(static) if (rows >= PS_PARALLEL_ROWS)
     for (int64_t row = 0; row < rows; row++) {
         const float *xr = x + row * ldx;
         float *o = out + row * n;

@@ -17,6 +17,10 @@
 /* inlined into its caller, so constant arguments become constants in each copy */
 #define AI static inline __attribute__((always_inline))
 
+/* Row-wise kernels (rms_norm.c, layer_ops.c) split their rows between OpenMP threads from this
+ * many on: a prompt's thousands; a decode step's few stay on the calling thread. */
+#define PS_PARALLEL_ROWS 128
+
 /* Weights streamed at one row of x: ask for the cache line some bytes on. At one token per
  * step the codes' bytes are the cost, and without it the int8 kernel read 6.6 GB/s on one
  * Sapphire Rapids core (12.9 on two) where the machine reads ~27: the hardware prefetcher
