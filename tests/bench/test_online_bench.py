@@ -174,6 +174,41 @@ def test_int4_runs_llama_cpp_on_the_source_gguf_itself(tmp_path):
     assert argv[argv.index("-m") + 1] == str(source) and not (tmp_path / "ggufs").exists()
 
 
+def test_bf16_runs_every_server_in_bf16_with_a_bf16_kv_cache(tmp_path):
+    source = tmp_path / "model.Q4_1.gguf"
+    (tmp_path / "ggufs").mkdir()
+    (tmp_path / "ggufs" / "model.Q4_1-BF16.gguf").write_bytes(b"GGUF")  # written once before
+    setup = online_servers.ServerSetup(
+        "m", "bf16", tmp_path / "venv", tmp_path / "bin", str(source), tmp_path / "ggufs",
+        2**30, 16, 2, tmp_path / "logs",
+    )  # fmt: skip
+    assert "not installed" in (online_servers.missing("vllm-cpu", setup) or "")
+    ours = online_servers.launch("pagedserve", setup, 1).argv
+    assert ours[ours.index("--dtype") + 1] == "bfloat16" and "--quantization" not in ours
+    vllm = online_servers.launch("vllm-cpu", setup, 1).argv
+    assert vllm[vllm.index("--dtype") + 1] == "bfloat16"
+    llama = online_servers.launch("llama.cpp", setup, 1).argv
+    assert llama[llama.index("-m") + 1] == str(tmp_path / "ggufs" / "model.Q4_1-BF16.gguf")
+    assert llama[llama.index("-ctk") + 1] == llama[llama.index("-ctv") + 1] == "bf16"
+    fp32 = dataclasses.replace(setup, mode="fp32")
+    assert online_servers.launch("vllm-cpu", fp32, 1).argv[vllm.index("--dtype") + 1] == "float32"
+    assert "--dtype" not in online_servers.launch("pagedserve", fp32, 1).argv
+
+
+def test_the_mode_is_bf16_only_alone_and_where_the_cpu_computes_bf16(monkeypatch):
+    from pagedserve.kernels import cpu_native
+
+    assert online_servers.mode_of(None, "float32") == "fp32"
+    assert online_servers.mode_of("int8", "float32") == "int8"
+    with pytest.raises(ValueError, match="^dtype: bfloat16 is a mode of its own"):
+        online_servers.mode_of("int8", "bfloat16")
+    monkeypatch.setattr(cpu_native, "has_bf16_arithmetic", lambda: True)
+    assert online_servers.mode_of(None, "bfloat16") == "bf16"
+    monkeypatch.setattr(cpu_native, "has_bf16_arithmetic", lambda: False)
+    with pytest.raises(ValueError, match="^dtype: bfloat16 needs a CPU with bf16 arithmetic"):
+        online_servers.mode_of(None, "bfloat16")
+
+
 def test_grounded_levels_send_the_same_passages_to_every_server_greedy():
     load = online.LoadSpec((1,), 10.0, 256, 64, 96, "chat", "m", Path("g"), 1.0, "grounded")
     a = online_load.scenario(load, "http://a", "m", 1)["spec"]
