@@ -1,4 +1,5 @@
-"""`linear` for fp32 on CPU: native kernels up to 16 rows, MKL on a packed weight above.
+"""`linear` on CPU: for fp32, native kernels up to 16 rows, MKL on a packed weight above; for
+bf16, oneDNN on a weight reordered once up to 16 rows (`onednn_packed`), `F.linear` above.
 
 - up to NATIVE_MAX_TOKENS (16) rows, `csrc/linear_f32.c` (one row at a time reads the weight at
   the machine's bandwidth; every output the same sum whatever M: batch invariance);
@@ -25,7 +26,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from pagedserve.kernels import cpu_native, mkl_packed
+from pagedserve.kernels import cpu_native, mkl_packed, onednn_packed
 
 MAX_TOKENS = 256
 """From about this many input rows on `F.linear` is as fast."""
@@ -60,6 +61,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """`F.linear(x, weight, bias)` for x [tokens, in] and weight [out, in]; contiguous output."""
     if x.dim() == 2 and x.shape[0] <= NATIVE_MAX_TOKENS:
         out = cpu_native.linear_f32(x, weight, bias)
+        if out is None:
+            out = onednn_packed.linear(x, weight, bias)
         if out is not None:
             return out
     else:

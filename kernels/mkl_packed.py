@@ -25,11 +25,11 @@ import ctypes
 import logging
 import os
 import threading
-import weakref
 
 import torch
 
 from pagedserve.kernels import cpu_native
+from pagedserve.kernels.packed_copies import PackedCopies
 
 log = logging.getLogger(__name__)
 
@@ -43,9 +43,7 @@ _PACK_ROWS = 64  # NOTE: MKL's hint for the packed layout; the copy serves any n
 _lock = threading.Lock()
 _mkl: ctypes.CDLL | None = None
 _tried = False
-# id(weight) -> (the weight, its version when packed, the packed copy); an entry goes when its
-# weight is collected (NOTE: by id, as tensors compare element-wise)
-_packed: dict[int, tuple[weakref.ref[torch.Tensor], int, torch.Tensor]] = {}
+copies = PackedCopies()
 
 
 def _load() -> ctypes.CDLL | None:
@@ -95,17 +93,15 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
     mkl = _load()
     if mkl is None:
         return None
-    held = _packed.get(id(weight))
-    if held is not None and held[0]() is weight and held[1] == weight._version:
-        return held[2]
-    n, k = weight.shape
-    out = torch.empty(-(-mkl.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS, n, k) // 4))
-    mkl.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS, n, k, 1.0,
-                         weight.data_ptr(), k, out.data_ptr())  # fmt: skip
-    if held is None or held[0]() is not weight:
-        weakref.finalize(weight, _packed.pop, id(weight), None)
-    _packed[id(weight)] = (weakref.ref(weight), weight._version, out)
-    return out
+
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        n, k = weight.shape
+        out = torch.empty(-(-mkl.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS, n, k) // 4))
+        mkl.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS, n, k, 1.0,
+                             weight.data_ptr(), k, out.data_ptr())  # fmt: skip
+        return out
+
+    return copies.get(weight, pack)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from pagedserve.kernels import dispatch, mkl_packed
+from pagedserve.kernels import dispatch, mkl_packed, onednn_packed
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
 from pagedserve.model import gguf_weights, moe
@@ -100,18 +100,25 @@ def weight_bytes(config: ModelConfig) -> int:
 
 
 def packed_copy_bytes(config: ModelConfig, device: str) -> int:
-    """Bytes of the copies of fp32 weights that kernels/mkl_packed.py packs for MKL on CPU (when
-    the native decode stack is built, or on a product of more than 16 rows): every unquantized
-    decoder linear's weight and the LM head's once more (a tied head packs the table). 0 where
-    nothing is packed."""
-    if not device.startswith("cpu") or config.dtype != torch.float32 or not mkl_packed.available():
+    """Bytes of the copies of weights packed on CPU: fp32 weights for MKL (kernels/mkl_packed.py:
+    when the native decode stack is built, or on a product of more than 16 rows), bf16 weights
+    for oneDNN (kernels/onednn_packed.py: on a product of up to 16 rows, a decode step's). Either
+    way every unquantized decoder linear's weight and the LM head's once more (a tied head packs
+    the table). 0 where nothing is packed."""
+    if not device.startswith("cpu"):
+        return 0
+    if config.dtype == torch.float32 and mkl_packed.available():
+        size = 4
+    elif config.dtype == torch.bfloat16 and onednn_packed.available():
+        size = 2
+    else:
         return 0
     quant = config.quantization
     h, inner = config.hidden_size, config.intermediate_size
     q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
     layer = 0 if quant is not None else h * (q + 2 * kv) + q * h + 3 * h * inner
     head = 0 if quant is not None and quant.lm_head else h
-    return (config.num_layers * layer + head * config.vocab_size) * 4
+    return (config.num_layers * layer + head * config.vocab_size) * size
 
 
 def rank_kv_cache_bytes(rank_config: ModelConfig, args: Any, ranks: int) -> int:

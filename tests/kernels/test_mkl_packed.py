@@ -74,7 +74,7 @@ def test_a_weight_changed_in_place_is_packed_again_and_a_dropped_one_frees_its_c
     key = id(weight)
     del weight
     gc.collect()
-    assert key not in mkl_packed._packed
+    assert key not in mkl_packed.copies
 
 
 def test_what_it_does_not_take_is_refused():

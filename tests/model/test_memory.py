@@ -11,7 +11,7 @@ import pytest
 from support.oracle import make_engine
 
 from pagedserve.cli_options import add_model_arguments
-from pagedserve.kernels import mkl_packed
+from pagedserve.kernels import mkl_packed, onednn_packed
 from pagedserve.model import runner
 from pagedserve.model.config import load_model_config
 from pagedserve.model.loader import load_model
@@ -83,21 +83,28 @@ def test_a_decode_worker_sizes_its_pool_from_the_fraction(tiny_llama, monkeypatc
     assert engine_config(args, size_engine(args)).num_blocks == spec.num_blocks_for(budget)
 
 
-@pytest.mark.skipif(not mkl_packed.available(), reason="torch here has no MKL: nothing is packed")
-def test_the_packed_copies_are_counted_as_the_fp32_weights_they_copy(tiny_llama):
-    config = load_model_config(tiny_llama, "float32")
+@pytest.mark.parametrize(
+    ("dtype", "packer", "size", "requests"),
+    [  # MKL packs for products of more than 16 rows, oneDNN for up to 16
+        pytest.param("float32", mkl_packed, 4, 20, marks=pytest.mark.skipif(
+            not mkl_packed.available(), reason="torch here has no MKL: nothing is packed")),
+        pytest.param("bfloat16", onednn_packed, 2, 4, marks=pytest.mark.skipif(
+            not onednn_packed.available(), reason="no bf16 arithmetic here: nothing is packed")),
+    ],
+)  # fmt: skip
+def test_the_packed_copies_are_counted_as_the_weights_they_copy(
+    tiny_llama, dtype, packer, size, requests
+):
+    config = load_model_config(tiny_llama, dtype)
     gc.collect()
-    before = set(mkl_packed._packed)
-    engine = make_engine(tiny_llama, block_size=8, num_blocks=128)
+    before = set(packer.copies.weights())
+    engine = make_engine(tiny_llama, block_size=8, num_blocks=128, dtype=dtype)
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
-    for i in range(20):  # 100 prompt rows in a step, then 20 decoding: the LM head's 20 rows
+    for i in range(requests):  # fp32: 100 prompt rows in a step, then 20 decoding (the head's)
         engine.add_request([3 + i] * 5, params)
     while engine.has_unfinished:
         engine.step()
-    new = [mkl_packed._packed[key][0]() for key in set(mkl_packed._packed) - before]
-    assert sum(w.numel() * 4 for w in new if w is not None) == runner.packed_copy_bytes(
-        config, "cpu"
-    )
+    new = [w for key, w in packer.copies.weights().items() if key not in before]
+    assert sum(w.numel() * size for w in new) == runner.packed_copy_bytes(config, "cpu") > 0
     assert runner.packed_copy_bytes(config, "cuda:0") == 0
-    assert runner.packed_copy_bytes(load_model_config(tiny_llama, "bfloat16"), "cpu") == 0
     engine.close()
