@@ -487,9 +487,10 @@ def _fmt_spread(values: list[float]) -> str:
 
 def fixed_notes(config: OnlineConfig) -> list[str]:
     """What every S15 report says about its setup."""
+    llama_kv = "BF16" if config.setup.mode == "bf16" else "F32"
     notes = [
         f"Every server's KV cache: {config.setup.kv_cache_memory_bytes / 2**30:.2g} GiB (ours: "
-        "per worker, prefill and decode); llama.cpp: F32 KV cache, -np "
+        f"per worker, prefill and decode); llama.cpp: {llama_kv} KV cache, -np "
         f"{config.setup.max_streams}, -t {config.setup.threads}.",
         "guidellm's prompts are seeded by the level: the same for every server at a level, "
         "new at each level (no prefix-cache hit from an earlier level), as the gRPC loop "

