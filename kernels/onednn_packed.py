@@ -21,14 +21,10 @@ the weight (`kernels/packed_copies.py`), counted by `model/runner.py:packed_copy
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 from pagedserve.kernels import cpu_native
 from pagedserve.kernels.packed_copies import PackedCopies
-
-log = logging.getLogger(__name__)
 
 enabled = True  # tests and benchmarks switch it off to compare against `F.linear`
 MAX_ROWS = 16
