@@ -129,3 +129,12 @@ def tolerance():
         return {"atol": atol, "rtol": rtol}
 
     return get
+
+
+@pytest.fixture
+def threads(request):
+    """torch's thread count set to the test's `threads` parameter (indirect), then restored."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)

@@ -21,14 +21,6 @@ pytestmark = pytest.mark.skipif(
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (37, 100), (5, 17)]
 
 
-@pytest.fixture
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.mark.parametrize("threads", [1, 2], indirect=True)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 @pytest.mark.parametrize("rows", [17, 64, 300])
