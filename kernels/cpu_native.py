@@ -294,7 +294,7 @@ def decode(
         # scale, threads (it splits a sequence's positions between threads)
         last: tuple[float | int, ...] = (scale, torch.get_num_threads())
     else:  # scale, softcap (0: none), threads
-        entry, last = lib.paged_decode_f32, (scale, softcap or 0.0, _threads_for(n))
+        entry, last = lib.paged_decode_f32, (scale, softcap or 0.0, torch.get_num_threads())
     failed = entry(
         query.data_ptr(), query.stride(0),
         k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
@@ -307,12 +307,6 @@ def decode(
     if failed:
         raise MemoryError("native paged attention: scratch allocation failed")
     return out
-
-
-def _threads_for(sequences: int) -> int:
-    """The fp32 and 8-bit kernels give each thread whole sequences: a thread without one would
-    only wait at the barrier (and, on a busy host, make the others wait for it)."""
-    return max(1, min(torch.get_num_threads(), sequences))
 
 
 def decode_quantized(
@@ -350,7 +344,7 @@ def decode_quantized(
         plan.firsts.data_ptr(), plan.ends.data_ptr(),
         out.data_ptr(), out.stride(0),
         n, num_heads, k_codes.shape[2], head_dim, k_codes.shape[1], scale, softcap or 0.0,
-        _threads_for(n), int(k_codes.dtype == torch.float8_e4m3fn), _E4M3.data_ptr(),
+        torch.get_num_threads(), int(k_codes.dtype == torch.float8_e4m3fn), _E4M3.data_ptr(),
     )  # fmt: skip
     if failed:
         raise MemoryError("native paged attention: scratch allocation failed")

@@ -161,7 +161,6 @@ int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *
     float *qkv = mlp + rows * hidden;
     float *attn = qkv + rows * (s->heads + 2 * s->kv_heads) * d;
     float *gu = attn + rows * s->heads * d, *act = gu + rows * 2 * s->inter;
-    const int attn_threads = s->threads < rows ? s->threads : (int)rows;
     memcpy(residual, x, sizeof(float) * rows * hidden);
     for (int64_t i = 0; i < num_layers; i++) {
         const ps_layer *l = &layers[i];
@@ -180,7 +179,7 @@ int decode_stack_f32(const ps_layer *layers, int64_t num_layers, const ps_step *
                              l->windowed ? s->firsts_window : s->firsts, s->ends, attn,
                              s->heads * d, (int)rows, (int)s->heads, (int)s->kv_heads, (int)d,
                              (int)s->block_size, s->scale, 0.0f /* no soft cap */,
-                             attn_threads))
+                             s->threads))
             return 1;
         if (linear(&l->o, attn, s->heads * d, mlp, hidden, rows, s->threads)) return 1;
         rms_norm_f32(mlp, hidden, residual, hidden, residual, l->post_norm, h, rows, hidden, s->eps,

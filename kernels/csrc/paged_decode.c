@@ -303,16 +303,38 @@ static sequence_fn sequence_for(int kind, int chunks) {
     return fns[kind][at];
 }
 
-/* Every sequence of the call, one OpenMP task each. Returns 1 when a scratch allocation failed. */
+/* The part of `a` that is KV head h alone: its query heads, its K/V columns (`kind`'s
+ * element size), its scales and its output heads. A head's outputs are computed by the same
+ * operations whichever heads share the call (per query head: scores, softmax, weights). */
+static attn one_head(const attn *a, int h, int kind) {
+    const int groups = a->hq / a->hkv;
+    const int64_t bytes = (int64_t)h * a->d * (kind == F32 ? 4 : 1);
+    attn part = *a;
+    part.q = a->q + (int64_t)h * groups * a->d;
+    part.out = a->out + (int64_t)h * groups * a->d;
+    part.k = (const char *)a->k + bytes;
+    part.v = (const char *)a->v + bytes;
+    if (a->ks) part.ks = a->ks + h, part.vs = a->vs + h;
+    part.hq = groups, part.hkv = 1;
+    return part;
+}
+
+/* Every sequence of the call, one OpenMP task each; with fewer sequences than threads (a
+ * decode step of one sequence), one task per (sequence, KV head), so that no thread only
+ * waits: the outputs are bit for bit the same either way. Returns 1 when a scratch allocation
+ * failed. */
 static int attend(const attn *a, int n, int threads, int kind) {
     const sequence_fn fn = sequence_for(kind, a->d / PS_VEC);
+    const int split = n < threads ? a->hkv : 1, tasks = n * split;
     int failed = 0;
-#pragma omp parallel for schedule(dynamic, 1) num_threads(threads)
-    for (int s = 0; s < n; s++)
-        if (fn(a, s)) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads < tasks ? threads : tasks)
+    for (int t = 0; t < tasks; t++) {
+        const attn part = split == 1 ? *a : one_head(a, t % split, kind);
+        if (fn(&part, t / split)) {
 #pragma omp atomic write
             failed = 1;
         }
+    }
     return failed;
 }
 

@@ -101,6 +101,28 @@ def test_stale_and_nan_slots_never_reach_an_output(make_cpu_case, tolerance):
     torch.testing.assert_close(native(case), want, **tolerance(torch.float32))
 
 
+def alone(case, i):
+    """Sequence i of `case` as a batch of its own."""
+    q = case.query[i : i + 1]
+    plan = native_plan.plan(case.block_tables[i : i + 1], [1], [case.seq_lens[i]], None)
+    return cpu_native.decode(plan, q, case.k_cache, case.v_cache, case.scale, torch.empty_like(q))
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize(("num_heads", "num_kv_heads"), [(9, 3), (6, 1), (8, 8)])
+def test_a_sequence_alone_attends_as_in_a_batch_bit_for_bit(
+    make_cpu_case, threads, num_heads, num_kv_heads
+):
+    # NOTE: alone, fewer sequences than threads, the kernel gives each thread KV heads rather
+    # than whole sequences; a head's outputs must not depend on it (batch invariance)
+    case = make_cpu_case(seq_lens=[300, 17, 64], num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, head_dim=64)  # fmt: skip
+    batch = native(case)
+    for i in range(len(case.seq_lens)):
+        assert torch.equal(alone(case, i)[0], batch[i])
+
+
 @needs_kernel
 @pytest.mark.parametrize(("sliding_window", "block_size"), [(None, 16), (5, 16), (20, 16), (20, 1)])
 def test_softcapped_decode_matches_the_reference(make_cpu_case, tolerance, sliding_window,

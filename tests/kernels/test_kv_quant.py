@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from pagedserve.kernels import cpu_native, dispatch, kv_quant, reference
+from pagedserve.kernels import cpu_native, dispatch, kv_quant, native_plan, reference
 from pagedserve.kernels.dispatch import AttentionMetadata
 from pagedserve.kernels.kv_quant import KV_QUANT_MAX
 from pagedserve.kvstore.kv_cache import KVCache, KVCacheSpec
@@ -202,6 +202,24 @@ def test_the_native_kernel_reads_codes_in_place_like_the_reference(dtype, softca
         got = dispatch.paged_attention(query, k, v, meta, 32**-0.5, scales=scales, softcap=softcap)
     assert calls == [1] and meta._dense is None  # no dequantized copy was made
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.skipif(cpu_native.unavailable_reason() is not None, reason="no native kernel here")
+@pytest.mark.parametrize("threads", [2], indirect=True)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_sequence_alone_reads_codes_as_in_a_batch_bit_for_bit(dtype, threads):
+    # NOTE: alone, the kernel gives each thread a KV head rather than a whole sequence
+    query, (k, v), scales, meta, _ = quantized_case(dtype, [1, 1], [7, 13], dim=32)
+
+    def attend(rows: slice) -> torch.Tensor:
+        plan = native_plan.plan(meta.block_tables[rows], [1] * len(meta.seq_lens[rows]),
+                                meta.seq_lens[rows], None)  # fmt: skip
+        q = query[rows]
+        return cpu_native.decode_quantized(plan, q, k, v, scales, 32**-0.5, torch.empty_like(q))
+
+    batch = attend(slice(0, 2))
+    for i in range(2):
+        assert torch.equal(attend(slice(i, i + 1))[0], batch[i])
 
 
 @pytest.mark.skipif(cpu_native.unavailable_reason() is not None, reason="no native kernel here")
