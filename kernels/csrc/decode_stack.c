@@ -35,9 +35,15 @@ int linear_packed_f32(const float *x, int64_t ldx, const float *packed, const fl
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads);
+int linear_i8g_parts_f32(const float *x, int64_t ldx, int count, const int8_t *const *qs,
+                         const float *const *ss, const int64_t *ns, float *y, int64_t ldy,
+                         int64_t m_rows, int64_t k, int64_t group, int threads);
 int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const uint16_t *pairs, float *y,
                    int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                    int threads);
+int linear_i4g_parts_f32(const float *x, int64_t ldx, int count, const uint8_t *const *qs,
+                         const uint16_t *const *pairs, const int64_t *ns, float *y,
+                         int64_t ldy, int64_t m_rows, int64_t k, int64_t group, int threads);
 void rms_norm_f32(const float *x, int64_t ldx, const float *residual, int64_t ldr,
                   float *sum_out, const float *weight, float *out, int64_t rows, int64_t n,
                   float eps, int threads);
@@ -96,6 +102,12 @@ typedef struct {
     int threads;
 } ps_step;
 
+static void add_bias(const ps_linear *l, float *y, int64_t ldy, int64_t rows) {
+    if (l->bias)
+        for (int64_t m = 0; m < rows; m++)
+            for (int64_t j = 0; j < l->n; j++) y[m * ldy + j] += l->bias[j];
+}
+
 /* Returns 0, or 1 when a w8a8 or int4 linear could not allocate its scratch (y is then
  * undefined). */
 static int linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int64_t ldy,
@@ -119,9 +131,35 @@ static int linear(const ps_linear *l, const float *x, int64_t ldx, float *y, int
     else if (linear_i4g_f32(x, ldx, (const uint8_t *)l->w, (const uint16_t *)(const void *)l->scales,
                             y, ldy, rows, l->n, l->k, l->group, threads))
         return 1;
-    if (l->bias)
-        for (int64_t m = 0; m < rows; m++)
-            for (int64_t j = 0; j < l->n; j++) y[m * ldy + j] += l->bias[j];
+    add_bias(l, y, ldy, rows);
+    return 0;
+}
+
+/* int8 or int4 parts of one kind, k and group (q / k / v, gate / up) in one call of their
+ * kernel: one parallel region for all of them. Returns 1 when they are not such parts, or
+ * the kernel failed (y is then untouched). */
+static int quantized_parts(const ps_linear *parts, int64_t count, const float *x, int64_t ldx,
+                           float *y, int64_t width, int64_t rows, int threads) {
+    const int64_t kind = parts[0].kind, k = parts[0].k, group = parts[0].group;
+    const int8_t *q8[MAX_PARTS];
+    const uint8_t *q4[MAX_PARTS];
+    const float *scales[MAX_PARTS];
+    const uint16_t *pairs[MAX_PARTS];
+    int64_t ns[MAX_PARTS];
+    if (kind != LIN_I4G && kind != LIN_I8G) return 1;
+    for (int64_t i = 0; i < count; i++) {
+        if (parts[i].kind != kind || parts[i].k != k || parts[i].group != group) return 1;
+        q8[i] = (const int8_t *)parts[i].w, q4[i] = (const uint8_t *)parts[i].w;
+        scales[i] = parts[i].scales, pairs[i] = (const uint16_t *)(const void *)parts[i].scales;
+        ns[i] = parts[i].n;
+    }
+    const int n = (int)count;
+    if (kind == LIN_I8G
+            ? linear_i8g_parts_f32(x, ldx, n, q8, scales, ns, y, width, rows, k, group, threads)
+            : linear_i4g_parts_f32(x, ldx, n, q4, pairs, ns, y, width, rows, k, group, threads))
+        return 1;
+    for (int64_t i = 0, col = 0; i < count; col += parts[i].n, i++)
+        add_bias(&parts[i], y + col, width, rows);
     return 0;
 }
 
@@ -131,6 +169,7 @@ static int64_t linear_parts(const ps_linear *parts, int64_t count, const float *
                             float *y, int64_t rows, int threads) {
     int64_t width = 0;
     for (int64_t i = 0; i < count; i++) width += parts[i].n;
+    if (count > 1 && !quantized_parts(parts, count, x, ldx, y, width, rows, threads)) return width;
     for (int64_t i = 0, col = 0; i < count; col += parts[i].n, i++)
         if (linear(&parts[i], x, ldx, y + col, width, rows, threads)) return -1;
     return width;

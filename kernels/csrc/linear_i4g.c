@@ -123,19 +123,42 @@ static void group_sums(const float *x, int64_t ldx, int64_t m_rows, int64_t k, i
         }
 }
 
-/* Returns 0, or 1 when the group sums could not be allocated (y is then untouched). */
-int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const uint16_t *pairs, float *y,
-                   int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
-                   int threads) {
+/* Linears side by side over the same x (a layer's q / k / v, or gate / up: the same k and
+ * group): part i's codes qs[i] and pairs[i] for ns[i] rows, its outputs at columns [the
+ * earlier parts' rows, + ns[i]) of y. One set of group sums and one parallel region for all
+ * of them (a region's start and its barrier cost a decode step of one sequence more than the
+ * sums). Returns 0; 1 when the group sums could not be allocated, 2 for more than PS_MAX_PARTS
+ * parts (y is then untouched). */
+int linear_i4g_parts_f32(const float *x, int64_t ldx, int count, const uint8_t *const *qs,
+                         const uint16_t *const *pairs, const int64_t *ns, float *y,
+                         int64_t ldy, int64_t m_rows, int64_t k, int64_t group, int threads) {
+    if (count > PS_MAX_PARTS) return 2;
     float *sums = malloc(sizeof(float) * m_rows * (k / group));
     if (!sums) return 1;
     group_sums(x, ldx, m_rows, k, group, sums);
-    const int4_linear l = {q, pairs, x, sums, k, group, ldx, m_rows, n_rows};
-    const int64_t panels = (n_rows + PS_VEC - 1) / PS_VEC;
+    int4_linear parts[PS_MAX_PARTS];
+    /* each part's first panel and first column */
+    int64_t first[PS_MAX_PARTS + 1] = {0}, col[PS_MAX_PARTS] = {0};
+    for (int i = 0; i < count; i++) {
+        parts[i] = (int4_linear){qs[i], pairs[i], x, sums, k, group, ldx, m_rows, ns[i]};
+        first[i + 1] = first[i] + (ns[i] + PS_VEC - 1) / PS_VEC;
+        if (i + 1 < count) col[i + 1] = col[i] + ns[i];
+    }
 #pragma omp parallel for num_threads(threads) schedule(guided, 2)
-    for (int64_t t = 0; t < panels; t++) rows_of_panel(&l, t, y, ldy);
+    for (int64_t t = 0; t < first[count]; t++) {
+        const int i = part_of(first, t);
+        rows_of_panel(&parts[i], t - first[i], y + col[i], ldy);
+    }
     free(sums);
     return 0;
+}
+
+/* One linear: linear_i4g_parts_f32 with one part. */
+int linear_i4g_f32(const float *x, int64_t ldx, const uint8_t *q, const uint16_t *pairs, float *y,
+                   int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
+                   int threads) {
+    return linear_i4g_parts_f32(x, ldx, 1, &q, &pairs, &n_rows, y, ldy, m_rows, k, group,
+                                threads);
 }
 
 /* w [n_rows, k] float32 = q * scale + low, the weight the sums above stand for (q * scale is

@@ -99,25 +99,55 @@ AI void tile(const float *x, int64_t ldx, const int8_t *q, const float *s, float
     }
 }
 
-/* NOTE: `whole` is a literal in each loop below: an OpenMP body is outlined before inlining */
+/* Linears side by side over the same x (a layer's q / k / v, or gate / up: the same k and
+ * group): part i's codes qs[i] and scales ss[i] for ns[i] rows, its outputs at columns [the
+ * earlier parts' rows, + ns[i]) of y, in one parallel region (a region's start and barrier
+ * cost a decode step of one sequence more than any arithmetic). Returns 0, or 2 for more
+ * than PS_MAX_PARTS parts (y is then untouched).
+ * NOTE: `whole` is a literal in each loop below: an OpenMP body is outlined before inlining */
+int linear_i8g_parts_f32(const float *x, int64_t ldx, int count, const int8_t *const *qs,
+                         const float *const *ss, const int64_t *ns, float *y, int64_t ldy,
+                         int64_t m_rows, int64_t k, int64_t group, int threads) {
+    if (count > PS_MAX_PARTS) return 2;
+    const int64_t per = m_rows == 1 ? ROWS_ONE : TILE_N; /* rows of a task */
+    /* each part's first task and first column */
+    int64_t first[PS_MAX_PARTS + 1] = {0}, col[PS_MAX_PARTS] = {0};
+    for (int i = 0; i < count; i++) {
+        first[i + 1] = first[i] + (ns[i] + per - 1) / per;
+        if (i + 1 < count) col[i + 1] = col[i] + ns[i];
+    }
+    const int64_t tasks = first[count];
+    if (m_rows == 1 && group == k) {
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int i = part_of(first, t);
+            tile_one(x, qs[i], ss[i], y + col[i], (t - first[i]) * ROWS_ONE, ns[i], k, group, 1);
+        }
+    } else if (m_rows == 1) {
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int i = part_of(first, t);
+            tile_one(x, qs[i], ss[i], y + col[i], (t - first[i]) * ROWS_ONE, ns[i], k, group, 0);
+        }
+    } else if (group == k) {
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int i = part_of(first, t);
+            tile(x, ldx, qs[i], ss[i], y + col[i], ldy, m_rows, ns[i], k, group, t - first[i], 1);
+        }
+    } else {
+#pragma omp parallel for num_threads(threads) schedule(guided, 2)
+        for (int64_t t = 0; t < tasks; t++) {
+            const int i = part_of(first, t);
+            tile(x, ldx, qs[i], ss[i], y + col[i], ldy, m_rows, ns[i], k, group, t - first[i], 0);
+        }
+    }
+    return 0;
+}
+
+/* One linear: linear_i8g_parts_f32 with one part. */
 void linear_i8g_f32(const float *x, int64_t ldx, const int8_t *q, const float *s, float *y,
                     int64_t ldy, int64_t m_rows, int64_t n_rows, int64_t k, int64_t group,
                     int threads) {
-    const int64_t tiles = m_rows == 1 ? (n_rows + ROWS_ONE - 1) / ROWS_ONE
-                                      : (n_rows + TILE_N - 1) / TILE_N;
-    if (m_rows == 1 && group == k) {
-#pragma omp parallel for num_threads(threads) schedule(guided, 2)
-        for (int64_t t = 0; t < tiles; t++) tile_one(x, q, s, y, t * ROWS_ONE, n_rows, k, group, 1);
-    } else if (m_rows == 1) {
-#pragma omp parallel for num_threads(threads) schedule(guided, 2)
-        for (int64_t t = 0; t < tiles; t++) tile_one(x, q, s, y, t * ROWS_ONE, n_rows, k, group, 0);
-    } else if (group == k) {
-#pragma omp parallel for num_threads(threads) schedule(guided, 2)
-        for (int64_t t = 0; t < tiles; t++)
-            tile(x, ldx, q, s, y, ldy, m_rows, n_rows, k, group, t, 1);
-    } else {
-#pragma omp parallel for num_threads(threads) schedule(guided, 2)
-        for (int64_t t = 0; t < tiles; t++)
-            tile(x, ldx, q, s, y, ldy, m_rows, n_rows, k, group, t, 0);
-    }
+    linear_i8g_parts_f32(x, ldx, 1, &q, &s, &n_rows, y, ldy, m_rows, k, group, threads);
 }

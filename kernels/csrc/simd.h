@@ -40,6 +40,16 @@ static inline void prefetch_ahead(const void *p) {
     __builtin_prefetch((const char *)p + 2048, 0, 3);
 }
 
+/* Linears side by side over one x (linear_i8g.c's and linear_i4g.c's `_parts` entries: q / k /
+ * v, gate / up) share one parallel region: at most this many, and task t belongs to the part
+ * i with first[i] <= t < first[i + 1] (first[0] = 0, each part's tasks after the last's). */
+#define PS_MAX_PARTS 8
+static inline int part_of(const int64_t *first, int64_t t) {
+    int i = 0;
+    while (t >= first[i + 1]) i++;
+    return i;
+}
+
 #if PS_VEC == 16
 
 typedef __m512 vf;
