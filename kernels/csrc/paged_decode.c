@@ -327,6 +327,7 @@ static int attend(const attn *a, int n, int threads, int kind) {
     const sequence_fn fn = sequence_for(kind, a->d / PS_VEC);
     const int split = n < threads ? a->hkv : 1, tasks = n * split;
     int failed = 0;
+    if (tasks == 0) return 0; /* NOTE: num_threads(0) is not allowed */
 #pragma omp parallel for schedule(dynamic, 1) num_threads(threads < tasks ? threads : tasks)
     for (int t = 0; t < tasks; t++) {
         const attn part = split == 1 ? *a : one_head(a, t % split, kind);
