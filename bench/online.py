@@ -504,24 +504,21 @@ def fixed_notes(config: OnlineConfig) -> list[str]:
         notes.append("bf16: ours runs `up --dtype bfloat16` (bf16 weights, activations and KV "
                      "cache), vLLM-CPU `--dtype bfloat16`, llama.cpp a BF16 GGUF written by "
                      "llama-quantize (the same bf16 values: both round the float32 weights to "
-                     "nearest even) with a BF16 KV cache; llama.cpp is built native without "
-                     "AMX (`make llama-cpp`).")  # fmt: skip
+                     "nearest even) with a BF16 KV cache.")  # fmt: skip
     elif config.setup.mode != "fp32":
         mode = config.setup.mode
         notes.append(f"vLLM-CPU has no weight-only {mode} mode comparable to ours: not in {mode}.")
         weights = ("its Q8_0 weights are repacked as by default" if mode == "int8"
                    else "it reads the Q4_1 blocks as the file holds them (its CPU repacking "
                    "takes Q4_0, IQ4_NL and Q8_0, not Q4_1)")  # fmt: skip
-        if ISA_VARIABLE in os.environ:  # NOTE: its own note below names the build
-            notes.append(f"llama.cpp: {weights}.")
-        else:
-            notes.append("llama.cpp is built native without AMX (`make llama-cpp`: its AMX "
-                         "matmul crashed at start on a Sapphire Rapids host); "
-                         f"{weights}.")  # fmt: skip
+        notes.append(f"llama.cpp: {weights}.")
     if ISA_VARIABLE in os.environ:
         notes.append(f"{ISA_VARIABLE}={os.environ[ISA_VARIABLE]}: ours (torch and our native "
                      "kernels) and vLLM-CPU run that instruction set rather than the CPU's "
                      f"best; llama.cpp is the build in {config.setup.llama_cpp_bin}.")  # fmt: skip
+    else:
+        notes.append("llama.cpp is built native without AMX (`make llama-cpp`: its AMX matmul "
+                     "crashed at start on a Sapphire Rapids host).")  # fmt: skip
     return notes
 
 

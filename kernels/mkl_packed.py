@@ -90,18 +90,19 @@ def packed(weight: torch.Tensor) -> torch.Tensor | None:
         and weight.is_contiguous()
     ):
         return None
-    mkl = _load()
-    if mkl is None:
+    if _load() is None:
         return None
+    return copies.get(weight, _pack)
 
-    def pack(weight: torch.Tensor) -> torch.Tensor:
-        n, k = weight.shape
-        out = torch.empty(-(-mkl.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS, n, k) // 4))
-        mkl.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS, n, k, 1.0,
-                             weight.data_ptr(), k, out.data_ptr())  # fmt: skip
-        return out
 
-    return copies.get(weight, pack)
+def _pack(weight: torch.Tensor) -> torch.Tensor:
+    """A new MKL-packed copy of `weight` (MKL loaded)."""
+    assert _mkl is not None
+    n, k = weight.shape
+    out = torch.empty(-(-_mkl.cblas_sgemm_pack_get_size(_B_MATRIX, _PACK_ROWS, n, k) // 4))
+    _mkl.cblas_sgemm_pack(_ROW_MAJOR, _B_MATRIX, _TRANS, _PACK_ROWS, n, k, 1.0,
+                          weight.data_ptr(), k, out.data_ptr())  # fmt: skip
+    return out
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
