@@ -38,7 +38,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from pagedserve.fetch_model import SOURCE_FILE, gguf_architecture, known_gguf
+from pagedserve.fetch_model import SOURCE_FILE, known_gguf
+from pagedserve.gguf_header import read_gguf_header
 
 if TYPE_CHECKING:
     from pagedserve.model.quant import WeightQuant
@@ -147,17 +148,14 @@ def block_method(quant: WeightQuant | None) -> str | None:
 def block_kinds(gguf: Path, method: str) -> dict[str, str]:
     """{checkpoint name: GGUF type} of the tensors `quantized_tensors` yields for `method`
     (read from the file's header only: what the loader and the memory plan count on)."""
-    # NOTE: here, not at the top: gguf is an optional dependency (`pagedserve[models]`), needed
-    # only by a model whose GGUF source is at hand
-    from gguf import GGUFReader
-
     found: dict[str, str] = {}
-    if gguf_architecture(gguf) not in BLOCK_ARCHITECTURES:
+    header = read_gguf_header(gguf)
+    if header.fields.get("general.architecture") not in BLOCK_ARCHITECTURES:
         return found
-    for tensor in GGUFReader(str(gguf)).tensors:
+    for tensor in header.tensors:
         named = _checkpoint_name(tensor.name)
-        if named is not None and _usable(named[1], tensor.tensor_type.name, method):
-            found[named[0]] = tensor.tensor_type.name
+        if named is not None and _usable(named[1], tensor.type_name, method):
+            found[named[0]] = tensor.type_name
     return found
 
 
@@ -167,23 +165,22 @@ def quantized_tensors(
     """(checkpoint name, payload) of every tensor the file holds in blocks we compute with under
     `--quantization method`, rows in Hugging Face order: Q4_0 / Q4_1 (codes, scale, zero) for
     int4's decoder linears, Q8_0 (codes, scale) for int8's and for the embedding and head."""
-    from gguf import GGUFReader  # NOTE: optional dependency, as in `block_kinds`
-
     # NOTE: llama.cpp permutes q/k rows for its "llama" architecture only (Mistral is converted
     # as one); transformers undoes it for that architecture only, and so do we: a qwen2 file's
     # rows are stored in Hugging Face order
-    arch = gguf_architecture(gguf)
+    header = read_gguf_header(gguf)
+    arch = header.fields.get("general.architecture")
     permuted = arch == "llama"
     if arch not in BLOCK_ARCHITECTURES:
         return
-    for tensor in GGUFReader(str(gguf)).tensors:
+    for tensor in header.tensors:
         named = _checkpoint_name(tensor.name)
-        kind = tensor.tensor_type.name
+        kind = tensor.type_name
         if named is None or not _usable(named[1], kind, method):
             continue
         name, part = named
-        in_features = int(tensor.shape[0])  # GGUF lists the fastest dimension first
-        blocks = np.asarray(tensor.data)
+        in_features = tensor.shape[0]  # GGUF lists the fastest dimension first
+        blocks = np.asarray(header.tensor_bytes(tensor))
         payload: tuple[torch.Tensor, ...] = (
             decode_q8_0(blocks, in_features)
             if kind == "Q8_0"

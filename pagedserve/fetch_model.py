@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pagedserve import gguf_families
+from pagedserve.gguf_header import read_gguf_header
 
 SOURCE_FILE = "pagedserve-source.json"
 """Written last into a converted directory: what it was made from. Its presence marks it whole."""
@@ -166,20 +167,15 @@ GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", *gguf_families.ARCHITECTURES)
 
 def gguf_architecture(gguf: Path) -> str:
     """The file's `general.architecture` (its header only is read)."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(gguf)).fields.get("general.architecture")
-    if field is None:
+    arch = read_gguf_header(gguf).fields.get("general.architecture")
+    if not isinstance(arch, str):
         raise ValueError(f"model: {gguf.name} has no general.architecture: not a model GGUF")
-    return bytes(field.parts[field.data[0]]).decode("utf-8")
+    return arch
 
 
 def gguf_expert_count(gguf: Path, arch: str) -> int:
     """The file's `{arch}.expert_count`: a Mixtral GGUF is a "llama" one with experts."""
-    from gguf import GGUFReader
-
-    field = GGUFReader(str(gguf)).fields.get(f"{arch}.expert_count")
-    return 0 if field is None else int(field.parts[field.data[0]][0])
+    return int(read_gguf_header(gguf).fields.get(f"{arch}.expert_count", 0))
 
 
 def _convert(gguf: Path, out: Path, dtype: str, source: str) -> None:
