@@ -57,7 +57,10 @@ def test_make_tiny_model_then_generate_matches_transformers(tmp_path):
      ("granite", "GraniteForCausalLM"), ("phi3", "Phi3ForCausalLM"),
      ("qwen2_moe", "Qwen2MoeForCausalLM"), ("gemma3", "Gemma3ForCausalLM")],
 )  # fmt: skip
-def test_make_tiny_model_family_generates_as_transformers(tmp_path, family, architecture):
+def test_make_tiny_model_makes_each_family(tmp_path, family, architecture):
+    """NOTE: one family's model is also generated from here; every family's tokens equal
+    transformers' through a cluster in tests/model/test_family_clusters.py (the CLI's
+    `generate` adds nothing per family, and each run costs seconds of imports)."""
     model_dir = tmp_path / f"tiny-{family}"
     made = pagedserve("make-tiny-model", "--family", family, str(model_dir), "--layers", "1")
     assert made.returncode == 0, made.stderr
@@ -65,7 +68,8 @@ def test_make_tiny_model_family_generates_as_transformers(tmp_path, family, arch
     assert config["architectures"] == [architecture]
     if family == "qwen3":
         assert config["head_dim"] == 32
-    generate_matches_transformers(model_dir)
+    if family == "qwen2_moe":
+        generate_matches_transformers(model_dir)
 
 
 def test_missing_model_dir_is_a_clear_error(tmp_path):
