@@ -150,7 +150,7 @@ def block_kinds(gguf: Path, method: str) -> dict[str, str]:
     (read from the file's header only: what the loader and the memory plan count on)."""
     found: dict[str, str] = {}
     header = read_gguf_header(gguf)
-    if header.fields.get("general.architecture") not in BLOCK_ARCHITECTURES:
+    if header.architecture not in BLOCK_ARCHITECTURES:
         return found
     for tensor in header.tensors:
         named = _checkpoint_name(tensor.name)
@@ -169,7 +169,7 @@ def quantized_tensors(
     # as one); transformers undoes it for that architecture only, and so do we: a qwen2 file's
     # rows are stored in Hugging Face order
     header = read_gguf_header(gguf)
-    arch = header.fields.get("general.architecture")
+    arch = header.architecture
     permuted = arch == "llama"
     if arch not in BLOCK_ARCHITECTURES:
         return

@@ -167,8 +167,8 @@ GGUF_ARCHITECTURES = ("llama", "mistral", "qwen2", *gguf_families.ARCHITECTURES)
 
 def gguf_architecture(gguf: Path) -> str:
     """The file's `general.architecture` (its header only is read)."""
-    arch = read_gguf_header(gguf).fields.get("general.architecture")
-    if not isinstance(arch, str):
+    arch = read_gguf_header(gguf).architecture
+    if arch is None:
         raise ValueError(f"model: {gguf.name} has no general.architecture: not a model GGUF")
     return arch
 

@@ -57,6 +57,12 @@ class GgufHeader:
     fields: dict[str, Any]  # scalars and strings; arrays are left out
     tensors: tuple[GgufTensor, ...]
 
+    @property
+    def architecture(self) -> str | None:
+        """`general.architecture` ("llama", "qwen2", ...); None where the file has none."""
+        arch = self.fields.get("general.architecture")
+        return arch if isinstance(arch, str) else None
+
     def tensor_bytes(self, tensor: GgufTensor):
         """A read-only memory map of the tensor's bytes as uint8 [rows..., bytes per row] (the
         shape `GGUFReader` gives a quantized tensor's data)."""

@@ -85,7 +85,7 @@ def test_every_value_type_and_tensor_equals_what_gguf_reads(tmp_path):
 
 def test_the_real_models_file_equals_what_gguf_reads():
     header = read_gguf_header(smollm2_gguf())
-    assert header.fields["general.architecture"] == "llama"
+    assert header.architecture == header.fields["general.architecture"] == "llama"
     assert "tokenizer.ggml.tokens" not in header.fields  # the vocabulary is stepped over
     assert assert_header_is_readers(smollm2_gguf()) > 200  # 30 layers x 7 linears + embedding
 
